@@ -1,0 +1,156 @@
+"""Paged attention over a flattened batch: write new K/V into the block pool, then attend.
+
+The batch holds single-token queries first (decodes, and any 1-token prefill chunk) and then
+prefill chunks. `TorchAttention` runs anywhere (CPU and the CUDA fallback); `FlashAttention`
+uses flash-attn's paged kernels on CUDA when the package imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One prefill chunk: rows [start, start+length) of the batch, attending to `context_len` keys."""
+
+    start: int
+    length: int
+    context_len: int
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes in the pool
+    num_single: int  # the first rows are single-token queries
+    single_block_tables: torch.Tensor  # [num_single, max_blocks] int64 (padded with 0)
+    single_context_lens: torch.Tensor  # [num_single] int64
+    single_max_context: int
+    prefills: list[PrefillSpan]
+    # flash-attn (CUDA) views of the same batch; None on the torch backend
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    block_tables: Optional[torch.Tensor] = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's keys/values into the pool ([num_blocks, block_size, kv_heads, head_dim])."""
+    heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+
+
+class TorchAttention:
+    """Grouped-query attention in plain torch (softmax in float32)."""
+
+    name = "torch"
+    preferred_block_size = 16
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int]):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+        self.window = sliding_window
+
+    def validate_block_size(self, block_size: int) -> Optional[str]:
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_single:
+            out[: meta.num_single] = self._single(q[: meta.num_single], k_cache, v_cache, meta)
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.length)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
+        return out
+
+    def _single(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        batch, block_size = q.shape[0], k_cache.shape[1]
+        length = meta.single_max_context
+        tables = meta.single_block_tables[:, : -(-length // block_size)]
+        keys = k_cache[tables].flatten(1, 2)[:, :length]  # [B, L, Hkv, D]
+        values = v_cache[tables].flatten(1, 2)[:, :length]
+        qg = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hkv, G, L]
+        positions = torch.arange(length, device=q.device)
+        lens = meta.single_context_lens.unsqueeze(1)
+        hidden = positions >= lens
+        if self.window is not None:
+            hidden |= positions <= lens - 1 - self.window
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hkv, G, D]
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+        cached = span.context_len - span.length
+        if cached:
+            block_size = k_cache.shape[1]
+            table = span.block_table[: -(-span.context_len // block_size)]
+            k = k_cache[table].flatten(0, 1)[: span.context_len]
+            v = v_cache[table].flatten(0, 1)[: span.context_len]
+        mask = None
+        if cached or self.window is not None:
+            q_pos = torch.arange(cached, span.context_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(span.context_len, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if self.window is not None:
+                mask &= k_pos > q_pos - self.window
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.group > 1,
+        )
+        return out.transpose(0, 1)
+
+
+class FlashAttention:
+    """flash-attn 2 paged kernels (CUDA only): one varlen call over the whole mixed batch."""
+
+    name = "flash-attn"
+    preferred_block_size = 256
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int]):
+        from flash_attn import flash_attn_varlen_func
+
+        self._varlen = flash_attn_varlen_func
+        self.scale = head_dim ** -0.5
+        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+
+    def validate_block_size(self, block_size: int) -> Optional[str]:
+        if block_size % 256:
+            return f"flash-attn's paged KV cache needs a block size that is a multiple of 256, got {block_size}"
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return self._varlen(
+            q, k_cache, v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+            softmax_scale=self.scale, causal=True, window_size=self.window, block_table=meta.block_tables,
+        )
+
+
+def select_backend(device: torch.device):
+    """flash-attn on CUDA when it imports, else the torch path."""
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return FlashAttention
+        except ImportError:
+            pass
+    return TorchAttention

@@ -1,0 +1,110 @@
+"""`LLM`: the offline API. Submit prompts, step the engine until they finish, return outputs in order."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Optional, Sequence, Union
+
+from llmctl.engine.args import EngineArgs
+from llmctl.engine.errors import InvalidRequestError
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.sampling_params import SamplingParams
+
+PromptInput = Union[str, list[int], dict[str, Any]]
+
+
+class LLM:
+    """`LLM(model=FOLDER, **engine_args)`; `model=None` runs the embedded default model."""
+
+    def __init__(self, model: Optional[str] = None, **engine_args: Any):
+        self.engine = LLMEngine(EngineArgs.from_dict({"model": model, **engine_args}))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        llm._ids = itertools.count()
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptInput, Sequence[PromptInput]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        *,
+        on_output: Optional[Callable[[int, RequestOutput], None]] = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt as one continuously batched workload. `on_output(index, output)` sees
+        each intermediate output, for streaming and progress display."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(request_id, _prompt_value(prompt), params)
+                ids.append(request_id)
+            return self._run(ids, on_output)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+
+    def chat(
+        self,
+        messages: Union[list[dict[str, Any]], list[list[dict[str, Any]]]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        *,
+        add_generation_prompt: bool = True,
+        on_output: Optional[Callable[[int, RequestOutput], None]] = None,
+    ) -> list[RequestOutput]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer (the engine runs with skip_tokenizer_init)")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [tokenizer.encode_chat(conv, add_generation_prompt) for conv in conversations]
+        return self.generate(prompts, sampling_params, on_output=on_output)
+
+    def _run(self, ids: list[str], on_output) -> list[RequestOutput]:
+        position = {request_id: i for i, request_id in enumerate(ids)}
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for output in self.engine.step():
+                if on_output is not None:
+                    on_output(position[output.request_id], output)
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[request_id] for request_id in ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return list(prompts)
+
+
+def _prompt_value(prompt: PromptInput):
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return prompt
+
+
+def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise InvalidRequestError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,317 @@
+"""`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time.
+
+Owns the request table and per-token bookkeeping (detokenization, stop conditions, finish
+reasons); delegates batching to the scheduler, memory to the block manager and compute to the
+model runner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from llmctl.engine.args import EngineArgs
+from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.errors import EngineArgsError, InvalidRequestError, ModelLoadError
+from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.model_runner import ModelRunner, RunnerConfig
+from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmctl.engine.sampler import SamplingRow
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.scheduler import Scheduler, SchedulerConfig
+from llmctl.engine.sequence import Sequence
+from llmctl.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Prompt = Union[str, list[int]]
+
+
+def default_model_path() -> Path:
+    from importlib.resources import files
+
+    return Path(str(files("llmctl").joinpath("default_model")))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        logger.warning("CUDA is not available; running on the CPU")
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise EngineArgsError(f"device {name!r} requested but CUDA is not available "
+                                  f"(torch {torch.__version__}, {torch.cuda.device_count()} GPUs visible)")
+        index = int(name.split(":", 1)[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise EngineArgsError(f"device {name!r} does not exist ({torch.cuda.device_count()} GPUs visible)")
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if requested != "auto":
+        return DTYPES[requested]
+    name = str(config.checkpoint_dtype or "float32").replace("torch.", "")
+    dtype = DTYPES.get(name, torch.float32)
+    if dtype is torch.float16 and device.type == "cpu":
+        logger.info("float16 checkpoint on CPU: computing in bfloat16 (same width, fast kernels)")
+        return torch.bfloat16
+    return dtype
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[Optional[IncrementalDetokenizer]]
+    texts: list[str]
+    arrival_time: float
+    stop_holdback: int = 0
+    aborted: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        args.validate()
+        self.args = args
+        folder = Path(args.model) if args.model else default_model_path()
+        if not folder.exists():
+            raise ModelLoadError(f"model folder {folder} does not exist")
+        if not folder.is_dir():
+            raise ModelLoadError(f"{folder} is not a folder (give the Hugging Face model folder)")
+        self.model_config = ModelConfig.from_pretrained(folder)
+        self.tokenizer = None if args.skip_tokenizer_init else Tokenizer.from_pretrained(Path(args.tokenizer or folder))
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        device = resolve_device(args.device)
+        self.max_model_len = self._resolve_max_model_len(args)
+        self.runner = ModelRunner(RunnerConfig(
+            model_config=self.model_config, model_folder=folder, device=device,
+            dtype=resolve_dtype(args.dtype, self.model_config, device), block_size=args.block_size,
+            max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=self._max_batched_tokens(args), kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+            load_format=args.load_format, seed=args.seed, verify=args.verify,
+        ))
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=self._max_batched_tokens(args),
+            max_model_len=self.max_model_len, policy=args.scheduling_policy,
+            batch_wait_timeout_s=args.batch_wait_timeout_ms / 1000.0, long_prompt_penalty=args.long_prompt_penalty,
+        ), self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.eos_token_ids = self._eos_ids()
+
+    # ---- configuration ------------------------------------------------------------------------
+    def _resolve_max_model_len(self, args: EngineArgs) -> int:
+        limit = self.model_config.max_position_embeddings
+        if args.max_model_len is None:
+            return limit
+        if args.max_model_len > limit:
+            raise EngineArgsError(f"max_model_len {args.max_model_len} exceeds the model's "
+                                  f"max_position_embeddings {limit}")
+        return args.max_model_len
+
+    def _max_batched_tokens(self, args: EngineArgs) -> int:
+        return args.max_num_batched_tokens or max(2048, args.block_size or 16)
+
+    def _eos_ids(self) -> frozenset[int]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return self.tokenizer.eos_token_ids
+        return frozenset(self.model_config.eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None, *,
+                    arrival_time: Optional[float] = None, priority: int = 0, cache_salt: str = "") -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = self._make_sequences(request_id, token_ids, params, arrival, priority, cache_salt.encode())
+        detoks = [self._detokenizer(token_ids, params) for _ in seqs]
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs, detoks, [""] * len(seqs),
+                                            arrival, stop_holdback=holdback)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("a prompt is a string or a list of token ids")
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens, but max_model_len is "
+                                      f"{self.max_model_len} (the prompt must leave room for one output token)")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+
+    def _make_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float,
+                        priority: int, salt: bytes) -> list[Sequence]:
+        seqs: list[Sequence] = []
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, index, token_ids, params.clone_for_sample(),
+                           arrival_time=arrival, priority=priority, cache_salt=salt,
+                           parent=seqs[0] if seqs else None)
+            if params.seed is not None:
+                seq.generator = self.runner.make_generator(hash((params.seed, index)) & (2**63 - 1))
+            seqs.append(seq)
+        return seqs
+
+    def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> Optional[IncrementalDetokenizer]:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = seq.finish_reason or "abort"
+                self.scheduler.finish(seq)
+        request.aborted = True
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- stepping -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in out.scheduled if s.samples}
+        sampled = self.runner.execute(out.scheduled, rows)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(seq)
+            if seq.seq_id in sampled:
+                request = self.requests[seq.request_id]
+                self._append(request, seq, *sampled[seq.seq_id], now)
+                touched[request.request_id] = request
+        outputs = [self._output(r) for r in touched.values()]
+        for request in touched.values():
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        stops = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
+        return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
+                           stops + tuple(seq.params.stop_token_ids))
+
+    def _append(self, request: Request, seq: Sequence, token: int, logprobs: Optional[dict], now: float) -> None:
+        seq.append_token(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        detok = request.detokenizers[seq.index]
+        previous_len = len(request.texts[seq.index])
+        if detok is not None:
+            request.texts[seq.index] += detok.add(token)
+        reason, stop_reason = self._stop_check(request, seq, token, previous_len)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason, seq.finished_time = reason, stop_reason, now
+            self.scheduler.finish(seq)
+
+    def _stop_check(self, request: Request, seq: Sequence, token: int, previous_len: int) -> tuple[Optional[str], Any]:
+        params = seq.params
+        produced = len(seq.output_token_ids)
+        if produced >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop", token
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            hit = self._find_stop_string(request, seq, previous_len)
+            if hit is not None:
+                return "stop", hit
+        if params.max_tokens is not None and produced >= params.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _find_stop_string(self, request: Request, seq: Sequence, previous_len: int) -> Optional[str]:
+        """Find the earliest stop string that the newest text completed, and cut the text there."""
+        params = seq.params
+        if not params.stop:
+            return None
+        text = request.texts[seq.index]
+        window_start = max(0, previous_len - request.stop_holdback)
+        best: Optional[tuple[int, str]] = None
+        for stop in params.stop:
+            at = text.find(stop, window_start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        request.texts[seq.index] = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+        return stop
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            text = request.texts[seq.index]
+            if not seq.is_finished and request.stop_holdback:
+                text = text[: max(0, len(text) - request.stop_holdback)]
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            ))
+        first = request.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time, first_scheduled_time=first.first_scheduled_time,
+            first_token_time=min((s.first_token_time for s in request.seqs if s.first_token_time), default=None),
+            finished_time=max((s.finished_time or 0.0 for s in request.seqs), default=None) if request.finished else None,
+            num_preemptions=sum(s.num_preemptions for s in request.seqs),
+        )
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, metrics)
+
+    def get_stats(self) -> dict[str, float]:
+        return {**self.scheduler.stats(), "num_requests": len(self.requests)}

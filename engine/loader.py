@@ -1,0 +1,218 @@
+"""Load a Hugging Face checkpoint folder into our model, or fill it with dummy weights.
+
+Reads `model.safetensors`, sharded `model.safetensors.index.json`, or `pytorch_model*.bin`/`.pt`
+(through `torch.load(weights_only=True)`, never arbitrary unpickling). Every failure is a
+`ModelLoadError` naming the file or tensor; a half-loaded model is dropped before raising.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.models.llama import STACKED_PARAMS, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+MANIFEST = "SHA256SUMS"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def find_weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's weight files, preferring safetensors; errors name what was found instead."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            return _files_from_index(index)
+    safetensors = sorted(folder.glob("*.safetensors"))
+    if safetensors:
+        return safetensors
+    pickled = sorted(p for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth") and p.is_file())
+    if pickled:
+        return pickled
+    others = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix not in (".json", ".txt", ".md", ".jinja", ".model"))
+    found = f"; found {', '.join(others[:5])}" if others else ""
+    raise ModelLoadError(f"no weight files in {folder} (expected .safetensors, .bin or .pt{found})")
+
+
+def _files_from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{index} is not a valid checkpoint index: {exc}") from None
+    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{index.name} lists missing shard(s): {', '.join(missing)}")
+    return files
+
+
+def verify_checksums(folder: Path, files: list[Path]) -> None:
+    """Check each weight file against the folder's `SHA256SUMS` (the format `sha256sum` writes)."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        raise ModelLoadError(f"--verify needs {MANIFEST} in {folder} (create it with: sha256sum *.safetensors > {MANIFEST})")
+    expected = {}
+    for line in manifest.read_text().splitlines():
+        parts = line.strip().split(maxsplit=1)
+        if len(parts) == 2:
+            expected[parts[1].lstrip("*")] = parts[0].lower()
+    for path in files:
+        want = expected.get(path.name)
+        if want is None:
+            raise ModelLoadError(f"{MANIFEST} has no entry for {path.name}")
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != want:
+            raise ModelLoadError(f"checksum mismatch for {path.name}: file is corrupt or was modified")
+
+
+def iterate_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    if path.suffix == ".safetensors":
+        yield from _safetensors(path)
+    elif path.suffix in (".bin", ".pt", ".pth"):
+        yield from _pickled(path)
+    else:
+        raise ModelLoadError(f"unknown weight file extension {path.suffix!r} ({path.name}); use .safetensors, .bin or .pt")
+
+
+def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt")
+        names = list(handle.keys())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path.name} is truncated or corrupt: {exc}") from None
+    for name in names:
+        try:
+            tensor = handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"{path.name}: cannot read tensor {name!r}: {exc}") from None
+        yield name, tensor
+
+
+def _pickled(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for bad pickles
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"{path.name} cannot be loaded safely (weights_only): {message}") from None
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{path.name} does not hold a state dict")
+    state = state.get("state_dict", state) if isinstance(state.get("state_dict"), dict) else state
+    for name, tensor in state.items():
+        if isinstance(tensor, torch.Tensor):
+            yield name, tensor
+
+
+class WeightLoader:
+    """Copies checkpoint tensors into the model, tracking which parameter shards were filled."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.filled: set[tuple[str, int]] = set()
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        if name.endswith(IGNORED_SUFFIXES):
+            return
+        if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
+            return
+        target, shard = self._target(name)
+        param = self.params.get(target)
+        if param is None:
+            logger.debug("ignoring unexpected tensor %s", name)
+            return
+        view = self._shard_view(param, target, shard)
+        if tuple(tensor.shape) != tuple(view.shape):
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}")
+        with torch.no_grad():
+            view.copy_(tensor)
+        self.filled.add((target, shard))
+
+    def _target(self, name: str) -> tuple[str, int]:
+        for fragment, (fused, shard) in STACKED_PARAMS.items():
+            if f".{fragment}." in name:
+                return name.replace(f".{fragment}.", f".{fused}."), shard
+        return name, -1
+
+    def _shard_view(self, param: nn.Parameter, target: str, shard: int) -> torch.Tensor:
+        if shard < 0:
+            return param.data
+        module = self.model.get_submodule(target.rsplit(".", 1)[0])
+        sizes = module.shard_sizes
+        start = sum(sizes[:shard])
+        return param.data.narrow(0, start, sizes[shard])
+
+    def check_complete(self) -> None:
+        for name, param in self.params.items():
+            module = self.model.get_submodule(name.rsplit(".", 1)[0])
+            sizes = getattr(module, "shard_sizes", None)
+            expected = [(name, i) for i in range(len(sizes))] if sizes else [(name, -1)]
+            for key in expected:
+                if key not in self.filled:
+                    raise ModelLoadError(f"checkpoint is missing tensor {_hf_name(*key)!r} (shape {tuple(param.shape)})")
+
+
+def _hf_name(target: str, shard: int) -> str:
+    if shard < 0:
+        return target
+    for fragment, (fused, index) in STACKED_PARAMS.items():
+        if index == shard and f".{fused}." in target:
+            return target.replace(f".{fused}.", f".{fragment}.")
+    return target
+
+
+def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int, dtype: torch.dtype,
+                device: torch.device, load_format: str, seed: int, verify: bool = False) -> LlamaForCausalLM:
+    """Materialise the model on `device` and fill it (checkpoint or dummy); frees it on failure."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions).to(dtype)
+    model = model.to_empty(device=device)
+    try:
+        if load_format == "dummy":
+            _fill_dummy(model, seed)
+        else:
+            _fill_from_checkpoint(model, folder, verify)
+        model.model.rotary.build_tables()
+    except BaseException:
+        del model
+        gc.collect()
+        raise
+    return model.eval().requires_grad_(False)
+
+
+def _fill_from_checkpoint(model: LlamaForCausalLM, folder: Path, verify: bool) -> None:
+    files = find_weight_files(folder)
+    if verify:
+        verify_checksums(folder, files)
+    loader = WeightLoader(model)
+    for path in files:
+        for name, tensor in iterate_tensors(path):
+            loader.load(name, tensor)
+    loader.check_complete()
+
+
+@torch.no_grad()
+def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)

@@ -1,0 +1,162 @@
+"""`ModelConfig`: the architecture facts read from a Hugging Face `config.json`.
+
+Accepts both the classic keys (`rope_theta`, `rope_scaling`, `torch_dtype`) and transformers 5's
+(`rope_parameters`, `dtype`). One flag set describes the whole Llama family we run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from llmctl.engine.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: Optional[int]
+    hidden_act: str
+    checkpoint_dtype: Optional[str]
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_pretrained(cls, folder: Path) -> "ModelConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"no config.json in {folder}")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path} must hold a JSON object")
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        architecture = _architecture(raw, source)
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            base = dict(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"{source} lacks required key {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{source} has a non-integer size field: {exc}") from None
+        rope_theta, rope_scaling = _rope(raw)
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        config = cls(
+            architecture=architecture,
+            **base,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
+            o_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=_sliding_window(raw, architecture),
+            hidden_act=str(raw.get("hidden_act", "silu")),
+            checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+            eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+        )
+        config._validate(source)
+        return config
+
+    def _validate(self, source: str) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"{source}: num_attention_heads {self.num_heads} is not a multiple of "
+                                 f"num_key_value_heads {self.num_kv_heads}")
+        if self.hidden_act not in ("silu", "swish"):
+            raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported (only silu)")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ModelLoadError(f"{source}: rope_scaling type {rope_type!r} is not supported "
+                                 "(supported: default, linear, llama3)")
+
+    @property
+    def kv_bytes_per_token_per_dtype_byte(self) -> int:
+        """Elements of K and V one token stores across all layers (multiply by the dtype's size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+
+
+def _architecture(raw: dict[str, Any], source: str) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    named = ", ".join(archs) if archs else f"model_type {raw.get('model_type')!r}"
+    raise ModelLoadError(f"{source}: unsupported architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(raw.get("rope_theta", 10000.0))
+        scaling = dict(raw.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def _sliding_window(raw: dict[str, Any], architecture: str) -> Optional[int]:
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return None
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if raw.get("use_sliding_window", False):
+            raise ModelLoadError(f"{architecture} with use_sliding_window=true is not supported")
+        return None
+    return window
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(v for v in value if isinstance(v, int))
+    return ()

@@ -1,0 +1,193 @@
+"""The model runner: owns the device, the weights, the KV pool and the sampler.
+
+Each step it flattens the scheduled sequences into one batch (single-token queries first, then
+prefill chunks; no padding), runs one forward, and samples the rows that finished their known
+tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from llmctl.engine.errors import EngineArgsError
+from llmctl.engine.layers.attention import AttentionMetadata, PrefillSpan, select_backend
+from llmctl.engine.loader import build_model
+from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from llmctl.engine.scheduler import ScheduledSeq
+from llmctl.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+@dataclass
+class RunnerConfig:
+    model_config: ModelConfig
+    model_folder: Optional[Path]
+    device: torch.device
+    dtype: torch.dtype
+    block_size: Optional[int]
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory: Optional[int]
+    gpu_memory_utilization: float
+    num_kv_blocks: Optional[int]
+    load_format: str
+    seed: int
+    verify: bool
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig):
+        self.config = config
+        self.device = config.device
+        mc = config.model_config
+        backend_cls = select_backend(self.device)
+        self.attention = backend_cls(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.sliding_window)
+        self.block_size = config.block_size or backend_cls.preferred_block_size
+        problem = self.attention.validate_block_size(self.block_size)
+        if problem:
+            raise EngineArgsError(problem)
+        self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
+                                 device=self.device, load_format=config.load_format, seed=config.seed,
+                                 verify=config.verify)
+        self.num_blocks = self._plan_num_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,
+                    self.block_size, self.kv_cache_bytes / 2**20, self.attention.name)
+
+    # ---- KV pool ------------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        mc = self.config.model_config
+        element = torch.empty((), dtype=self.config.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def _plan_num_blocks(self) -> int:
+        cfg = self.config
+        min_blocks = -(-cfg.max_model_len // self.block_size)
+        if cfg.num_kv_blocks is not None:
+            blocks = cfg.num_kv_blocks
+        elif self.device.type == "cuda":
+            blocks = self._cuda_blocks()
+        else:
+            wanted = cfg.max_num_seqs * (min_blocks + 1) * self.bytes_per_block
+            budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(CPU_DEFAULT_KV_BYTES, wanted)
+            blocks = budget // self.bytes_per_block
+        if blocks < min_blocks:
+            raise EngineArgsError(
+                f"the KV cache holds {blocks} blocks of {self.block_size} tokens, fewer than one "
+                f"{cfg.max_model_len}-token sequence needs ({min_blocks}); raise --kv-cache-memory / "
+                "--gpu-memory-utilization / --num-kv-blocks or lower --max-model-len")
+        return blocks
+
+    def _cuda_blocks(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = self._profile_activation_bytes()
+        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak
+        return max(budget // self.bytes_per_block, 0)
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak extra memory of one forward over the largest batch, measured with a small scratch pool."""
+        tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        scratch = self._allocate_kv_cache(-(-tokens // self.block_size))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        seq = Sequence(-1, "profile", 0, [0] * tokens, params=None)  # type: ignore[arg-type]
+        seq.block_table = list(range(len(scratch[0][0])))
+        self._forward([ScheduledSeq(seq, tokens)], scratch)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch
+        torch.cuda.empty_cache()
+        return peak
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        mc = self.config.model_config
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        return [torch.zeros(shape, dtype=self.config.dtype, device=self.device) for _ in range(mc.num_layers)]
+
+    # ---- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq], rows: dict[int, SamplingRow]) -> dict[int, tuple[int, Optional[dict]]]:
+        """Run the batch; returns {seq_id: (token, logprobs)} for the sequences that sample."""
+        order, logits = self._forward(scheduled, self.kv_caches)
+        sampling = [s.seq for s in order if s.samples]
+        if not sampling:
+            return {}
+        result: SamplerOutput = self.sampler(logits, [rows[seq.seq_id] for seq in sampling])
+        logprobs = result.logprobs or [None] * len(sampling)
+        return {seq.seq_id: (token, lp) for seq, token, lp in zip(sampling, result.token_ids, logprobs)}
+
+    def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor]):
+        order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
+        input_ids, positions, meta, logits_indices = self._prepare(order)
+        logits = self.model(input_ids, positions, kv_caches, meta, self.attention, logits_indices)
+        return order, logits
+
+    def _prepare(self, order: list[ScheduledSeq]):
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        spans: list[PrefillSpan] = []
+        single_tables: list[list[int]] = []
+        single_lens: list[int] = []
+        for item in order:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            row = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if item.num_new_tokens == 1:
+                single_tables.append(table)
+                single_lens.append(end)
+            else:
+                spans.append(PrefillSpan(row, item.num_new_tokens, end, self._tensor(table)))
+            if item.samples:
+                logits_indices.append(len(ids) - 1)
+        width = max((len(t) for t in single_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in single_tables]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_single=len(single_tables),
+            single_block_tables=self._tensor(padded).view(len(padded), width),
+            single_context_lens=self._tensor(single_lens),
+            single_max_context=max(single_lens, default=0),
+            prefills=spans,
+        )
+        if self.attention.name == "flash-attn":
+            self._add_flash_metadata(meta, order)
+        return self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices)
+
+    def _add_flash_metadata(self, meta: AttentionMetadata, order: list[ScheduledSeq]) -> None:
+        q_lens = [s.num_new_tokens for s in order]
+        k_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in order]
+        width = max(len(s.seq.block_table) for s in order)
+        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in order]
+        as_int32 = dict(dtype=torch.int32, device=self.device)
+        meta.cu_seqlens_q = torch.tensor([0] + q_lens, **as_int32).cumsum(0, dtype=torch.int32)
+        meta.cu_seqlens_k = torch.tensor([0] + k_lens, **as_int32).cumsum(0, dtype=torch.int32)
+        meta.block_tables = torch.tensor(tables, **as_int32)
+        meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)

@@ -1,0 +1,144 @@
+"""The sampler: logits of the rows to sample -> next token ids (and optional top log-probs).
+
+Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens masking
+of stop tokens, then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Seeded
+rows draw from their own generator, so their output does not depend on the rest of the batch.
+Reported log-probs are those of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from llmctl.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: Optional[torch.Generator]
+    stop_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: Optional[list[Optional[dict[int, float]]]]  # per row: {token: logprob} incl. the sampled one
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator  # for unseeded rows
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, rows)
+        logits = self._mask_early_stops(logits, rows)
+        token_ids = self._choose(logits, rows)
+        return SamplerOutput(token_ids.tolist(), self._gather_logprobs(raw_logprobs, token_ids, rows))
+
+    # ---- logit processing -----------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        needs = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+        if not needs:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i in needs:
+            params, row = rows[i].params, logits[i]
+            output = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=logits.device)
+            output = output[output < vocab]
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(rows[i].prompt_token_ids + rows[i].output_token_ids, dtype=torch.long,
+                                    device=logits.device)
+                seen = torch.unique(seen[seen < vocab])
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                        values * params.repetition_penalty)
+            if output.numel() and (params.presence_penalty or params.frequency_penalty):
+                counts = torch.bincount(output, minlength=vocab).to(row.dtype)
+                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _mask_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        early = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens and r.stop_token_ids]
+        if not early:
+            return logits
+        logits = logits.clone()
+        for i in early:
+            ids = [t for t in rows[i].stop_token_ids if t < logits.shape[-1]]
+            logits[i, ids] = float("-inf")
+        return logits
+
+    # ---- choosing ---------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        chosen = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random_rows:
+            return chosen
+        index = torch.tensor(random_rows, device=logits.device)
+        subset = logits[index]
+        temperature = torch.tensor([rows[i].params.temperature for i in random_rows],
+                                   dtype=subset.dtype, device=subset.device).unsqueeze(1)
+        probs = torch.softmax(self._filter(subset / temperature, [rows[i].params for i in random_rows]), dim=-1)
+        noise = self._exponential_noise(probs, [rows[i].generator for i in random_rows])
+        chosen[index] = (probs / noise).argmax(dim=-1)
+        return chosen
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+            k_tensor = torch.tensor(top_k, device=logits.device).unsqueeze(1)
+            drop = ranks >= k_tensor
+            sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+            p_tensor = torch.tensor(top_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+            drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > p_tensor  # keep the token that crosses p
+            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        if any(m > 0.0 for m in min_p):
+            probs = torch.softmax(logits, dim=-1)
+            threshold = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        return logits
+
+    def _exponential_noise(self, probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
+        """Exponential(1) noise per row: argmax(p / noise) is a draw from p (the Gumbel-max trick)."""
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype,
+                                        device=probs.device).exponential_(generator=self.generator)
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
+        return noise
+
+    @staticmethod
+    def _gather_logprobs(raw: Optional[torch.Tensor], token_ids: torch.Tensor,
+                         rows: list[SamplingRow]) -> Optional[list[Optional[dict[int, float]]]]:
+        if raw is None:
+            return None
+        result: list[Optional[dict[int, float]]] = []
+        for i, row in enumerate(rows):
+            count = row.params.logprobs
+            if count is None:
+                result.append(None)
+                continue
+            entry = {int(token_ids[i]): float(raw[i, token_ids[i]])}
+            if count:
+                values, ids = raw[i].topk(count)
+                entry.update({int(t): float(v) for t, v in zip(ids.tolist(), values.tolist())})
+            result.append(entry)
+        return result

@@ -1,0 +1,161 @@
+"""Tokenizer, chat templates and incremental detokenization on the `tokenizers` library alone.
+
+Reads `tokenizer.json`, `tokenizer_config.json` (special tokens, chat template) and
+`generation_config.json` (extra end-of-sequence ids). Chat templates run in jinja2's immutable
+sandbox, so a template cannot touch Python internals.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+from llmctl.engine.errors import InvalidRequestError, ModelLoadError
+
+# Tokens of prompt context given to the detokenizer so the first generated token decodes as it
+# would in the middle of text (SentencePiece-style decoders drop a leading space at text start).
+PROMPT_CONTEXT_TOKENS = 5
+
+
+def _token_text(value: Any) -> Optional[str]:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path.name} is not valid JSON: {exc}") from None
+    return data if isinstance(data, dict) else {}
+
+
+class Tokenizer:
+    def __init__(self, backend, config: dict[str, Any], generation_config: dict[str, Any],
+                 chat_template: Optional[str]):
+        self._tok = backend
+        self.config = config
+        self.chat_template = chat_template
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._id_of(self.bos_token)
+        self.eos_token_id = self._id_of(self.eos_token)
+        eos = {self.eos_token_id} if self.eos_token_id is not None else set()
+        extra = generation_config.get("eos_token_id")
+        eos.update([extra] if isinstance(extra, int) else [t for t in (extra or []) if isinstance(t, int)])
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> "Tokenizer":
+        from tokenizers import Tokenizer as Backend
+
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"no tokenizer.json in {folder} (pass --tokenizer, or --skip-tokenizer-init for token-id prompts)")
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
+            raise ModelLoadError(f"{path} cannot be parsed: {exc}") from None
+        config = _read_json(folder / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        return cls(backend, config, _read_json(folder / "generation_config.json"), template)
+
+    def _id_of(self, token: Optional[str]) -> Optional[int]:
+        return self._tok.token_to_id(token) if token else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        return self._tok.id_to_token(token_id)
+
+    # ---- chat -------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        _validate_messages(messages)
+        template = _compile_template(self.chat_template)
+        special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **special, **extra)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - template errors come in many types
+            raise InvalidRequestError(f"chat template failed: {exc}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+        # The template already writes BOS and friends: do not add them twice.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
+
+
+def _validate_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise InvalidRequestError("each message must be an object with a 'role'")
+
+
+def _raise_from_template(message: str) -> None:
+    raise InvalidRequestError(f"chat template rejected the conversation: {message}")
+
+
+def _compile_template(source: str):
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_from_template
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise InvalidRequestError(f"chat template does not compile: {exc}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas that never split a character.
+
+    Decodes a sliding window of ids (seeded with the prompt's last tokens); a delta is released only
+    when the window's text grows without ending in U+FFFD, i.e. once the bytes form whole characters.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        window_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
+            return ""
+        delta = window_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
