@@ -36,6 +36,7 @@ class Sampler:
         self.generator = generator  # for unseeded rows
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = self._apply_processors(logits, rows)
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -45,6 +46,16 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), self._gather_logprobs(raw_logprobs, token_ids, rows))
 
     # ---- logit processing -----------------------------------------------------------------
+    @staticmethod
+    def _apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        if not any(r.params.logits_processors for r in rows):
+            return logits
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            for processor in row.params.logits_processors:
+                logits[i] = processor(list(row.output_token_ids), logits[i])
+        return logits
+
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         needs = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         if not needs:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from llmctl.engine.errors import InvalidRequestError
 
@@ -29,6 +29,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: Optional[int] = None  # top-N log-probabilities per generated token (plus the sampled one)
     skip_special_tokens: bool = True
+    # Callables (output_token_ids, logits_row) -> logits_row, applied to the raw logits first.
+    logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
