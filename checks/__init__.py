@@ -1,0 +1,6 @@
+"""`llmctl doctor` checks: the 23-item preflight checklist for an LLM inference host.
+
+Every check reads the machine only through a `Host` (a filesystem root plus an NVML handle and a
+few injectable probes), so tests run it against fake `/proc`, `/sys` trees and a fake NVML.
+Nothing here changes the machine: fixes are returned as text, never applied.
+"""

@@ -7,18 +7,29 @@ _llmctl() {
         if ((skip)); then skip=0; continue; fi
         case "$path $word" in
             "llmctl completion") path="llmctl completion" ;;
+            "llmctl doctor") path="llmctl doctor" ;;
         esac
         case "$path $word" in
             "llmctl --log-level") skip=1 ;;
+            "llmctl doctor --config"|"llmctl doctor --only"|"llmctl doctor --skip"|"llmctl doctor --explain"|"llmctl doctor --expect-gpus"|"llmctl doctor --model"|"llmctl doctor --gpu-memory-utilization"|"llmctl doctor --thresholds") skip=1 ;;
         esac
     done
     case "$path $prev" in
         "llmctl --log-level") return 0 ;;
+        "llmctl doctor --config") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
+        "llmctl doctor --only") return 0 ;;
+        "llmctl doctor --skip") return 0 ;;
+        "llmctl doctor --explain") return 0 ;;
+        "llmctl doctor --expect-gpus") return 0 ;;
+        "llmctl doctor --model") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
+        "llmctl doctor --gpu-memory-utilization") return 0 ;;
+        "llmctl doctor --thresholds") return 0 ;;
     esac
     local words=""
     case "$path" in
-        "llmctl") words="completion --version --log-level --help" ;;
+        "llmctl") words="completion doctor --version --log-level --help" ;;
         "llmctl completion") words="--help" ;;
+        "llmctl doctor") words="--config --only --skip --list --explain --json --strict --expect-gpus --model --gpu-memory-utilization --thresholds --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
 }

@@ -53,6 +53,7 @@ def _register_commands() -> None:
     from llmctl.commands import completion
 
     app.command("completion")(completion.completion)
+    app.command("doctor")(__import__("llmctl.commands.doctor", fromlist=["doctor"]).doctor)
 
 
 _register_commands()
