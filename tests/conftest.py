@@ -37,3 +37,42 @@ def make_tiny_model(folder: Path, arch: str, *, vocab_size: int = 512, seed: int
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_model(root / arch, arch) for arch in ARCH_CONFIGS}
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TOKENIZER_TEXT = [
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer",
+    "The slings and arrows of outrageous fortune, or to take arms against a sea of troubles.",
+    "Héllo wörld — naïve café; emoji 🙂🚀 and CJK 漢字かな mixed with ASCII text.",
+    "ROMEO: But, soft! what light through yonder window breaks? It is the east, and Juliet is the sun.",
+]
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer (tokenizers library) with BOS/EOS and a chat template."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(TOKENIZER_TEXT * 20, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast",
+              "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> Path:
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny-chat") / "llama", "llama", bos_token_id=0, eos_token_id=1)
+    save_tiny_tokenizer(folder)
+    return folder

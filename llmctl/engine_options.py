@@ -1,0 +1,57 @@
+"""Engine flags shared by every command that runs the engine (`generate`, `serve`, `bench`, ...).
+
+Flag names are `EngineArgs` field names with dashes, as in `vllm serve`; `engine_args()` turns the
+parsed values back into a validated `EngineArgs`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Optional
+
+import typer
+
+PANEL = "Engine"
+
+
+class Dtype(str, enum.Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class LoadFormat(str, enum.Enum):
+    auto = "auto"
+    dummy = "dummy"
+
+
+def _opt(*names: str, help: str) -> Any:
+    return typer.Option(*names, help=help, rich_help_panel=PANEL)
+
+
+Model = Annotated[Optional[str], _opt("--model", "-m", help="Hugging Face model folder (default: the embedded model).")]
+Tokenizer = Annotated[Optional[str], _opt("--tokenizer", help="Tokenizer folder (default: the model folder).")]
+DtypeOpt = Annotated[Dtype, _opt("--dtype", help="Weight and activation dtype (auto: the checkpoint's).")]
+Device = Annotated[str, _opt("--device", help="auto, cpu, cuda or cuda:N.")]
+Seed = Annotated[int, _opt("--seed", help="Engine random seed (unseeded sampling).")]
+BlockSize = Annotated[Optional[int], _opt("--block-size", help="Tokens per KV block (default: the attention backend's).")]
+MaxModelLen = Annotated[Optional[int], _opt("--max-model-len", help="Context length (default: the model's).")]
+MaxNumSeqs = Annotated[int, _opt("--max-num-seqs", help="Most sequences in one batch.")]
+MaxBatchedTokens = Annotated[Optional[int], _opt("--max-num-batched-tokens", help="Token budget of one step.")]
+PrefixCaching = Annotated[bool, _opt("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.")]
+GpuMemUtil = Annotated[float, _opt("--gpu-memory-utilization", help="Fraction of GPU memory the engine may use (CUDA).")]
+KvCacheMemory = Annotated[Optional[int], _opt("--kv-cache-memory", help="KV cache size in bytes (CPU).")]
+NumKvBlocks = Annotated[Optional[int], _opt("--num-kv-blocks", help="Explicit KV pool size in blocks (overrides the memory settings).")]
+LoadFormatOpt = Annotated[LoadFormat, _opt("--load-format", help="auto: read the checkpoint; dummy: random weights of its shapes.")]
+EnforceEager = Annotated[bool, _opt("--enforce-eager", help="Never compile or capture graphs.")]
+NumThreads = Annotated[Optional[int], _opt("--num-threads", help="CPU threads for torch.")]
+Verify = Annotated[bool, _opt("--verify", help="Check weight files against the folder's SHA256SUMS first.")]
+
+
+def engine_args(**values: Any):
+    """Build `EngineArgs` from the parsed flags (enum values unwrapped)."""
+    from llmctl.engine.args import EngineArgs
+
+    cleaned = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in values.items()}
+    return EngineArgs.from_dict(cleaned)
