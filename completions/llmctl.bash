@@ -8,10 +8,12 @@ _llmctl() {
         case "$path $word" in
             "llmctl completion") path="llmctl completion" ;;
             "llmctl doctor") path="llmctl doctor" ;;
+            "llmctl generate") path="llmctl generate" ;;
         esac
         case "$path $word" in
             "llmctl --log-level") skip=1 ;;
             "llmctl doctor --config"|"llmctl doctor --only"|"llmctl doctor --skip"|"llmctl doctor --explain"|"llmctl doctor --expect-gpus"|"llmctl doctor --model"|"llmctl doctor --gpu-memory-utilization"|"llmctl doctor --thresholds") skip=1 ;;
+            "llmctl generate --file"|"llmctl generate -f"|"llmctl generate --system"|"llmctl generate --max-tokens"|"llmctl generate --min-tokens"|"llmctl generate --temperature"|"llmctl generate -t"|"llmctl generate --top-p"|"llmctl generate --top-k"|"llmctl generate --min-p"|"llmctl generate --repetition-penalty"|"llmctl generate --presence-penalty"|"llmctl generate --frequency-penalty"|"llmctl generate --stop"|"llmctl generate --stop-token-id"|"llmctl generate --n"|"llmctl generate -n"|"llmctl generate --logprobs"|"llmctl generate --sampling-seed"|"llmctl generate --model"|"llmctl generate -m"|"llmctl generate --tokenizer"|"llmctl generate --dtype"|"llmctl generate --device"|"llmctl generate --seed"|"llmctl generate --block-size"|"llmctl generate --max-model-len"|"llmctl generate --max-num-seqs"|"llmctl generate --max-num-batched-tokens"|"llmctl generate --gpu-memory-utilization"|"llmctl generate --kv-cache-memory"|"llmctl generate --num-kv-blocks"|"llmctl generate --load-format"|"llmctl generate --num-threads"|"llmctl generate --config") skip=1 ;;
         esac
     done
     case "$path $prev" in
@@ -24,12 +26,44 @@ _llmctl() {
         "llmctl doctor --model") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
         "llmctl doctor --gpu-memory-utilization") return 0 ;;
         "llmctl doctor --thresholds") return 0 ;;
+        "llmctl generate --file"|"llmctl generate -f") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
+        "llmctl generate --system") return 0 ;;
+        "llmctl generate --max-tokens") return 0 ;;
+        "llmctl generate --min-tokens") return 0 ;;
+        "llmctl generate --temperature"|"llmctl generate -t") return 0 ;;
+        "llmctl generate --top-p") return 0 ;;
+        "llmctl generate --top-k") return 0 ;;
+        "llmctl generate --min-p") return 0 ;;
+        "llmctl generate --repetition-penalty") return 0 ;;
+        "llmctl generate --presence-penalty") return 0 ;;
+        "llmctl generate --frequency-penalty") return 0 ;;
+        "llmctl generate --stop") return 0 ;;
+        "llmctl generate --stop-token-id") return 0 ;;
+        "llmctl generate --n"|"llmctl generate -n") return 0 ;;
+        "llmctl generate --logprobs") return 0 ;;
+        "llmctl generate --sampling-seed") return 0 ;;
+        "llmctl generate --model"|"llmctl generate -m") return 0 ;;
+        "llmctl generate --tokenizer") return 0 ;;
+        "llmctl generate --dtype") COMPREPLY=($(compgen -W "auto float32 bfloat16 float16" -- "$cur")); return 0 ;;
+        "llmctl generate --device") return 0 ;;
+        "llmctl generate --seed") return 0 ;;
+        "llmctl generate --block-size") return 0 ;;
+        "llmctl generate --max-model-len") return 0 ;;
+        "llmctl generate --max-num-seqs") return 0 ;;
+        "llmctl generate --max-num-batched-tokens") return 0 ;;
+        "llmctl generate --gpu-memory-utilization") return 0 ;;
+        "llmctl generate --kv-cache-memory") return 0 ;;
+        "llmctl generate --num-kv-blocks") return 0 ;;
+        "llmctl generate --load-format") COMPREPLY=($(compgen -W "auto dummy" -- "$cur")); return 0 ;;
+        "llmctl generate --num-threads") return 0 ;;
+        "llmctl generate --config") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
     esac
     local words=""
     case "$path" in
-        "llmctl") words="completion doctor --version --log-level --help" ;;
+        "llmctl") words="completion doctor generate --version --log-level --help" ;;
         "llmctl completion") words="--help" ;;
         "llmctl doctor") words="--config --only --skip --list --explain --json --strict --expect-gpus --model --gpu-memory-utilization --thresholds --help" ;;
+        "llmctl generate") words="--file --chat --system --json --max-tokens --min-tokens --temperature --top-p --top-k --min-p --repetition-penalty --presence-penalty --frequency-penalty --stop --stop-token-id --ignore-eos --n --logprobs --sampling-seed --model --tokenizer --dtype --device --seed --block-size --max-model-len --max-num-seqs --max-num-batched-tokens --enable-prefix-caching --no-enable-prefix-caching --gpu-memory-utilization --kv-cache-memory --num-kv-blocks --load-format --enforce-eager --num-threads --verify --config --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
 }

@@ -50,8 +50,9 @@ def root(
 
 
 def _register_commands() -> None:
-    from llmctl.commands import completion
+    from llmctl.commands import completion, generate
 
+    app.command("generate")(generate.generate)
     app.command("completion")(completion.completion)
     app.command("doctor")(__import__("llmctl.commands.doctor", fromlist=["doctor"]).doctor)
 
