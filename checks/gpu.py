@@ -82,7 +82,9 @@ def _device_node_findings(host: Host, count: int) -> list[Finding]:
     for node in nodes:
         path = host.path(node)
         if not path.exists():
-            findings.append(Finding(Status.FAIL, f"{node} is missing", "sudo nvidia-modprobe -u -c=0"))
+            # nvidia-uvm appears on first CUDA use on a fresh host; the others must always exist.
+            status = Status.WARN if node == "/dev/nvidia-uvm" else Status.FAIL
+            findings.append(Finding(status, f"{node} is missing", "sudo nvidia-modprobe -u -c=0"))
         elif not os.access(path, os.R_OK | os.W_OK):
             findings.append(Finding(Status.FAIL, f"{node} is not readable and writable by this user",
                                     f"ls -l {node}  # add the user to the owning group (e.g. sudo usermod -aG video $USER)"))

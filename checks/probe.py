@@ -235,6 +235,11 @@ def open_nvml() -> Iterator[tuple[Optional[NvmlView], str, bool]]:
         yield None, _NVML_REASONS.get(name, f"NVML failed to initialise: {exc}"), name == "NVMLError_LibRmVersionMismatch"
         return
     try:
-        yield NvmlView(pynvml), "", False
+        try:
+            view = NvmlView(pynvml)
+        except pynvml.NVMLError as exc:  # e.g. a GPU fell off the bus: handles cannot be opened
+            yield None, f"NVML cannot open the GPUs: {exc}", False
+            return
+        yield view, "", False
     finally:
         pynvml.nvmlShutdown()

@@ -135,3 +135,39 @@ def test_full_run_on_a_fake_two_gpu_host_is_json_serialisable(tmp_path):
     assert data["summary"]["exit_code"] == 1
     assert [g["bus_id"] for g in data["host"]["gpus"]] == ["0000:17:00.0", "0000:18:00.0"]
     assert data["host"]["driver"] == "550.54.15" and data["host"]["driver_cuda"] == "12.4"
+
+
+def test_docs_list_every_check_and_threshold_default():
+    import dataclasses
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "doctor.md").read_text()
+    for check_id in IDS:
+        assert f"`{check_id}`" in docs, check_id
+    for field in dataclasses.fields(Thresholds):
+        default = field.default
+        shown = ", ".join(default) if isinstance(default, tuple) else str(default).lower() if isinstance(default, bool) else str(default)
+        assert f"| `{field.name}` | {shown} |" in docs, field.name
+
+
+def test_open_nvml_on_this_machine_reports_why_it_is_unavailable():
+    from llmctl.checks.probe import open_nvml
+
+    with open_nvml() as (view, reason, mismatch):
+        if view is None:
+            assert reason and mismatch is False
+        else:
+            assert view.count >= 0 and reason == ""
+
+
+def test_pcie_load_probe_without_cuda_returns_an_empty_sample_with_the_reason():
+    import torch
+
+    from llmctl.checks.pcie_load import measure_under_load
+    from llmctl.checks.probe import NvmlView
+
+    view = NvmlView(FakeNvml([h100(0)]))
+    assert measure_under_load(view, 0).note.startswith("load probe disabled")
+    if not torch.cuda.is_available():
+        sample = measure_under_load(view, 1.0)
+        assert sample.readings == {} and sample.note == "torch has no usable CUDA"

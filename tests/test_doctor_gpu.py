@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -84,9 +85,15 @@ def test_gpu_visible_fails_on_missing_or_inaccessible_device_nodes(tmp_path):
     result = gpu.gpu_visible(make_host(tmp_path, FakeNvml([h100(0), h100(1)])), plan())
     assert result.status == Status.FAIL
     assert "/dev/nvidia1 is missing" in result.summary
-    import os
     if os.geteuid() != 0:  # root can open anything, so the permission finding needs a normal user
         assert "/dev/nvidiactl is not readable" in result.summary
+
+
+def test_gpu_visible_only_warns_while_nvidia_uvm_is_not_created_yet(tmp_path):
+    visible_root(tmp_path)
+    (tmp_path / "dev" / "nvidia-uvm").unlink()
+    result = gpu.gpu_visible(make_host(tmp_path, FakeNvml([h100(0), h100(1)])), plan())
+    assert result.status == Status.WARN and "/dev/nvidia-uvm is missing" in result.summary
 
 
 def test_gpu_visible_skips_without_gpus_and_fails_when_gpus_are_expected(tmp_path):
