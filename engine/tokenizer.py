@@ -120,10 +120,17 @@ def _raise_from_template(message: str) -> None:
 
 def _compile_template(source: str):
     from jinja2 import TemplateError
+    from jinja2.exceptions import SecurityError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class StrictSandbox(ImmutableSandboxedEnvironment):
+        def unsafe_undefined(self, obj: Any, attribute: str):
+            # jinja2's default renders a probe such as `{{ x.__class__ }}` as an empty string; a template
+            # that reaches for internals is refused instead of silently rendering a different prompt.
+            raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    env = StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise_from_template
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
