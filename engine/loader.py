@@ -11,6 +11,7 @@ import gc
 import hashlib
 import json
 import logging
+import traceback
 from pathlib import Path
 from typing import Iterator
 
@@ -182,17 +183,30 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions).to(dtype)
     model = model.to_empty(device=device)
+    model.tie_weights()
     try:
         if load_format == "dummy":
             _fill_dummy(model, seed)
         else:
             _fill_from_checkpoint(model, folder, verify)
         model.model.rotary.build_tables()
-    except BaseException:
+    except BaseException as exc:
         del model
+        _release_frames(exc)
         gc.collect()
         raise
     return model.eval().requires_grad_(False)
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Clear the locals of the finished frames that the error's traceback (and its chained errors) keep
+    alive: they hold the half-loaded model, which would otherwise live as long as the error object."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 def _fill_from_checkpoint(model: LlamaForCausalLM, folder: Path, verify: bool) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.layers.attention import AttentionMetadata, PrefillSpan, select_backend
+from llmctl.engine.layers.linear import pack_linears
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -59,6 +60,7 @@ class ModelRunner:
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
                                  device=self.device, load_format=config.load_format, seed=config.seed,
                                  verify=config.verify)
+        pack_linears(self.model, self.device, config.dtype, batch_hint=min(config.max_num_seqs, 64))
         self.num_blocks = self._plan_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))

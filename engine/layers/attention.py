@@ -66,6 +66,8 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if not meta.prefills:
+            return self._single(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.num_single:
             out[: meta.num_single] = self._single(q[: meta.num_single], k_cache, v_cache, meta)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.layers.attention import AttentionMetadata
-from llmctl.engine.layers.rotary import RotaryEmbedding
+from llmctl.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from llmctl.engine.model_config import ModelConfig
 
 # HF name fragment -> (our fused parameter fragment, shard index)
@@ -48,7 +48,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, positions, hidden, rotary, backend, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope, hidden, backend, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -83,8 +83,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions, hidden, rotary, backend, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, backend, kv_cache, meta)
+    def forward(self, rope, hidden, backend, kv_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), backend, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -104,18 +104,19 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, max_positions)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
 
-    def lm_head_weight(self) -> torch.Tensor:
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection (materialising a module unties them)."""
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, self.model.rotary, backend, kv_cache, meta)
+            hidden = layer(rope, hidden, backend, kv_cache, meta)
         hidden = self.model.norm(hidden[logits_indices])
-        return F.linear(hidden, self.lm_head_weight()).float()
+        return self.lm_head(hidden).float()
