@@ -46,6 +46,8 @@ def run_worker(python: str, system: str, model: Path, dtype: str, args, extra_en
                "--output-len", str(args.output_len), "--workloads", args.workloads, "--repeats", str(args.repeats)]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    if system != "vllm":
+        command += ["--device", args.device]
     env = {**os.environ, **extra_env}
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="runs per workload in each process (median shown)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for ours and transformers")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (ours and transformers)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     systems = [s for s in args.systems.split(",") if s]

@@ -22,7 +22,7 @@ def run_ours(args, workloads):
     from llmctl.engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
-              max_model_len=1024, max_num_seqs=args.num_prompts, num_threads=args.threads)
+              max_model_len=1024, max_num_seqs=args.num_prompts, num_threads=args.threads, device=args.device)
     first = llm.generate([workloads["single"][0][:8]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     assert first[0].outputs[0].token_ids
     print("FIRST_TOKEN", flush=True)
@@ -42,7 +42,9 @@ def run_transformers(args, workloads):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval().to(device)
     print("FIRST_TOKEN", flush=True)
 
     def run(prompts):
@@ -50,8 +52,8 @@ def run_transformers(args, workloads):
         for start in range(0, len(prompts), 16):  # batches of 16 with left padding: its usual use
             batch = prompts[start:start + 16]
             width = max(len(p) for p in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
             with torch.no_grad():
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.output_len,
                                      min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
     args = parser.parse_args()
     workloads = make_workloads(args.vocab, args.num_prompts, args.output_len, args.seed)
     run = SYSTEMS[args.system](args, workloads)

@@ -51,7 +51,7 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         mc = config.model_config
-        backend_cls = select_backend(self.device)
+        backend_cls = select_backend(self.device, config.dtype)
         self.attention = backend_cls(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.sliding_window)
         self.block_size = config.block_size or backend_cls.preferred_block_size
         problem = self.attention.validate_block_size(self.block_size)

@@ -146,9 +146,9 @@ class FlashAttention:
         )
 
 
-def select_backend(device: torch.device):
-    """flash-attn on CUDA when it imports, else the torch path."""
-    if device.type == "cuda":
+def select_backend(device: torch.device, dtype: torch.dtype):
+    """flash-attn on CUDA for 16-bit dtypes when it imports, else the torch path."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         try:
             import flash_attn  # noqa: F401
 

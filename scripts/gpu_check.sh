@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU checks for a lent CUDA machine: installs nothing from the network, runs the CUDA tests and a
+# short throughput benchmark, prints a small table. Budget: under 8 minutes on one H200.
+# Usage (repo root): bash scripts/gpu_check.sh   (writes logs to ${OUT:-/tmp}/gpu_check)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp}/gpu_check"; mkdir -p "$out"
+export PYTHONPATH="$PWD/.gpu_site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The package maps engine/, commands/, checks/ to llmctl.*; expose that layout without pip.
+mkdir -p .gpu_site/llmctl
+for f in llmctl/*; do ln -sfn "$PWD/$f" ".gpu_site/llmctl/$(basename "$f")"; done
+ln -sfn "$PWD/engine" .gpu_site/llmctl/engine
+ln -sfn "$PWD/commands" .gpu_site/llmctl/commands
+ln -sfn "$PWD/checks" .gpu_site/llmctl/checks
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/nvidia-smi.csv"
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/pytest.log" | tail -5
+timeout 240 python benchmarks/offline_throughput.py --dtypes bfloat16 --device cuda --json "$out/offline.json" \
+    2>"$out/bench.err" | tee "$out/offline.txt"
