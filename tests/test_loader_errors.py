@@ -296,15 +296,20 @@ def test_unknown_device_is_an_engine_args_error(ckpt):
 
 # ---- a failed load frees the half-loaded model ---------------------------------------------------------
 
-def live_models() -> int:
-    from llmctl.engine.models.llama import LlamaForCausalLM
-
-    gc.collect()
-    return sum(1 for obj in gc.get_objects() if type(obj) is LlamaForCausalLM)
-
-
 @pytest.mark.parametrize("damage", ["missing", "misshaped", "truncated"])
-def test_failed_load_frees_the_half_loaded_model(ckpt, damage):
+def test_failed_load_frees_the_half_loaded_model(ckpt, damage, monkeypatch):
+    import weakref
+
+    from llmctl.engine import loader
+
+    built: list[weakref.ref] = []
+
+    class Tracked(loader.LlamaForCausalLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(weakref.ref(self))
+
+    monkeypatch.setattr(loader, "LlamaForCausalLM", Tracked)
     path = ckpt / "model.safetensors"
     if damage == "truncated":
         # Keep the header and most tensors, cut the last one: fails after loading some weights.
@@ -316,11 +321,11 @@ def test_failed_load_frees_the_half_loaded_model(ckpt, damage):
         else:
             state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(1, 1)
         save_file(state, path)
-    before = live_models()
     errors = []
     try:
         load(ckpt)
     except ModelLoadError as exc:
         errors.append(exc)  # keep the error around, as a server logging it would
-    assert len(errors) == 1
-    assert live_models() == before, "the half-loaded model is still referenced after the ModelLoadError"
+    assert len(errors) == 1 and len(built) == 1
+    gc.collect()
+    assert built[0]() is None, "the half-loaded model is still referenced after the ModelLoadError"
