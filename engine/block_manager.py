@@ -67,8 +67,9 @@ class BlockManager:
         return digest.digest()
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids already holding this sequence's leading full blocks (never its last token)."""
-        if not self.enable_prefix_caching:
+        """Block ids already holding this sequence's leading full blocks (never its last token).
+        Sequences that want prompt log-probs compute their whole prompt, so they get none."""
+        if not self.enable_prefix_caching or getattr(seq.params, "prompt_logprobs", None) is not None:
             return []
         found: list[int] = []
         parent: Optional[bytes] = None

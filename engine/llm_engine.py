@@ -218,16 +218,18 @@ class LLMEngine:
         if out.is_empty:
             return []
         rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in out.scheduled if s.samples}
-        sampled = self.runner.execute(out.scheduled, rows)
+        result = self.runner.execute(out.scheduled, rows)
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(seq)
-            if seq.seq_id in sampled:
+            for position, entry in result.prompt_logprobs.get(seq.seq_id, ()):
+                seq.prompt_logprobs[position] = entry
+            if seq.seq_id in result.sampled:
                 request = self.requests[seq.request_id]
-                self._append(request, seq, *sampled[seq.seq_id], now)
+                self._append(request, seq, *result.sampled[seq.seq_id], now)
                 touched[request.request_id] = request
         outputs = [self._output(r) for r in touched.values()]
         for request in touched.values():
@@ -310,8 +312,11 @@ class LLMEngine:
             finished_time=max((s.finished_time or 0.0 for s in request.seqs), default=None) if request.finished else None,
             num_preemptions=sum(s.num_preemptions for s in request.seqs),
         )
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None:
+            prompt_logprobs = list(first.prompt_logprobs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, metrics)
+                             request.finished, metrics, prompt_logprobs)
 
     def get_stats(self) -> dict[str, float]:
         return {**self.scheduler.stats(), "num_requests": len(self.requests)}

@@ -29,6 +29,40 @@ CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 @dataclass
+class PromptRow:
+    """A batch row whose logits score the next prompt token (for prompt log-probs)."""
+
+    seq_id: int
+    row: int
+    position: int  # position of the scored token
+    target: int
+    top: int
+
+
+@dataclass
+class StepResult:
+    sampled: dict[int, tuple[int, Optional[dict[int, float]]]]  # seq_id -> (token, logprobs)
+    prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]]  # seq_id -> [(position, {token: logprob})]
+
+
+def _prompt_logprobs(logits: torch.Tensor, rows: list[PromptRow]) -> dict[int, list[tuple[int, dict[int, float]]]]:
+    if not rows:
+        return {}
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor([r.target for r in rows], device=logits.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    top_n = max(r.top for r in rows)
+    top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+    result: dict[int, list[tuple[int, dict[int, float]]]] = {}
+    for i, row in enumerate(rows):
+        entry = {row.target: chosen[i]}
+        if row.top:
+            entry.update(zip(top_ids[i, : row.top].tolist(), top_values[i, : row.top].tolist()))
+        result.setdefault(row.seq_id, []).append((row.position, entry))
+    return result
+
+
+@dataclass
 class RunnerConfig:
     model_config: ModelConfig
     model_folder: Optional[Path]
@@ -123,21 +157,23 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], rows: dict[int, SamplingRow]) -> dict[int, tuple[int, Optional[dict]]]:
-        """Run the batch; returns {seq_id: (token, logprobs)} for the sequences that sample."""
-        order, logits = self._forward(scheduled, self.kv_caches)
+    def execute(self, scheduled: list[ScheduledSeq], rows: dict[int, SamplingRow]) -> StepResult:
+        """Run the batch: sample the sequences that finished their known tokens, and score prompt
+        tokens for the sequences that asked for prompt log-probs."""
+        order, logits, prompt_rows = self._forward(scheduled, self.kv_caches)
         sampling = [s.seq for s in order if s.samples]
-        if not sampling:
-            return {}
-        result: SamplerOutput = self.sampler(logits, [rows[seq.seq_id] for seq in sampling])
-        logprobs = result.logprobs or [None] * len(sampling)
-        return {seq.seq_id: (token, lp) for seq, token, lp in zip(sampling, result.token_ids, logprobs)}
+        result = StepResult({}, _prompt_logprobs(logits[len(sampling):], prompt_rows))
+        if sampling:
+            sampled: SamplerOutput = self.sampler(logits[: len(sampling)], [rows[seq.seq_id] for seq in sampling])
+            logprobs = sampled.logprobs or [None] * len(sampling)
+            result.sampled = {seq.seq_id: (t, lp) for seq, t, lp in zip(sampling, sampled.token_ids, logprobs)}
+        return result
 
     def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor]):
         order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
-        input_ids, positions, meta, logits_indices = self._prepare(order)
+        input_ids, positions, meta, logits_indices, prompt_rows = self._prepare(order)
         logits = self.model(input_ids, positions, kv_caches, meta, self.attention, logits_indices)
-        return order, logits
+        return order, logits, prompt_rows
 
     def _prepare(self, order: list[ScheduledSeq]):
         bs = self.block_size
@@ -148,6 +184,7 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         single_tables: list[list[int]] = []
         single_lens: list[int] = []
+        prompt_rows: list[PromptRow] = []
         for item in order:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -163,6 +200,12 @@ class ModelRunner:
                 spans.append(PrefillSpan(row, item.num_new_tokens, end, self._tensor(table)))
             if item.samples:
                 logits_indices.append(len(ids) - 1)
+            wanted = seq.params.prompt_logprobs if seq.params is not None else None
+            if wanted is not None:
+                last = min(end, seq.num_prompt_tokens - 1)
+                prompt_rows.extend(PromptRow(seq.seq_id, row + p - start, p + 1, seq.token_ids[p + 1], wanted)
+                                   for p in range(start, last))
+        logits_indices.extend(r.row for r in prompt_rows)
         width = max((len(t) for t in single_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in single_tables]
         meta = AttentionMetadata(
@@ -175,7 +218,7 @@ class ModelRunner:
         )
         if self.attention.name == "flash-attn":
             self._add_flash_metadata(meta, order)
-        return self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices)
+        return self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), prompt_rows
 
     def _add_flash_metadata(self, meta: AttentionMetadata, order: list[ScheduledSeq]) -> None:
         q_lens = [s.num_new_tokens for s in order]

@@ -50,6 +50,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # One entry per prompt token (None for the first, which nothing predicts), when asked for.
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: Optional[int] = None  # top-N log-probabilities per generated token (plus the sampled one)
+    prompt_logprobs: Optional[int] = None  # top-N log-probabilities per prompt token (plus the actual one)
     skip_special_tokens: bool = True
     # Callables (output_token_ids, logits_row) -> logits_row, applied to the raw logits first.
     logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
@@ -56,6 +57,8 @@ class SamplingParams:
             (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),

@@ -49,6 +49,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.prompt_logprobs: list[Optional[dict[int, float]]] = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

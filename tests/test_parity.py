@@ -73,3 +73,21 @@ def test_greedy_tokens_and_logits_match_transformers(tiny_models, arch):
         diff = (ours - reference_logits(reference, prompt, tokens)).abs().max().item()
         assert diff < 1e-3, f"max |logit diff| {diff} for a {len(prompt)}-token prompt"
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models["qwen2"]
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_batched_tokens=32,
+              max_model_len=400)
+    prompt = [(7 * i + 3) % 500 for i in range(150)]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))[0]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry = out.prompt_logprobs[position]
+        assert abs(entry[prompt[position]] - expected[position - 1, prompt[position]].item()) < 1e-4
+        assert len(entry) >= 3
