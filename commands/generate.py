@@ -54,7 +54,6 @@ def generate(
     kv_cache_memory: eo.KvCacheMemory = None,
     num_kv_blocks: eo.NumKvBlocks = None,
     load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
-    enforce_eager: eo.EnforceEager = False,
     num_threads: eo.NumThreads = None,
     verify: eo.Verify = False,
     config: Optional[Path] = ConfigOption,
@@ -82,7 +81,7 @@ def generate(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, load_format=load_format,
-        enforce_eager=enforce_eager, num_threads=num_threads, verify=verify,
+        num_threads=num_threads, verify=verify,
     )
     job = GenerateJob(specs=specs, sampling=sampling, chat=chat, system=system, json_output=json_output)
     run_generate(args, job)

@@ -63,7 +63,7 @@ _llmctl() {
         "llmctl") words="completion doctor generate --version --log-level --help" ;;
         "llmctl completion") words="--help" ;;
         "llmctl doctor") words="--config --only --skip --list --explain --json --strict --expect-gpus --model --gpu-memory-utilization --thresholds --help" ;;
-        "llmctl generate") words="--file --chat --system --json --max-tokens --min-tokens --temperature --top-p --top-k --min-p --repetition-penalty --presence-penalty --frequency-penalty --stop --stop-token-id --ignore-eos --n --logprobs --sampling-seed --model --tokenizer --dtype --device --seed --block-size --max-model-len --max-num-seqs --max-num-batched-tokens --enable-prefix-caching --no-enable-prefix-caching --gpu-memory-utilization --kv-cache-memory --num-kv-blocks --load-format --enforce-eager --num-threads --verify --config --help" ;;
+        "llmctl generate") words="--file --chat --system --json --max-tokens --min-tokens --temperature --top-p --top-k --min-p --repetition-penalty --presence-penalty --frequency-penalty --stop --stop-token-id --ignore-eos --n --logprobs --sampling-seed --model --tokenizer --dtype --device --seed --block-size --max-model-len --max-num-seqs --max-num-batched-tokens --enable-prefix-caching --no-enable-prefix-caching --gpu-memory-utilization --kv-cache-memory --num-kv-blocks --load-format --num-threads --verify --config --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
 }

@@ -52,7 +52,6 @@ complete -c llmctl -n '__fish_seen_subcommand_from generate' -l gpu-memory-utili
 complete -c llmctl -n '__fish_seen_subcommand_from generate' -l kv-cache-memory -r -d 'KV cache size in bytes (CPU).'
 complete -c llmctl -n '__fish_seen_subcommand_from generate' -l num-kv-blocks -r -d 'Explicit KV pool size in blocks (overrides the memory settings).'
 complete -c llmctl -n '__fish_seen_subcommand_from generate' -l load-format -r -a 'auto dummy' -d 'auto - read the checkpoint; dummy - random weights of its shapes.'
-complete -c llmctl -n '__fish_seen_subcommand_from generate' -l enforce-eager -d 'Never compile or capture graphs.'
 complete -c llmctl -n '__fish_seen_subcommand_from generate' -l num-threads -r -d 'CPU threads for torch.'
 complete -c llmctl -n '__fish_seen_subcommand_from generate' -l verify -d 'Check weight files against the folders SHA256SUMS first.'
 complete -c llmctl -n '__fish_seen_subcommand_from generate' -l config -r -F -d 'YAML file of option values (keys are the long flag names). Flags and LLMCTL_* en'

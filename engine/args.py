@@ -34,7 +34,6 @@ class EngineArgs:
     num_kv_blocks: Optional[int] = None  # explicit pool size, overrides both memory settings
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
-    enforce_eager: bool = False
     batch_wait_timeout_ms: float = 0.0
     long_prompt_penalty: float = 0.0  # admission delay, in seconds per 1000 prompt tokens
     scheduling_policy: str = "fcfs"

@@ -44,7 +44,6 @@ GpuMemUtil = Annotated[float, _opt("--gpu-memory-utilization", help="Fraction of
 KvCacheMemory = Annotated[Optional[int], _opt("--kv-cache-memory", help="KV cache size in bytes (CPU).")]
 NumKvBlocks = Annotated[Optional[int], _opt("--num-kv-blocks", help="Explicit KV pool size in blocks (overrides the memory settings).")]
 LoadFormatOpt = Annotated[LoadFormat, _opt("--load-format", help="auto: read the checkpoint; dummy: random weights of its shapes.")]
-EnforceEager = Annotated[bool, _opt("--enforce-eager", help="Never compile or capture graphs.")]
 NumThreads = Annotated[Optional[int], _opt("--num-threads", help="CPU threads for torch.")]
 Verify = Annotated[bool, _opt("--verify", help="Check weight files against the folder's SHA256SUMS first.")]
 
