@@ -1,0 +1,251 @@
+"""The offline `LLM` API: prompt forms, output order, per-prompt params, n > 1 with prefix sharing,
+abort, request validation (nothing leaks on refusal), finish reasons, YAML engine args, and flat
+peak RSS across repeated workloads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llmctl.engine import LLM, EngineArgs, SamplingParams
+from llmctl.engine.errors import EngineArgsError, InvalidRequestError
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat_model) -> LLM:
+    return LLM(str(tiny_chat_model), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=48,
+               max_num_batched_tokens=64)
+
+
+def all_free(llm: LLM) -> bool:
+    bm = llm.engine.block_manager
+    bm.check_invariants([])
+    return bm.num_free_blocks == bm.num_blocks and not llm.engine.requests and not llm.engine.scheduler.has_unfinished
+
+
+def ids(length: int, start: int = 10) -> list[int]:
+    return [(start + 7 * i) % 500 + 5 for i in range(length)]
+
+
+def test_outputs_come_back_in_input_order(llm):
+    prompts = [ids(60, 1), ids(3, 2), ids(25, 3), ids(1, 4), ids(40, 5)]
+    max_tokens = [2, 9, 4, 7, 1]  # finishing order differs from the input order
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
+    outputs = llm.generate(prompts, params)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outputs] == max_tokens
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+    # Batched results equal the ones computed alone (the mapping is right, not just the lengths).
+    for i in (1, 4):
+        alone = llm.generate([prompts[i]], params[i])[0]
+        assert alone.outputs[0].token_ids == outputs[i].outputs[0].token_ids
+    assert all_free(llm)
+
+
+def test_prompt_forms(llm):
+    tok = llm.get_tokenizer()
+    text = "To be, or not to be"
+    token_ids = tok.encode(text)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    outputs = llm.generate([text, token_ids, {"prompt_token_ids": token_ids}, {"prompt": text}], params)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    assert outputs[0].prompt == text and outputs[1].prompt is None
+    assert all(o.prompt_token_ids == token_ids for o in outputs)
+    single_text = llm.generate(text, params)
+    single_ids = llm.generate(token_ids, params)
+    assert len(single_text) == len(single_ids) == 1
+    assert single_text[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    assert outputs[0].outputs[0].text == tok.decode(outputs[0].outputs[0].token_ids)
+    with pytest.raises(InvalidRequestError):
+        llm.generate([{"text": "wrong key"}], params)
+    assert all_free(llm)
+
+
+def test_per_prompt_sampling_params(llm):
+    prompts = [ids(5), ids(6), ids(7)]
+    params = [SamplingParams(max_tokens=1, **GREEDY), SamplingParams(max_tokens=3, **GREEDY),
+              SamplingParams(max_tokens=2, temperature=1.0, seed=0, ignore_eos=True, logprobs=2)]
+    outputs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 3, 2]
+    assert outputs[0].outputs[0].logprobs is None
+    lp = outputs[2].outputs[0].logprobs
+    assert len(lp) == 2 and all(tok in step for tok, step in zip(outputs[2].outputs[0].token_ids, lp))
+    with pytest.raises(InvalidRequestError, match="2 sampling params for 3 prompts"):
+        llm.generate(prompts, params[:2])
+    assert all_free(llm)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_n_samples_share_the_prompt_blocks(tiny_chat_model, caching):
+    llm = LLM(str(tiny_chat_model), device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=24,
+              enable_prefix_caching=caching)
+    prompt = ids(40)  # two full 16-token blocks to share
+    out = llm.generate([prompt], SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=4, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 4 and c.finish_reason == "length" for c in out.outputs)
+    hit_rate = llm.engine.get_stats()["prefix_cache_hit_rate"]
+    if caching:
+        assert hit_rate > 0, "the second sample should reuse the prompt's cached blocks"
+    else:
+        assert hit_rate == 0
+    again = llm.generate([prompt], SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=4, ignore_eos=True))[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs], "seeded samples repeat"
+    assert all_free(llm)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("long", ids(50), SamplingParams(max_tokens=60, **GREEDY))
+    engine.add_request("other", ids(20, 3), SamplingParams(max_tokens=60, **GREEDY))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    output = engine.abort_request("long")
+    assert output.finished and output.outputs[0].finish_reason == "abort"
+    assert engine.abort_request("long") is None
+    assert engine.abort_request("other").outputs[0].finish_reason == "abort"
+    assert all_free(llm)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "empty"),
+    ({"prompt_token_ids": []}, "empty"),
+    ([3, 512], "outside the vocabulary"),
+    ([3, -1], "outside the vocabulary"),
+    (list(range(5, 133)), "max_model_len"),
+])
+def test_invalid_prompts_are_refused_and_leave_nothing_behind(llm, prompt, message):
+    good = ids(30)
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate([good, prompt], SamplingParams(max_tokens=2))
+    assert all_free(llm)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2.0), dict(n=0),
+    dict(max_tokens=0), dict(min_tokens=5, max_tokens=2), dict(logprobs=50), dict(stop=[""]),
+    dict(repetition_penalty=0.0), dict(presence_penalty=3.0), dict(frequency_penalty=-2.5),
+    dict(stop_token_ids=[-1]),
+])
+def test_bad_sampling_params_are_invalid_requests(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_duplicate_request_id_is_refused(llm):
+    engine = llm.engine
+    engine.add_request("dup", ids(5), SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", ids(5), SamplingParams(max_tokens=1))
+    engine.abort_request("dup")
+    assert all_free(llm)
+
+
+class ForceToken:
+    """A logits processor that makes `token` the argmax once `after` tokens were produced."""
+
+    def __init__(self, token: int, after: int):
+        self.token, self.after = token, after
+
+    def __call__(self, output_ids, logits):
+        if len(output_ids) >= self.after:
+            logits = logits.clone()
+            logits[self.token] = logits.max() + 100.0
+        return logits
+
+
+def test_finish_reasons(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    prompt = ids(8)
+    by_eos = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10,
+                                                   logits_processors=[ForceToken(eos, 2)]))[0].outputs[0]
+    assert by_eos.finish_reason == "stop" and by_eos.stop_reason is None
+    assert len(by_eos.token_ids) == 3 and by_eos.token_ids[-1] == eos
+    ignored = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                                    logits_processors=[ForceToken(eos, 2)]))[0].outputs[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 5
+    by_stop_id = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[77],
+                                                       logits_processors=[ForceToken(77, 1)]))[0].outputs[0]
+    assert by_stop_id.finish_reason == "stop" and by_stop_id.stop_reason == 77 and len(by_stop_id.token_ids) == 2
+    min_tokens = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=4,
+                                                       logits_processors=[ForceToken(eos, 0)]))[0].outputs[0]
+    assert min_tokens.token_ids[:4].count(eos) == 0 and len(min_tokens.token_ids) == 5
+    by_length = llm.generate([prompt], SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert by_length.outputs[0].finish_reason == "length" and len(by_length.outputs[0].token_ids) == 3
+    metrics = by_length.metrics
+    assert metrics.time_to_first_token > 0 and metrics.finished_time >= metrics.first_token_time
+    # max_tokens=None runs up to the context length.
+    to_context = llm.generate([ids(120)], SamplingParams(max_tokens=None, **GREEDY))[0].outputs[0]
+    assert to_context.finish_reason == "length" and len(to_context.token_ids) == 128 - 120
+    assert all_free(llm)
+
+
+def test_engine_args_from_yaml(tiny_chat_model, tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"model: {tiny_chat_model}\ndevice: cpu\ndtype: float32\nmax-num-seqs: 3\n"
+                      "max_model_len: 96\nenable-prefix-caching: false\nnum_kv_blocks: 12\n")
+    args = EngineArgs.from_yaml(config, max_num_batched_tokens=32)
+    assert (args.max_num_seqs, args.max_model_len, args.enable_prefix_caching) == (3, 96, False)
+    llm = LLM.from_engine_args(args)
+    assert llm.engine.scheduler.config.max_num_seqs == 3
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 32
+    assert llm.engine.max_model_len == 96 and llm.engine.block_manager.num_blocks == 12
+    assert not llm.engine.block_manager.enable_prefix_caching
+    assert len(llm.generate("hi", SamplingParams(max_tokens=2, **GREEDY))[0].outputs[0].token_ids) == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max-num-seqs: 3\nno_such_flag: 1\n")
+    with pytest.raises(EngineArgsError, match="no_such_flag"):
+        EngineArgs.from_yaml(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(EngineArgsError, match="mapping"):
+        EngineArgs.from_yaml(bad)
+    bad.write_text("max_num_seqs: 0\n")
+    with pytest.raises(EngineArgsError, match="max_num_seqs"):
+        EngineArgs.from_yaml(bad)
+
+
+RSS_SCRIPT = textwrap.dedent("""
+    import json, random, resource, sys
+    from llmctl.engine import LLM, SamplingParams
+
+    # One thread: on a busy 2-core machine OpenMP's second thread makes every tiny op wait ~ms.
+    llm = LLM(sys.argv[1], device="cpu", dtype="float32", max_model_len=256, max_num_seqs=16,
+              max_num_batched_tokens=256, num_kv_blocks=40, num_threads=1)  # small pool: preemption too
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 500) for _ in range(rng.randint(16, 200))] for _ in range(32)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=24, ignore_eos=True, logprobs=5)
+
+    def run():
+        outputs = llm.generate(prompts, params)
+        assert all(len(o.outputs[0].token_ids) == 24 for o in outputs)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
+
+    def peak_kib():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    run()
+    once = peak_kib()
+    for _ in range(4):
+        run()
+    print(json.dumps({"once": once, "five": peak_kib(), "preemptions": llm.engine.get_stats()["num_preemptions"]}))
+""")
+
+
+def test_peak_rss_is_flat_across_repeated_workloads(tiny_chat_model):
+    proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tiny_chat_model)], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    peaks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert peaks["preemptions"] > 0
+    # 5% as the issue asks, plus 8 MiB of slack: glibc malloc keeps per-thread arenas and trims them
+    # lazily, so a few MiB of peak can move between otherwise identical runs; a real leak (every
+    # request's outputs, log-probs or KV kept) grows with each of the four extra runs instead.
+    limit = peaks["once"] * 1.05 + 8 * 1024
+    assert peaks["five"] <= limit, f"peak RSS grew from {peaks['once']} KiB to {peaks['five']} KiB"
