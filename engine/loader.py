@@ -107,7 +107,13 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _pickled(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     try:
-        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap can only be used" not in str(exc):
+                raise
+            # Legacy (pre-zipfile, torch < 1.6) checkpoints cannot be memory-mapped: read them whole.
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for bad pickles
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"{path.name} cannot be loaded safely (weights_only): {message}") from None

@@ -43,6 +43,12 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        try:
+            self._check_values()
+        except TypeError as exc:  # e.g. temperature="hot" from a JSON body: a bad request, not a crash
+            raise InvalidRequestError(f"a sampling parameter has the wrong type: {exc}") from None
+
+    def _check_values(self) -> None:
         checks = [
             (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
             (self.temperature >= 0.0, "temperature must be >= 0"),

@@ -131,7 +131,7 @@ def test_invalid_prompts_are_refused_and_leave_nothing_behind(llm, prompt, messa
     dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2.0), dict(n=0),
     dict(max_tokens=0), dict(min_tokens=5, max_tokens=2), dict(logprobs=50), dict(stop=[""]),
     dict(repetition_penalty=0.0), dict(presence_penalty=3.0), dict(frequency_penalty=-2.5),
-    dict(stop_token_ids=[-1]),
+    dict(stop_token_ids=[-1]), dict(temperature="hot"), dict(top_p=None), dict(max_tokens="16"),
 ])
 def test_bad_sampling_params_are_invalid_requests(kwargs):
     with pytest.raises(InvalidRequestError):

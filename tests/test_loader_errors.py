@@ -174,6 +174,13 @@ def test_pytorch_bin_loads(ckpt, reference_tokens):
     assert load(ckpt).generate([PROMPT], GREEDY)[0].outputs[0].token_ids == reference_tokens
 
 
+def test_legacy_non_zip_pytorch_bin_loads(ckpt, reference_tokens):
+    state = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    torch.save(state, ckpt / "pytorch_model.bin", _use_new_zipfile_serialization=False)  # torch < 1.6 format
+    assert load(ckpt).generate([PROMPT], GREEDY)[0].outputs[0].token_ids == reference_tokens
+
+
 class Exploit:
     """Unpickling this runs `Path.touch(marker)`; weights_only loading must refuse it."""
 
