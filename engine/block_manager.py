@@ -85,8 +85,6 @@ class BlockManager:
                 break  # hash collision: treat as a miss
             found.append(block_id)
             parent = block_hash
-        self.prefix_queries += usable
-        self.prefix_hits += len(found)
         return found
 
     def register_full_blocks(self, seq: Sequence) -> None:
@@ -118,6 +116,9 @@ class BlockManager:
         reusable_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - reusable_free:
             return False
+        if seq.num_computed_tokens == 0 and self.enable_prefix_caching:  # a first (or post-preemption) admission
+            self.prefix_queries += (seq.num_tokens - 1) // self.block_size
+            self.prefix_hits += len(cached_blocks)
         for block_id in cached_blocks:
             self._take(block_id)
         seq.block_table.extend(cached_blocks)

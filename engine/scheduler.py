@@ -97,7 +97,7 @@ class Scheduler:
                 victim = self._pick_victim()
                 if self.running.index(victim) < index:
                     index -= 1
-                self._preempt(victim, out)
+                budget += self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
@@ -153,14 +153,17 @@ class Scheduler:
             return max(self.running, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
         return self.running[-1]
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Preempt by recompute; returns the tokens it had been given this step (budget to refund)."""
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.reset_for_recompute()
         self.waiting.append(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
+        refund = sum(s.num_new_tokens for s in out.scheduled if s.seq is seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        return refund
 
     def stats(self) -> dict[str, float]:
         queries = self.blocks.prefix_queries
