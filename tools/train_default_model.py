@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train llmctl's embedded default model: a small Llama-architecture LM on tiny-shakespeare.
 
-A tool, not part of the package: it needs torch, tokenizers and transformers (a test extra);
+A tool, not part of the package: it needs torch, tokenizers and transformers >= 5 (a test extra);
 llmctl itself never imports transformers. The output folder is a standard Hugging Face
 checkpoint (config.json, bfloat16 model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) plus a model card README.md and metrics.json.
@@ -318,7 +318,7 @@ def write_json(path: Path, obj: dict) -> None:
 def load_saved_model(out: Path):
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return LlamaForCausalLM.from_pretrained(out).float().eval()
 
 
 @torch.no_grad()
@@ -495,7 +495,7 @@ Produced by this exact command (from the repository root, with the corpus at `..
 
 | | |
 |---|---|
-| hardware | CPU, {a.threads} threads (torch {torch.__version__}) |
+| hardware | CPU, torch.set_num_threads({a.threads}) (torch {torch.__version__}) |
 | training time | {r.seconds / 60:.1f} min ({r.steps:,} steps, stopped by {r.stopped_by}); whole run {info['run_seconds'] / 60:.1f} min |
 | tokens per step | {info['tokens_per_step']:,} ({a.batch_size} windows x {a.seq_len} tokens); {a.chat_fraction:.0%} of windows from chat-formatted speech pairs |
 | tokens seen | {info['tokens_seen']:,} ({info['tokens_seen'] / info['train_tokens']:.1f} passes over {info['train_tokens']:,} training tokens) |
