@@ -174,9 +174,9 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens, but max_model_len is "
-                                      f"{self.max_model_len} (the prompt must leave room for one output token)")
+                                      f"{self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
 

@@ -143,7 +143,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         seq = Sequence(-1, "profile", 0, [0] * tokens, params=None)  # type: ignore[arg-type]
-        seq.block_table = list(range(len(scratch[0][0])))
+        seq.block_table = list(range(-(-tokens // self.block_size)))
         self._forward([ScheduledSeq(seq, tokens)], scratch)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch
@@ -151,9 +151,9 @@ class ModelRunner:
         return peak
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        mc = self.config.model_config
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        return [torch.zeros(shape, dtype=self.config.dtype, device=self.device) for _ in range(mc.num_layers)]
+        shape = (2, *self.attention.kv_cache_shape(num_blocks, self.block_size))
+        layers = self.config.model_config.num_layers
+        return [torch.zeros(shape, dtype=self.config.dtype, device=self.device) for _ in range(layers)]
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -118,12 +118,18 @@ def test_abort_frees_blocks(llm):
     ({"prompt_token_ids": []}, "empty"),
     ([3, 512], "outside the vocabulary"),
     ([3, -1], "outside the vocabulary"),
-    (list(range(5, 133)), "max_model_len"),
+    (list(range(5, 134)), "max_model_len"),
 ])
 def test_invalid_prompts_are_refused_and_leave_nothing_behind(llm, prompt, message):
     good = ids(30)
     with pytest.raises(InvalidRequestError, match=message):
         llm.generate([good, prompt], SamplingParams(max_tokens=2))
+    assert all_free(llm)
+
+
+def test_prompt_of_exactly_max_model_len_yields_one_token(llm):
+    out = llm.generate([list(range(5, 133))], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
     assert all_free(llm)
 
 

@@ -40,16 +40,22 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's keys/values into the pool ([num_blocks, block_size, kv_heads, head_dim])."""
+def write_kv_token_major(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's keys/values into a [num_blocks, block_size, kv_heads, head_dim] pool."""
     heads, dim = k_cache.shape[-2:]
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
 
 
 class TorchAttention:
-    """Grouped-query attention in plain torch (softmax in float32)."""
+    """Grouped-query attention in plain torch (softmax in float32).
+
+    The pool is head-major, [kv_heads, num_blocks, block_size, head_dim], so gathering a batch's
+    blocks with one `index_select` yields [kv_heads, batch, context, head_dim], a layout the batched
+    matmuls read without another copy (a token-major gather needs a transposing copy that costs
+    several times the gather itself on CPU).
+    """
 
     name = "torch"
     preferred_block_size = 16
@@ -63,9 +69,13 @@ class TorchAttention:
     def validate_block_size(self, block_size: int) -> Optional[str]:
         return None
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        self._write(k_cache, k, meta.slot_mapping)
+        self._write(v_cache, v, meta.slot_mapping)
         if not meta.prefills:
             return self._single(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
@@ -76,33 +86,43 @@ class TorchAttention:
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
         return out
 
+    def _write(self, cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1))
+
+    def _gather(self, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """[kv_heads, rows of tables, blocks x block_size, head_dim] from the blocks in `tables`.
+        Not trimmed to the context length: a trimmed view would make matmul copy it again."""
+        heads, blocks, block_size, dim = cache.shape
+        picked = cache.view(heads, blocks, block_size * dim).index_select(1, tables.reshape(-1))
+        return picked.view(heads, tables.shape[0], -1, dim)
+
     def _single(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        batch, block_size = q.shape[0], k_cache.shape[1]
-        length = meta.single_max_context
-        tables = meta.single_block_tables[:, : -(-length // block_size)]
-        keys = k_cache[tables].flatten(1, 2)[:, :length]  # [B, L, Hkv, D]
-        values = v_cache[tables].flatten(1, 2)[:, :length]
-        qg = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hkv, G, L]
-        positions = torch.arange(length, device=q.device)
+        batch, block_size = q.shape[0], k_cache.shape[2]
+        tables = meta.single_block_tables[:, : -(-meta.single_max_context // block_size)]
+        keys = self._gather(k_cache, tables)  # [Hkv, B, L, D], L padded to whole blocks
+        values = self._gather(v_cache, tables)
+        qg = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1).contiguous()
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, L]
+        positions = torch.arange(keys.shape[2], device=q.device)
         lens = meta.single_context_lens.unsqueeze(1)
         hidden = positions >= lens
         if self.window is not None:
             hidden |= positions <= lens - 1 - self.window
-        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hkv, G, D]
-        return out.reshape(batch, self.num_heads, self.head_dim)
+        out = torch.matmul(probs, values)  # [Hkv, B, G, D]
+        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
         cached = span.context_len - span.length
         if cached:
-            block_size = k_cache.shape[1]
-            table = span.block_table[: -(-span.context_len // block_size)]
-            k = k_cache[table].flatten(0, 1)[: span.context_len]
-            v = v_cache[table].flatten(0, 1)[: span.context_len]
+            table = span.block_table[: -(-span.context_len // k_cache.shape[2])].unsqueeze(0)
+            k = self._gather(k_cache, table)[:, 0, : span.context_len]  # [Hkv, L, D]
+            v = self._gather(v_cache, table)[:, 0, : span.context_len]
+        else:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
         mask = None
         if cached or self.window is not None:
             q_pos = torch.arange(cached, span.context_len, device=q.device).unsqueeze(1)
@@ -111,8 +131,8 @@ class TorchAttention:
             if self.window is not None:
                 mask &= k_pos > q_pos - self.window
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.group > 1,
+            q.transpose(0, 1), k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            enable_gqa=self.group > 1,
         )
         return out.transpose(0, 1)
 
@@ -127,8 +147,12 @@ class FlashAttention:
         from flash_attn import flash_attn_varlen_func
 
         self._varlen = flash_attn_varlen_func
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def validate_block_size(self, block_size: int) -> Optional[str]:
         if block_size % 256:
@@ -137,7 +161,7 @@ class FlashAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv_token_major(k_cache, v_cache, k, v, meta.slot_mapping)
         return self._varlen(
             q, k_cache, v_cache,
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
