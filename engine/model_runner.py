@@ -218,6 +218,7 @@ class ModelRunner:
         )
         if self.attention.name == "flash-attn":
             self._add_flash_metadata(meta, order)
+        self.attention.prepare(meta, self.block_size)
         return self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), prompt_rows
 
     def _add_flash_metadata(self, meta: AttentionMetadata, order: list[ScheduledSeq]) -> None:

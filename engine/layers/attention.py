@@ -32,6 +32,8 @@ class AttentionMetadata:
     single_context_lens: torch.Tensor  # [num_single] int64
     single_max_context: int
     prefills: list[PrefillSpan]
+    # Set once per step by the backend's `prepare` (shared by every layer): torch backend
+    single_mask: Optional[torch.Tensor] = None  # [num_single, padded context] True where hidden
     # flash-attn (CUDA) views of the same batch; None on the torch backend
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None
@@ -72,6 +74,19 @@ class TorchAttention:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Per-step work shared by all layers: trim block tables and build the padding mask."""
+        if not meta.num_single:
+            return
+        num_blocks = -(-meta.single_max_context // block_size)
+        meta.single_block_tables = meta.single_block_tables[:, :num_blocks].contiguous()
+        positions = torch.arange(num_blocks * block_size, device=meta.slot_mapping.device)
+        lens = meta.single_context_lens.unsqueeze(1)
+        hidden = positions >= lens
+        if self.window is not None:
+            hidden |= positions <= lens - 1 - self.window
+        meta.single_mask = hidden[None, :, None, :]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self._write(k_cache, k, meta.slot_mapping)
@@ -98,18 +113,12 @@ class TorchAttention:
 
     def _single(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        batch, block_size = q.shape[0], k_cache.shape[2]
-        tables = meta.single_block_tables[:, : -(-meta.single_max_context // block_size)]
-        keys = self._gather(k_cache, tables)  # [Hkv, B, L, D], L padded to whole blocks
-        values = self._gather(v_cache, tables)
+        batch = q.shape[0]
+        keys = self._gather(k_cache, meta.single_block_tables)  # [Hkv, B, L, D], L padded to whole blocks
+        values = self._gather(v_cache, meta.single_block_tables)
         qg = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1).contiguous()
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, L]
-        positions = torch.arange(keys.shape[2], device=q.device)
-        lens = meta.single_context_lens.unsqueeze(1)
-        hidden = positions >= lens
-        if self.window is not None:
-            hidden |= positions <= lens - 1 - self.window
-        scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+        scores.masked_fill_(meta.single_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.matmul(probs, values)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
@@ -153,6 +162,9 @@ class FlashAttention:
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Nothing to share across layers: the kernel reads cu_seqlens and block tables as they are."""
 
     def validate_block_size(self, block_size: int) -> Optional[str]:
         if block_size % 256:
