@@ -26,6 +26,7 @@ from llmctl.engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
+WORKSPACE_FLOOR_BYTES = 1 << 30
 
 
 @dataclass
@@ -97,6 +98,10 @@ class ModelRunner:
         pack_linears(self.model, self.device, config.dtype, batch_hint=min(config.max_num_seqs, 64))
         self.num_blocks = self._plan_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # Decode workspaces (torch backend) may hold half the pool's size again, or 1 GiB.
+        bytes_per_token = self.bytes_per_block // self.block_size
+        budget = max(self.kv_cache_bytes // 2, WORKSPACE_FLOOR_BYTES)
+        self.attention.workspace_budget_tokens = budget // bytes_per_token
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,
                     self.block_size, self.kv_cache_bytes / 2**20, self.attention.name)
@@ -183,6 +188,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         spans: list[PrefillSpan] = []
         single_tables: list[list[int]] = []
+        single_ids: list[int] = []
         single_lens: list[int] = []
         prompt_rows: list[PromptRow] = []
         for item in order:
@@ -194,6 +200,7 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if item.num_new_tokens == 1:
+                single_ids.append(seq.seq_id)
                 single_tables.append(table)
                 single_lens.append(end)
             else:
@@ -215,6 +222,7 @@ class ModelRunner:
             single_context_lens=self._tensor(single_lens),
             single_max_context=max(single_lens, default=0),
             prefills=spans,
+            single_seq_ids=tuple(single_ids),
         )
         if self.attention.name == "flash-attn":
             self._add_flash_metadata(meta, order)

@@ -91,3 +91,21 @@ def test_prompt_logprobs_match_transformers_across_chunks(tiny_models):
         entry = out.prompt_logprobs[position]
         assert abs(entry[prompt[position]] - expected[position - 1, prompt[position]].item()) < 1e-4
         assert len(entry) >= 3
+
+
+def test_decode_workspace_changes_nothing(tiny_models):
+    """Kept decode K/V (append/rebuild) and per-step gathers give the same logits."""
+    prompts = make_prompts(512)[:6]
+    results = []
+    for budget in (None, 0):
+        llm = LLM(str(tiny_models["mistral"]), skip_tokenizer_init=True, dtype="float32", device="cpu",
+                  max_model_len=400, max_num_batched_tokens=128)
+        if budget is not None:
+            llm.engine.runner.attention.workspace_budget_tokens = budget
+        recorders = [LogitRecorder() for _ in prompts]
+        params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True, logits_processors=[r])
+                  for i, r in enumerate(recorders)]
+        llm.generate(prompts, params)
+        results.append([torch.stack(r.rows) for r in recorders])
+    for kept, gathered in zip(*results):
+        assert torch.equal(kept, gathered)

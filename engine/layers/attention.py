@@ -32,8 +32,10 @@ class AttentionMetadata:
     single_context_lens: torch.Tensor  # [num_single] int64
     single_max_context: int
     prefills: list[PrefillSpan]
+    single_seq_ids: tuple[int, ...] = ()  # which sequences the single-token rows belong to
     # Set once per step by the backend's `prepare` (shared by every layer): torch backend
-    single_mask: Optional[torch.Tensor] = None  # [num_single, padded context] True where hidden
+    single_mask: Optional[torch.Tensor] = None  # [1, num_single, 1, padded context] True where hidden
+    workspace: Optional["WorkspacePlan"] = None
     # flash-attn (CUDA) views of the same batch; None on the torch backend
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None
@@ -50,6 +52,16 @@ def write_kv_token_major(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
 
 
+@dataclass
+class WorkspacePlan:
+    """How this step's decode rows get their gathered K/V: `rebuild` gathers from the pool and keeps
+    the result, `append` writes only the new token into last step's copy, `none` gathers and drops."""
+
+    mode: str
+    capacity: int
+    append_index: Optional[torch.Tensor] = None
+
+
 class TorchAttention:
     """Grouped-query attention in plain torch (softmax in float32).
 
@@ -57,6 +69,11 @@ class TorchAttention:
     blocks with one `index_select` yields [kv_heads, batch, context, head_dim], a layout the batched
     matmuls read without another copy (a token-major gather needs a transposing copy that costs
     several times the gather itself on CPU).
+
+    A steady decode batch (same sequences, one token further each step) keeps its gathered K/V
+    between steps, one copy per layer, and only appends the new token: the gather, which costs
+    about as much as the attention matmuls, then happens only when the batch changes or grows past
+    a block. `workspace_budget_tokens` (set by the runner) caps that copy's size.
     """
 
     name = "torch"
@@ -67,6 +84,9 @@ class TorchAttention:
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
         self.window = sliding_window
+        self.workspace_budget_tokens = 0
+        self._workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # pool data_ptr -> (K, V)
+        self._last_batch: tuple[tuple[int, ...], list[int], int] = ((), [], 0)  # ids, lens, capacity
 
     def validate_block_size(self, block_size: int) -> Optional[str]:
         return None
@@ -75,11 +95,12 @@ class TorchAttention:
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Per-step work shared by all layers: trim block tables and build the padding mask."""
+        """Per-step work shared by all layers: trim block tables, plan the workspace, build the mask."""
         if not meta.num_single:
             return
         num_blocks = -(-meta.single_max_context // block_size)
         meta.single_block_tables = meta.single_block_tables[:, :num_blocks].contiguous()
+        meta.workspace = self._plan_workspace(meta, num_blocks * block_size)
         positions = torch.arange(num_blocks * block_size, device=meta.slot_mapping.device)
         lens = meta.single_context_lens.unsqueeze(1)
         hidden = positions >= lens
@@ -87,15 +108,32 @@ class TorchAttention:
             hidden |= positions <= lens - 1 - self.window
         meta.single_mask = hidden[None, :, None, :]
 
+    def _plan_workspace(self, meta: AttentionMetadata, capacity: int) -> WorkspacePlan:
+        lens = meta.single_context_lens.tolist()
+        last_ids, last_lens, last_capacity = self._last_batch
+        steady = (meta.single_seq_ids == last_ids and capacity == last_capacity
+                  and all(now == before + 1 for now, before in zip(lens, last_lens)))
+        if steady:
+            self._last_batch = (last_ids, lens, capacity)
+            rows = torch.arange(len(lens), device=meta.single_context_lens.device)
+            return WorkspacePlan("append", capacity, rows * capacity + meta.single_context_lens - 1)
+        self._workspaces.clear()
+        if len(lens) * capacity > self.workspace_budget_tokens:
+            self._last_batch = ((), [], 0)
+            return WorkspacePlan("none", capacity)
+        self._last_batch = (meta.single_seq_ids, lens, capacity)
+        return WorkspacePlan("rebuild", capacity)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self._write(k_cache, k, meta.slot_mapping)
         self._write(v_cache, v, meta.slot_mapping)
         if not meta.prefills:
-            return self._single(q, k_cache, v_cache, meta)
+            return self._single(q, k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.num_single:
-            out[: meta.num_single] = self._single(q[: meta.num_single], k_cache, v_cache, meta)
+            single = slice(0, meta.num_single)
+            out[single] = self._single(q[single], k[single], v[single], k_cache, v_cache, meta)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.length)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
@@ -111,13 +149,27 @@ class TorchAttention:
         picked = cache.view(heads, blocks, block_size * dim).index_select(1, tables.reshape(-1))
         return picked.view(heads, tables.shape[0], -1, dim)
 
-    def _single(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        batch = q.shape[0]
-        keys = self._gather(k_cache, meta.single_block_tables)  # [Hkv, B, L, D], L padded to whole blocks
+    def _decode_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's [Hkv, B, L, D] keys and values for the single-token rows (L padded to blocks)."""
+        plan, layer = meta.workspace, k_cache.data_ptr()
+        if plan.mode == "append":
+            keys, values = self._workspaces[layer]
+            keys.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, plan.append_index, k.transpose(0, 1))
+            values.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, plan.append_index, v.transpose(0, 1))
+            return keys, values
+        keys = self._gather(k_cache, meta.single_block_tables)
         values = self._gather(v_cache, meta.single_block_tables)
-        qg = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1).contiguous()
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, G, L]
+        if plan.mode == "rebuild":
+            self._workspaces[layer] = (keys, values)
+        return keys, values
+
+    def _single(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        batch = q.shape[0]
+        keys, values = self._decode_kv(k, v, k_cache, v_cache, meta)
+        qg = (q * self.scale).view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1).contiguous()
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [Hkv, B, G, L]
         scores.masked_fill_(meta.single_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.matmul(probs, values)  # [Hkv, B, G, D]
