@@ -34,7 +34,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     single_seq_ids: tuple[int, ...] = ()  # which sequences the single-token rows belong to
     # Set once per step by the backend's `prepare` (shared by every layer): torch backend
-    single_mask: Optional[torch.Tensor] = None  # [1, num_single, 1, padded context] True where hidden
+    single_bias: Optional[torch.Tensor] = None  # [1, num_single, 1, padded context] float32: 0 or -inf
     workspace: Optional["WorkspacePlan"] = None
     # flash-attn (CUDA) views of the same batch; None on the torch backend
     cu_seqlens_q: Optional[torch.Tensor] = None
@@ -106,7 +106,8 @@ class TorchAttention:
         hidden = positions >= lens
         if self.window is not None:
             hidden |= positions <= lens - 1 - self.window
-        meta.single_mask = hidden[None, :, None, :]
+        bias = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
+        meta.single_bias = bias[None, :, None, :]  # an add is several times cheaper than masked_fill here
 
     def _plan_workspace(self, meta: AttentionMetadata, capacity: int) -> WorkspacePlan:
         lens = meta.single_context_lens.tolist()
@@ -169,8 +170,7 @@ class TorchAttention:
         batch = q.shape[0]
         keys, values = self._decode_kv(k, v, k_cache, v_cache, meta)
         qg = (q * self.scale).view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1).contiguous()
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [Hkv, B, G, L]
-        scores.masked_fill_(meta.single_mask, float("-inf"))
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) + meta.single_bias  # [Hkv, B, G, L], float32
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.matmul(probs, values)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)

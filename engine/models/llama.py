@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.layers.attention import AttentionMetadata
-from llmctl.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from llmctl.engine.layers.rotary import RotaryEmbedding, apply_rotary, rotate
 from llmctl.engine.model_config import ModelConfig
 
 # HF name fragment -> (our fused parameter fragment, shard index)
@@ -50,13 +50,16 @@ class Attention(nn.Module):
 
     def forward(self, rope, hidden, backend, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, k, *rope)
+        else:  # q and k sit side by side: rotate them as one tensor (half the small ops)
+            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         out = backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
