@@ -2,7 +2,12 @@
 # GPU checks for a lent CUDA machine: installs nothing from the network, runs the CUDA tests and a
 # short throughput benchmark, prints a small table. Budget: under 8 minutes on one H200.
 # Usage (repo root): bash scripts/gpu_check.sh   (writes logs to ${OUT:-/tmp}/gpu_check)
+# Wheels the device image lacks (typer 0.29, which vendors click) travel in .whl/ (see the device
+# tool's README) and are installed to /tmp/site here, without a network.
 set -uo pipefail
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}/gpu_check"; mkdir -p "$out"
 export PYTHONPATH="$PWD/.gpu_site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -14,6 +19,15 @@ ln -sfn "$PWD/commands" .gpu_site/llmctl/commands
 ln -sfn "$PWD/checks" .gpu_site/llmctl/checks
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/nvidia-smi.csv"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+python -m llmctl.cli doctor --json > "$out/doctor.json"; echo "doctor exit code $?"
+python - "$out/doctor.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+print("doctor:", report["summary"])
+for r in report["results"]:
+    if r["status"] != "pass":
+        print(f"  {r['status']:5} {r['id']:24} {r.get('observed')}")
+PY
 timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/pytest.log" | tail -5
 timeout 240 python benchmarks/offline_throughput.py --dtypes bfloat16 --device cuda --json "$out/offline.json" \
     2>"$out/bench.err" | tee "$out/offline.txt"
