@@ -109,3 +109,21 @@ def test_decode_workspace_changes_nothing(tiny_models):
         results.append([torch.stack(r.rows) for r in recorders])
     for kept, gathered in zip(*results):
         assert torch.equal(kept, gathered)
+
+
+def test_bfloat16_cpu_path_tracks_float32_reference(tiny_models):
+    """The bf16 CPU kernels (oneDNN-packed batches, mv for single rows) stay close to fp32 logits."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models["llama"]
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400)
+    prompts = make_prompts(512)[:4]
+    recorders = [LogitRecorder() for _ in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logits_processors=[r]) for r in recorders]
+    outputs = llm.generate(prompts, params)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, out, rec in zip(prompts, outputs, recorders):
+        expected = reference_logits(reference, prompt, out.outputs[0].token_ids)
+        ours = torch.stack(rec.rows)
+        scale = expected.abs().max().item()
+        assert (ours - expected).abs().max().item() < 0.05 * scale + 0.05
