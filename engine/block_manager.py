@@ -60,6 +60,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ---------------------------------------------------------------------
+    def _caches(self, seq: Sequence) -> bool:
+        return self.enable_prefix_caching or seq.shares_with_siblings
+
     def hash_block(self, parent: Optional[bytes], token_ids: tuple[int, ...], salt: bytes = b"") -> bytes:
         digest = hashlib.blake2b(key=self._hash_key, digest_size=16)
         digest.update(parent if parent is not None else b"root:" + salt)
@@ -69,7 +72,7 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids already holding this sequence's leading full blocks (never its last token).
         Sequences that want prompt log-probs compute their whole prompt, so they get none."""
-        if not self.enable_prefix_caching or getattr(seq.params, "prompt_logprobs", None) is not None:
+        if not self._caches(seq) or getattr(seq.params, "prompt_logprobs", None) is not None:
             return []
         found: list[int] = []
         parent: Optional[bytes] = None
@@ -89,7 +92,7 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's fully computed blocks so that later prompts can share them."""
-        if not self.enable_prefix_caching:
+        if not self._caches(seq):
             return
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         parent: Optional[bytes] = None
@@ -116,7 +119,7 @@ class BlockManager:
         reusable_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - reusable_free:
             return False
-        if seq.num_computed_tokens == 0 and self.enable_prefix_caching:  # a first (or post-preemption) admission
+        if seq.num_computed_tokens == 0 and self._caches(seq):  # a first (or post-preemption) admission
             self.prefix_queries += (seq.num_tokens - 1) // self.block_size
             self.prefix_hits += len(cached_blocks)
         for block_id in cached_blocks:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,10 +184,13 @@ class LLMEngine:
     def _make_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float,
                         priority: int, salt: bytes) -> list[Sequence]:
         seqs: list[Sequence] = []
+        private = params.n > 1 and not self.args.enable_prefix_caching
+        if private:  # siblings still share the prompt's blocks, but nobody else can hit them
+            salt = b"siblings:" + os.urandom(16)
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, index, token_ids, params.clone_for_sample(),
                            arrival_time=arrival, priority=priority, cache_salt=salt,
-                           parent=seqs[0] if seqs else None)
+                           parent=seqs[0] if seqs else None, shares_with_siblings=private)
             if params.seed is not None:
                 seq.generator = self.runner.make_generator(hash((params.seed, index)) & (2**63 - 1))
             seqs.append(seq)

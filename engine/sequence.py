@@ -32,6 +32,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: bytes = b""
+    # n > 1 siblings share their prompt's blocks through the prefix cache even when it is off
+    # globally, under a salt private to their request.
+    shares_with_siblings: bool = False
     parent: Optional["Sequence"] = None  # n > 1: wait for the first sample's prompt to be cached
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
