@@ -239,6 +239,8 @@ class LLMEngine:
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
+        if not self.scheduler.has_unfinished:
+            self.runner.attention.release()
         return outputs
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:

@@ -127,3 +127,13 @@ def test_bfloat16_cpu_path_tracks_float32_reference(tiny_models):
         ours = torch.stack(rec.rows)
         scale = expected.abs().max().item()
         assert (ours - expected).abs().max().item() < 0.05 * scale + 0.05
+
+
+def test_idle_engine_drops_kept_decode_kv(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400)
+    seen = []
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                            logits_processors=[lambda ids, row: seen.append(llm.engine.runner.attention.kept_layers) or row])
+    llm.generate([[1, 2, 3], list(range(40))], params)
+    assert max(seen) > 0, "a steady decode batch should keep its K/V"
+    assert llm.engine.runner.attention.kept_layers == 0

@@ -109,6 +109,16 @@ class TorchAttention:
         bias = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
         meta.single_bias = bias[None, :, None, :]  # an add is several times cheaper than masked_fill here
 
+    @property
+    def kept_layers(self) -> int:
+        """How many layers currently keep a decode batch's K/V."""
+        return len(self._workspaces)
+
+    def release(self) -> None:
+        """Drop the kept decode K/V (the engine calls this when it goes idle)."""
+        self._workspaces.clear()
+        self._last_batch = ((), [], 0)
+
     def _plan_workspace(self, meta: AttentionMetadata, capacity: int) -> WorkspacePlan:
         lens = meta.single_context_lens.tolist()
         last_ids, last_lens, last_capacity = self._last_batch
@@ -217,6 +227,9 @@ class FlashAttention:
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Nothing to share across layers: the kernel reads cu_seqlens and block tables as they are."""
+
+    def release(self) -> None:
+        """Nothing is kept between steps."""
 
     def validate_block_size(self, block_size: int) -> Optional[str]:
         if block_size % 256:
