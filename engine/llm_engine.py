@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -80,8 +80,6 @@ class Request:
     texts: list[str]
     arrival_time: float
     stop_holdback: int = 0
-    aborted: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -210,7 +208,6 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = seq.finish_reason or "abort"
                 self.scheduler.finish(seq)
-        request.aborted = True
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:

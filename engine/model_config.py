@@ -107,17 +107,6 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: rope_scaling type {rope_type!r} is not supported "
                                  "(supported: default, linear, llama3)")
 
-    @property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        """Elements of K and V one token stores across all layers (multiply by the dtype's size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
-    def num_parameters(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
-
 
 def _architecture(raw: dict[str, Any], source: str) -> str:
     archs = raw.get("architectures") or []

@@ -173,15 +173,11 @@ def _render_fish(specs: list[CommandSpec]) -> str:
         if depth == 0:
             cond = "__fish_use_subcommand"
         else:
-            seen = "; and ".join(f"__fish_seen_subcommand_from {p}" for p in spec.path[1:])
-            cond = seen
+            cond = "; and ".join(f"__fish_seen_subcommand_from {p}" for p in spec.path[1:])
             if spec.subcommands:
                 cond += f"; and not __fish_seen_subcommand_from {' '.join(spec.subcommands)}"
         for name, help_text in spec.subcommands.items():
             lines.append(f"complete -c llmctl -n '{cond}' -a {name} -d '{help_text}'")
-        opt_cond = cond if depth else "__fish_use_subcommand"
-        if depth and not spec.subcommands:
-            opt_cond = "; and ".join(f"__fish_seen_subcommand_from {p}" for p in spec.path[1:])
         for opt in spec.options:
             flags = []
             for n in opt.names:
@@ -193,6 +189,6 @@ def _render_fish(specs: list[CommandSpec]) -> str:
                     extra += f" -a '{' '.join(opt.choices)}'"
                 elif opt.is_path:
                     extra += " -F"
-            lines.append(f"complete -c llmctl -n '{opt_cond}' {' '.join(flags)}{extra} -d '{opt.help}'")
+            lines.append(f"complete -c llmctl -n '{cond}' {' '.join(flags)}{extra} -d '{opt.help}'")
     lines.append("")
     return "\n".join(lines)
