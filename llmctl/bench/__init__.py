@@ -1,0 +1,1 @@
+"""Benchmarks behind `llmctl bench`: hardware microbenchmarks, serving load generation, offline throughput/latency."""

@@ -1,0 +1,1 @@
+"""Profiling behind `llmctl profile`: py-spy, memray, torch.profiler and leak hunting."""

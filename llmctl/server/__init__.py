@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server behind `llmctl serve`: FastAPI app, protocol models, metrics."""
