@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "llmctl.engine.llm",
     "LLMEngine": "llmctl.engine.llm_engine",
+    "AsyncLLMEngine": "llmctl.engine.async_engine",
     "EngineArgs": "llmctl.engine.args",
     "SamplingParams": "llmctl.engine.sampling_params",
     "RequestOutput": "llmctl.engine.outputs",

@@ -24,3 +24,23 @@ class InvalidRequestError(EngineError, ValueError):
     """A request cannot be served as asked (prompt too long, token id out of range, ...)."""
 
     user_error = True
+
+
+class EngineOverloadedError(EngineError):
+    """The waiting queue is full: the request was refused at once rather than queued forever."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(EngineError):
+    """The request ran past its deadline and was aborted (its KV blocks are free)."""
+
+
+class StepFailedError(EngineError):
+    """The engine step running this request raised; the request was aborted, the engine serves on."""
+
+
+class EngineDeadError(EngineError):
+    """The engine hit a fatal failure and no longer serves requests."""

@@ -69,6 +69,18 @@ def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> 
     return dtype
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """What the latest step ran: the server fails exactly these requests when a step raises."""
+    request_ids: tuple[str, ...]
+    num_batched_tokens: int
+    token_budget: int
+
+    @property
+    def batch_efficiency(self) -> float:
+        return self.num_batched_tokens / self.token_budget if self.token_budget else 0.0
+
+
 @dataclass
 class Request:
     request_id: str
@@ -116,6 +128,7 @@ class LLMEngine:
             batch_wait_timeout_s=args.batch_wait_timeout_ms / 1000.0, long_prompt_penalty=args.long_prompt_penalty,
         ), self.block_manager)
         self.requests: dict[str, Request] = {}
+        self.last_step = StepInfo((), 0, self.scheduler.config.max_num_batched_tokens)
         self._seq_ids = itertools.count()
         self.eos_token_ids = self._eos_ids()
 
@@ -210,6 +223,15 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         return self._output(request)
 
+    def fail_last_step(self) -> list[str]:
+        """After `step()` raised: abort the requests that step ran (freeing their blocks) and drop
+        state the failed forward may have left half-written. Returns the aborted request ids."""
+        failed = [rid for rid in self.last_step.request_ids if rid in self.requests]
+        for request_id in failed:
+            self.abort_request(request_id)
+        self.runner.attention.release()
+        return failed
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -218,6 +240,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        self.last_step = StepInfo(tuple(dict.fromkeys(s.seq.request_id for s in out.scheduled)),
+                                  out.num_batched_tokens, self.scheduler.config.max_num_batched_tokens)
         rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in out.scheduled if s.samples}
         result = self.runner.execute(out.scheduled, rows)
         now = time.monotonic()

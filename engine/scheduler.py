@@ -171,6 +171,18 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "kv_cache_usage": self.blocks.usage,
+            "num_free_blocks": self.blocks.num_free_blocks,
+            "num_total_blocks": self.blocks.num_blocks,
+            "kv_cache_fragmentation": self._fragmentation(),
             "prefix_cache_hit_rate": self.blocks.prefix_hits / queries if queries else 0.0,
             "num_preemptions": self.num_preemptions,
         }
+
+    def _fragmentation(self) -> float:
+        """Share of the running sequences' allocated KV slots that hold no token (partly filled
+        last blocks): the internal fragmentation paging keeps below one block per sequence."""
+        slots = sum(len(seq.block_table) for seq in self.running) * self.blocks.block_size
+        if not slots:
+            return 0.0
+        used = sum(min(seq.num_computed_tokens, len(seq.block_table) * self.blocks.block_size) for seq in self.running)
+        return 1.0 - used / slots

@@ -55,6 +55,7 @@ def _register_commands() -> None:
     app.command("generate")(generate.generate)
     app.command("completion")(completion.completion)
     app.command("doctor")(__import__("llmctl.commands.doctor", fromlist=["doctor"]).doctor)
+    app.command("serve")(__import__("llmctl.commands.serve", fromlist=["serve"]).serve)
 
 
 _register_commands()

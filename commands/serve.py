@@ -1,0 +1,81 @@
+"""`llmctl serve`: an OpenAI-compatible HTTP server for one model (the embedded one by default)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmctl import engine_options as eo
+from llmctl.config import ConfigOption
+
+SERVER = "Server"
+SECURITY = "Security and limits"
+
+
+def _o(*names: str, help: str, panel: str = SERVER, **kw):
+    return typer.Option(*names, help=help, rich_help_panel=panel, **kw)
+
+
+def serve(
+    host: Annotated[str, _o("--host", help="Address to bind (127.0.0.1: this machine only; 0.0.0.0: all).")] = "127.0.0.1",
+    port: Annotated[int, _o("--port", "-p", help="TCP port (0: pick a free one).")] = 8000,
+    served_model_name: Annotated[Optional[str], _o("--served-model-name", help="Model id clients send (default: the model folder's name).")] = None,
+    max_waiting_requests: Annotated[Optional[int], _o("--max-waiting-requests", help="Refuse new requests with 503 when this many are waiting (default: unbounded).")] = None,
+    request_timeout: Annotated[Optional[float], _o("--request-timeout", help="Abort requests running longer than this many seconds.")] = None,
+    shutdown_timeout: Annotated[float, _o("--shutdown-timeout", help="Seconds to let in-flight requests finish after SIGTERM/SIGINT.")] = 30.0,
+    profile_dir: Annotated[Optional[Path], _o("--profile-dir", help="Enable POST /start_profile and /stop_profile, writing torch.profiler traces here.")] = None,
+    api_key: Annotated[Optional[str], _o("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", panel=SECURITY)] = None,
+    max_output_tokens: Annotated[int, _o("--max-output-tokens", help="Largest max_tokens a request may ask for.", panel=SECURITY)] = 1024,
+    rate_limit: Annotated[Optional[str], _o("--rate-limit", help="Per-client request rate, e.g. 100/minute (default: off).", panel=SECURITY)] = None,
+    max_body_size: Annotated[int, _o("--max-body-size", help="Largest request body in bytes.", panel=SECURITY)] = 8 * 1024 * 1024,
+    allowed_origins: Annotated[Optional[list[str]], _o("--allowed-origins", help="Enable CORS for this origin (repeatable; default: CORS off).", panel=SECURITY)] = None,
+    audit_log: Annotated[Optional[Path], _o("--audit-log", help="Append one JSON line per API request to this file.", panel=SECURITY)] = None,
+    audit_log_prompts: Annotated[bool, _o("--audit-log-prompts", help="Also record prompt text in the audit log.", panel=SECURITY)] = False,
+    model: eo.Model = None,
+    tokenizer: eo.Tokenizer = None,
+    dtype: eo.DtypeOpt = eo.Dtype.auto,
+    device: eo.Device = "auto",
+    seed: eo.Seed = 0,
+    block_size: eo.BlockSize = None,
+    max_model_len: eo.MaxModelLen = None,
+    max_num_seqs: eo.MaxNumSeqs = 128,
+    max_num_batched_tokens: eo.MaxBatchedTokens = None,
+    enable_prefix_caching: eo.PrefixCaching = True,
+    gpu_memory_utilization: eo.GpuMemUtil = 0.9,
+    kv_cache_memory: eo.KvCacheMemory = None,
+    num_kv_blocks: eo.NumKvBlocks = None,
+    load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
+    num_threads: eo.NumThreads = None,
+    verify: eo.Verify = False,
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics, /health)."""
+    from llmctl.errors import UserError
+    from llmctl.server.app import ServerSettings
+    from llmctl.server.runner import run_server
+
+    if max_waiting_requests is not None and max_waiting_requests < 0:
+        raise UserError("--max-waiting-requests must be >= 0")
+    if request_timeout is not None and request_timeout <= 0:
+        raise UserError("--request-timeout must be > 0")
+    settings = ServerSettings(
+        served_model_name=served_model_name or (Path(model).resolve().name if model else "llmctl-default"),
+        host=host, port=port, api_key=api_key, max_output_tokens=max_output_tokens, max_body_bytes=max_body_size,
+        rate_limit=rate_limit, allowed_origins=list(allowed_origins or []), audit_log=audit_log,
+        audit_log_prompts=audit_log_prompts, shutdown_timeout_s=shutdown_timeout, profile_dir=profile_dir,
+    )
+    try:
+        settings.validate()
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    args = eo.engine_args(
+        model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, block_size=block_size,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, load_format=load_format,
+        num_threads=num_threads, verify=verify,
+    )
+    raise typer.Exit(run_server(args, settings, max_waiting_requests=max_waiting_requests,
+                                request_timeout_s=request_timeout))

@@ -1,0 +1,389 @@
+"""`AsyncLLMEngine`: an `LLMEngine` stepping in its own thread, driven from asyncio.
+
+Owns the engine thread and the hand-off between it and the event loop. Submissions, aborts and
+calls go in through a lock-guarded inbox and are applied between steps (so requests join the
+running batch: continuous batching); outputs come back through each request's `RequestStream`.
+On top of `LLMEngine` it adds warm-up, admission control (a bounded waiting queue), per-request
+deadlines and fault isolation: a step that raises fails only the requests it ran, and only a fatal
+failure stops the engine (then every pending request fails at once). Only the engine thread
+touches the `LLMEngine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from llmctl.engine.args import EngineArgs
+from llmctl.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError,
+                                  RequestTimeoutError, StepFailedError)
+from llmctl.engine.llm_engine import LLMEngine, StepInfo
+from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, list[int]]
+StepListener = Callable[[StepInfo, dict[str, float]], None]
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+_FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "NCCL error")
+
+
+def _settle(future: asyncio.Future, error: Optional[BaseException] = None, value: Any = None) -> None:
+    """Complete a future from the event loop unless its waiter has given up (cancelled)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+class RequestStream:
+    """One request's outputs in order (`async for`); raises the request's error if it fails.
+
+    Outputs are cumulative, so a slow reader skips intermediate ones and sees the latest.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[str], None]):
+        self.request_id = request_id
+        self.finished = False
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._on_cancel = on_cancel
+
+    def push(self, item: Union[RequestOutput, BaseException]) -> None:
+        """Called from the engine thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def cancel(self) -> None:
+        """Abort the request (frees its KV blocks at the next step) unless it already finished."""
+        if not self.finished:
+            self.finished = True
+            self._on_cancel(self.request_id)
+
+
+@dataclass
+class _Submission:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    priority: int
+    deadline: Optional[float]
+    stream: RequestStream
+    accepted: asyncio.Future
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+class AsyncLLMEngine:
+    """`AsyncLLMEngine.from_engine_args(args)`, then `start()`; `async for out in engine.generate(...)`."""
+
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: Optional[int] = None,
+                 request_timeout_s: Optional[float] = None, step_listener: Optional[StepListener] = None):
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
+        if request_timeout_s is not None and request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.request_timeout_s = request_timeout_s
+        self._step_listeners: list[StepListener] = [step_listener] if step_listener else []
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._inbox: deque = deque()
+        self._streams: dict[str, RequestStream] = {}
+        self._deadlines: dict[str, float] = {}
+        self._pending = 0
+        self._num_waiting = 0
+        self._stopping = False
+        self._ready = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._consecutive_failures = 0
+        self._stats: dict[str, float] = {}
+        self.dead_error: Optional[EngineDeadError] = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **options: Any) -> "AsyncLLMEngine":
+        return cls(LLMEngine(args), **options)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self, warm_up: bool = True) -> None:
+        """Warm up (blocking), then start the engine thread; `is_ready` turns true after both."""
+        if self._thread is not None:
+            return
+        if warm_up:
+            self._warm_up()
+        self._stats = self.engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
+        self._thread.start()
+        self._ready.set()
+
+    def _warm_up(self) -> None:
+        """One small prefill and decode, so the first real request does not pay one-time costs."""
+        prompt = list(range(min(8, self.engine.vocab_size)))
+        self.engine.add_request("llmctl-warmup", prompt, SamplingParams(max_tokens=2, temperature=0.0,
+                                                                       ignore_eos=True))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self.is_healthy
+
+    @property
+    def is_healthy(self) -> bool:
+        alive = self._thread is None or self._thread.is_alive() or self._stopping
+        return self.dead_error is None and alive
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread; requests still in flight fail with `EngineDeadError`."""
+        with self._lock:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # ---- requests (event loop side) -----------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+                          priority: int = 0, timeout_s: Optional[float] = None) -> RequestStream:
+        """Submit a request; returns once the engine accepted it (validation errors raise here)."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop, self.abort)
+        timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
+        submission = _Submission(request_id, prompt, params, priority,
+                                 time.monotonic() + timeout_s if timeout_s else None, stream, loop.create_future())
+        with self._lock:
+            self._admit(request_id)
+            self._streams[request_id] = stream
+            self._pending += 1
+            self._inbox.append(("add", submission))
+            self._wakeup.notify()
+        try:
+            await submission.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def _admit(self, request_id: str) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._stopping:
+            raise EngineDeadError("the server is shutting down")
+        if not self._ready.is_set():
+            raise EngineOverloadedError("the engine is still warming up", retry_after_s=5)
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        limit = self.max_waiting_requests
+        if limit is not None and self._pending + self._num_waiting >= limit:
+            raise EngineOverloadedError(f"the server is over capacity: {limit} requests are already waiting")
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, *,
+                       priority: int = 0, timeout_s: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the loop early (or being cancelled) aborts it."""
+        stream = await self.add_request(request_id, prompt, params, priority=priority, timeout_s=timeout_s)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.cancel()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed before the next step."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+            self._wakeup.notify()
+
+    async def call_in_engine_thread(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps (e.g. to start a profiler there)."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._inbox.append(("call", (fn, future)))
+            self._wakeup.notify()
+        return await future
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Call `listener(step_info, stats)` on the engine thread after every step that ran (e.g. metrics)."""
+        self._step_listeners.append(listener)
+
+    def get_stats(self) -> dict[str, float]:
+        """The latest scheduler/KV snapshot (published by the engine thread after each step)."""
+        with self._lock:
+            pending = self._pending
+        return {**self._stats, "num_pending": pending}
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._loop_once():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - a dead engine must fail its requests, not hang them
+            self._die(exc)
+        else:
+            self._fail_everything(EngineDeadError("the server is shutting down"))
+
+    def _loop_once(self) -> bool:
+        with self._lock:
+            while not self._inbox and not self.engine.has_unfinished_requests() and not self._stopping:
+                self._wakeup.wait()
+            commands = list(self._inbox)
+            self._inbox.clear()
+            stopping = self._stopping
+        for kind, payload in commands:
+            self._apply(kind, payload)
+        if stopping:
+            return False
+        self._expire_deadlines()
+        if self.engine.has_unfinished_requests():
+            self._step()
+        self._publish_stats()
+        return True
+
+    def _apply(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            self._add(payload)
+        elif kind == "abort":
+            self.engine.abort_request(payload)
+            self._forget(payload)
+        else:
+            fn, future = payload
+            try:
+                result, error = fn(self.engine), None
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                result, error = None, exc
+            future.get_loop().call_soon_threadsafe(_settle, future, error, result)
+
+    def _add(self, sub: _Submission) -> None:
+        error: Optional[BaseException] = None
+        try:
+            self.engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=sub.arrival_time,
+                                    priority=sub.priority)
+        except Exception as exc:  # noqa: BLE001 - invalid requests go back to their caller
+            error = exc
+        with self._lock:
+            self._pending -= 1
+            if error is not None:
+                self._streams.pop(sub.request_id, None)
+        if error is None and sub.deadline is not None:
+            self._deadlines[sub.request_id] = sub.deadline
+        sub.accepted.get_loop().call_soon_threadsafe(_settle, sub.accepted, error)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for request_id, deadline in list(self._deadlines.items()):
+            if now >= deadline:
+                self.engine.abort_request(request_id)
+                self._finish(request_id, RequestTimeoutError(
+                    f"the request ran past its {self.request_timeout_s or 0:g} s timeout and was aborted"))
+
+    def _step(self) -> None:
+        before = self.engine.last_step
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
+            self._recover(exc)
+            return
+        self._consecutive_failures = 0
+        for output in outputs:
+            stream = self._stream(output.request_id)
+            if stream is not None:
+                stream.push(output)
+            if output.finished:
+                self._forget(output.request_id)
+        step = self.engine.last_step
+        if step is before:  # nothing was scheduled (e.g. dynamic batching holds a small batch)
+            with self._lock:
+                self._wakeup.wait(0.002)
+        elif self._step_listeners:
+            stats = self.engine.get_stats()
+            for listener in self._step_listeners:
+                listener(step, stats)
+
+    def _recover(self, exc: Exception) -> None:
+        if any(marker in str(exc) for marker in _FATAL_MARKERS):
+            raise exc
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineDeadError(f"{self._consecutive_failures} engine steps failed in a row; "
+                                  f"last: {type(exc).__name__}: {exc}") from exc
+        logger.error("engine step failed; failing its requests: %s: %s", type(exc).__name__, exc,
+                     exc_info=not _is_out_of_memory(exc))
+        if _is_out_of_memory(exc):
+            _release_cached_device_memory()
+        for request_id in self.engine.fail_last_step():
+            self._finish(request_id, StepFailedError(f"the engine step running this request failed "
+                                                     f"({type(exc).__name__}: {exc}); other requests continue"))
+
+    def _die(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}")
+        self.dead_error = error
+        logger.critical("the engine died; failing every pending request", exc_info=exc)
+        self._fail_everything(error)
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        with self._lock:
+            commands = list(self._inbox)
+            self._inbox.clear()
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._pending = 0
+        for kind, payload in commands:
+            future = payload.accepted if kind == "add" else payload[1] if kind == "call" else None
+            if future is not None:
+                future.get_loop().call_soon_threadsafe(_settle, future, error)
+        for stream in streams:
+            stream.push(error)
+        self._deadlines.clear()
+
+    def _stream(self, request_id: str) -> Optional[RequestStream]:
+        with self._lock:
+            return self._streams.get(request_id)
+
+    def _forget(self, request_id: str) -> Optional[RequestStream]:
+        self._deadlines.pop(request_id, None)
+        with self._lock:
+            return self._streams.pop(request_id, None)
+
+    def _finish(self, request_id: str, error: BaseException) -> None:
+        stream = self._forget(request_id)
+        if stream is not None:
+            stream.push(error)
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.get_stats()
+        with self._lock:
+            self._stats = stats
+            self._num_waiting = int(stats.get("num_waiting", 0))
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def _release_cached_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

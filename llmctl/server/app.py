@@ -1,0 +1,172 @@
+"""The FastAPI application: routes, middleware stack and lifecycle for one served model.
+
+Owns `ServerSettings` (validated in one place) and `build_app()`, which wires the engine, the
+OpenAI handlers, metrics, the audit log, auth, limits and (when asked) the profiling endpoints.
+The engine warms up in the background after the socket opens: `/health` answers 503 "starting"
+until it is ready, so a load balancer only routes to a warm server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import platform
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from llmctl.__about__ import __version__
+from llmctl.engine.async_engine import AsyncLLMEngine
+from llmctl.server.errors import APIError, install_error_handlers
+from llmctl.server.metrics import ServerMetrics, endpoint_label
+from llmctl.server.middleware import (AuditLog, BearerAuth, BodySizeLimit, RateLimit, RateLimiter, RequestContext,
+                                      audit_line, is_protected)
+from llmctl.server.profiler import TorchProfilerSession
+from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str = "llmctl-default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    max_output_tokens: int = 1024
+    max_body_bytes: int = 8 * 1024 * 1024
+    rate_limit: Optional[str] = None
+    allowed_origins: list[str] = field(default_factory=list)
+    audit_log: Optional[Path] = None
+    audit_log_prompts: bool = False
+    shutdown_timeout_s: float = 30.0
+    profile_dir: Optional[Path] = None
+
+    def validate(self) -> None:
+        checks = [
+            (bool(self.served_model_name.strip()), "--served-model-name must not be empty"),
+            (0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}"),
+            (self.max_output_tokens >= 1, "--max-output-tokens must be >= 1"),
+            (self.max_body_bytes >= 1024, "--max-body-size must be at least 1024 bytes"),
+            (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
+            (self.api_key is None or len(self.api_key) >= 1, "--api-key must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.rate_limit:
+            RateLimit.parse(self.rate_limit)
+        if self.audit_log_prompts and self.audit_log is None:
+            raise ValueError("--audit-log-prompts needs --audit-log FILE")
+
+
+KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version",
+                   "/start_profile", "/stop_profile"}
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine: bool = True) -> FastAPI:
+    """The ASGI app serving `engine`; the engine warms up on startup unless already started."""
+    settings.validate()
+    metrics = ServerMetrics(settings.served_model_name, engine.get_stats)
+    engine.add_step_listener(metrics.observe_step)
+    serving = OpenAIServing(engine, settings.served_model_name, settings.max_output_tokens, metrics)
+    audit = AuditLog(settings.audit_log, settings.audit_log_prompts) if settings.audit_log else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        warmup = asyncio.create_task(asyncio.to_thread(engine.start)) if start_engine else None
+        try:
+            yield
+        finally:
+            if warmup is not None and not warmup.done():
+                warmup.cancel()
+            await asyncio.to_thread(engine.shutdown)
+            if audit is not None:
+                audit.close()
+
+    app = FastAPI(title="llmctl", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    install_error_handlers(app)
+    _add_routes(app, engine, serving, metrics, settings)
+
+    def on_finished(record: dict[str, Any]) -> None:
+        metrics.observe_http(endpoint_label(record["path"], KNOWN_ENDPOINTS), record["status"])
+        if audit is not None and is_protected(record["path"]):
+            audit.write(audit_line(record, settings.audit_log_prompts))
+
+    # Added innermost first: requests pass RequestContext, then size, auth, rate limit, CORS.
+    if settings.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"])
+    if settings.rate_limit:
+        app.add_middleware(RateLimiter, limit=RateLimit.parse(settings.rate_limit))
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestContext, on_finished=on_finished)
+    return app
+
+
+def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing, metrics: ServerMetrics,
+                settings: ServerSettings) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "llmctl", "max_model_len": serving.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.dead_error is not None or not engine.is_healthy:
+            return JSONResponse({"status": "unhealthy", "error": str(engine.dead_error or "engine thread stopped")},
+                                status_code=503)
+        if not engine.is_ready:
+            return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "2"})
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        import torch
+
+        return {"version": __version__, "python": platform.python_version(), "torch": torch.__version__}
+
+    if settings.profile_dir is not None:
+        _add_profile_routes(app, engine, settings.profile_dir)
+
+
+def _add_profile_routes(app: FastAPI, engine: AsyncLLMEngine, folder: Path) -> None:
+    session = TorchProfilerSession(folder)
+
+    @app.post("/start_profile")
+    async def start_profile():
+        if session.active:
+            raise APIError(409, "a profile is already being recorded; POST /stop_profile first", code="conflict")
+        await engine.call_in_engine_thread(lambda _engine: session.start())
+        return {"status": "started", "profile_dir": str(folder)}
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        if not session.active:
+            raise APIError(409, "no profile is being recorded; POST /start_profile first", code="conflict")
+        path = await engine.call_in_engine_thread(lambda _engine: session.stop())
+        return {"status": "stopped", "files": [str(path)]}

@@ -1,0 +1,116 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+
+Owns the mapping from every failure the server can meet (validation, engine errors, unknown
+routes, real bugs) to one status code and body, so no handler formats errors on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmctl.engine.errors import (EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError,
+                                  RequestTimeoutError, StepFailedError)
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered with `status` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None, error_type: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+        self.error_type = error_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """The API error for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=_param_of(str(exc)), code="invalid_value")
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), code="server_overloaded", headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(408, str(exc), code="request_timeout")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not serving: {exc}", code="engine_dead", headers={"Retry-After": "30"})
+    if isinstance(exc, StepFailedError):
+        return APIError(500, str(exc), code="engine_step_failed")
+    logger.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"internal server error ({type(exc).__name__}); see the server log", code="internal_error")
+
+
+_KNOWN_PARAMS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
+                 "seed", "stop", "min_tokens", "logit_bias", "messages", "prompt", "token id", "model")
+
+
+def _param_of(message: str) -> Optional[str]:
+    """Name the offending parameter when the engine's message starts with it."""
+    for name in _KNOWN_PARAMS:
+        if message.startswith(name):
+            return "prompt" if name == "token id" else name
+    if "prompt" in message:
+        return "prompt"
+    return None
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}",
+                        code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    where = ".".join(loc) or "body"
+    message = f"invalid value for '{where}': {first.get('msg', 'invalid')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return APIError(400, message, param=loc[0] if loc else None, code="invalid_type")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "error"
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(EngineError)
+    async def _on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return from_exception(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _on_error(request: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response()

@@ -1,0 +1,115 @@
+"""Prometheus metrics for `/metrics`, named `llmctl:*` after vLLM's `vllm:*` so dashboards port.
+
+Owns one `CollectorRegistry` per server (no process-global state): request counters and latency
+histograms observed by the handlers, per-step batch efficiency observed on the engine thread, and
+gauges/counters read from the engine's stats snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from llmctl.engine.llm_engine import StepInfo
+from llmctl.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                         1.0, 2.5, 5.0)
+RATIO_BUCKETS = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Reads the engine's latest snapshot when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str):
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator:
+        stats = self._stats()
+        gauges = [
+            ("llmctl:num_requests_running", "Sequences in the running batch.", stats.get("num_running", 0)),
+            ("llmctl:num_requests_waiting", "Sequences waiting to be scheduled (incl. not yet admitted).",
+             stats.get("num_waiting", 0) + stats.get("num_pending", 0)),
+            ("llmctl:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+             stats.get("kv_cache_usage", 0.0)),
+            ("llmctl:kv_cache_fragmentation_perc", "Fraction of the running sequences' allocated KV slots "
+             "that hold no token.", stats.get("kv_cache_fragmentation", 0.0)),
+            ("llmctl:prefix_cache_hit_rate", "Share of prefix-cache block queries that hit, since start.",
+             stats.get("prefix_cache_hit_rate", 0.0)),
+            ("llmctl:kv_cache_free_blocks", "Free KV-cache blocks.", stats.get("num_free_blocks", 0)),
+        ]
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(value))
+            yield family
+        preemptions = CounterMetricFamily("llmctl:num_preemptions", "Sequences preempted (KV cache full).",
+                                          labels=["model_name"])
+        preemptions.add_metric([self._model], float(stats.get("num_preemptions", 0)))
+        yield preemptions
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict[str, float]]):
+        disable_created_metrics()  # the *_created samples double every series for no dashboard use
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.http_requests = Counter("llmctl:http_requests", "HTTP requests by endpoint and status code.",
+                                     ["endpoint", "status"], registry=r)
+        self.request_success = Counter("llmctl:request_success", "Finished requests by finish reason.",
+                                       labels + ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("llmctl:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("llmctl:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.ttft = Histogram("llmctl:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("llmctl:time_per_output_token_seconds", "Mean time per output token after the "
+                              "first, per request.", labels, buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("llmctl:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("llmctl:request_queue_time_seconds", "Time from arrival to first schedule.",
+                                    labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_efficiency = Histogram("llmctl:batch_efficiency", "Tokens computed per engine step over the "
+                                          "step's token budget.", labels, buckets=RATIO_BUCKETS, registry=r)
+        self.step_tokens = Counter("llmctl:step_tokens", "Tokens computed by engine steps.", labels, registry=r)
+        r.register(_EngineStatsCollector(engine_stats, model_name))
+
+    def observe_http(self, endpoint: str, status: int) -> None:
+        self.http_requests.labels(endpoint, str(status)).inc()
+
+    def observe_step(self, step: StepInfo, _stats: dict[str, float]) -> None:
+        """Engine-thread listener (prometheus_client is thread-safe)."""
+        self.batch_efficiency.labels(self.model_name).observe(step.batch_efficiency)
+        self.step_tokens.labels(self.model_name).inc(step.num_batched_tokens)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        model = self.model_name
+        metrics = output.metrics
+        generated = sum(len(c.token_ids) for c in output.outputs)
+        self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(model).inc(generated)
+        for completion in output.outputs:
+            self.request_success.labels(model, completion.finish_reason or "unknown").inc()
+        if metrics.time_to_first_token is not None:
+            self.ttft.labels(model).observe(metrics.time_to_first_token)
+        if metrics.queue_time is not None:
+            self.queue_time.labels(model).observe(metrics.queue_time)
+        if metrics.finished_time is not None:
+            self.e2e.labels(model).observe(metrics.finished_time - metrics.arrival_time)
+            per_seq = max((len(c.token_ids) for c in output.outputs), default=0)
+            if per_seq > 1 and metrics.first_token_time is not None:
+                self.tpot.labels(model).observe((metrics.finished_time - metrics.first_token_time) / (per_seq - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def endpoint_label(path: str, known: Optional[set[str]] = None) -> str:
+    """Route paths as labels; unknown paths collapse into one label (no cardinality explosion)."""
+    return path if known is None or path in known else "other"

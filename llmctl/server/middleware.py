@@ -1,0 +1,245 @@
+"""ASGI middleware in front of the API: request ids, audit log and HTTP metrics, body-size limit,
+Bearer-token auth and per-client rate limiting.
+
+Each is a small pure-ASGI wrapper (streaming responses pass through untouched) that answers
+refusals itself with an OpenAI error body, before any handler runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from llmctl.server.errors import APIError
+
+ASGIApp = Callable[..., Any]
+PROTECTED_PREFIXES = ("/v1/", "/start_profile", "/stop_profile")
+AUDIT_KEY = "llmctl.audit"
+
+
+def is_protected(path: str) -> bool:
+    return path.startswith(PROTECTED_PREFIXES)
+
+
+async def send_error(send: Callable, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def client_of(scope: dict) -> str:
+    client = scope.get("client")
+    return client[0] if client else "unknown"
+
+
+# ---- request context: id, audit log, HTTP metrics ------------------------------------------------
+class AuditLog:
+    """Append-only JSON lines; one line per API request, written after its response ended."""
+
+    def __init__(self, path: Path, include_prompts: bool):
+        self.include_prompts = include_prompts
+        self._lock = threading.Lock()
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives as long as the server
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, ensure_ascii=False)
+        with self._lock:
+            self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class RequestContext:
+    """Gives each request an id (`X-Request-Id`), times it, and records metrics and the audit line.
+
+    Handlers add model and token counts to `scope[AUDIT_KEY]`; prompt text is kept only when the
+    audit log was asked to include prompts.
+    """
+
+    def __init__(self, app: ASGIApp, *, on_finished: Callable[[dict[str, Any]], None]):
+        self.app = app
+        self.on_finished = on_finished
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex
+        request_id = re.sub(r"[^A-Za-z0-9._:-]", "", request_id)[:128] or uuid.uuid4().hex
+        record: dict[str, Any] = {"request_id": request_id, "client": client_of(scope), "method": scope["method"],
+                                  "path": scope["path"], "status": 500}
+        scope[AUDIT_KEY] = record
+        start = time.monotonic()
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                record["status"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            record["latency_ms"] = round((time.monotonic() - start) * 1000.0, 3)
+            self.on_finished(record)
+
+
+def audit_line(record: dict[str, Any], include_prompts: bool) -> dict[str, Any]:
+    line = {"time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), **record}
+    if not include_prompts:
+        line.pop("prompt", None)
+    return line
+
+
+def _header(scope: dict, name: bytes) -> Optional[str]:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+# ---- body size ------------------------------------------------------------------------------------
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimit:
+    """413 for bodies over `max_bytes`, by Content-Length up front or by counting a chunked body."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await send_error(send, self._error())
+            return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await send_error(send, self._error())
+
+    def _error(self) -> APIError:
+        return APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes",
+                        code="request_too_large")
+
+
+# ---- auth -----------------------------------------------------------------------------------------
+class BearerAuth:
+    """Require `Authorization: Bearer <key>` on API routes; compared in constant time."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str):
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and is_protected(scope["path"]) and scope["method"] != "OPTIONS":
+            header = _header(scope, b"authorization") or ""
+            scheme, _, token = header.partition(" ")
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)):
+                message = "missing API key: send 'Authorization: Bearer <key>'" if not header else "invalid API key"
+                await send_error(send, APIError(401, message, code="invalid_api_key",
+                                                headers={"WWW-Authenticate": "Bearer"}))
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- rate limit -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RateLimit:
+    requests: int
+    period_s: float
+
+    _UNITS = {"second": 1.0, "sec": 1.0, "s": 1.0, "minute": 60.0, "min": 60.0, "m": 60.0,
+              "hour": 3600.0, "h": 3600.0, "day": 86400.0, "d": 86400.0}
+
+    @classmethod
+    def parse(cls, text: str) -> "RateLimit":
+        """'100/minute', '5/second', '1000/hour' (also '/s', '/m', '/h', '/d')."""
+        match = re.fullmatch(r"\s*(\d+)\s*/\s*([a-z]+)\s*", text.lower())
+        if not match or match.group(2) not in cls._UNITS or int(match.group(1)) < 1:
+            raise ValueError(f"invalid rate limit {text!r}: use N/second, N/minute, N/hour or N/day with N >= 1")
+        return cls(int(match.group(1)), cls._UNITS[match.group(2)])
+
+    def __str__(self) -> str:
+        return f"{self.requests}/{self.period_s:g}s"
+
+
+class TokenBuckets:
+    """One token bucket per client: bursts up to `requests`, refilled at `requests / period`."""
+
+    def __init__(self, limit: RateLimit, max_clients: int = 10_000, clock: Callable[[], float] = time.monotonic):
+        self.limit = limit
+        self._rate = limit.requests / limit.period_s
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._max_clients = max_clients
+        self._clock = clock
+
+    def take(self, client: str) -> float:
+        """0 when the request may pass, else the seconds until it would."""
+        now = self._clock()
+        tokens, last = self._buckets.pop(client, (float(self.limit.requests), now))
+        tokens = min(float(self.limit.requests), tokens + (now - last) * self._rate)
+        wait = 0.0
+        if tokens >= 1.0:
+            tokens -= 1.0
+        else:
+            wait = (1.0 - tokens) / self._rate
+        self._buckets[client] = (tokens, now)
+        while len(self._buckets) > self._max_clients:
+            self._buckets.popitem(last=False)
+        return wait
+
+
+class RateLimiter:
+    def __init__(self, app: ASGIApp, *, limit: RateLimit):
+        self.app = app
+        self.buckets = TokenBuckets(limit)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            wait = self.buckets.take(client_of(scope))
+            if wait > 0:
+                retry = max(1, int(wait + 0.999))
+                await send_error(send, APIError(429, f"rate limit exceeded ({self.buckets.limit.requests} requests "
+                                                     f"per {self.buckets.limit.period_s:g} s per client); retry "
+                                                     f"in {retry} s", code="rate_limit_exceeded",
+                                                headers={"Retry-After": str(retry)}))
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,207 @@
+"""OpenAI request bodies (pydantic, strict types) and their translation to `SamplingParams`.
+
+Owns what a valid `/v1/completions` or `/v1/chat/completions` body is: OpenAI's fields, plus the
+sampling extras vLLM accepts (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, ...).
+Unknown fields are ignored, as vLLM does, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmctl.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from llmctl.server.errors import APIError
+
+MAX_N = 16
+MAX_STOP_SEQUENCES = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = Field(default=None, max_length=256)
+    # Extras accepted as vLLM does.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[Any]] = None
+    add_generation_prompt: bool = True
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them: role and text content."""
+        out = []
+        for message in self.messages:
+            content = message.content
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+            if message.name:
+                entry["name"] = message.name
+            out.append(entry)
+        return out
+
+
+def check_unsupported(body: Union[CompletionRequest, ChatCompletionRequest]) -> None:
+    """Refuse features we do not implement instead of silently ignoring them."""
+    if isinstance(body, CompletionRequest):
+        if body.suffix:
+            raise APIError(400, "suffix (insertion) is not supported by this server", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of must equal n (beam search / best-of ranking is not supported)",
+                           param="best_of")
+    else:
+        if body.tools:
+            raise APIError(400, "tool calling is not supported by this server", param="tools")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, f"response_format {body.response_format.type!r} is not supported (only 'text')",
+                           param="response_format")
+
+
+def requested_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
+    if isinstance(body, ChatCompletionRequest):
+        return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return body.max_tokens
+
+
+def resolve_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
+                       max_model_len: int, cap: int) -> int:
+    """max_tokens after the server cap and the context length; errors name the limit hit."""
+    asked = requested_max_tokens(body)
+    room = max_model_len - prompt_len
+    param = "max_completion_tokens" if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None else "max_tokens"
+    if asked is None:
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room to generate in this "
+                                f"model's context of {max_model_len} tokens", param="messages")
+        return min(cap, room)
+    if asked < 1:
+        raise APIError(400, f"{param} must be at least 1, got {asked}", param=param)
+    if asked > cap:
+        raise APIError(400, f"{param} {asked} exceeds this server's limit of {cap} tokens per request "
+                            f"(--max-output-tokens)", param=param)
+    if prompt_len + asked > max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the request "
+                            f"asks for {prompt_len + asked} ({prompt_len} in the prompt, {asked} to generate); "
+                            f"shorten the prompt or lower {param}", param=param)
+    return asked
+
+
+def sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
+                    vocab_size: int) -> SamplingParams:
+    """The engine's `SamplingParams` for a request (value errors raise `InvalidRequestError`)."""
+    if not 1 <= body.n <= MAX_N:
+        raise APIError(400, f"n must be between 1 and {MAX_N}, got {body.n}", param="n")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise APIError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", param="stop")
+    return SamplingParams(
+        n=body.n,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=stops,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=_logprobs(body),
+        skip_special_tokens=body.skip_special_tokens,
+        logits_processors=[_logit_bias(body.logit_bias, vocab_size)] if body.logit_bias else [],
+    )
+
+
+def _logprobs(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
+    if isinstance(body, CompletionRequest):
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+        return body.logprobs
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int):
+    """A logits processor adding OpenAI's per-token bias (keys are token ids as strings)."""
+    import torch
+
+    ids, values = [], []
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+        ids.append(int(key))
+        values.append(float(value))
+    index, delta = torch.tensor(ids), torch.tensor(values)
+
+    def apply(_output_ids: list[int], logits: "torch.Tensor") -> "torch.Tensor":
+        return logits.index_add(0, index.to(logits.device), delta.to(logits.device, logits.dtype))
+
+    return apply

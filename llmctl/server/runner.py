@@ -1,0 +1,75 @@
+"""Run the server: load the engine (errors surface before the port opens), then uvicorn.
+
+Owns process-level behaviour: signal handling for a graceful drain (stop accepting, let in-flight
+requests finish within the shutdown timeout, exit 0) and the "listening on" line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from typing import Iterator
+
+import uvicorn
+
+from llmctl.engine.args import EngineArgs
+from llmctl.errors import UserError
+from llmctl.engine.async_engine import AsyncLLMEngine
+from llmctl.server.app import ServerSettings, build_app
+
+logger = logging.getLogger(__name__)
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would end the process
+    with a signal status; a drained server should exit 0, so the signal is handled here instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame) -> None:
+        if self.should_exit:  # a second signal: stop waiting for in-flight requests
+            self.force_exit = True
+            return
+        logger.warning("received %s: no longer accepting requests; draining in-flight ones (up to %g s)",
+                       signal.Signals(sig).name, self.config.timeout_graceful_shutdown or 0)
+        self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            sys.stderr.write(f"llmctl serve: listening on http://{host}:{port} (model warming up; GET /health)\n")
+            sys.stderr.flush()
+
+
+def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting_requests: int | None,
+               request_timeout_s: float | None) -> int:
+    settings.validate()
+    engine = AsyncLLMEngine.from_engine_args(engine_args, max_waiting_requests=max_waiting_requests,
+                                             request_timeout_s=request_timeout_s)
+    app = build_app(engine, settings)
+    level = logging.getLogger("llmctl").getEffectiveLevel()
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=max(level, logging.INFO),
+                            access_log=level <= logging.INFO, timeout_graceful_shutdown=settings.shutdown_timeout_s,
+                            server_header=False, date_header=True, lifespan="on")
+    server = _GracefulServer(config)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits when it cannot bind
+        pass
+    if not server.started:
+        raise UserError(f"could not listen on {settings.host}:{settings.port} (port in use, or not permitted?)")
+    return 0

@@ -1,0 +1,360 @@
+"""The OpenAI completions and chat endpoints on top of `AsyncLLMEngine`.
+
+Owns turning a validated request into engine requests (one per prompt, `n` samples each), and the
+engine's cumulative outputs back into OpenAI responses: whole JSON bodies, or Server-Sent Events
+carrying text deltas, ending in `data: [DONE]`. A client that disconnects aborts its requests, so
+their KV blocks are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from llmctl.engine.async_engine import AsyncLLMEngine, RequestStream
+from llmctl.engine.errors import EngineError
+from llmctl.engine.outputs import CompletionOutput, RequestOutput
+from llmctl.server.errors import APIError, from_exception
+from llmctl.server.metrics import ServerMetrics
+from llmctl.server.middleware import AUDIT_KEY
+from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, check_unsupported,
+                                    resolve_max_tokens, sampling_params)
+
+MAX_PROMPTS_PER_REQUEST = 256
+AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
+
+
+@dataclass
+class _Prompt:
+    text: Optional[str]
+    token_ids: list[int]
+
+
+@dataclass
+class _Job:
+    """One API request: its engine streams (one per prompt) and what has been sent so far."""
+    response_id: str
+    body: AnyRequest
+    prompts: list[_Prompt]
+    streams: list[RequestStream]
+    created: int = field(default_factory=lambda: int(time.time()))
+    sent_text: dict[tuple[int, int], int] = field(default_factory=dict)
+    sent_tokens: dict[tuple[int, int], int] = field(default_factory=dict)
+    done: set[tuple[int, int]] = field(default_factory=set)
+    finals: dict[int, RequestOutput] = field(default_factory=dict)
+
+    def cancel(self) -> None:
+        for stream in self.streams:
+            stream.cancel()
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_output_tokens: int, metrics: ServerMetrics):
+        self.engine = engine
+        self.model_name = model_name
+        self.max_output_tokens = max_output_tokens
+        self.metrics = metrics
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.vocab_size
+        self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+
+    # ---- entry points -----------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        check_unsupported(body)
+        return await self._serve(body, request, self._completion_prompts(body), chat=False)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        check_unsupported(body)
+        return await self._serve(body, request, [self._chat_prompt(body)], chat=True)
+
+    async def _serve(self, body: AnyRequest, request: Request, prompts: list[_Prompt], chat: bool):
+        audit = request.scope.get(AUDIT_KEY, {})
+        audit.update(model=self.model_name, user=body.user, stream=body.stream,
+                     prompt_tokens=sum(len(p.token_ids) for p in prompts),
+                     prompt=[p.text for p in prompts] if not chat else body.plain_messages())
+        job = await self._submit(body, prompts, audit.get("request_id") or uuid.uuid4().hex, chat)
+        if body.stream:
+            events = self._chat_events(job) if chat else self._completion_events(job)
+            return StreamingResponse(self._sse(job, events, audit), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await self._collect(job, request)
+        audit["completion_tokens"] = job.usage()["completion_tokens"]
+        return JSONResponse(self._chat_body(job) if chat else self._completion_body(job))
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    # ---- prompts ----------------------------------------------------------------------------------
+    def _completion_prompts(self, body: CompletionRequest) -> list[_Prompt]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            items: list[Union[str, list[int]]] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]  # one prompt of token ids
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if len(items) > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(400, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", param="prompt")
+        return [self._prompt(item) for item in items]
+
+    def _prompt(self, item: Union[str, list[int]]) -> _Prompt:
+        if isinstance(item, str):
+            if self.tokenizer is None:
+                raise APIError(400, "this server has no tokenizer: send prompts as token ids", param="prompt")
+            ids = self.tokenizer.encode(item)
+            if not ids:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            return _Prompt(item, ids)
+        if not item:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        bad = next((t for t in item if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        return _Prompt(None, list(item))
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> _Prompt:
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer, so it cannot render chat messages", param="messages")
+        messages = body.plain_messages()
+        ids = self.tokenizer.encode_chat(messages, body.add_generation_prompt)
+        return _Prompt(None, ids)
+
+    # ---- submission -------------------------------------------------------------------------------
+    async def _submit(self, body: AnyRequest, prompts: list[_Prompt], base_id: str, chat: bool) -> _Job:
+        params = []
+        for prompt in prompts:
+            max_tokens = resolve_max_tokens(body, len(prompt.token_ids), self.max_model_len, self.max_output_tokens)
+            params.append(sampling_params(body, max_tokens, self.vocab_size))
+        job = _Job(("chatcmpl-" if chat else "cmpl-") + base_id, body, prompts, [])
+        try:
+            for index, (prompt, sp) in enumerate(zip(prompts, params)):
+                request_id = f"{base_id}-{index}" if len(prompts) > 1 else base_id
+                job.streams.append(await self.engine.add_request(request_id, prompt.token_ids, sp,
+                                                                 priority=body.priority))
+        except BaseException:
+            job.cancel()
+            raise
+        return job
+
+    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) from every stream of the job, as they come."""
+        if len(job.streams) == 1:
+            async for output in job.streams[0]:
+                yield 0, self._note_final(job, 0, output)
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output, None))
+            except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+                queue.put_nowait((index, None, exc))
+            queue.put_nowait((index, None, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(job.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, output, error = await queue.get()
+                if error is not None:
+                    raise error
+                if output is None:
+                    remaining -= 1
+                    continue
+                yield index, self._note_final(job, index, output)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _note_final(self, job: _Job, index: int, output: RequestOutput) -> RequestOutput:
+        if output.finished:
+            job.finals[index] = output
+            self.metrics.observe_finished(output)
+        return output
+
+    async def _collect(self, job: _Job, request: Request) -> None:
+        """Wait for every output, aborting the job if the client goes away first."""
+        async def drain() -> None:
+            async for _ in self._outputs(job):
+                pass
+
+        work = asyncio.create_task(drain())
+        watch = asyncio.create_task(_wait_for_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                raise asyncio.CancelledError("client disconnected")
+            work.result()
+        finally:
+            watch.cancel()
+            work.cancel()
+            job.cancel()
+
+    # ---- non-streaming bodies ---------------------------------------------------------------------
+    def _completion_body(self, job: _Job) -> dict[str, Any]:
+        body: CompletionRequest = job.body  # type: ignore[assignment]
+        choices = []
+        for p_index, prompt in enumerate(job.prompts):
+            for completion in job.finals[p_index].outputs:
+                prefix = self._echo_text(prompt) if body.echo else ""
+                choices.append({
+                    "index": p_index * body.n + completion.index, "text": prefix + completion.text,
+                    "logprobs": self._completion_logprobs(completion.token_ids, completion.logprobs, len(prefix))
+                    if body.logprobs is not None else None,
+                    "finish_reason": _finish_reason(completion), "stop_reason": completion.stop_reason,
+                })
+        return {"id": job.response_id, "object": "text_completion", "created": job.created,
+                "model": self.model_name, "choices": choices, "usage": job.usage()}
+
+    def _chat_body(self, job: _Job) -> dict[str, Any]:
+        body: ChatCompletionRequest = job.body  # type: ignore[assignment]
+        choices = []
+        for completion in job.finals[0].outputs:
+            choices.append({
+                "index": completion.index,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": {"content": self._chat_logprobs(completion.token_ids, completion.logprobs,
+                                                            body.top_logprobs or 0)} if body.logprobs else None,
+                "finish_reason": _finish_reason(completion), "stop_reason": completion.stop_reason,
+            })
+        return {"id": job.response_id, "object": "chat.completion", "created": job.created,
+                "model": self.model_name, "choices": choices, "usage": job.usage()}
+
+    # ---- streaming --------------------------------------------------------------------------------
+    async def _sse(self, job: _Job, events: AsyncIterator[dict[str, Any]], audit: dict[str, Any]) -> AsyncIterator[str]:
+        include_usage = bool(job.body.stream_options and job.body.stream_options.include_usage)
+        try:
+            async for event in events:
+                if include_usage:
+                    event["usage"] = None
+                yield _data(event)
+            if include_usage:
+                yield _data({"id": job.response_id, "object": _chunk_object(job), "created": job.created,
+                             "model": self.model_name, "choices": [], "usage": job.usage()})
+        except EngineError as exc:
+            yield _data(from_exception(exc).body())
+        finally:
+            job.cancel()
+            audit["completion_tokens"] = job.usage()["completion_tokens"]
+        yield "data: [DONE]\n\n"
+
+    def _deltas(self, job: _Job, p_index: int, output: RequestOutput):
+        """(completion, text delta, new token ids, new logprobs, finish reason or None) per choice."""
+        for completion in output.outputs:
+            key = (p_index, completion.index)
+            if key in job.done:
+                continue
+            text_at, token_at = job.sent_text.get(key, 0), job.sent_tokens.get(key, 0)
+            delta = completion.text[text_at:] if len(completion.text) > text_at else ""
+            new_ids = completion.token_ids[token_at:]
+            new_lps = completion.logprobs[token_at:] if completion.logprobs is not None else None
+            finished = completion.finish_reason is not None
+            if not delta and not finished:  # nothing printable yet (e.g. half a UTF-8 character)
+                continue
+            job.sent_text[key] = text_at + len(delta)
+            job.sent_tokens[key] = len(completion.token_ids)
+            if finished:
+                job.done.add(key)
+            yield completion, delta, new_ids, new_lps, _finish_reason(completion) if finished else None, text_at == 0
+
+    async def _completion_events(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
+        body: CompletionRequest = job.body  # type: ignore[assignment]
+        async for p_index, output in self._outputs(job):
+            for completion, delta, ids, lps, reason, first in self._deltas(job, p_index, output):
+                prefix = self._echo_text(job.prompts[p_index]) if body.echo and first else ""
+                choice = {"index": p_index * body.n + completion.index, "text": prefix + delta,
+                          "logprobs": self._completion_logprobs(ids, lps, len(prefix))
+                          if body.logprobs is not None else None,
+                          "finish_reason": reason, "stop_reason": completion.stop_reason if reason else None}
+                yield {"id": job.response_id, "object": "text_completion", "created": job.created,
+                       "model": self.model_name, "choices": [choice]}
+
+    async def _chat_events(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
+        body: ChatCompletionRequest = job.body  # type: ignore[assignment]
+        for index in range(body.n):
+            yield self._chat_chunk(job, index, {"role": "assistant", "content": ""}, None, None)
+        async for _, output in self._outputs(job):
+            for completion, delta, ids, lps, reason, _first in self._deltas(job, 0, output):
+                logprobs = {"content": self._chat_logprobs(ids, lps, body.top_logprobs or 0)} if body.logprobs else None
+                content = {"content": delta} if delta else {}
+                yield self._chat_chunk(job, completion.index, content, logprobs, reason)
+
+    def _chat_chunk(self, job: _Job, index: int, delta: dict, logprobs: Optional[dict], reason: Optional[str]) -> dict:
+        return {"id": job.response_id, "object": "chat.completion.chunk", "created": job.created,
+                "model": self.model_name,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+
+    # ---- logprobs ---------------------------------------------------------------------------------
+    def _decode_one(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _echo_text(self, prompt: _Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
+
+    def _completion_logprobs(self, token_ids: list[int], entries: Optional[list[dict[int, float]]],
+                             offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries or []):
+            text = self._token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(entry.get(token_id))
+            top.append({self._token_text(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprobs(self, token_ids: list[int], entries: Optional[list[dict[int, float]]], k: int) -> list[dict]:
+        content = []
+        for token_id, entry in zip(token_ids, entries or []):
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            content.append({**self._token_logprob(token_id, entry.get(token_id)),
+                            "top_logprobs": [self._token_logprob(t, lp) for t, lp in ranked]})
+        return content
+
+    def _token_logprob(self, token_id: int, logprob: Optional[float]) -> dict[str, Any]:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _finish_reason(completion: CompletionOutput) -> Optional[str]:
+    return completion.finish_reason
+
+
+def _chunk_object(job: _Job) -> str:
+    return "chat.completion.chunk" if isinstance(job.body, ChatCompletionRequest) else "text_completion"
+
+
+def _data(event: dict[str, Any]) -> str:
+    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
