@@ -1,0 +1,304 @@
+"""`llmctl bench serve`: load-test any OpenAI-compatible server and report vLLM's serving metrics.
+
+Parses and checks every flag before the first request, builds the prompts (`llmctl.bench.datasets`),
+runs the load (`llmctl.bench.serve_load`) under a live progress bar on a TTY, then prints the result
+block (or `--json`), saves or plots it, and turns `--slo` gates and total failure into exit code 1.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmctl.config import ConfigOption
+
+LOAD = "Load"
+DATA = "Dataset"
+REPORT = "Report"
+
+
+class Endpoint(str, Enum):
+    completions = "completions"
+    chat = "chat"
+
+
+class DatasetName(str, Enum):
+    random = "random"
+    file = "file"
+    shared_prefix = "shared-prefix"
+
+
+def _o(*names: str, panel: str, **kwargs: Any):
+    return typer.Option(*names, rich_help_panel=panel, **kwargs)
+
+
+def serve(
+    base_url: Annotated[str, typer.Option("--base-url", help="Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine).")] = "http://127.0.0.1:8000",
+    endpoint: Annotated[Endpoint, typer.Option("--endpoint", help="/v1/completions or /v1/chat/completions.")] = Endpoint.completions,
+    model: Annotated[Optional[str], typer.Option("--model", help="Model name to request (default: the first id of GET /v1/models).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Bearer token (default: $OPENAI_API_KEY).")] = None,
+    request_rate: Annotated[float, _o("--request-rate", panel=LOAD, help="Requests per second; inf sends all at once.")] = float("inf"),
+    burstiness: Annotated[float, _o("--burstiness", panel=LOAD, help="Gamma shape of the arrivals: 1 = Poisson, < 1 burstier, > 1 steadier.")] = 1.0,
+    max_concurrency: Annotated[Optional[int], _o("--max-concurrency", panel=LOAD, min=1, help="Most requests in flight at once (default: no limit).")] = None,
+    num_prompts: Annotated[int, _o("--num-prompts", panel=LOAD, min=1, help="Timed requests to send.")] = 1000,
+    num_warmups: Annotated[int, _o("--num-warmups", panel=LOAD, min=0, help="Untimed requests sent (and finished) before the benchmark.")] = 0,
+    seed: Annotated[int, _o("--seed", panel=LOAD, help="Seed of the prompts and of the arrival times.")] = 0,
+    ignore_eos: Annotated[bool, _o("--ignore-eos/--no-ignore-eos", panel=LOAD, help="Ask for exactly max_tokens (vLLM's ignore_eos extension).")] = True,
+    temperature: Annotated[float, _o("--temperature", panel=LOAD, min=0.0, help="Sampling temperature sent with each request.")] = 0.0,
+    request_timeout: Annotated[float, _o("--request-timeout", panel=LOAD, min=0.001, help="Seconds without a byte from the server before a request fails.")] = 600.0,
+    dataset: Annotated[DatasetName, _o("--dataset", panel=DATA, help="random, file (--dataset-path JSONL) or shared-prefix.")] = DatasetName.random,
+    dataset_path: Annotated[Optional[Path], _o("--dataset-path", panel=DATA, dir_okay=False, help="JSON lines with 'prompt' and optional 'output_len' or 'max_tokens'.")] = None,
+    random_input_len: Annotated[int, _o("--random-input-len", panel=DATA, min=1, help="Prompt tokens (random; the suffix for shared-prefix).")] = 1024,
+    random_output_len: Annotated[int, _o("--random-output-len", panel=DATA, min=1, help="Output tokens (max_tokens); also the default for file prompts.")] = 128,
+    random_range_ratio: Annotated[float, _o("--random-range-ratio", panel=DATA, help="Lengths uniform in [L(1-r), L(1+r)], 0 <= r < 1.")] = 0.0,
+    prefix_len: Annotated[int, _o("--prefix-len", panel=DATA, min=1, help="shared-prefix: tokens of the prefix each group shares.")] = 256,
+    num_prefixes: Annotated[int, _o("--num-prefixes", panel=DATA, min=1, help="shared-prefix: number of distinct prefixes (groups).")] = 10,
+    tokenizer: Annotated[Optional[Path], _o("--tokenizer", panel=DATA, file_okay=False, help="Folder with tokenizer.json: exact prompt lengths and a token count fallback.")] = None,
+    percentiles: Annotated[str, _o("--percentiles", panel=REPORT, help="Percentiles reported for TTFT, TPOT, ITL and E2EL.")] = "50,90,99",
+    goodput: Annotated[Optional[list[str]], _o("--goodput", panel=REPORT, metavar="KEY:MS", help="Per-request SLOs for goodput: ttft:MS tpot:MS e2el:MS (repeatable).")] = None,
+    slo: Annotated[Optional[list[str]], _o("--slo", panel=REPORT, metavar="EXPR", help="Gate such as 'p99_ttft_ms<500' (repeatable; < <= > >=); exit 1 when violated.")] = None,
+    json_output: Annotated[bool, _o("--json", panel=REPORT, help="Print only the result document as JSON on stdout.")] = False,
+    save_result: Annotated[Optional[Path], _o("--save-result", panel=REPORT, dir_okay=False, help="Also write the JSON result document to this file.")] = None,
+    save_detailed: Annotated[bool, _o("--save-detailed", panel=REPORT, help="Add per-request lengths, times, texts and errors to the JSON.")] = False,
+    plot: Annotated[Optional[Path], _o("--plot", panel=REPORT, dir_okay=False, help="Write latency histograms and throughput over time (.png, .svg, .pdf).")] = None,
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """Benchmark an OpenAI-compatible server under load: TTFT, TPOT, ITL, E2E latency, throughput, goodput.
+
+    Exit codes: 0 = done and every --slo gate held; 1 = a gate was violated or every request failed;
+    2 = usage error or unreachable server.
+
+    Example: llmctl bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8 --slo 'p99_ttft_ms<500'
+    """
+    from llmctl.bench import serve_load
+    from llmctl.bench.metrics import check_slos
+
+    report = _report_options(percentiles, goodput, slo, save_result, plot)
+    plan = _plan(request_rate, burstiness, max_concurrency, seed, ignore_eos, temperature)
+    base = serve_load.normalize_base_url(base_url)
+    tok = _load_tokenizer(tokenizer)
+    prompts = _prompts(dataset, dataset_path, num_prompts + num_warmups, random_input_len, random_output_len,
+                       random_range_ratio, prefix_len, num_prefixes, seed, tok)
+    key = api_key or os.environ.get("OPENAI_API_KEY") or None
+    model_id = serve_load.resolve_model(base, key, model)
+    target = serve_load.Target(base, endpoint.value, model_id, key, request_timeout)
+    run = _run(target, plan, prompts[num_warmups:], prompts[:num_warmups], tok)
+    settings = _settings(target, plan, dataset.value, num_prompts, num_warmups, tokenizer, report)
+    document = serve_load.result_document(settings, run, report["percentiles"], report["goodput"], save_detailed)
+    if report["gates"]:
+        document["slo"] = check_slos(report["gates"], document)
+    _emit(document, report, json_output, run, target)
+    raise typer.Exit(_exit_code(document))
+
+
+# ---- flag checks ---------------------------------------------------------------------------------
+
+def _report_options(percentiles: str, goodput: Optional[list[str]], slo: Optional[list[str]],
+                    save_result: Optional[Path], plot: Optional[Path]) -> dict[str, Any]:
+    from llmctl.bench.metrics import metric_keys, parse_goodput, parse_percentiles, parse_slo
+    from llmctl.bench.plot import check_plot_path
+    from llmctl.errors import UserError
+
+    try:
+        points = parse_percentiles(percentiles)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--percentiles")
+    try:
+        slos = parse_goodput(goodput or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--goodput")
+    keys = metric_keys(points, with_goodput=bool(slos))
+    gates = []
+    for text in slo or []:
+        if not slos and text.strip().startswith("request_goodput"):
+            raise UserError("--slo on request_goodput needs --goodput (the per-request SLOs it counts)")
+        try:
+            gates.append(parse_slo(text, keys))
+        except ValueError as exc:
+            raise UserError(f"--slo {exc}") from None
+    if save_result is not None and not save_result.resolve().parent.is_dir():
+        raise UserError(f"--save-result {save_result}: folder {save_result.resolve().parent} does not exist")
+    if plot is not None:
+        check_plot_path(plot)
+    return {"percentiles": points, "goodput": slos or None, "gates": gates, "save_result": save_result, "plot": plot}
+
+
+def _plan(request_rate: float, burstiness: float, max_concurrency: Optional[int], seed: int,
+          ignore_eos: bool, temperature: float):
+    from llmctl.bench.arrivals import validate_rate
+    from llmctl.bench.serve_load import LoadPlan
+
+    try:
+        validate_rate(request_rate, burstiness)
+    except ValueError as exc:
+        hint = "--request-rate" if "rate" in str(exc) else "--burstiness"
+        raise typer.BadParameter(str(exc), param_hint=hint)
+    return LoadPlan(request_rate, burstiness, max_concurrency, seed, ignore_eos, temperature)
+
+
+def _load_tokenizer(folder: Optional[Path]):
+    if folder is None:
+        return None
+    from llmctl.engine.tokenizer import Tokenizer
+    from llmctl.errors import UserError
+
+    try:
+        return Tokenizer.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - ModelLoadError and friends all mean the same to the user
+        raise UserError(f"--tokenizer {folder}: {exc}") from None
+
+
+def _prompts(dataset: DatasetName, path: Optional[Path], count: int, input_len: int, output_len: int,
+             range_ratio: float, prefix_len: int, num_prefixes: int, seed: int, tok):
+    import numpy as np
+
+    from llmctl.bench import datasets
+    from llmctl.errors import UserError
+
+    datasets.validate_range_ratio(range_ratio)
+    rng = np.random.default_rng([seed, 0])
+    if dataset is DatasetName.file:
+        if path is None:
+            raise UserError("--dataset file needs --dataset-path FILE.jsonl")
+        return datasets.file_requests(path, count, output_len, tok)
+    if path is not None:
+        raise UserError(f"--dataset-path is only read with --dataset file (not {dataset.value})")
+    if dataset is DatasetName.shared_prefix:
+        return datasets.shared_prefix_requests(count, num_prefixes, prefix_len, input_len, output_len,
+                                               range_ratio, rng, tok)
+    return datasets.random_requests(count, input_len, output_len, range_ratio, rng, tok)
+
+
+# ---- running ---------------------------------------------------------------------------------------
+
+def _run(target, plan, requests, warmups, tok):
+    from llmctl.bench.serve_load import run_load
+    from llmctl.output import is_interactive, stderr_console
+
+    err = stderr_console()
+    if not is_interactive(err):
+        return run_load(target, plan, requests, warmups, tok)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    failed = {"warmup": 0, "bench": 0}
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        tasks = {}
+        if warmups:
+            tasks["warmup"] = progress.add_task("warm-up", total=len(warmups), failed=0)
+        tasks["bench"] = progress.add_task(f"{target.model} @ {target.url}", total=len(requests), failed=0)
+
+        def observe(phase: str, outcome) -> None:
+            failed[phase] += not outcome.success
+            progress.update(tasks[phase], advance=1, failed=failed[phase])
+
+        return run_load(target, plan, requests, warmups, tok, observe)
+
+
+def _settings(target, plan, dataset: str, num_prompts: int, num_warmups: int, tokenizer: Optional[Path],
+              report: dict[str, Any]) -> dict[str, Any]:
+    import math
+    from datetime import datetime, timezone
+
+    from llmctl.__about__ import __version__
+    from llmctl.bench.serve_load import ENDPOINT_PATHS
+
+    return {
+        "schema_version": 1,
+        "llmctl_version": __version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base_url": target.base_url,
+        "endpoint": ENDPOINT_PATHS[target.endpoint],
+        "model_id": target.model,
+        "dataset_name": dataset,
+        "num_prompts": num_prompts,
+        "num_warmups": num_warmups,
+        # JSON has no infinity; vLLM writes the string "inf" too.
+        "request_rate": "inf" if math.isinf(plan.request_rate) else plan.request_rate,
+        "burstiness": plan.burstiness,
+        "max_concurrency": plan.max_concurrency,
+        "seed": plan.seed,
+        "ignore_eos": plan.ignore_eos,
+        "tokenizer": str(tokenizer) if tokenizer else None,
+        "percentiles": report["percentiles"],
+        "goodput_slos_ms": report["goodput"],
+    }
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+
+def _emit(document: dict[str, Any], report: dict[str, Any], json_output: bool, run, target) -> None:
+    from llmctl.output import print_json
+
+    if json_output:
+        print_json(document)
+    else:
+        _print_summary(document, report["percentiles"])
+    if report["save_result"] is not None:
+        _save(report["save_result"], document)
+    if report["plot"] is not None:
+        from llmctl.bench.plot import write_plot
+
+        write_plot(report["plot"], run.outcomes, f"{target.model} @ {target.url} ({document['completed']} requests)")
+    _print_problems(document)
+
+
+def _save(path: Path, document: dict[str, Any]) -> None:
+    from llmctl.errors import UserError
+    from llmctl.output import print_json
+
+    try:
+        with path.open("w") as stream:
+            print_json(document, stream=stream)
+    except OSError as exc:
+        raise UserError(f"cannot write --save-result {path}: {exc.strerror or exc}") from None
+
+
+def _print_summary(document: dict[str, Any], percentiles: list[float]) -> None:
+    from llmctl.bench.metrics import summary_rows
+    from llmctl.output import stdout_console
+
+    rows = summary_rows(document, percentiles)
+    console = stdout_console()
+    if console.is_terminal:
+        from rich.table import Table
+
+        table = Table(title="Serving Benchmark Result", show_header=False)
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for label, value in rows:
+            if value is None:
+                table.add_section()
+                table.add_row(f"[bold]{label}[/bold]", "")
+            else:
+                table.add_row(label, value)
+        console.print(table)
+        return
+    typer.echo("{s:=^50}".format(s=" Serving Benchmark Result "))
+    for label, value in rows:
+        typer.echo("{s:-^50}".format(s=label) if value is None else f"{label + ':':<40}{value}")
+    typer.echo("=" * 50)
+
+
+def _print_problems(document: dict[str, Any]) -> None:
+    import sys
+
+    for sample in document["error_samples"]:
+        status = "no response" if sample["status"] is None else f"HTTP {sample['status']}"
+        sys.stderr.write(f"llmctl: {sample['count']} request(s) failed: {status}: {sample['message']}\n")
+    for gate in document.get("slo", []):
+        if not gate["passed"]:
+            sys.stderr.write(f"llmctl: slo violated: {gate['gate']} (measured {gate['value']})\n")
+    if document["completed"] == 0:
+        sys.stderr.write(f"llmctl: error: all {document['failed']} requests failed\n")
+
+
+def _exit_code(document: dict[str, Any]) -> int:
+    if document["completed"] == 0:
+        return 1
+    return 0 if all(gate["passed"] for gate in document.get("slo", [])) else 1

@@ -1,0 +1,67 @@
+"""`bench serve --plot`: TTFT, TPOT and E2E latency histograms and output throughput over time.
+
+matplotlib is imported inside the functions (Agg backend, no display needed) so that neither the
+CLI's start-up nor a benchmark without --plot pays for it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from llmctl.bench.metrics import RequestOutcome, output_timeline
+from llmctl.errors import UserError
+
+FORMATS = (".png", ".svg", ".pdf")
+
+
+def check_plot_path(path: Path) -> None:
+    """Fail before the benchmark runs, not after: format, folder, and matplotlib itself."""
+    if Path(path).suffix.lower() not in FORMATS:
+        raise UserError(f"--plot {path}: the file name must end in one of {', '.join(FORMATS)}")
+    if not Path(path).resolve().parent.is_dir():
+        raise UserError(f"--plot {path}: folder {Path(path).resolve().parent} does not exist")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'llmctl[bench]'") from None
+
+
+def _histogram(axes, values_s: list[float], title: str) -> None:
+    values = [v * 1000.0 for v in values_s]
+    if values:
+        axes.hist(values, bins=min(40, max(5, len(values) // 2)), color="tab:blue", alpha=0.8)
+        axes.axvline(statistics.median(values), color="tab:red", linestyle="--", label="median")
+        axes.legend(loc="upper right")
+    else:
+        axes.text(0.5, 0.5, "no data", ha="center", va="center", transform=axes.transAxes)
+    axes.set_title(title)
+    axes.set_xlabel("ms")
+    axes.set_ylabel("requests")
+
+
+def write_plot(path: Path, outcomes: list[RequestOutcome], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    done = [out for out in outcomes if out.success]
+    figure, grid = plt.subplots(2, 2, figsize=(12, 8))
+    _histogram(grid[0][0], [out.ttft for out in done], "Time to first token")
+    _histogram(grid[0][1], [out.tpot for out in done if out.tpot is not None], "Time per output token")
+    _histogram(grid[1][0], [out.latency for out in done], "End-to-end latency")
+    timeline = output_timeline(outcomes)
+    axes = grid[1][1]
+    axes.step(range(len(timeline)), timeline, where="post", color="tab:green")
+    axes.set_title("Output throughput")
+    axes.set_xlabel("seconds since start")
+    axes.set_ylabel("tokens/s")
+    figure.suptitle(title)
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=100)
+    except OSError as exc:
+        raise UserError(f"cannot write --plot {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(figure)

@@ -1,0 +1,312 @@
+"""`llmctl bench serve` end to end against a small OpenAI-like server (FastAPI + uvicorn in a thread).
+
+The fake server streams SSE with deterministic delays (first token after `ttft_s`, then one token
+every `itl_s`), reports usage when asked, can fail every k-th request with HTTP 500, and records
+what it received. A last test drives our own `llmctl serve` with the default model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi import FastAPI, Request  # module level: handler annotations must resolve (postponed evaluation)
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from llmctl.bench.arrivals import arrival_offsets
+from llmctl.cli import run
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "llmctl" / "default_model"
+
+
+class FakeOpenAI:
+    """Behaviour knobs plus a log of the requests it saw; `app()` builds the FastAPI application."""
+
+    def __init__(self, ttft_s=0.03, itl_s=0.004, fail_every=0, usage=True):
+        self.ttft_s, self.itl_s, self.fail_every, self.usage = ttft_s, itl_s, fail_every, usage
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        self.in_flight = 0
+        self.peak = 0
+
+    def app(self):
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake-model", "object": "model"}, {"id": "other"}]}
+
+        async def handle(request: Request, chat: bool):
+            body = await request.json()
+            self.bodies.append(body)
+            self.headers.append(dict(request.headers))
+            if self.fail_every and len(self.bodies) % self.fail_every == 0:
+                return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+            return StreamingResponse(self._events(body, chat), media_type="text/event-stream")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await handle(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await handle(request, chat=True)
+
+        return app
+
+    async def _events(self, body: dict, chat: bool):
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            n = body["max_tokens"] if body.get("ignore_eos") else min(3, body["max_tokens"])
+            if chat:  # OpenAI announces the role at once, before any token exists
+                yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            await asyncio.sleep(self.ttft_s)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(self.itl_s)
+                text = f" w{i}"
+                choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                yield _sse({"choices": [{**choice, "finish_reason": None}]})
+            end = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+            yield _sse({"choices": [{**end, "finish_reason": "length"}]})  # finish-only chunk: no token
+            if self.usage and body.get("stream_options", {}).get("include_usage"):
+                yield _sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}})
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class ThreadServer:
+    def __init__(self, app):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def fake():
+    behaviour = FakeOpenAI()
+    with ThreadServer(behaviour.app()) as url:
+        behaviour.url = url
+        yield behaviour
+
+
+def bench(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = run(["bench", "serve", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+SMALL = ("--random-input-len", "12", "--random-output-len", "8", "--json")
+
+
+def test_completions_json_counts_and_timings(fake, capsys):
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "12", *SMALL)
+    assert code == 0, err
+    doc = json.loads(out)  # nothing but the document on stdout
+    assert doc["model_id"] == "fake-model" and doc["endpoint"] == "/v1/completions"
+    assert (doc["completed"], doc["failed"]) == (12, 0)
+    assert doc["total_output_tokens"] == 12 * 8 and doc["token_count_source"] == "usage"
+    assert doc["total_input_tokens"] == 12 * 7  # the server's prompt_tokens win over the client's estimate
+    assert doc["mean_ttft_ms"] >= 30 and doc["p99_ttft_ms"] >= doc["median_ttft_ms"] >= 30
+    assert 4 <= doc["median_itl_ms"] < 200 and 4 <= doc["mean_tpot_ms"] < 200
+    assert doc["max_concurrent_requests"] == 12  # rate inf: all in flight together
+    assert doc["request_throughput"] == pytest.approx(12 / doc["duration"])
+    assert doc["output_throughput"] == pytest.approx(96 / doc["duration"])
+    assert doc["request_goodput"] is None and doc["error_samples"] == []
+    body = fake.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["max_tokens"] == 8 and body["model"] == "fake-model"
+    assert len(body["prompt"].split()) == 12  # random words, one per requested token
+    assert "Authorization" not in fake.headers[0] and "authorization" not in fake.headers[0]
+
+
+def test_chat_ignores_role_and_finish_only_chunks(fake, capsys):
+    fake.ttft_s = 0.05
+    code, out, err = bench(capsys, "--base-url", fake.url + "/v1/", "--endpoint", "chat", "--num-prompts", "4",
+                           "--save-detailed", *SMALL)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["endpoint"] == "/v1/chat/completions" and doc["completed"] == 4
+    # The role chunk arrives at once: counting it would put TTFT near 0.
+    assert min(doc["ttfts"]) >= 0.05
+    # 8 tokens -> 7 gaps; the finish-only chunk adds none.
+    assert [len(gaps) for gaps in doc["itls"]] == [7] * 4
+    assert doc["generated_texts"][0] == "".join(f" w{i}" for i in range(8))
+    assert fake.bodies[0]["messages"][0]["role"] == "user"
+
+
+def test_failed_requests_are_counted_with_samples(fake, capsys):
+    fake.fail_every = 4
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "20", "--max-concurrency", "1", *SMALL)
+    assert code == 0
+    doc = json.loads(out)
+    assert (doc["completed"], doc["failed"]) == (15, 5)
+    assert doc["error_samples"] == [{"status": 500, "message": "boom", "count": 5}]
+    assert doc["total_output_tokens"] == 15 * 8
+    assert "5 request(s) failed: HTTP 500: boom" in err
+
+
+def test_all_requests_failing_exits_1(fake, capsys):
+    fake.fail_every = 1
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "5", *SMALL)
+    assert code == 1
+    assert json.loads(out)["failed"] == 5
+    assert "all 5 requests failed" in err and "HTTP 500: boom" in err
+
+
+def test_slo_gates_save_result_and_plot(fake, capsys, tmp_path):
+    saved, png = tmp_path / "result.json", tmp_path / "plot.png"
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "6", "--slo", "p99_ttft_ms<0.001",
+                           "--slo", "completed>=6", "--save-result", str(saved), "--plot", str(png), *SMALL)
+    assert code == 1
+    doc = json.loads(out)
+    assert json.loads(saved.read_text()) == doc
+    assert [(g["gate"], g["passed"]) for g in doc["slo"]] == [("p99_ttft_ms<0.001", False), ("completed>=6", True)]
+    assert "slo violated: p99_ttft_ms<0.001" in err and "completed" not in err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "3", "--slo", "p99_ttft_ms<60000", *SMALL)
+    assert code == 0 and json.loads(out)["slo"][0]["passed"]
+
+
+def test_table_output_when_piped(fake, capsys):
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "3", "--random-input-len", "5",
+                           "--random-output-len", "4", "--percentiles", "90,99.9")
+    assert code == 0, err
+    assert "Serving Benchmark Result" in out and "Successful requests:" in out
+    assert "P99.9 TTFT (ms):" in out and "P90 ITL (ms):" in out and "Mean E2EL (ms):" in out
+    assert "\x1b[" not in out  # no colour codes when piped
+
+
+def test_unknown_slo_key_exits_2_before_any_request(fake, capsys):
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "3", "--slo", "p99_latency<5")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "unknown metric 'p99_latency'" in err and "p99_ttft_ms" in err
+    assert fake.bodies == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slo", "p99_ttft_ms=5"], "expected METRIC OP NUMBER"),
+    (["--slo", "request_goodput>1"], "needs --goodput"),
+    (["--goodput", "ttft=5"], "expected KEY:MS"),
+    (["--percentiles", "0"], "outside (0, 100]"),
+    (["--request-rate", "0"], "request rate must be > 0"),
+    (["--burstiness", "-1"], "burstiness must be"),
+    (["--random-range-ratio", "1"], "must be in [0, 1)"),
+    (["--dataset", "file"], "needs --dataset-path"),
+    (["--plot", "out.txt"], "must end in one of"),
+    (["--base-url", "ftp://x"], "http:// or https://"),
+])
+def test_bad_flags_are_one_line_errors(fake, capsys, args, message):
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "2", *args)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert fake.bodies == []
+
+
+def test_unreachable_server_is_exit_2(capsys):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code, out, err = bench(capsys, "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2")
+    assert code == 2 and out == ""
+    assert err.startswith("llmctl: error: cannot reach the server") and err.count("\n") == 1
+
+
+def test_max_concurrency_caps_requests_in_flight(fake, capsys):
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "8", "--max-concurrency", "2", *SMALL)
+    assert code == 0, err
+    assert json.loads(out)["max_concurrent_requests"] == 2 and fake.peak == 2
+
+
+def test_arrivals_follow_the_seeded_schedule(fake, capsys):
+    fake.ttft_s = 0.001
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "10", "--request-rate", "25",
+                           "--seed", "3", "--save-detailed", *SMALL)
+    assert code == 0, err
+    starts = json.loads(out)["start_times"]
+    expected = arrival_offsets(10, 25.0, 1.0, np.random.default_rng([3, 1]))
+    assert expected[-1] > 0.1  # a real spread, not all at once
+    for got, want in zip(starts, expected):
+        assert want - 0.002 <= got <= want + 0.1
+
+
+def test_warmups_run_first_and_are_not_counted(fake, capsys):
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "4", "--num-warmups", "3", *SMALL)
+    assert code == 0, err
+    assert json.loads(out)["completed"] == 4 and len(fake.bodies) == 7
+
+
+def test_goodput_counts_requests_within_slos(fake, capsys):
+    code, out, _ = bench(capsys, "--base-url", fake.url, "--num-prompts", "4", "--goodput", "ttft:60000 e2el:60000", *SMALL)
+    doc = json.loads(out)
+    assert doc["goodput_slos_ms"] == {"ttft": 60000.0, "e2el": 60000.0}
+    assert doc["request_goodput"] == pytest.approx(doc["request_throughput"])
+    code, out, _ = bench(capsys, "--base-url", fake.url, "--num-prompts", "4", "--goodput", "ttft:1", *SMALL)
+    assert json.loads(out)["request_goodput"] == 0.0  # every TTFT is >= 30 ms
+
+
+def test_token_counts_fall_back_without_usage(fake, capsys):
+    fake.usage = False
+    code, out, _ = bench(capsys, "--base-url", fake.url, "--num-prompts", "3", *SMALL)
+    doc = json.loads(out)
+    assert doc["token_count_source"] == "chunks" and doc["total_output_tokens"] == 24
+    code, out, _ = bench(capsys, "--base-url", fake.url, "--num-prompts", "3", "--tokenizer", str(DEFAULT_MODEL),
+                         "--save-detailed", *SMALL)
+    doc = json.loads(out)
+    from llmctl.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(DEFAULT_MODEL)
+    expected = sum(len(tok.encode(text, add_special_tokens=False)) for text in doc["generated_texts"])
+    assert doc["token_count_source"] == "tokenizer" and doc["total_output_tokens"] == expected != 24
+    # Without usage the input count is the client's: prompts built from token ids land on (about) the length.
+    prompts = [body["prompt"] for body in fake.bodies[3:]]
+    assert doc["input_lens"] == [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
+    assert all(12 <= n <= 14 for n in doc["input_lens"])
+
+
+def test_file_dataset_api_key_and_no_ignore_eos(fake, capsys, tmp_path, monkeypatch):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "hello there", "output_len": 5}\n\n{"prompt": "second one", "max_tokens": 2}\n')
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    code, out, err = bench(capsys, "--base-url", fake.url, "--dataset", "file", "--dataset-path", str(data),
+                           "--num-prompts", "3", "--max-concurrency", "1", "--no-ignore-eos", "--json")
+    assert code == 0, err
+    assert [b["prompt"] for b in fake.bodies] == ["hello there", "second one", "hello there"]
+    assert [b["max_tokens"] for b in fake.bodies] == [5, 2, 5]
+    assert all("ignore_eos" not in b for b in fake.bodies)
+    assert json.loads(out)["total_output_tokens"] == 3 + 2 + 3  # the server stopped early (no ignore_eos)
+    assert fake.headers[0]["authorization"] == "Bearer sk-env"
+    bench(capsys, "--base-url", fake.url, "--num-prompts", "1", "--api-key", "sk-flag", *SMALL)
+    assert fake.headers[-1]["authorization"] == "Bearer sk-flag"
