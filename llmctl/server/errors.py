@@ -83,12 +83,18 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}",
                         code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     where = ".".join(loc) or "body"
     message = f"invalid value for '{where}': {first.get('msg', 'invalid')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return APIError(400, message, param=loc[0] if loc else None, code="invalid_type")
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic names union members in error locations ('str', 'list[int]'): not field names."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict", "none"}
+                                      or "[" in part or part.startswith(("function-", "literal")))
 
 
 def install_error_handlers(app: FastAPI) -> None:

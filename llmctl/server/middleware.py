@@ -113,12 +113,9 @@ def _header(scope: dict, name: bytes) -> Optional[str]:
 
 
 # ---- body size ------------------------------------------------------------------------------------
-class _BodyTooLarge(Exception):
-    pass
-
-
 class BodySizeLimit:
-    """413 for bodies over `max_bytes`, by Content-Length up front or by counting a chunked body."""
+    """413 for bodies over `max_bytes`: by Content-Length up front, or, for a chunked body, by
+    reading it here (at most `max_bytes` are buffered) before the app sees any of it."""
 
     def __init__(self, app: ASGIApp, *, max_bytes: int):
         self.app = app
@@ -129,31 +126,29 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await send_error(send, self._error())
-            return
-        seen = 0
-        started = False
-
-        async def counting_receive() -> dict:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _BodyTooLarge()
-            return message
-
-        async def tracking_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.max_bytes:
                 await send_error(send, self._error())
+                return
+            await self.app(scope, receive, send)
+            return
+        buffered, size = [], 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await send_error(send, self._error())
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
 
     def _error(self) -> APIError:
         return APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes",

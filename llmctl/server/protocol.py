@@ -52,7 +52,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[int], list[Union[str, list[int]]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
