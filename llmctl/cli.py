@@ -55,7 +55,9 @@ def _register_commands() -> None:
     app.command("generate")(generate.generate)
     app.command("completion")(completion.completion)
     app.command("doctor")(__import__("llmctl.commands.doctor", fromlist=["doctor"]).doctor)
+    app.add_typer(__import__("llmctl.commands.profile", fromlist=["profile_app"]).profile_app, name="profile")
     app.command("serve")(__import__("llmctl.commands.serve", fromlist=["serve"]).serve)
+    app.add_typer(__import__("llmctl.commands.bench", fromlist=["bench_app"]).bench_app, name="bench")
 
 
 _register_commands()
