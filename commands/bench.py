@@ -1,0 +1,214 @@
+"""`llmctl bench`: hardware microbenchmarks (the group itself, `--gpu`/`--cpu`) and the offline
+engine benchmarks `bench throughput` and `bench latency`. Libraries: `llmctl.bench.*`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from llmctl import engine_options as eo
+from llmctl.config import ConfigOption
+
+HARDWARE_FLAGS = ("gpu", "cpu", "quick", "full", "model", "num_threads", "json_output", "fail_below")
+WORKLOAD = "Workload"
+
+bench_app = typer.Typer(
+    invoke_without_command=True,
+    no_args_is_help=False,
+    help="Benchmarks: hardware (default: GPU if present, else CPU), offline throughput and latency.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@bench_app.callback()
+def bench(
+    ctx: typer.Context,
+    gpu: Annotated[bool, typer.Option("--gpu", help="Benchmark every visible CUDA GPU (error when there is none).")] = False,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Benchmark the CPU.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Few repetitions and small shapes: a few seconds per device.")] = False,
+    full: Annotated[bool, typer.Option("--full", help="Many repetitions and larger shapes.")] = False,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Shape of the decode-step benchmark: a model folder (config.json) or a built-in shape (llama-3-8b, mistral-7b, qwen2.5-7b, qwen2.5-0.5b, smollm-135m).")] = None,
+    num_threads: Annotated[Optional[int], typer.Option("--num-threads", min=1, help="CPU threads for torch (default: torch's).")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else).")] = False,
+    fail_below: Annotated[Optional[float], typer.Option("--fail-below", min=0.0, max=100.0, metavar="PCT", help="Exit 1 when any figure with a datasheet peak is under PCT % of it.")] = None,
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """Hardware microbenchmarks with datasheet peaks; subcommands benchmark the engine.
+
+    Exit codes: 0 = done; 1 = a figure is under --fail-below or a benchmark failed; 2 = usage error.
+    """
+    from llmctl.errors import UserError
+
+    if ctx.invoked_subcommand is not None:
+        given = [f"--{n.replace('_output', '').replace('_', '-')}" for n in HARDWARE_FLAGS if _from_cli(ctx, n)]
+        if given:
+            raise UserError(f"{', '.join(given)} belong(s) to the hardware benchmark ('llmctl bench'), "
+                            f"not to 'bench {ctx.invoked_subcommand}'")
+        return
+    if gpu and cpu:
+        raise UserError("give --gpu or --cpu, not both")
+    if quick and full:
+        raise UserError("give --quick or --full, not both")
+    _hardware(gpu, cpu, "quick" if quick else "full" if full else "default", model, num_threads, json_output,
+              fail_below)
+
+
+def _from_cli(ctx: typer.Context, name: str) -> bool:
+    from typer._click.core import ParameterSource
+
+    return ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+
+
+def _hardware(gpu: bool, cpu: bool, mode: str, model: Optional[str], num_threads: Optional[int],
+              json_output: bool, fail_below: Optional[float]) -> None:
+    import torch
+
+    from llmctl.bench import hardware
+    from llmctl.bench.report import progress_bar, render_hardware
+    from llmctl.bench.shapes import resolve_shape
+    from llmctl.errors import UserError
+    from llmctl.output import print_json
+
+    if gpu and not torch.cuda.is_available():
+        raise UserError(f"--gpu: no CUDA device is available (torch {torch.__version__}, "
+                        f"CUDA build {torch.version.cuda or 'none'}); use --cpu")
+    shape = resolve_shape(model) if model else None
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    use_gpu = gpu or (not cpu and torch.cuda.is_available())
+    plan = hardware.PLANS[mode]
+    with progress_bar(True) as update:
+        report = hardware.run_gpu(plan, shape, update) if use_gpu else hardware.run_cpu(plan, shape, update)
+    if not gpu and not cpu and not use_gpu:
+        report.notes.insert(0, f"no CUDA device (torch {torch.__version__}): benchmarked the CPU instead; "
+                               "pass --cpu to ask for it explicitly")
+    doc = report.to_dict()
+    if json_output:
+        print_json(doc)
+    else:
+        render_hardware(doc)
+    raise typer.Exit(_verdict(report, fail_below))
+
+
+def _verdict(report: Any, fail_below: Optional[float]) -> int:
+    """Print notes, warnings and failures on stderr; 1 when a benchmark failed or a figure is under --fail-below."""
+    from llmctl.bench.hardware import fail_below as below
+
+    for note in report.notes:
+        typer.echo(f"llmctl: note: {note}", err=True)
+    for warning in report.warnings:
+        typer.echo(f"llmctl: warning: {warning}", err=True)
+    for error in report.errors:
+        typer.echo(f"llmctl: error: {error['benchmark']} on {error['device']} failed: {error['error']}", err=True)
+    code = 1 if report.errors else 0
+    if fail_below is not None:
+        if not any(r.peak for r in report.results):
+            typer.echo(f"llmctl: note: --fail-below {fail_below:g}: no figure has a datasheet peak on this "
+                       "device; nothing to compare", err=True)
+        for r in below(report.results, fail_below):
+            typer.echo(f"llmctl: below {fail_below:g}% of peak: {r.name} on {r.device}: {r.median:g} {r.unit} "
+                       f"= {r.pct_of_peak:.1f}% of {r.peak:g}", err=True)
+            code = 1
+    return code
+
+
+# ---- offline: throughput and latency ------------------------------------------------------------
+def _w(*names: str, help: str, **extra: Any) -> Any:
+    return typer.Option(*names, help=help, rich_help_panel=WORKLOAD, **extra)
+
+
+@bench_app.command("throughput")
+def throughput(
+    num_prompts: Annotated[Optional[int], _w("--num-prompts", min=1, help="Requests in the pass (default: 100 random; a dataset's all).")] = None,
+    input_len: Annotated[int, _w("--input-len", help="Prompt tokens per random request.")] = 128,
+    output_len: Annotated[int, _w("--output-len", help="Output tokens per request (exact: ignore_eos).")] = 128,
+    range_ratio: Annotated[float, _w("--range-ratio", help="Random lengths uniform in [L(1-r), L(1+r)], 0 <= r < 1.")] = 0.0,
+    dataset: Annotated[Optional[Path], _w("--dataset", help="Prompts file (plain lines or JSON lines as for 'generate -f') instead of random prompts.", dir_okay=False)] = None,
+    repeats: Annotated[int, _w("--repeats", min=1, help="Timed passes (mean ± std over them).")] = 1,
+    workload_seed: Annotated[int, _w("--workload-seed", help="Seed of the random prompts.")] = 0,
+    compare_hf: Annotated[bool, _w("--compare-hf", help="Also run transformers generate on the same workload and print the ratio.")] = False,
+    hf_batch_size: Annotated[int, _w("--hf-batch-size", min=1, help="Prompts per padded transformers batch.")] = 16,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else).")] = False,
+    model: eo.Model = None,
+    tokenizer: eo.Tokenizer = None,
+    dtype: eo.DtypeOpt = eo.Dtype.auto,
+    device: eo.Device = "auto",
+    seed: eo.Seed = 0,
+    block_size: eo.BlockSize = None,
+    max_model_len: eo.MaxModelLen = None,
+    max_num_seqs: eo.MaxNumSeqs = 128,
+    max_num_batched_tokens: eo.MaxBatchedTokens = None,
+    enable_prefix_caching: eo.PrefixCaching = False,
+    gpu_memory_utilization: eo.GpuMemUtil = 0.9,
+    kv_cache_memory: eo.KvCacheMemory = None,
+    num_kv_blocks: eo.NumKvBlocks = None,
+    load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
+    num_threads: eo.NumThreads = None,
+    verify: eo.Verify = False,
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """Offline throughput (vLLM's definition): one timed pass over N requests submitted at once."""
+    from llmctl.bench.offline_runner import ThroughputJob, run_throughput_job
+
+    args = eo.engine_args(
+        model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, block_size=block_size,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, load_format=load_format,
+        num_threads=num_threads, verify=verify,
+    )
+    run_throughput_job(args, ThroughputJob(num_prompts, input_len, output_len, range_ratio, dataset, repeats,
+                                           workload_seed, compare_hf, hf_batch_size, json_output))
+
+
+@bench_app.command("latency")
+def latency(
+    batch_size: Annotated[int, _w("--batch-size", min=1, help="Prompts in the batch.")] = 8,
+    input_len: Annotated[int, _w("--input-len", help="Prompt tokens per request.")] = 32,
+    output_len: Annotated[int, _w("--output-len", help="Output tokens per request (exact: ignore_eos).")] = 128,
+    num_iters_warmup: Annotated[int, _w("--num-iters-warmup", min=0, help="Untimed passes first.")] = 10,
+    num_iters: Annotated[int, _w("--num-iters", min=1, help="Timed passes.")] = 30,
+    workload_seed: Annotated[int, _w("--workload-seed", help="Seed of the random prompts.")] = 0,
+    compare_hf: Annotated[bool, _w("--compare-hf", help="Also time transformers generate on the same batch and print the ratio.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else).")] = False,
+    model: eo.Model = None,
+    tokenizer: eo.Tokenizer = None,
+    dtype: eo.DtypeOpt = eo.Dtype.auto,
+    device: eo.Device = "auto",
+    seed: eo.Seed = 0,
+    block_size: eo.BlockSize = None,
+    max_model_len: eo.MaxModelLen = None,
+    max_num_seqs: eo.MaxNumSeqs = 128,
+    max_num_batched_tokens: eo.MaxBatchedTokens = None,
+    enable_prefix_caching: eo.PrefixCaching = False,
+    gpu_memory_utilization: eo.GpuMemUtil = 0.9,
+    kv_cache_memory: eo.KvCacheMemory = None,
+    num_kv_blocks: eo.NumKvBlocks = None,
+    load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
+    num_threads: eo.NumThreads = None,
+    verify: eo.Verify = False,
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """Offline latency (vLLM's definition): one fixed batch end to end, warm-up then timed passes."""
+    from llmctl.bench.offline_runner import LatencyJob, run_latency_job
+
+    args = eo.engine_args(
+        model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, block_size=block_size,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, load_format=load_format,
+        num_threads=num_threads, verify=verify,
+    )
+    run_latency_job(args, LatencyJob(batch_size, input_len, output_len, num_iters_warmup, num_iters, workload_seed,
+                                     compare_hf, json_output))
+
+
+def _register_serve() -> None:
+    from llmctl.commands import bench_serve
+
+    bench_app.command("serve")(bench_serve.serve)
+
+
+_register_serve()

@@ -1,0 +1,380 @@
+"""`llmctl bench --gpu/--cpu`: plan the microbenchmarks, run them per device, attach datasheet
+peaks, and turn the figures into one report (inventory, results, warnings, notes, errors).
+
+The kernels live in `llmctl.bench.kernels`, the datasheet table in `llmctl.bench.specs`; this
+module decides what runs at which size (`--quick`, default, `--full`) and judges the results
+(`fail_below`, `spread_warnings`). Nothing here changes device settings.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from llmctl.bench.shapes import BUILTIN, ModelShape
+from llmctl.bench.specs import GpuSpec, lookup
+from llmctl.errors import one_line
+
+SCHEMA_VERSION = 1
+SPREAD_LIMIT_PCT = 5.0
+MIB, GIB = 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str  # quick, default, full
+    reps: int
+    warmup_s: float
+    gpu_gemm: int
+    cpu_gemm: int
+    gpu_copy_min: int  # bytes; at least 16x the L2 cache
+    cpu_copy_llc_multiple: int
+    transfer_bytes: int
+    attention_prefill: tuple[int, int, int, int, int]  # batch, q heads, kv heads, head dim, seq
+    attention_decode: tuple[int, int, int, int, int]  # batch, q heads, kv heads, head dim, context
+    cpu_shape: str
+    gpu_shape: str
+
+
+PLANS = {
+    "quick": Plan("quick", 5, 0.1, 8192, 1024, 1 * GIB, 2, 256 * MIB, (2, 32, 8, 128, 4096), (32, 32, 8, 128, 4096),
+                  "smollm-135m", "llama-3-8b"),
+    "default": Plan("default", 20, 0.5, 8192, 2048, 2 * GIB, 4, 512 * MIB, (4, 32, 8, 128, 4096),
+                    (64, 32, 8, 128, 4096), "qwen2.5-0.5b", "llama-3-8b"),
+    "full": Plan("full", 100, 2.0, 8192, 4096, 4 * GIB, 8, 1 * GIB, (8, 32, 8, 128, 8192), (128, 32, 8, 128, 8192),
+                 "qwen2.5-0.5b", "llama-3-8b"),
+}
+
+
+@dataclass
+class Result:
+    name: str
+    label: str
+    device: str
+    unit: str
+    median: float
+    min: float
+    max: float
+    repeats: int
+    peak: Optional[float]
+    pct_of_peak: Optional[float]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Report:
+    target: str  # "cuda" or "cpu"
+    mode: str
+    devices: list[dict[str, Any]]
+    results: list[Result] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    errors: list[dict[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        import torch
+
+        from llmctl.__about__ import __version__
+
+        return {"schema_version": SCHEMA_VERSION, "llmctl_version": __version__, "torch_version": torch.__version__,
+                "target": self.target, "mode": self.mode, "devices": self.devices,
+                "results": [r.to_dict() for r in self.results], "warnings": self.warnings, "notes": self.notes,
+                "errors": self.errors}
+
+
+Task = tuple[str, str, Callable[[], Any]]  # (label for progress, device label, returns a Measured)
+Progress = Callable[[str, int, int], None]  # (step label, steps done, total steps)
+
+
+def to_result(measured: Any, device: str, spec: Optional[GpuSpec]) -> Result:
+    """Median/min/max of the per-repetition rates, beside the datasheet peak when one is known."""
+    values = measured.values
+    median = statistics.median(values)
+    base = spec.peak(measured.peak_key) if spec is not None and measured.peak_key else None
+    peak = base * measured.peak_scale if base is not None else None
+    pct = 100.0 * median / peak if peak else None
+    return Result(measured.name, measured.label, device, measured.unit, _round(median), _round(min(values)),
+                  _round(max(values)), len(values), _round(peak), None if pct is None else round(pct, 1),
+                  measured.params)
+
+
+def _round(value: Optional[float]) -> Optional[float]:
+    return None if value is None else float(f"{value:.5g}")
+
+
+def fail_below(results: list[Result], pct: float) -> list[Result]:
+    """Figures with a known peak that reached less than pct % of it."""
+    return [r for r in results if r.pct_of_peak is not None and r.pct_of_peak < pct]
+
+
+def spread_warnings(results: list[Result], devices: list[dict[str, Any]], limit_pct: float = SPREAD_LIMIT_PCT) -> list[str]:
+    """One warning per figure whose medians differ by more than limit_pct across GPUs of the same model
+    (the slowest measured against the fastest)."""
+    model_of = {d["label"]: d.get("name") for d in devices}
+    groups: dict[tuple[str, Any], list[Result]] = {}
+    for r in results:
+        if r.device in model_of:
+            groups.setdefault((r.name, model_of[r.device]), []).append(r)
+    warnings = []
+    for (name, model), rows in groups.items():
+        if len(rows) < 2:
+            continue
+        fast, slow = max(rows, key=lambda r: r.median), min(rows, key=lambda r: r.median)
+        spread = 100.0 * (fast.median - slow.median) / fast.median if fast.median else 0.0
+        if spread > limit_pct:
+            warnings.append(f"{name}: {slow.device} is {spread:.1f}% below {fast.device} "
+                            f"({slow.median:g} vs {fast.median:g} {fast.unit}) on {model} GPUs of this host")
+    return warnings
+
+
+# ---- CPU ----------------------------------------------------------------------------------------
+def cpu_inventory() -> dict[str, Any]:
+    import torch
+
+    caches = _cpu_caches()
+    return {"label": "cpu", "kind": "cpu", "name": _cpu_model(), "logical_cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "memory_bytes": _meminfo_total(),
+            "l2_bytes_per_core": caches.get(2), "llc_bytes": caches.get(max(caches)) if caches else None,
+            "machine": platform.machine()}
+
+
+def cpu_tasks(plan: Plan, shape: Optional[ModelShape]) -> list[Task]:
+    import torch
+
+    from llmctl.bench import kernels as k
+
+    cpu = torch.device("cpu")
+    timer = k.Timer(plan.warmup_s, plan.reps)
+    caches = _cpu_caches()
+    l2_total = (caches.get(2) or 2 * MIB) * (os.cpu_count() or 1)
+    llc = caches.get(max(caches)) if caches else 32 * MIB
+    copy_bytes = max(256 * MIB, plan.cpu_copy_llc_multiple * llc)
+    shape = shape or BUILTIN[plan.cpu_shape]
+    return [
+        ("GEMM fp32", "cpu", lambda: k.gemm(timer, cpu, "fp32", plan.cpu_gemm, l2_total)),
+        ("GEMM bf16", "cpu", lambda: k.gemm(timer, cpu, "bf16", plan.cpu_gemm, l2_total)),
+        ("memory copy", "cpu", lambda: k.memory_copy(timer, cpu, copy_bytes, peak_key=None)),
+        ("memory read", "cpu", lambda: k.memory_read(timer, cpu, copy_bytes, peak_key=None)),
+        (f"decode step {shape.name}", "cpu", lambda: k.decode_step(timer, cpu, torch.float32, shape)),
+    ]
+
+
+def run_cpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Report:
+    report = Report("cpu", plan.mode, [cpu_inventory()])
+    report.notes.append("CPUs have no datasheet peak in the spec table: % of peak shows '—'")
+    _run_tasks(cpu_tasks(plan, shape), {}, report, progress)
+    return report
+
+
+def _cpu_caches() -> dict[int, int]:
+    """Cache size in bytes by level, from sysfs (data/unified caches of cpu0)."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    sizes: dict[int, int] = {}
+    for index in sorted(root.glob("index*")):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((index / "level").read_text())
+            sizes[level] = _parse_size((index / "size").read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return sizes
+
+
+def _parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _meminfo_total() -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+def gpu_inventory(index: int, nvml: Any) -> dict[str, Any]:
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    spec = lookup(props.name)
+    entry: dict[str, Any] = {
+        "label": f"cuda:{index}", "kind": "cuda", "index": index, "name": props.name,
+        "product": spec.product if spec else None, "memory_bytes": props.total_memory,
+        "compute_capability": f"{props.major}.{props.minor}", "sm_count": props.multi_processor_count,
+        "l2_bytes": getattr(props, "L2_cache_size", None), "cuda_version": torch.version.cuda,
+        "driver_version": nvml.call("nvmlSystemGetDriverVersion") if nvml else None,
+        "pcie": _pcie_link(nvml, _nvml_handle(nvml, props, index)),
+    }
+    if spec is not None:
+        entry["datasheet_pcie"] = f"gen{spec.pcie_gen} x{spec.pcie_width}"
+    return entry
+
+
+def _nvml_handle(nvml: Any, props: Any, index: int) -> Any:
+    """NVML's handle for torch device `index`, matched by UUID (torch and NVML may order GPUs
+    differently); None when NVML is unavailable or the UUID cannot be matched."""
+    if nvml is None:
+        return None
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        text = str(uuid)
+        handle = nvml.call("nvmlDeviceGetHandleByUUID", text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")
+        if handle is not None:
+            return handle
+    return None
+
+
+def _pcie_link(nvml: Any, handle: Any) -> Optional[dict[str, Any]]:
+    if nvml is None or handle is None:
+        return None
+    return {"current_gen": nvml.call("nvmlDeviceGetCurrPcieLinkGeneration", handle),
+            "current_width": nvml.call("nvmlDeviceGetCurrPcieLinkWidth", handle),
+            "max_gen": nvml.call("nvmlDeviceGetMaxPcieLinkGeneration", handle),
+            "max_width": nvml.call("nvmlDeviceGetMaxPcieLinkWidth", handle)}
+
+
+def gpu_tasks(plan: Plan, index: int, shape: Optional[ModelShape], link: Callable[[], Any]) -> list[Task]:
+    import torch
+
+    from llmctl.bench import kernels as k
+
+    device = torch.device("cuda", index)
+    props = torch.cuda.get_device_properties(index)
+    timer = k.CudaTimer(plan.warmup_s, plan.reps, device)
+    l2 = getattr(props, "L2_cache_size", 0) or 64 * MIB
+    copy_bytes = max(plan.gpu_copy_min, 16 * l2)
+    capability = (props.major, props.minor)
+    label = f"cuda:{index}"
+    half = torch.bfloat16 if capability >= (8, 0) else torch.float16
+    kinds = ["bf16", "fp16", "tf32", "fp32"] if capability >= (8, 0) else ["fp16", "fp32"]
+    if capability >= (8, 9):  # Ada and Hopper have fp8 tensor cores
+        kinds.append("fp8")
+    tasks: list[Task] = [(f"GEMM {kind}", label, lambda kind=kind: k.gemm(timer, device, kind, plan.gpu_gemm, l2))
+                         for kind in kinds]
+    tasks += [
+        ("memory copy", label, lambda: k.memory_copy(timer, device, copy_bytes)),
+        ("memory read", label, lambda: k.memory_read(timer, device, copy_bytes)),
+        ("host→device", label, lambda: _with_link(k.host_transfer(timer, device, plan.transfer_bytes, "h2d"), link)),
+        ("device→host", label, lambda: _with_link(k.host_transfer(timer, device, plan.transfer_bytes, "d2h"), link)),
+        ("attention prefill", label, lambda: k.attention_prefill(
+            timer, device, half, k.AttentionShape(*plan.attention_prefill), use_flash=True)),
+        ("attention decode", label, lambda: k.attention_decode(
+            timer, device, half, k.AttentionShape(*plan.attention_decode), use_flash=True)),
+    ]
+    chosen = shape or _gpu_shape(plan, props, half)
+    tasks.append((f"decode step {chosen.name}", label, lambda: k.decode_step(timer, device, half, chosen)))
+    return tasks
+
+
+def _gpu_shape(plan: Plan, props: Any, dtype: Any) -> ModelShape:
+    """The plan's default shape, or the small one when its weights would not fit in 60% of the GPU."""
+    shape = BUILTIN[plan.gpu_shape]
+    elt = 2 if str(dtype).endswith(("bfloat16", "float16")) else 4
+    return shape if shape.linear_params * elt < 0.6 * props.total_memory else BUILTIN["qwen2.5-0.5b"]
+
+
+def _with_link(measured: Any, link: Callable[[], Any]) -> Any:
+    """Record the PCIe link NVML reports right after the transfer (idle links may train down)."""
+    measured.params["pcie_link_after_test"] = link()
+    return measured
+
+
+def peer_tasks(plan: Plan, count: int) -> list[Task]:
+    """Ring of peer copies: cuda:i -> cuda:(i+1) % count."""
+    import torch
+
+    from llmctl.bench import kernels as k
+
+    tasks: list[Task] = []
+    for i in range(count):
+        j = (i + 1) % count
+        src, dst = torch.device("cuda", i), torch.device("cuda", j)
+        tasks.append((f"peer copy {i}→{j}", f"cuda:{i}->cuda:{j}",
+                      lambda src=src, dst=dst: k.peer_copy(src, dst, plan.transfer_bytes, plan.warmup_s, plan.reps)))
+    return tasks
+
+
+def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Report:
+    import torch
+
+    from llmctl.checks.probe import open_nvml
+
+    count = torch.cuda.device_count()
+    with open_nvml() as (nvml, reason, _mismatch):
+        devices = [gpu_inventory(i, nvml) for i in range(count)]
+        report = Report("cuda", plan.mode, devices)
+        if nvml is None:
+            report.notes.append(f"NVML unavailable ({reason}): no driver version or PCIe link in the inventory")
+        specs = {d["label"]: lookup(d["name"]) for d in devices}
+        for d in devices:
+            if specs[d["label"]] is None:
+                report.notes.append(f"{d['label']} ({d['name']}) is not in the datasheet table: % of peak shows '—'")
+        tasks: list[Task] = []
+        for i in range(count):
+            props = torch.cuda.get_device_properties(i)
+            handle = _nvml_handle(nvml, props, i)
+            tasks += gpu_tasks(plan, i, shape, lambda handle=handle: _pcie_link(nvml, handle))
+        if count > 1:
+            tasks += peer_tasks(plan, count)
+        _run_tasks(tasks, specs, report, progress)
+    report.notes += _link_notes(devices)
+    report.warnings += spread_warnings(report.results, devices)
+    return report
+
+
+def _link_notes(devices: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    for d in devices:
+        spec, link = lookup(d["name"]), d.get("pcie")
+        if spec and link and link.get("max_gen") and link.get("max_width"):
+            if (link["max_gen"], link["max_width"]) < (spec.pcie_gen, spec.pcie_width):
+                notes.append(f"{d['label']}: NVML reports at most PCIe gen{link['max_gen']} x{link['max_width']} "
+                             f"(datasheet gen{spec.pcie_gen} x{spec.pcie_width}); host transfers are judged "
+                             "against the datasheet link")
+    return notes
+
+
+# ---- shared -------------------------------------------------------------------------------------
+def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: Report, progress: Progress) -> None:
+    """Run each task once; a failing one (out of memory, unsupported kernel) is recorded in
+    `report.errors` and the rest still run."""
+    import torch
+
+    for done, (label, device, task) in enumerate(tasks):
+        progress(f"{device} {label}", done, len(tasks))
+        try:
+            measured = task()
+        except (RuntimeError, ValueError, NotImplementedError) as exc:
+            report.errors.append({"benchmark": label, "device": device, "error": one_line(exc)[:300]})
+        else:
+            spec = specs.get(device.split("->")[0]) if "->" not in device else None
+            report.results.append(to_result(measured, device, spec))
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    progress("done", len(tasks), len(tasks))
+

@@ -1,0 +1,126 @@
+"""Terminal rendering for `llmctl bench` (hardware, throughput, latency): a Rich table and live
+progress on a TTY, plain aligned text when piped. JSON output is printed by the command itself."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+from llmctl.output import is_interactive, stderr_console, stdout_console
+
+DASH = "—"
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool) -> Iterator[Any]:
+    """Yields `update(label, done, total)`: a transient Rich bar on stderr when `enabled` and stderr
+    is a terminal, a no-op otherwise (piped runs stay quiet)."""
+    console = stderr_console()
+    if not enabled or not is_interactive(console):
+        yield lambda label, done, total: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def update(label: str, done: int, total: int) -> None:
+            bar.update(task, description=label, completed=done, total=total)
+
+        yield update
+
+
+@contextlib.contextmanager
+def status(message: str) -> Iterator[None]:
+    console = stderr_console()
+    if is_interactive(console):
+        with console.status(message):
+            yield
+    else:
+        yield
+
+
+def fmt(value: Optional[float]) -> str:
+    if value is None:
+        return DASH
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if abs(value) < 1 else f"{value:.1f}"
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> None:
+    out = stdout_console()
+    if out.is_terminal:
+        from rich.table import Table
+
+        table = Table()
+        for i, name in enumerate(headers):
+            table.add_column(name, justify="right" if i in right else "left")
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    for row in [headers, *rows]:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        out.file.write("  ".join(cells).rstrip() + "\n")
+    out.file.flush()
+
+
+def render_hardware(doc: dict[str, Any]) -> None:
+    out = stdout_console()
+    for d in doc["devices"]:
+        if d["kind"] == "cpu":
+            out.print(f"{d['label']}: {d['name']}, {d['logical_cores']} logical cores, torch threads {d['threads']}",
+                      markup=False, highlight=False)
+        else:
+            link = d.get("pcie") or {}
+            pcie = (f", PCIe gen{link.get('current_gen')} x{link.get('current_width')} "
+                    f"(max gen{link.get('max_gen')} x{link.get('max_width')})") if link else ""
+            out.print(f"{d['label']}: {d['name']} ({d['product'] or 'not in the datasheet table'}), "
+                      f"{d['memory_bytes'] / 2 ** 30:.0f} GiB, sm_{d['compute_capability'].replace('.', '')}, "
+                      f"driver {d.get('driver_version') or '?'}, CUDA {d.get('cuda_version')}{pcie}",
+                      markup=False, highlight=False)
+    rows = [[r["device"], r["label"], fmt(r["median"]), fmt(r["min"]), fmt(r["max"]), r["unit"], fmt(r["peak"]),
+             DASH if r["pct_of_peak"] is None else f"{r['pct_of_peak']:.1f}%"] for r in doc["results"]]
+    _table(["device", "benchmark", "median", "min", "max", "unit", "peak", "% of peak"], rows, {2, 3, 4, 6, 7})
+
+
+def render_throughput(doc: dict[str, Any]) -> None:
+    rows = [_rate_row("llmctl", doc)]
+    if doc.get("transformers"):
+        rows.append(_rate_row(f"transformers {doc['transformers']['version']}", doc["transformers"]))
+    _table(["system", "requests/s", "output tok/s", "total tok/s", "elapsed s"], rows, {1, 2, 3, 4})
+    _summary_line(doc)
+
+
+def _rate_row(name: str, doc: dict[str, Any]) -> list[str]:
+    def pm(key: str) -> str:
+        stat = doc[key]
+        return f"{fmt(stat['mean'])} ± {fmt(stat['std'])}" if doc["repeats"] > 1 else fmt(stat["mean"])
+
+    return [name, pm("requests_per_second"), pm("output_tokens_per_second"), pm("total_tokens_per_second"),
+            fmt(sum(doc["elapsed_times"]) / len(doc["elapsed_times"]))]
+
+
+def render_latency(doc: dict[str, Any]) -> None:
+    systems = [("llmctl", doc)] + ([(f"transformers {doc['transformers']['version']}", doc["transformers"])]
+                                   if doc.get("transformers") else [])
+    headers = ["system", "mean s", "std s", *(f"p{p}" for p in doc["percentiles"])]
+    rows = [[name, f"{d['avg_latency']:.4f}", f"{d['std_latency']:.4f}", *(f"{v:.4f}" for v in d["percentiles"].values())]
+            for name, d in systems]
+    _table(headers, rows, set(range(1, len(headers))))
+    _summary_line(doc)
+
+
+def _summary_line(doc: dict[str, Any]) -> None:
+    w = doc["workload"]
+    shape = (f"{w['num_prompts']} prompts" if doc["benchmark"] == "throughput" else f"batch {w['batch_size']}")
+    text = (f"{doc['model']} ({doc['load_format']} weights, {doc['dtype']}, {doc['device']}): {shape}, "
+            f"{w['prompt_tokens']} prompt + {w['output_tokens']} output tokens")
+    ratio = doc.get("ratio_vs_transformers")
+    if ratio:
+        key, value = next(iter(ratio.items()))
+        text += f"; llmctl / transformers = {value:.2f}x ({key.replace('_', ' ')})"
+    stdout_console().print(text, markup=False, highlight=False)
