@@ -187,11 +187,13 @@ def _run(target, plan, requests, warmups, tok):
     failed = {"warmup": 0, "bench": 0}
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn())
+    rate = "all at once" if plan.request_rate == float("inf") else f"{plan.request_rate:g} req/s"
+    err.print(f"[bold]{target.model}[/bold] @ {target.url}: {len(requests)} requests, {rate}", markup=True)
     with Progress(*columns, console=err, transient=True) as progress:
         tasks = {}
         if warmups:
             tasks["warmup"] = progress.add_task("warm-up", total=len(warmups), failed=0)
-        tasks["bench"] = progress.add_task(f"{target.model} @ {target.url}", total=len(requests), failed=0)
+        tasks["bench"] = progress.add_task("benchmark", total=len(requests), failed=0)
 
         def observe(phase: str, outcome) -> None:
             failed[phase] += not outcome.success
@@ -293,7 +295,8 @@ def _print_problems(document: dict[str, Any]) -> None:
         sys.stderr.write(f"llmctl: {sample['count']} request(s) failed: {status}: {sample['message']}\n")
     for gate in document.get("slo", []):
         if not gate["passed"]:
-            sys.stderr.write(f"llmctl: slo violated: {gate['gate']} (measured {gate['value']})\n")
+            measured = "not measured" if gate["value"] is None else f"measured {gate['value']:.6g}"
+            sys.stderr.write(f"llmctl: slo violated: {gate['gate']} ({measured})\n")
     if document["completed"] == 0:
         sys.stderr.write(f"llmctl: error: all {document['failed']} requests failed\n")
 

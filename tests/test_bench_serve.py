@@ -290,10 +290,10 @@ def test_token_counts_fall_back_without_usage(fake, capsys):
     tok = Tokenizer.from_pretrained(DEFAULT_MODEL)
     expected = sum(len(tok.encode(text, add_special_tokens=False)) for text in doc["generated_texts"])
     assert doc["token_count_source"] == "tokenizer" and doc["total_output_tokens"] == expected != 24
-    # Without usage the input count is the client's: prompts built from token ids land on (about) the length.
+    # Without usage the input count is the client's: prompts built from token ids hit the length.
     prompts = [body["prompt"] for body in fake.bodies[3:]]
     assert doc["input_lens"] == [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
-    assert all(12 <= n <= 14 for n in doc["input_lens"])
+    assert doc["input_lens"] == [12, 12, 12]
 
 
 def test_file_dataset_api_key_and_no_ignore_eos(fake, capsys, tmp_path, monkeypatch):
@@ -310,3 +310,79 @@ def test_file_dataset_api_key_and_no_ignore_eos(fake, capsys, tmp_path, monkeypa
     assert fake.headers[0]["authorization"] == "Bearer sk-env"
     bench(capsys, "--base-url", fake.url, "--num-prompts", "1", "--api-key", "sk-flag", *SMALL)
     assert fake.headers[-1]["authorization"] == "Bearer sk-flag"
+
+
+# ---- against our own server ---------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _server_counter(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0  # a labelled counter appears with its first sample
+
+
+@pytest.fixture(scope="module")
+def llmctl_server():
+    """`llmctl serve` with the default model on a free loopback port, as a subprocess."""
+    import httpx
+
+    port = _free_port()
+    env = {**os.environ, "NO_COLOR": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "llmctl.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llmctl serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llmctl serve did not become healthy within 180 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_bench_serve_against_llmctl_serve(llmctl_server, capsys):
+    url = llmctl_server
+    prompt_before = _server_counter(url, "llmctl:prompt_tokens_total")
+    generated_before = _server_counter(url, "llmctl:generation_tokens_total")
+    code, out, err = bench(capsys, "--base-url", url, "--num-prompts", "20", "--request-rate", "10", "--json",
+                           "--random-input-len", "32", "--random-output-len", "16")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert (doc["completed"], doc["failed"]) == (20, 0), doc["error_samples"]
+    assert doc["token_count_source"] == "usage"
+    assert doc["total_output_tokens"] == 20 * 16  # ignore_eos: exactly max_tokens each
+    # The server's own accounting agrees with what its usage reports told the client.
+    assert _server_counter(url, "llmctl:generation_tokens_total") - generated_before == doc["total_output_tokens"]
+    assert _server_counter(url, "llmctl:prompt_tokens_total") - prompt_before == doc["total_input_tokens"]
+    assert doc["model_id"] and doc["request_rate"] == 10.0
+    assert 0 < doc["median_ttft_ms"] <= doc["p99_ttft_ms"] and doc["mean_tpot_ms"] > 0 and doc["mean_itl_ms"] > 0
+    assert 1 <= doc["max_concurrent_requests"] <= 20
+
+    code, out, err = bench(capsys, "--base-url", url, "--num-prompts", "4", "--endpoint", "chat", "--json",
+                           "--random-input-len", "8", "--random-output-len", "4", "--slo", "p99_ttft_ms<0.001")
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["completed"] == 4 and doc["total_output_tokens"] == 16
+    assert doc["slo"][0]["passed"] is False and "slo violated: p99_ttft_ms<0.001" in err

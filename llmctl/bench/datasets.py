@@ -82,18 +82,22 @@ def random_text(rng: np.random.Generator, length: int, tokenizer: Optional[TextT
         return " ".join(rng.choice(WORDS, size=length).tolist())
     ids = rng.integers(0, tokenizer.vocab_size, size=length).tolist()
     text = tokenizer.decode(ids)
-    # Decoding then re-encoding random ids merges or splits tokens; trim or top up a few times
-    # so the server sees the requested length (as vLLM's random dataset does).
-    for _ in range(4):
+    # Decoding then re-encoding random ids merges or splits tokens; trim or top up until the text
+    # re-encodes to the asked length (as vLLM's random dataset does), keeping the closest attempt.
+    best_text, best_gap = text, math.inf
+    for _ in range(8):
         ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) == length:
+        if abs(len(ids) - length) < best_gap:
+            best_text, best_gap = text, abs(len(ids) - length)
+        if best_gap == 0:
             break
         if len(ids) > length:
             ids = ids[:length]
         else:
             ids = ids + rng.integers(0, tokenizer.vocab_size, size=length - len(ids)).tolist()
-        text = tokenizer.decode(ids)
-    return text
+        # A cut inside a multi-byte character decodes to U+FFFD, which re-encodes longer: drop it.
+        text = tokenizer.decode(ids).rstrip("\ufffd")
+    return best_text
 
 
 def random_requests(num: int, input_len: int, output_len: int, range_ratio: float,
