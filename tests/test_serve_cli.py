@@ -1,0 +1,128 @@
+"""`llmctl serve` as users run it: a subprocess on the embedded model, graceful SIGTERM drain with
+exit 0, profiling endpoints, the API key from the environment, and one-line startup errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_helpers import free_port
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
+    return {**env, "NO_COLOR": "1", **extra}
+
+
+def _start(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmctl.cli", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or _env())
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("server did not become healthy")
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_zero():
+    proc, base = _start("--shutdown-timeout", "30")
+    events: list[str] = []
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "A long tale", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    first_chunk.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first_chunk.wait(30)
+    proc.send_signal(signal.SIGTERM)
+    reader.join(60)
+    assert proc.wait(60) == 0
+    stderr = proc.stderr.read()
+    assert "listening on http://127.0.0.1" in stderr and "draining" in stderr
+    assert events[-1] == "data: [DONE]"
+    text_chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"  # finished, not cut off
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(base + "/health", timeout=2)
+
+
+def test_profile_endpoints_write_a_trace_and_need_the_key(tmp_path):
+    proc, base = _start("--profile-dir", str(tmp_path / "traces"), env=_env(LLMCTL_API_KEY="sk-env"))
+    try:
+        auth = {"Authorization": "Bearer sk-env"}
+        assert httpx.post(base + "/start_profile").status_code == 401
+        assert httpx.post(base + "/start_profile", headers=auth).status_code == 200
+        assert httpx.post(base + "/start_profile", headers=auth).status_code == 409
+        done = httpx.post(base + "/v1/completions", headers=auth, timeout=30,
+                          json={"prompt": "ROMEO:", "max_tokens": 4})
+        assert done.status_code == 200
+        stopped = httpx.post(base + "/stop_profile", headers=auth, timeout=60)
+        assert stopped.status_code == 200
+        [trace] = stopped.json()["files"]
+        events = json.load(gzip.open(trace))["traceEvents"]
+        assert any("linear" in e.get("name", "") or "mm" in e.get("name", "") for e in events)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_profile_endpoints_absent_without_profile_dir():
+    proc, base = _start()
+    try:
+        assert httpx.post(base + "/start_profile").status_code == 404
+        assert httpx.get(base + "/version").json()["version"]
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--rate-limit", "lots"), "invalid rate limit"),
+    (("--model", "/no/such/model"), "does not exist"),
+    (("--max-output-tokens", "0"), "--max-output-tokens must be >= 1"),
+    (("--audit-log-prompts",), "needs --audit-log"),
+    (("--request-timeout", "-1"), "--request-timeout must be > 0"),
+])
+def test_bad_serve_flags_are_one_line_errors(args, message):
+    proc = subprocess.run([sys.executable, "-m", "llmctl.cli", "serve", "--port", str(free_port()), *args],
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("llmctl: error:")
+
+
+def test_port_in_use_is_a_one_line_error():
+    proc, base = _start()
+    try:
+        port = base.rsplit(":", 1)[1]
+        second = subprocess.run([sys.executable, "-m", "llmctl.cli", "serve", "--port", port], capture_output=True,
+                                text=True, env=_env(), timeout=120)
+        assert second.returncode == 2 and "could not listen" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        proc.terminate()
+        proc.wait(30)
