@@ -2,9 +2,10 @@
 
 After every iteration (and a `gc.collect()`) it samples RSS and, when the workload uses CUDA, torch's
 allocated/reserved bytes. The least-squares slope over the post-warm-up iterations is the growth per
-iteration; the verdict is "growing" when that slope reaches the threshold and is steady (t-statistic
->= MIN_T, so one allocator jump does not count as a leak). On growth, memray's in-process `Tracker`
-records one more iteration and the allocations still alive at its end are the leak suspects.
+iteration. The verdict is "growing" when that slope reaches the threshold and the growth is spread
+over the window: the slopes of its first and second halves each reach half the threshold, so a single
+jump (a new allocator arena, a cache filling once) is not called a leak. On growth, memray's in-process
+`Tracker` records one more iteration and the allocations still alive at its end are the leak suspects.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from llmctl.errors import UserError
 from llmctl.profiling import ui
 from llmctl.profiling.artifacts import Manifest
 
-MIN_T = 3.0
+MIN_POST_WARMUP = 6  # three samples for each half's slope
 CAPTURE_NAME = "leak-iteration.bin"
 MAX_FRAMES = 6
 
@@ -41,8 +42,8 @@ class LeakPlan:
     def validate(self) -> None:
         if self.warmup < 0:
             raise UserError("--warmup must be >= 0")
-        if self.iterations - self.warmup < 3:
-            raise UserError(f"--iterations must exceed --warmup by at least 3 to fit a slope "
+        if self.iterations - self.warmup < MIN_POST_WARMUP:
+            raise UserError(f"--iterations must exceed --warmup by at least {MIN_POST_WARMUP} to fit a slope "
                             f"(got {self.iterations} iterations, {self.warmup} warm-up)")
         if self.threshold_kb <= 0:
             raise UserError("--threshold-kb-per-iter must be > 0")
@@ -175,15 +176,17 @@ def verdict(samples: list[Sample], plan: LeakPlan) -> dict[str, Any]:
     series = {"rss": [s.rss_bytes / 1024 for s in post]}
     if post and post[0].cuda_allocated is not None:
         series["cuda_allocated"] = [s.cuda_allocated / 1024 for s in post]
-    report: dict[str, Any] = {"threshold_kb_per_iter": plan.threshold_kb, "min_t": MIN_T}
+    report: dict[str, Any] = {"threshold_kb_per_iter": plan.threshold_kb}
     growing = False
     for name, values in series.items():
         line = fit(values)
-        steady = line["t"] >= MIN_T
-        grows = line["slope"] >= plan.threshold_kb and steady
+        half = len(values) // 2
+        halves = (fit(values[:half])["slope"], fit(values[-half:])["slope"])
+        grows = line["slope"] >= plan.threshold_kb and min(halves) >= plan.threshold_kb / 2
         growing |= grows
         report[name] = {"slope_kb_per_iter": round(line["slope"], 3), "stderr_kb": round(line["stderr"], 3),
                         "t": None if math.isinf(line["t"]) else round(line["t"], 2), "r2": round(line["r2"], 4),
+                        "half_slopes_kb_per_iter": [round(h, 3) for h in halves],
                         "start_kb": round(values[0], 1), "end_kb": round(values[-1], 1), "growing": grows}
     report["verdict"] = "growing" if growing else "flat"
     return report

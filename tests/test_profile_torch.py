@@ -1,0 +1,52 @@
+"""`llmctl profile torch` on the embedded default model: the trace is gzipped Chrome/Perfetto JSON,
+the operator table and the --json rows list the model's matmul/attention ops."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+MATMUL_OPS = ("aten::mm", "aten::linear", "aten::bmm", "aten::addmm", "aten::mv", "aten::matmul",
+              "scaled_dot_product", "mkldnn::_linear_pointwise")
+
+
+def llmctl(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
+    return subprocess.run([sys.executable, "-m", "llmctl.cli", "profile", "torch", *args], capture_output=True,
+                          text=True, env={**env, "NO_COLOR": "1"}, timeout=300)
+
+
+def test_trace_loads_and_table_lists_matmul_ops(tmp_path):
+    out = tmp_path / "torch"
+    proc = llmctl("--batch-size", "2", "--input-len", "16", "--output-len", "8", "--wait", "1", "--warmup", "1",
+                  "--active", "2", "--row-limit", "40", "--num-threads", "1", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    trace = json.load(gzip.open(out / "trace.json.gz"))
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert sum(name.startswith("ProfilerStep#") for name in names) == 2  # exactly the active steps
+    assert any(op in name for name in names for op in MATMUL_OPS)
+    assert "Self CPU" in proc.stdout and any(op in proc.stdout for op in ("aten::bmm", "aten::mm", "aten::linear"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tool"]["name"] == "torch.profiler" and manifest["command"][:3] == ["llmctl", "profile", "torch"]
+    assert "--active" in manifest["command"] and {"trace.json.gz", "ops.txt"} <= set(manifest["files"])
+
+
+def test_json_rows_are_sorted_and_limited(tmp_path):
+    proc = llmctl("--batch-size", "2", "--input-len", "8", "--output-len", "4", "--active", "1", "--sort-by", "count",
+                  "--row-limit", "5", "--num-threads", "1", "--json", "-o", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads(proc.stdout)
+    rows = manifest["result"]["ops"]
+    assert len(rows) == 5 and [r["calls"] for r in rows] == sorted((r["calls"] for r in rows), reverse=True)
+    assert set(rows[0]) == {"name", "calls", "self_cpu_time_us", "cpu_time_total_us"}  # no CUDA columns on CPU
+    assert manifest["result"]["device"] == "cpu" and manifest["result"]["steps"] == 3
+
+
+def test_bad_schedule_and_sort_key():
+    short = llmctl("--steps", "2", "--wait", "1", "--warmup", "1", "--active", "2")
+    assert short.returncode == 2 and "shorter than the schedule" in short.stderr
+    bad_key = llmctl("--sort-by", "speed")
+    assert bad_key.returncode == 2 and "'speed' is not one of" in bad_key.stderr
