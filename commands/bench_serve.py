@@ -146,6 +146,8 @@ def _load_tokenizer(folder: Optional[Path]):
     from llmctl.engine.tokenizer import Tokenizer
     from llmctl.errors import UserError
 
+    if not (folder / "tokenizer.json").is_file():
+        raise UserError(f"--tokenizer {folder}: no tokenizer.json there (give the model's folder)")
     try:
         return Tokenizer.from_pretrained(folder)
     except Exception as exc:  # noqa: BLE001 - ModelLoadError and friends all mean the same to the user

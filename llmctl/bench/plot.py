@@ -53,8 +53,9 @@ def write_plot(path: Path, outcomes: list[RequestOutcome], title: str) -> None:
     _histogram(grid[1][0], [out.latency for out in done], "End-to-end latency")
     timeline = output_timeline(outcomes)
     axes = grid[1][1]
-    axes.step(range(len(timeline)), timeline, where="post", color="tab:green")
-    axes.set_title("Output throughput")
+    if timeline:
+        axes.stairs(timeline, range(len(timeline) + 1), color="tab:green", fill=True, alpha=0.6)
+    axes.set_title("Output throughput (1 s buckets)")
     axes.set_xlabel("seconds since start")
     axes.set_ylabel("tokens/s")
     figure.suptitle(title)
