@@ -172,3 +172,39 @@ def test_missing_py_spy_is_exit_3_with_install_hint(tmp_path):
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 3
     assert "py-spy is not installed" in proc.stderr and "pip install 'llmctl[profile]'" in proc.stderr
+
+
+def test_top_runs_live_on_a_terminal(child):
+    """--top on a pseudo-terminal shows the target's hot function; Ctrl-C leaves it cleanly."""
+    import pty
+    import select
+
+    target = child(SPIN, "20")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: llmctl with the pty as its terminal
+        os.execvp(sys.executable, [sys.executable, "-m", "llmctl.cli", "profile", "cpu", "--top", "--pid", str(target.pid)])
+    screen, deadline = b"", time.time() + 30
+    while b"spin_in_marked_function" not in screen and time.time() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                screen += os.read(fd, 65536)
+            except OSError:
+                break
+    os.kill(pid, signal.SIGINT)
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert b"spin_in_marked_function" in screen
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_yaml_config_and_env_fill_flags(spin_script, tmp_path):
+    config = tmp_path / "cpu.yaml"
+    config.write_text("format: speedscope\nrate: 33\nnative: true\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
+    proc = subprocess.run([sys.executable, "-m", "llmctl.cli", "profile", "cpu", "--config", str(config), "--dry-run",
+                           "--json", "--", "python", str(spin_script)], capture_output=True, text=True,
+                          env={**env, "LLMCTL_RATE": "44"}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    command = json.loads(proc.stdout)["command"]
+    assert command[command.index("--format") + 1] == "speedscope" and "--native" in command
+    assert command[command.index("--rate") + 1] == "44"  # env beats the YAML file

@@ -105,3 +105,15 @@ def test_fit_recovers_a_line_and_ignores_a_single_jump():
     assert late["verdict"] == "growing"  # a leak that starts after a third of the window still counts
     small = verdict(_samples([1000 + 8 * i for i in range(20)]), plan)  # steady but under the threshold
     assert small["verdict"] == "flat" and small["rss"]["growing"] is False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_engine_generate_loop_on_cuda_samples_device_memory(tmp_path):
+    proc = llmctl("--engine", "--device", "cuda", "-n", "12", "--warmup", "4", "--batch-size", "2", "--json",
+                  "-o", str(tmp_path / "cuda"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)["result"]
+    assert result["verdict"] == "flat" and result["device"].startswith("cuda")
+    assert result["cuda_allocated"]["start_kb"] > 0  # the KV cache and weights live on the GPU
+    assert all(sample["cuda_reserved"] is not None for sample in result["samples"])

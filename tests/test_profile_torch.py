@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 MATMUL_OPS = ("aten::mm", "aten::linear", "aten::bmm", "aten::addmm", "aten::mv", "aten::matmul",
               "scaled_dot_product", "mkldnn::_linear_pointwise")
 
@@ -50,3 +52,24 @@ def test_bad_schedule_and_sort_key():
     assert short.returncode == 2 and "shorter than the schedule" in short.stderr
     bad_key = llmctl("--sort-by", "speed")
     assert bad_key.returncode == 2 and "'speed' is not one of" in bad_key.stderr
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+def test_cuda_trace_has_kernels_and_device_times(tmp_path):
+    out = tmp_path / "cuda"
+    proc = llmctl("--device", "cuda", "--batch-size", "4", "--active", "2", "--row-limit", "50", "--json", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads(proc.stdout)
+    assert manifest["result"]["device"].startswith("cuda")
+    rows = manifest["result"]["ops"]
+    assert all("self_device_time_us" in row for row in rows)
+    assert sum(row["device_time_total_us"] for row in rows) > 0
+    trace = json.load(gzip.open(out / "trace.json.gz"))
+    assert any(event.get("cat") == "kernel" for event in trace["traceEvents"])

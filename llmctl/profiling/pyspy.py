@@ -140,8 +140,10 @@ def _judge(manifest: Manifest, output, log_path, tool_rc, workload, workload_rc,
         manifest.result["workload_status"] = procs.describe_status(workload_rc)
         manifest.result["workload_stopped_by_llmctl"] = stopped
     if not output.exists():
+        hint = ("; if the workload is a wrapper (shell script, launcher) around Python, add --subprocesses"
+                if workload is not None and "--subprocesses" not in manifest.command else "")
         manifest.finish("tool_failed", workload_rc, f"py-spy wrote no profile ({procs.describe_status(tool_rc)}): "
-                        f"{last_line(_read(log_path)) or 'no output'}")
+                        f"{last_line(_read(log_path)) or 'no output'}{hint}")
     elif workload is not None and not stopped and workload_rc != 0:
         manifest.finish("workload_failed", workload_rc, f"the workload failed ({procs.describe_status(workload_rc)}); "
                         f"its profile is in {output}")
