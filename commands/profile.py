@@ -270,7 +270,7 @@ def leak(
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="First iterations left out of the fit (caches filling).")] = 5,
     threshold_kb_per_iter: Annotated[float, typer.Option("--threshold-kb-per-iter", help="Growth per iteration that counts as a leak.")] = 32.0,
     capture: Annotated[bool, typer.Option("--capture/--no-capture", help="On growth, track one more iteration with memray.")] = True,
-    top: Annotated[int, typer.Option("--top", min=1, help="Allocation sites to show.")] = 10,
+    sites: Annotated[int, typer.Option("--sites", min=1, help="Allocation sites to show on growth.")] = 10,
     model: eo.Model = None,
     batch_size: BatchSize = 4,
     input_len: InputLen = 32,
@@ -301,7 +301,7 @@ def leak(
 
     if bool(workload) == engine:
         raise UserError("give a workload (module:function or file.py:function) or --engine (one of them)")
-    plan = lk.LeakPlan(iterations, warmup, threshold_kb_per_iter, capture, top)
+    plan = lk.LeakPlan(iterations, warmup, threshold_kb_per_iter, capture, sites)
     plan.validate()
     command = _reproduce(ctx)
     if dry_run:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -143,3 +144,29 @@ def test_attach_failure_is_reported_not_traced_back(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_ctrl_c_closes_the_capture_and_still_reports(tmp_path):
+    script = tmp_path / "forever.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        kept = []
+        def hold_memory_until_interrupted():
+            kept.append(bytearray(30 * 1024 * 1024))
+            while True:
+                time.sleep(0.05)
+        hold_memory_until_interrupted()
+    """))
+    out = tmp_path / "mem"
+    proc = subprocess.Popen([sys.executable, "-m", "llmctl.cli", "profile", "mem", "-r", "stats", "-o", str(out), "--",
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 30
+    while not (out / "capture.bin").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.5)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and "stats.json" in manifest["files"]
+    assert _largest(json.loads((out / "stats.json").read_text()))["location"].startswith("hold_memory_until_interrupted:")

@@ -37,7 +37,7 @@ class LeakPlan:
     warmup: int = 5
     threshold_kb: float = 32.0
     capture: bool = True
-    top: int = 10
+    sites: int = 10
 
     def validate(self) -> None:
         if self.warmup < 0:
@@ -245,7 +245,7 @@ def _suspects(workload: Workload, plan: LeakPlan, manifest: Manifest) -> Any:
     from importlib.metadata import version
 
     manifest.result["capture"] = {"file": CAPTURE_NAME, "memray_version": version("memray")}
-    return top_leaked(path, plan.top)
+    return top_leaked(path, plan.sites)
 
 
 def top_leaked(path: Path, limit: int) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ CAPTURE_NAME = "capture.bin"
 REPORT_NAMES = {"flamegraph": "flamegraph.html", "table": "table.html", "summary": "summary.txt", "stats": "stats.json"}
 SETTLE_S = 1.0
 FINALISE_TIMEOUT_S = 60.0
+FINALISE_GRACE_S = 10.0  # a second SIGINT must not cut memray's capture short
 
 
 @dataclass
@@ -96,8 +97,9 @@ def run_capture(plan: MemPlan, manifest: Manifest) -> None:
             _detach(plan.pid)  # stop tracking so the capture file is closed
             _wait_finalised(capture, plan.pid, timeout_s=10.0)
         manifest.add_file(capture)
-        manifest.finish("interrupted", None, "interrupted (Ctrl-C); run the reports on the partial capture with "
-                        f"'python -m memray flamegraph {capture}'")
+        if capture.exists():
+            _render_reports(plan, manifest, capture)
+        manifest.finish("interrupted", None, "interrupted (Ctrl-C); the reports cover what was captured until then")
         manifest.write()
         raise
     manifest.add_file(capture)
@@ -123,7 +125,7 @@ def _run_workload(plan: MemPlan, manifest: Manifest) -> Optional[int]:
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        procs.after_interrupt(proc)  # memray finalises the capture as the workload exits
+        procs.after_interrupt(proc, delay_s=FINALISE_GRACE_S)  # memray closes the capture as the workload exits
         raise
 
 

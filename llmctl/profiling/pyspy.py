@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from llmctl.errors import UserError
@@ -55,7 +55,6 @@ class CpuPlan:
     duration: Optional[int] = None
     fmt: str = "flamegraph"
     json_mode: bool = False
-    extra: dict = field(default_factory=dict)
 
     def target_pid_text(self) -> str:
         return str(self.pid) if self.pid is not None else "<workload-pid>"
