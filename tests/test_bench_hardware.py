@@ -162,6 +162,8 @@ def test_cpu_kernels_measure_and_count_work():
     gemm = kernels.gemm(timer, cpu, "fp32", 64, 1 << 20)
     assert gemm.unit == "GFLOP/s" and len(gemm.values) == 3 and min(gemm.values) > 0
     assert gemm.peak_key == "gemm_fp32" and gemm.peak_scale == 1e3  # a TFLOP/s peak in GFLOP/s
+    fp8 = kernels.gemm(timer, cpu, "fp8", 32, 1 << 20)  # the torch._scaled_mm call CUDA hosts make
+    assert fp8.params["dtype"] == "fp8_e4m3" and min(fp8.values) > 0
     copy = kernels.memory_copy(timer, cpu, 4 << 20, peak_key=None)
     assert copy.params["bytes"] == 4 << 20 and copy.params["counted"] == "read + written"
     shape = kernels.AttentionShape(2, 4, 2, 16, 32)
@@ -256,3 +258,50 @@ def test_gpu_quick_json_has_every_figure_and_known_peaks():
         assert r["median"] > 0
         if known and r["name"].startswith("gemm_"):
             assert r["pct_of_peak"] is not None and 1 < r["pct_of_peak"] < 110
+
+
+# ---- GPU inventory with a fake NVML and fake device properties ---------------------------------
+class _FakeNvml:
+    """pynvml's function names over one H100 whose link trained at gen4 x16."""
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return f"handle-{index}"
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid != "GPU-1234-abcd":
+            raise type("NVMLError_NotFound", (Exception,), {})()
+        return "handle-0"
+
+    def nvmlSystemGetDriverVersion(self):
+        return b"560.35.03"
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle):
+        return 4
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle):
+        return 16
+
+    nvmlDeviceGetMaxPcieLinkGeneration = nvmlDeviceGetCurrPcieLinkGeneration
+    nvmlDeviceGetMaxPcieLinkWidth = nvmlDeviceGetCurrPcieLinkWidth
+
+
+def test_gpu_inventory_matches_nvml_by_uuid_and_notes_a_slow_link(monkeypatch):
+    from types import SimpleNamespace
+
+    from llmctl.checks.probe import NvmlView
+
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, major=9, minor=0,
+                            multi_processor_count=132, L2_cache_size=50 << 20, uuid="1234-abcd")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    entry = hardware.gpu_inventory(0, NvmlView(_FakeNvml()))
+    assert entry["product"] == "H100 SXM5 80GB" and entry["driver_version"] == "560.35.03"
+    assert entry["pcie"] == {"current_gen": 4, "current_width": 16, "max_gen": 4, "max_width": 16}
+    assert entry["compute_capability"] == "9.0" and entry["datasheet_pcie"] == "gen5 x16"
+    (note,) = hardware._link_notes([entry])
+    assert "cuda:0" in note and "gen4 x16" in note and "datasheet gen5 x16" in note
+    props.uuid = "other"
+    assert hardware.gpu_inventory(0, NvmlView(_FakeNvml()))["pcie"] is None  # unmatched: no guess by index
+    assert hardware.gpu_inventory(0, None)["driver_version"] is None

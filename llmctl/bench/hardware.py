@@ -226,16 +226,16 @@ def gpu_inventory(index: int, nvml: Any) -> dict[str, Any]:
         "compute_capability": f"{props.major}.{props.minor}", "sm_count": props.multi_processor_count,
         "l2_bytes": getattr(props, "L2_cache_size", None), "cuda_version": torch.version.cuda,
         "driver_version": nvml.call("nvmlSystemGetDriverVersion") if nvml else None,
-        "pcie": _pcie_link(nvml, _nvml_handle(nvml, props, index)),
+        "pcie": _pcie_link(nvml, _nvml_handle(nvml, props)),
     }
     if spec is not None:
         entry["datasheet_pcie"] = f"gen{spec.pcie_gen} x{spec.pcie_width}"
     return entry
 
 
-def _nvml_handle(nvml: Any, props: Any, index: int) -> Any:
-    """NVML's handle for torch device `index`, matched by UUID (torch and NVML may order GPUs
-    differently); None when NVML is unavailable or the UUID cannot be matched."""
+def _nvml_handle(nvml: Any, props: Any) -> Any:
+    """NVML's handle for a torch device, matched by UUID (torch and NVML may number GPUs differently,
+    e.g. under CUDA_VISIBLE_DEVICES); None when NVML is unavailable or the UUID cannot be matched."""
     if nvml is None:
         return None
     uuid = getattr(props, "uuid", None)
@@ -265,7 +265,7 @@ def gpu_tasks(plan: Plan, index: int, shape: Optional[ModelShape], link: Callabl
     props = torch.cuda.get_device_properties(index)
     timer = k.CudaTimer(plan.warmup_s, plan.reps, device)
     l2 = getattr(props, "L2_cache_size", 0) or 64 * MIB
-    copy_bytes = max(plan.gpu_copy_min, 16 * l2)
+    copy_bytes = min(max(plan.gpu_copy_min, 16 * l2), props.total_memory // 8)  # four buffers: half the GPU at most
     capability = (props.major, props.minor)
     label = f"cuda:{index}"
     half = torch.bfloat16 if capability >= (8, 0) else torch.float16
@@ -335,7 +335,7 @@ def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Repo
         tasks: list[Task] = []
         for i in range(count):
             props = torch.cuda.get_device_properties(i)
-            handle = _nvml_handle(nvml, props, i)
+            handle = _nvml_handle(nvml, props)
             tasks += gpu_tasks(plan, i, shape, lambda handle=handle: _pcie_link(nvml, handle))
         if count > 1:
             tasks += peer_tasks(plan, count)
@@ -366,7 +366,8 @@ def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: R
     for done, (label, device, task) in enumerate(tasks):
         progress(f"{device} {label}", done, len(tasks))
         try:
-            measured = task()
+            with _current_device(device):
+                measured = task()
         except (RuntimeError, ValueError, NotImplementedError) as exc:
             report.errors.append({"benchmark": label, "device": device, "error": one_line(exc)[:300]})
         else:
@@ -377,4 +378,16 @@ def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: R
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     progress("done", len(tasks), len(tasks))
+
+
+def _current_device(label: str) -> Any:
+    """CUDA events record on the current device's stream and graphs capture on it: make the benchmarked
+    GPU current (for a peer copy, its source)."""
+    import contextlib
+
+    import torch
+
+    if not label.startswith("cuda:"):
+        return contextlib.nullcontext()
+    return torch.cuda.device(int(label.split("->")[0].split(":")[1]))
 

@@ -79,6 +79,10 @@ class CudaTimer(Timer):
         torch.cuda.synchronize(self.device)
 
     def time(self, fn: Callable[[int], Any]) -> list[float]:
+        with torch.cuda.device(self.device):  # events record on the current device's stream
+            return self._time(fn)
+
+    def _time(self, fn: Callable[[int], Any]) -> list[float]:
         self.warmup(fn)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
@@ -160,9 +164,10 @@ def _gemm_fp8(timer: Timer, device: torch.device, size: int, cache_bytes: int) -
                          out=c[i % sets])
 
     seconds = timer.time(call)
-    return Measured("gemm_fp8", f"GEMM fp8 e4m3 {size}³", "TFLOP/s", [2.0 * size ** 3 / s / 1e12 for s in seconds],
+    unit, scale = ("TFLOP/s", 1e12) if device.type == "cuda" else ("GFLOP/s", 1e9)
+    return Measured("gemm_fp8", f"GEMM fp8 e4m3 {size}³", unit, [2.0 * size ** 3 / s / scale for s in seconds],
                     {"m": size, "n": size, "k": size, "dtype": "fp8_e4m3", "out_dtype": "bf16",
-                     "use_fast_accum": True, "input_sets": sets}, peak_key="gemm_fp8")
+                     "use_fast_accum": True, "input_sets": sets}, peak_key="gemm_fp8", peak_scale=1e12 / scale)
 
 
 # ---- memory -------------------------------------------------------------------------------------
