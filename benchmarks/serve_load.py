@@ -37,6 +37,22 @@ def default_model() -> Path:
     return default_model_path()
 
 
+def smollm_shaped_model(folder: Path, dtype: str) -> Path:
+    """Random weights of SmolLM-135M's shape (as in offline_throughput.py) with the embedded
+    model's tokenizer: its ids all fall inside the larger vocabulary, so both servers can
+    tokenize and detokenize."""
+    import shutil
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from offline_throughput import make_model
+
+    if not (folder / "config.json").exists():
+        make_model(folder, dtype)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model() / name, folder / name)
+    return folder
+
+
 def start_server(system: str, model: Path, port: int, args) -> subprocess.Popen:
     if system == "llmctl":
         command = [sys.executable, "-m", "llmctl.cli", "serve", "--model", str(model), "--port", str(port),
@@ -46,7 +62,7 @@ def start_server(system: str, model: Path, port: int, args) -> subprocess.Popen:
     else:
         command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                    "--port", str(port), "--served-model-name", "bench", "--no-enable-prefix-caching",
-                   "--dtype", "auto", "--disable-log-requests"]
+                   "--dtype", "auto"]
         env = {**os.environ, **VLLM_ENV}
     log = open(Path(args.log_dir) / f"{system}-server.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -109,6 +125,8 @@ def print_table(results: dict[str, tuple[float, dict[str, dict]]], rates: list[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None, help="HF model folder (default: the embedded model)")
+    parser.add_argument("--smollm-shape", metavar="DTYPE", default=None,
+                        help="serve random weights of SmolLM-135M's shape in DTYPE (float32 or bfloat16)")
     parser.add_argument("--rates", default="1,4,16,inf")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
@@ -117,6 +135,8 @@ def main() -> None:
     parser.add_argument("--log-dir", default=".", help="where the servers' logs go")
     args = parser.parse_args()
     model = args.model or default_model()
+    if args.smollm_shape:
+        model = smollm_shaped_model(Path(args.log_dir) / f"smollm-135m-{args.smollm_shape}", args.smollm_shape)
     results = {"llmctl": run_system("llmctl", model, args)}
     if args.vllm_python:
         results["vllm"] = run_system("vllm", model, args)
