@@ -1,4 +1,5 @@
-"""`llmctl profile`: cpu (py-spy), mem (memray), torch (torch.profiler) and leak (RSS growth + memray).
+"""`llmctl profile`: cpu (py-spy), mem (memray), torch (torch.profiler), server (a live `llmctl serve`'s
+torch.profiler under a short load) and leak (RSS growth + memray).
 
 Thin: parse and cross-check flags, run preflight, call `llmctl.profiling`, render the manifest.
 Every run writes its files and a manifest.json into one folder; `--json` prints only the manifest.
@@ -17,7 +18,7 @@ from llmctl.config import ConfigOption
 
 profile_app = typer.Typer(
     name="profile",
-    help="Profile a workload or a running process: CPU (py-spy), memory (memray), torch ops, leaks.",
+    help="Profile a workload or a running process: CPU (py-spy), memory (memray), torch ops, a live server, leaks.",
     no_args_is_help=True,
 )
 
@@ -322,6 +323,125 @@ def leak(
     _finish(manifest, json_output, quiet=True)
     if result["verdict"] == "growing":
         raise typer.Exit(1)
+
+
+class ServerEndpoint(str, enum.Enum):
+    completions = "completions"
+    chat = "chat"
+
+
+LOAD_PANEL = "Load"
+
+
+@profile_app.command("server")
+def server(
+    ctx: typer.Context,
+    base_url: Annotated[Optional[str], typer.Option("--base-url", help="The server, e.g. http://127.0.0.1:8000 (default when neither this nor --port is given).")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help="Shorthand for --base-url http://127.0.0.1:PORT.")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Bearer token (default: $OPENAI_API_KEY).")] = None,
+    endpoint: Annotated[ServerEndpoint, typer.Option("--endpoint", rich_help_panel=LOAD_PANEL, help="/v1/completions or /v1/chat/completions.")] = ServerEndpoint.completions,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", min=1, rich_help_panel=LOAD_PANEL, help="Requests sent while recording.")] = 16,
+    request_rate: Annotated[float, typer.Option("--request-rate", rich_help_panel=LOAD_PANEL, help="Requests per second (Poisson arrivals); inf sends all at once.")] = float("inf"),
+    max_concurrency: Annotated[Optional[int], typer.Option("--max-concurrency", min=1, rich_help_panel=LOAD_PANEL, help="Most requests in flight at once (default: no limit).")] = None,
+    random_input_len: Annotated[int, typer.Option("--random-input-len", min=1, rich_help_panel=LOAD_PANEL, help="Prompt length (random words).")] = 64,
+    random_output_len: Annotated[int, typer.Option("--random-output-len", min=1, rich_help_panel=LOAD_PANEL, help="Output tokens per request (max_tokens, ignore_eos).")] = 32,
+    seed: Annotated[int, typer.Option("--seed", envvar="LLMCTL_PROFILE_SERVER_SEED", rich_help_panel=LOAD_PANEL, help="Seed of the prompts and arrival times.")] = 0,
+    row_limit: Annotated[int, typer.Option("--row-limit", min=1, rich_help_panel=OUT, help="Rows of the top-ops summary of each trace.")] = 15,
+    output_dir: OutputDir = None,
+    json_output: JsonOut = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", rich_help_panel=OUT, help="Print the HTTP calls and the load, send nothing.")] = False,
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """Profile a running 'llmctl serve --profile-dir DIR': start torch.profiler, send a short load, stop, fetch the trace.
+
+    Exit codes: 0 ok; 1 every load request failed or the server wrote no trace; 2 usage error or
+    unreachable server; 3 profiling not enabled on the server, API key refused, or already recording.
+    """
+    import os
+
+    from llmctl.bench.arrivals import validate_rate
+    from llmctl.profiling import server_profile as sp
+
+    try:
+        validate_rate(request_rate, 1.0)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--request-rate")
+    url = sp.resolve_base_url(*_url_or_port(ctx, base_url, port))
+    plan = sp.ServerProfilePlan(url, api_key or os.environ.get("OPENAI_API_KEY") or None, endpoint.value,
+                                num_prompts, request_rate, max_concurrency, random_input_len, random_output_len,
+                                seed, row_limit)
+    if dry_run:
+        _print_server_dry_run(sp.dry_run_plan(plan), json_output)
+        return
+    command = _redact(_reproduce(ctx), "--api-key")
+    manifest = sp.run_server_profile(plan, output_dir, command)
+    if not json_output:
+        _print_server(manifest)
+    _finish(manifest, json_output, quiet=True)
+
+
+def _url_or_port(ctx: typer.Context, base_url: Optional[str], port: Optional[int]) -> tuple[Optional[str], Optional[int]]:
+    """Both given: the one from the higher-precedence source wins (flag > env > config); a tie is an error."""
+    from llmctl.errors import UserError
+
+    if base_url is None or port is None:
+        return base_url, port
+    url_source, port_source = ctx.get_parameter_source("base_url"), ctx.get_parameter_source("port")
+    if url_source == port_source:
+        raise UserError("give --base-url or --port, not both")
+    return (base_url, None) if url_source.value < port_source.value else (None, port)
+
+
+def _redact(argv: list[str], flag: str) -> list[str]:
+    return [("***" if i and argv[i - 1] == flag else arg) for i, arg in enumerate(argv)]
+
+
+def _print_server_dry_run(plan: dict, json_output: bool) -> None:
+    from llmctl.output import print_json
+    from llmctl.profiling.procs import shell_join
+
+    if json_output:
+        print_json(plan)
+        return
+    auth = f"    (Authorization: {plan['authorization']})" if plan["authorization"] else ""
+    for call in plan["http_calls"]:
+        protected = any(path in call for path in ("/start_profile", "/stop_profile", "/v1/"))
+        typer.echo(call + (auth if protected else ""))
+    typer.echo(f"load: {shell_join(plan['load_command'])}")
+    typer.echo("POST /stop_profile runs even when the load fails or is interrupted.")
+
+
+def _print_server(manifest: Any) -> None:
+    result = manifest.result
+    load = result.get("load")
+    if load:
+        ttft = (f"; TTFT p50 {load['ttft_ms']['p50']:.1f} ms, p99 {load['ttft_ms']['p99']:.1f} ms"
+                if load["completed"] else "")
+        typer.echo(f"{load['model']} @ {result['server']}: {load['completed']} completed, {load['failed']} failed "
+                   f"in {load['duration_s']:.2f} s ({load['request_throughput']:.2f} req/s, "
+                   f"{load['output_throughput']:.1f} output tok/s){ttft}")
+        for sample in load["error_samples"]:
+            status = "no response" if sample["status"] is None else f"HTTP {sample['status']}"
+            typer.echo(f"llmctl: {sample['count']} request(s) failed: {status}: {sample['message']}", err=True)
+    for trace in result.get("traces", []):
+        typer.echo(f"trace on the server: {trace['server_path']}")
+        if trace["local_copy"] is None:
+            typer.echo(f"  {trace['note']}")
+            continue
+        typer.echo(f"  copied to {manifest.output_dir / trace['local_copy']} (open in https://ui.perfetto.dev)")
+        summary = trace["summary"]
+        if summary is None:
+            typer.echo(f"  {trace['note']}")
+            continue
+        span = f" over {summary['span_ms']:.1f} ms" if summary["span_ms"] is not None else ""
+        typer.echo(f"  {summary['events']} events{span}")
+        for key, title in (("top_ops", "CPU ops"), ("top_kernels", "CUDA kernels")):
+            if summary.get(key):
+                typer.echo(f"  {title} by total time (inclusive):\n  {'total ms':>10} {'calls':>7}  name")
+                for row in summary[key]:
+                    typer.echo(f"  {row['total_ms']:>10.3f} {row['calls']:>7}  {row['name']}")
+    if result.get("note"):
+        typer.echo(result["note"])
 
 
 # ---- shared helpers ----------------------------------------------------------------------------
