@@ -213,3 +213,55 @@ def test_unreachable_server_is_one_line_exit_2(tmp_path):
 def test_bad_flags(args, message):
     proc = llmctl(*args, "--dry-run")
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_trace_summary_ranks_ops_and_kernels_by_total_time(tmp_path):
+    from llmctl.profiling.server_profile import load_trace, summarise_trace
+
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "ts": 10, "dur": 80},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 200, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 400, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": 20, "dur": 60},
+        {"ph": "X", "cat": "python_function", "name": "step", "ts": 0, "dur": 1000},
+        {"ph": "i", "cat": "cpu_op", "name": "marker", "ts": 5},
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as stream:
+        json.dump({"traceEvents": events, "deviceProperties": []}, stream)
+    summary = summarise_trace(load_trace(path), limit=2)
+    assert summary["events"] == 7 and summary["span_ms"] == 1.0
+    assert summary["top_ops"] == [{"name": "aten::linear", "calls": 2, "total_ms": 0.2, "mean_us": 100.0},
+                                  {"name": "aten::addmm", "calls": 1, "total_ms": 0.08, "mean_us": 80.0}]
+    assert summary["top_kernels"] == [{"name": "sm90_gemm", "calls": 1, "total_ms": 0.06, "mean_us": 60.0}]
+    plain = tmp_path / "bare.json"
+    plain.write_text(json.dumps(events[:1]))  # the bare-array form of the Chrome trace format
+    assert summarise_trace(load_trace(plain), limit=5)["top_ops"][0]["name"] == "aten::linear"
+    assert "top_kernels" not in summarise_trace(load_trace(plain), limit=5)
+
+
+def test_only_a_trace_written_during_this_run_counts_as_local(tmp_path):
+    from llmctl.profiling.server_profile import readable_here
+
+    trace = tmp_path / "llmctl-trace.json.gz"
+    trace.write_bytes(b"x")
+    now = time.time()
+    assert readable_here(str(trace), now - 60) == trace
+    os.utime(trace, (now - 3600, now - 3600))  # a stale file of the same name is not this run's trace
+    assert readable_here(str(trace), now - 60) is None
+    assert readable_here(str(tmp_path / "elsewhere.json.gz"), now - 60) is None
+
+
+def test_traces_on_another_host_are_listed_and_broken_ones_explained(tmp_path):
+    from llmctl.profiling.artifacts import Manifest
+    from llmctl.profiling.server_profile import collect_traces
+
+    manifest = Manifest(kind="server", tool="t", tool_version=None, command=[], output_dir=tmp_path / "out")
+    manifest.output_dir.mkdir()
+    broken = tmp_path / "cut.json.gz"
+    broken.write_bytes(gzip.compress(b'{"traceEvents": [{"ph": "X"')[:-8])  # truncated mid-stream
+    rows = collect_traces(["/srv/elsewhere/llmctl-trace-1.json.gz", str(broken)], manifest, time.time() - 60, 5)
+    assert rows[0]["local_copy"] is None and "not readable on this host" in rows[0]["note"]
+    assert rows[1]["local_copy"] == "cut.json.gz" and rows[1]["summary"] is None
+    assert rows[1]["note"].startswith("could not read the trace")
