@@ -265,3 +265,26 @@ def test_traces_on_another_host_are_listed_and_broken_ones_explained(tmp_path):
     assert rows[0]["local_copy"] is None and "not readable on this host" in rows[0]["note"]
     assert rows[1]["local_copy"] == "cut.json.gz" and rows[1]["summary"] is None
     assert rows[1]["note"].startswith("could not read the trace")
+
+
+def test_health_waits_for_a_warming_server_and_refuses_an_unhealthy_one(monkeypatch):
+    from llmctl.errors import UserError
+    from llmctl.profiling import server_profile as sp
+
+    monkeypatch.setattr(sp.time, "sleep", lambda _s: None)
+    answers = [(503, {"status": "starting"}), (503, {"status": "starting"}), (200, {"status": "ok"})]
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        status, body = answers.pop(0)
+        return httpx.Response(status, json=body)
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        sp.check_health(client, "http://srv")
+    assert seen == ["/health"] * 3
+    dead = httpx.Client(transport=httpx.MockTransport(
+        lambda _r: httpx.Response(503, json={"status": "unhealthy", "error": "engine thread stopped"})))
+    with dead, pytest.raises(UserError, match="HTTP 503: engine thread stopped") as err:
+        sp.check_health(dead, "http://srv")
+    assert err.value.exit_code == 3
