@@ -160,6 +160,18 @@ def test_dataset_file_with_text_and_token_prompts(capsys, tiny_chat_model, tmp_p
     assert doc["num_requests"] == 2
 
 
+def test_config_file_env_and_flag_precedence(tiny_models, tmp_path):
+    config = tmp_path / "bench.yaml"
+    config.write_text("num-prompts: 4\ninput-len: 6\noutput-len: 5\ndtype: float32\n")
+    proc = llmctl("bench", "throughput", "--config", str(config), "--model", str(tiny_models["llama"]),
+                  "--num-prompts", "2", "--json", env_extra={"LLMCTL_OUTPUT_LEN": "3"})
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["num_requests"] == 2  # flag over YAML
+    assert doc["workload"]["output_len"] == 3  # env over YAML
+    assert doc["workload"]["input_len"] == 6 and doc["dtype"] == "float32"  # YAML over defaults
+
+
 def test_transformers_is_not_imported_without_compare_hf(tiny_models):
     code = ("import sys; from llmctl.cli import run; "
             f"rc = run(['bench', 'throughput', '--model', {str(tiny_models['llama'])!r}, '--num-prompts', '2', "

@@ -376,4 +376,4 @@ def _cuda_graph(step: _DecodeStep, device: torch.device) -> tuple[Callable[[int]
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / 2 ** 30:g} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:g} MiB"
+    return f"{nbytes / 2 ** 30:.3g} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.0f} MiB"

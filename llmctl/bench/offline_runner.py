@@ -57,7 +57,10 @@ def run_throughput_job(args: Any, job: ThroughputJob) -> None:
                                         for key in ("output_tokens_per_second", "requests_per_second",
                                                     "total_tokens_per_second")}
     offline.release(engine)
-    print_json(doc) if job.json_output else render_throughput(doc)
+    if job.json_output:
+        print_json(doc)
+    else:
+        render_throughput(doc)
 
 
 def _throughput_workload(args: Any, job: ThroughputJob, info: offline.ModelInfo) -> tuple[list, dict]:
@@ -148,7 +151,10 @@ def run_latency_job(args: Any, job: LatencyJob) -> None:
         # > 1 means llmctl is faster: transformers' mean latency over ours.
         doc["ratio_vs_transformers"] = {"speedup_mean_latency": doc["transformers"]["avg_latency"] / doc["avg_latency"]}
     offline.release(engine)
-    print_json(doc) if job.json_output else render_latency(doc)
+    if job.json_output:
+        print_json(doc)
+    else:
+        render_latency(doc)
 
 
 def _latency_figures(latencies: list[float]) -> dict[str, Any]:
