@@ -269,6 +269,7 @@ def gpu_tasks(plan: Plan, index: int, shape: Optional[ModelShape], link: Callabl
     capability = (props.major, props.minor)
     label = f"cuda:{index}"
     half = torch.bfloat16 if capability >= (8, 0) else torch.float16
+    flash_ok = capability >= (8, 0)  # flash-attn 2 kernels exist for Ampere and newer only
     kinds = ["bf16", "fp16", "tf32", "fp32"] if capability >= (8, 0) else ["fp16", "fp32"]
     if capability >= (8, 9):  # Ada and Hopper have fp8 tensor cores
         kinds.append("fp8")
@@ -280,9 +281,9 @@ def gpu_tasks(plan: Plan, index: int, shape: Optional[ModelShape], link: Callabl
         ("host→device", label, lambda: _with_link(k.host_transfer(timer, device, plan.transfer_bytes, "h2d"), link)),
         ("device→host", label, lambda: _with_link(k.host_transfer(timer, device, plan.transfer_bytes, "d2h"), link)),
         ("attention prefill", label, lambda: k.attention_prefill(
-            timer, device, half, k.AttentionShape(*plan.attention_prefill), use_flash=True)),
+            timer, device, half, k.AttentionShape(*plan.attention_prefill), use_flash=flash_ok)),
         ("attention decode", label, lambda: k.attention_decode(
-            timer, device, half, k.AttentionShape(*plan.attention_decode), use_flash=True)),
+            timer, device, half, k.AttentionShape(*plan.attention_decode), use_flash=flash_ok)),
     ]
     chosen = shape or _gpu_shape(plan, props, half)
     tasks.append((f"decode step {chosen.name}", label, lambda: k.decode_step(timer, device, half, chosen)))
