@@ -185,3 +185,11 @@ def test_audit_log_has_one_line_per_request_without_prompts(client, server):
     assert last["completion_tokens"] == 3 and last["prompt_tokens"] > 0 and last["latency_ms"] > 0
     assert last["model"] == MODEL and last["request_id"] and last["client"] == "127.0.0.1"
     assert "SECRET" not in server.settings.audit_log.read_text()
+
+
+def test_stream_has_a_chunk_per_step_even_without_printable_text(client):
+    # token 0 is a special token: skipped in the text, so every step adds tokens but no characters
+    chunks = list(client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=5, logit_bias={"0": 100},
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert len(chunks) == 5 and all(c.choices[0].text == "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"

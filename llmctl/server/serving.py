@@ -270,7 +270,7 @@ class OpenAIServing:
             new_ids = completion.token_ids[token_at:]
             new_lps = completion.logprobs[token_at:] if completion.logprobs is not None else None
             finished = completion.finish_reason is not None
-            if not delta and not finished:  # nothing printable yet (e.g. half a UTF-8 character)
+            if not delta and not finished and not new_ids:  # as vLLM: a chunk per step that made tokens
                 continue
             job.sent_text[key] = text_at + len(delta)
             job.sent_tokens[key] = len(completion.token_ids)
@@ -297,7 +297,7 @@ class OpenAIServing:
         async for _, output in self._outputs(job):
             for completion, delta, ids, lps, reason, _first in self._deltas(job, 0, output):
                 logprobs = {"content": self._chat_logprobs(ids, lps, body.top_logprobs or 0)} if body.logprobs else None
-                content = {"content": delta} if delta else {}
+                content = {"content": delta} if delta or ids else {}
                 yield self._chat_chunk(job, completion.index, content, logprobs, reason)
 
     def _chat_chunk(self, job: _Job, index: int, delta: dict, logprobs: Optional[dict], reason: Optional[str]) -> dict:
