@@ -7,6 +7,7 @@ tokens.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 
 from llmctl.engine.errors import EngineArgsError
-from llmctl.engine.layers.attention import AttentionMetadata, PrefillSpan, select_backend
+from llmctl.engine.layers.attention import AttentionMetadata, PrefillSpan, TorchAttention, select_backend
 from llmctl.engine.layers.linear import pack_linears
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
 WORKSPACE_FLOOR_BYTES = 1 << 30
+WORKSPACE_SHARE = 0.5  # the torch backend's kept decode K/V may reach this fraction of the pool's bytes
 
 
 @dataclass
@@ -86,7 +88,7 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         mc = config.model_config
-        backend_cls = select_backend(self.device, config.dtype)
+        backend_cls = select_backend(self.device, config.dtype, mc.head_dim)
         self.attention = backend_cls(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.sliding_window)
         self.block_size = config.block_size or backend_cls.preferred_block_size
         problem = self.attention.validate_block_size(self.block_size)
@@ -98,9 +100,12 @@ class ModelRunner:
         pack_linears(self.model, self.device, config.dtype, batch_hint=min(config.max_num_seqs, 64))
         self.num_blocks = self._plan_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        # Decode workspaces (torch backend) may hold half the pool's size again, or 1 GiB.
+        # Decode workspaces (torch backend) may hold half the pool's size again (on CPU at least 1 GiB;
+        # on CUDA that half is reserved out of --gpu-memory-utilization by _cuda_blocks).
         bytes_per_token = self.bytes_per_block // self.block_size
-        budget = max(self.kv_cache_bytes // 2, WORKSPACE_FLOOR_BYTES)
+        budget = int(self.kv_cache_bytes * WORKSPACE_SHARE)
+        if self.device.type != "cuda":
+            budget = max(budget, WORKSPACE_FLOOR_BYTES)
         self.attention.workspace_budget_tokens = budget // bytes_per_token
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,
@@ -136,10 +141,16 @@ class ModelRunner:
         return blocks
 
     def _cuda_blocks(self) -> int:
+        # mem_get_info counts the caching allocator's free-but-reserved blocks as used: return them first
+        # (an engine dropped earlier in this process may also still hold its pool in a reference cycle).
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self._profile_activation_bytes()
         budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak
-        return max(budget // self.bytes_per_block, 0)
+        # The torch backend's kept decode K/V (up to WORKSPACE_SHARE of the pool) must fit in the same budget.
+        share = WORKSPACE_SHARE if isinstance(self.attention, TorchAttention) else 0.0
+        return max(int(budget // (self.bytes_per_block * (1.0 + share))), 0)
 
     def _profile_activation_bytes(self) -> int:
         """Peak extra memory of one forward over the largest batch, measured with a small scratch pool."""

@@ -201,11 +201,14 @@ class TorchAttention:
             mask = k_pos <= q_pos
             if self.window is not None:
                 mask &= k_pos > q_pos - self.window
+        # A batch dimension of one: SDPA's fused kernels (CUDA flash/efficient/cuDNN, the CPU flash kernel)
+        # take 4-D inputs only; 3-D ones fall back to the math kernel, which materialises the full
+        # [heads, queries, keys] score matrix in float32 and is several times slower.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-            enable_gqa=self.group > 1,
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+            scale=self.scale, enable_gqa=self.group > 1,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 class FlashAttention:
@@ -247,13 +250,22 @@ class FlashAttention:
         )
 
 
-def select_backend(device: torch.device, dtype: torch.dtype):
-    """flash-attn on CUDA for 16-bit dtypes when it imports, else the torch path."""
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        try:
-            import flash_attn  # noqa: F401
+def select_backend(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None):
+    """flash-attn on CUDA for 16-bit dtypes when its kernels can run this model, else the torch path."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return TorchAttention
+    if torch.cuda.get_device_capability(device) < (8, 0):  # flash-attn 2 has Ampere+ kernels only
+        return TorchAttention
+    if head_dim is not None and head_dim > 256:  # its largest head dimension
+        return TorchAttention
+    try:
+        import inspect
 
-            return FlashAttention
-        except ImportError:
-            pass
-    return TorchAttention
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - a broken build (undefined symbol, missing CUDA lib) means "not available"
+        return TorchAttention
+    # The varlen kernel took a paged KV cache (block_table) only from flash-attn 2.5.x (2024); older builds
+    # import fine and would fail at the first forward.
+    if "block_table" not in inspect.signature(flash_attn_varlen_func).parameters:
+        return TorchAttention
+    return FlashAttention
