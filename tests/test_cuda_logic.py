@@ -1,7 +1,10 @@
-"""The flash-attn backend's contract, checked on the CPU: the runner's varlen metadata (int32 cu_seqlens,
+"""CUDA-path logic checked on the CPU (no GPU needed).
+
+The flash-attn backend's contract: the runner's varlen metadata (int32 cu_seqlens,
 int32 block tables, the [num_blocks, block_size, kv_heads, head_dim] pool) fed to a plain-torch model of
 `flash_attn_varlen_func` (bottom-right causal alignment, left window, paged keys) must give the torch
-backend's results; and `select_backend` picks flash-attn only where its kernels can run."""
+backend's results; `select_backend` picks flash-attn only where its kernels can run. The KV pool sizing
+from --gpu-memory-utilization, with torch.cuda's memory queries faked."""
 
 from __future__ import annotations
 
@@ -141,3 +144,22 @@ def test_select_backend_needs_cuda_16_bit_ampere_and_a_paged_flash_attn(monkeypa
     assert select_backend(cuda, torch.bfloat16, 128) is TorchAttention  # a flash-attn without block_table
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     assert select_backend(cuda, torch.bfloat16, 128) is TorchAttention
+
+
+def test_cuda_pool_sizing_reserves_the_kept_decode_kv(tiny_models, monkeypatch):
+    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", num_kv_blocks=64,
+              max_model_len=256, gpu_memory_utilization=0.5)
+    runner = llm.engine.runner
+    calls = []
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append("mem_get_info") or (30 * gib, 40 * gib))
+    monkeypatch.setattr(runner, "_profile_activation_bytes", lambda: gib)
+    budget = 20 * gib - 10 * gib - gib  # 50% of 40 GiB, less the 10 GiB in use, less the activation peak
+    blocks = runner._cuda_blocks()
+    assert calls[:2] == ["empty_cache", "mem_get_info"]  # cached blocks go back before free memory is read
+    assert blocks * runner.bytes_per_block * 1.5 <= budget < (blocks + 1) * runner.bytes_per_block * 1.5
+    monkeypatch.setattr(runner, "attention", FlashAttention.__new__(FlashAttention))  # keeps no decode K/V
+    assert runner._cuda_blocks() == budget // runner.bytes_per_block
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * gib, 40 * gib))
+    assert runner._cuda_blocks() == 0  # over budget already: no blocks, never a negative count
