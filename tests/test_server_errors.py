@@ -4,6 +4,7 @@ stays healthy; plus rate limiting, capacity refusal, request timeouts, CORS and 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -197,3 +198,13 @@ def test_metrics_parse_and_histograms_count_the_requests():
                       "llmctl:kv_cache_fragmentation_perc", "llmctl:prefix_cache_hit_rate"):
             assert 0.0 <= value(gauge, gauge) <= 1.0
         assert value("llmctl:num_preemptions", "llmctl:num_preemptions_total") == 0
+
+
+def test_audit_log_records_prompts_only_when_asked(tmp_path):
+    log = tmp_path / "audit.jsonl"
+    with running_server(audit_log=log, audit_log_prompts=True) as srv:
+        httpx.post(srv.base_url + "/v1/completions", json={"prompt": "VISIBLE PROMPT", "max_tokens": 2}, timeout=30)
+        httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30)
+    first, second = [json.loads(line) for line in log.read_text().splitlines()]
+    assert first["prompt"] == ["VISIBLE PROMPT"] and first["status"] == 200
+    assert second["status"] == 400 and "completion_tokens" not in second
