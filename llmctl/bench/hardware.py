@@ -369,7 +369,9 @@ def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: R
         try:
             with _current_device(device):
                 measured = task()
-        except (RuntimeError, ValueError, NotImplementedError) as exc:
+        # AssertionError: flash-attn checks its inputs with assert; TypeError: a torch or flash-attn whose
+        # signature moved (torch._scaled_mm has changed across releases). Either is one failed figure.
+        except (RuntimeError, ValueError, NotImplementedError, AssertionError, TypeError) as exc:
             report.errors.append({"benchmark": label, "device": device, "error": one_line(exc)[:300]})
         else:
             spec = specs.get(device.split("->")[0]) if "->" not in device else None

@@ -360,18 +360,20 @@ def decode_step(timer: Timer, device: torch.device, dtype: torch.dtype, shape: M
 
 
 def _cuda_graph(step: _DecodeStep, device: torch.device) -> tuple[Callable[[int], Any], bool]:
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            step()
-    except RuntimeError:
-        return step, False
+    # torch.cuda.graph captures on a stream of the *current* device: make it the weights' device.
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                step()
+        except RuntimeError:
+            return step, False
     return (lambda _i: graph.replay()), True
 
 
