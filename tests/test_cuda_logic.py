@@ -4,7 +4,7 @@ The flash-attn backend's contract: the runner's varlen metadata (int32 cu_seqlen
 int32 block tables, the [num_blocks, block_size, kv_heads, head_dim] pool) fed to a plain-torch model of
 `flash_attn_varlen_func` (bottom-right causal alignment, left window, paged keys) must give the torch
 backend's results; `select_backend` picks flash-attn only where its kernels can run. The KV pool sizing
-from --gpu-memory-utilization, with torch.cuda's memory queries faked."""
+from --gpu-memory-utilization and the leak sampler's device memory, with torch.cuda's queries faked."""
 
 from __future__ import annotations
 
@@ -163,3 +163,17 @@ def test_cuda_pool_sizing_reserves_the_kept_decode_kv(tiny_models, monkeypatch):
     assert runner._cuda_blocks() == budget // runner.bytes_per_block
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * gib, 40 * gib))
     assert runner._cuda_blocks() == 0  # over budget already: no blocks, never a negative count
+
+
+def test_leak_sampler_sums_device_memory_over_every_gpu(monkeypatch):
+    from llmctl.profiling import leak
+
+    allocated, reserved = {0: 5, 1: 700}, {0: 8, 1: 1024}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[device])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[device])
+    assert leak.cuda_bytes() == (705, 1032)  # the engine on cuda:1 counts although cuda:0 is current
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert leak.cuda_bytes() == (None, None)  # a workload that never touched CUDA: no figures

@@ -145,8 +145,10 @@ def cuda_bytes() -> tuple[Optional[int], Optional[int]]:
     torch = sys.modules.get("torch")  # only when the workload brought torch in: importing it costs seconds
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None, None
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    # Summed over every GPU: the workload may run on cuda:1 while cuda:0 is current. The allocator's
+    # counters are host-side bookkeeping, so no synchronisation is needed (and none creates a context).
+    devices = range(torch.cuda.device_count())
+    return (sum(torch.cuda.memory_allocated(i) for i in devices), sum(torch.cuda.memory_reserved(i) for i in devices))
 
 
 def sample(iteration: int, seconds: float) -> Sample:
