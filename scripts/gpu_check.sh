@@ -1,54 +1,199 @@
 #!/usr/bin/env bash
-# GPU checks for a lent CUDA machine: installs nothing from the network, runs the CUDA tests and a
-# short throughput benchmark, prints a small table. Budget: under 8 minutes on one H200.
-# Usage (repo root): bash scripts/gpu_check.sh   (writes logs to ${OUT:-/tmp}/gpu_check)
-# Wheels the device image lacks (typer 0.29, which vendors click) travel in .whl/ (see the device
-# tool's README) and are installed to /tmp/site here, without a network.
+# GPU checks for a lent CUDA machine (an H200 here): `llmctl doctor --json`, `llmctl bench --gpu --json
+# --quick`, the CUDA-marked tests, the offline throughput benchmark on cuda and a short `llmctl serve` +
+# `llmctl bench serve` run. Each step has its own timeout and all share one 7.5-minute deadline; a step
+# that fails or times out is reported and the others still run; a summary table comes last. Installs
+# nothing from the network.
+#
+#   bash scripts/gpu_check.sh --fetch-wheels   # HERE, once (needs PyPI): wheels the GPU image lacks -> .whl/
+#   bash scripts/gpu_check.sh                  # on the GPU host (device tool: carry [".whl"])
+#
+# The GPU image has torch, transformers, pytest, httpx, rich, ... but not typer 0.29 (which vendors click
+# and needs pydantic), pydantic, fastapi, starlette or uvicorn: those travel as wheels in .whl/ and are
+# installed with --no-index into /tmp. llmctl itself is not installed: pyproject maps engine/, commands/
+# and checks/ into the llmctl package, so .gpu_site/llmctl is a folder of symlinks with that layout, first
+# on PYTHONPATH, and PYTHONSAFEPATH=1 (Python >= 3.11) keeps `python -m` from putting the repository root,
+# whose own llmctl/ lacks those subpackages, in front of it.
+#
+# Files (at most 8, for the device tool) go to ${OUT:-/tmp}/gpu_check: gpu_check.log, pytest.log,
+# serve.log, doctor.json, bench_gpu.json, offline.json, bench_serve.json, summary.txt.
+# Exit status: 0 when every step passed (doctor may report failed host checks), else 1.
 set -uo pipefail
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
 cd "$(dirname "$0")/.."
-out="${OUT:-/tmp}/gpu_check"; mkdir -p "$out"
-export PYTHONPATH="$PWD/.gpu_site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# The package maps engine/, commands/, checks/ to llmctl.*; expose that layout without pip.
-mkdir -p .gpu_site/llmctl
-for f in llmctl/*; do ln -sfn "$PWD/$f" ".gpu_site/llmctl/$(basename "$f")"; done
-ln -sfn "$PWD/engine" .gpu_site/llmctl/engine
-ln -sfn "$PWD/commands" .gpu_site/llmctl/commands
-ln -sfn "$PWD/checks" .gpu_site/llmctl/checks
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/nvidia-smi.csv"
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-python -m llmctl.cli doctor --json > "$out/doctor.json"; echo "doctor exit code $?"
-python - "$out/doctor.json" <<'PY'
-import json, sys
-report = json.load(open(sys.argv[1]))
-print("doctor:", report["summary"])
-for r in report["results"]:
-    if r["status"] != "pass":
-        print(f"  {r['status']:5} {r['id']:24} {r.get('observed')}")
-PY
-timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/pytest.log" | tail -5
-timeout 180 python -m llmctl.cli bench --gpu --json --quick > "$out/bench_gpu.json" 2>"$out/bench_gpu.err"
-echo "llmctl bench --gpu exit code $?"; tail -5 "$out/bench_gpu.err"
-python - "$out/bench_gpu.json" <<'PY'
-import json, sys
+PY=${PYTHON:-python3}
+WHEELS=(typer pydantic pydantic-core annotated-types typing-inspection typing-extensions annotated-doc
+        fastapi starlette uvicorn opentelemetry-api)
+
+if [[ "${1:-}" == "--fetch-wheels" ]]; then
+    # The versions this checkout is tested with here, for the GPU image's CPython 3.12 on x86-64.
+    mapfile -t pins < <("$PY" -c 'import sys; from importlib.metadata import version
+for n in sys.argv[1:]: print(f"{n}=={version(n)}")' "${WHEELS[@]}") || exit 1
+    rm -rf .whl && mkdir -p .whl
+    exec "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "${pins[@]}"
+fi
+
+deadline=$((SECONDS + 450))
+out="${OUT:-/tmp}/gpu_check"
+rm -rf "$out" && mkdir -p "$out"
+log="$out/gpu_check.log"
+steps=$(mktemp /tmp/gpu_check_steps.XXXXXX)
+exec > >(tee -a "$log") 2>&1
+
+extra=""
+if compgen -G ".whl/*.whl" > /dev/null; then
+    rm -rf /tmp/gpu_check_site
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_check_site .whl/*.whl; then
+        extra=/tmp/gpu_check_site
+    else
+        echo "gpu_check: installing .whl/*.whl failed; the CLI steps may fail to import"
+    fi
+else
+    echo "gpu_check: no .whl/ (run 'bash scripts/gpu_check.sh --fetch-wheels' on a machine with PyPI and carry .whl)"
+fi
+rm -rf .gpu_site && mkdir -p .gpu_site/llmctl
+for f in llmctl/*; do ln -s "$PWD/$f" ".gpu_site/llmctl/$(basename "$f")"; done
+for d in engine commands checks; do ln -s "$PWD/$d" ".gpu_site/llmctl/$d"; done
+export PYTHONPATH="$PWD/.gpu_site${extra:+:$extra}${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+export NO_COLOR=1 GPU_CHECK_BENCH_JSON="$out/bench_gpu.json"
+
+# step NAME CAP STDOUT_FILE COMMAND...: run under min(CAP, time left) seconds; stdout to STDOUT_FILE
+# ("-": the log), stderr to the log; one row (name, status, seconds) in $steps. OK_CODES: exit codes that pass.
+step() {
+    local name=$1 cap=$2 dest=$3 ok=${OK_CODES:-0} left rc status start=$SECONDS
+    shift 3
+    left=$((deadline - SECONDS))
+    (( cap > left )) && cap=$left
+    if (( cap < 20 )); then
+        printf '%s\tskipped (time budget spent)\t0\n' "$name" >> "$steps"; echo "== $name: skipped"; return
+    fi
+    echo "== $name (timeout ${cap}s): $*"
+    if [[ $dest == - ]]; then timeout -k 10 "$cap" "$@"; else timeout -k 10 "$cap" "$@" > "$dest"; fi
+    rc=$?
+    case $rc in
+        124|137) status="timed out after ${cap}s" ;;
+        *) if [[ " $ok " == *" $rc "* ]]; then status="ok (exit $rc)"; else status="FAILED (exit $rc)"; fi ;;
+    esac
+    printf '%s\t%s\t%d\n' "$name" "$status" $((SECONDS - start)) >> "$steps"
+    echo "== $name: $status in $((SECONDS - start))s"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+"$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
+"$PY" -c "import llmctl.engine, llmctl.cli, typer; print('llmctl from', llmctl.__file__, '| typer', typer.__version__)"
+
+OK_CODES="0 1" step doctor 60 "$out/doctor.json" "$PY" -m llmctl.cli doctor --json
+step bench_gpu 150 "$out/bench_gpu.json" "$PY" -m llmctl.cli bench --gpu --json --quick
+mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py)
+step pytest 210 "$out/pytest.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m cuda \
+    --continue-on-collection-errors "${cuda_tests[@]}"
+tail -n 15 "$out/pytest.log"
+step offline 100 - "$PY" benchmarks/offline_throughput.py --dtypes bfloat16 --device cuda --json "$out/offline.json"
+
+cat > /tmp/gpu_check_serve.py <<'PY'
+"""llmctl serve on cuda, GET /health until 200, llmctl bench serve against it, then SIGTERM (a graceful drain)."""
+import signal, socket, subprocess, sys, time
+
+import httpx
+
+out, py = sys.argv[1], sys.executable
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+url = f"http://127.0.0.1:{port}"
+with open(f"{out}/serve.log", "w") as log:
+    server = subprocess.Popen([py, "-m", "llmctl.cli", "serve", "--device", "cuda", "--port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
 try:
-    doc = json.load(open(sys.argv[1]))
-except (OSError, ValueError) as exc:
-    sys.exit(f"bench --gpu: no JSON ({exc})")
-fmt = lambda v: "-" if v is None else f"{v:,.4g}"
-print(f"{'device':16} {'benchmark':44} {'median':>10} {'unit':9} {'peak':>9} {'% peak':>7}")
-for r in doc["results"]:
-    print(f"{r['device']:16} {r['label']:44} {fmt(r['median']):>10} {r['unit']:9} {fmt(r['peak']):>9} {fmt(r['pct_of_peak']):>7}")
-for e in doc["errors"]:
-    print("  error:", e)
-gate = {"gemm_bf16": 75.0, "memory_copy": 85.0}  # issue 6: H200 expectations
-for r in doc["results"]:
-    if r["name"] in gate and r["pct_of_peak"] is not None:
-        verdict = "ok" if r["pct_of_peak"] >= gate[r["name"]] else "BELOW"
-        print(f"  {r['device']} {r['name']}: {r['pct_of_peak']}% of peak (want >= {gate[r['name']]}%) {verdict}")
+    start = time.monotonic()
+    while True:
+        if server.poll() is not None:
+            sys.exit(f"llmctl serve exited with {server.returncode} before it was healthy (serve.log)")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - start > 90:
+            sys.exit("llmctl serve was not healthy after 90 s (serve.log)")
+        time.sleep(0.5)
+    print(f"serve healthy after {time.monotonic() - start:.1f} s", flush=True)
+    bench = subprocess.run([py, "-m", "llmctl.cli", "bench", "serve", "--base-url", url, "--num-prompts", "64",
+                            "--request-rate", "16", "--random-input-len", "128", "--random-output-len", "64",
+                            "--json"], stdout=subprocess.PIPE, timeout=120)
+    with open(f"{out}/bench_serve.json", "wb") as f:
+        f.write(bench.stdout)
+    code = bench.returncode
+finally:
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+print(f"llmctl serve exited with {server.returncode} after SIGTERM", flush=True)
+sys.exit(code or (server.returncode != 0))
 PY
-timeout 120 python -m pytest -q -p no:cacheprovider -m cuda tests/test_bench_hardware.py 2>&1 | tail -3
-timeout 240 python benchmarks/offline_throughput.py --dtypes bfloat16 --device cuda --json "$out/offline.json" \
-    2>"$out/bench.err" | tee "$out/offline.txt"
+step serve 120 - "$PY" /tmp/gpu_check_serve.py "$out"
+
+"$PY" - "$out" "$steps" <<'PY' | tee "$out/summary.txt"
+"""The summary: one row per step with its key figures, then the bench --gpu table and the H200 gates."""
+import json, sys
+from pathlib import Path
+
+out, steps = Path(sys.argv[1]), Path(sys.argv[2])
+
+
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def figures(name):
+    if name == "doctor" and (doc := load("doctor.json")):
+        s = doc["summary"]
+        bad = [f"{r['id']}={r['status']}" for r in doc["results"] if r["status"] in ("fail", "warn")]
+        return f"{s['pass']} pass, {s['warn']} warn, {s['fail']} fail, {s['skip']} skip " + " ".join(bad)
+    if name == "bench_gpu" and (doc := load("bench_gpu.json")):
+        keep = ("gemm_bf16", "gemm_fp8", "memory_copy", "h2d", "decode_step")
+        rows = [f"{r['name']} {r['median']:,.4g} {r['unit']}" + (f" ({r['pct_of_peak']}%)" if r["pct_of_peak"] else "")
+                for r in doc["results"] if r["device"] == "cuda:0" and r["name"] in keep]
+        return "; ".join(rows) + (f"; {len(doc['errors'])} errors" if doc["errors"] else "")
+    if name == "pytest" and (out / "pytest.log").exists():
+        lines = [l for l in (out / "pytest.log").read_text().splitlines() if l.strip()]
+        return lines[-1].strip("= ") if lines else ""
+    if name == "offline" and (rows := load("offline.json")):
+        return "; ".join(f"{r['system']} {r['dtype']} {r['workload']} {r['tokens_per_s']:,.0f} tok/s" for r in rows)
+    if name == "serve" and (doc := load("bench_serve.json")):
+        return (f"{doc['completed']} completed, {doc['failed']} failed, {doc['output_throughput']:,.0f} output tok/s, "
+                f"median TTFT {doc['median_ttft_ms']:.1f} ms, median TPOT {doc['median_tpot_ms']:.2f} ms")
+    return ""
+
+
+rows = [line.split("\t") for line in steps.read_text().splitlines() if line]
+print(f"\n{'step':10} {'status':28} {'s':>4}  figures")
+for name, status, seconds in rows:
+    print(f"{name:10} {status:28} {seconds:>4}  {figures(name)}")
+doc = load("bench_gpu.json")
+if doc:
+    fmt = lambda v: "-" if v is None else f"{v:,.4g}"
+    print(f"\n{'device':16} {'benchmark':44} {'median':>10} {'unit':9} {'peak':>9} {'% peak':>7}")
+    for r in doc["results"]:
+        print(f"{r['device']:16} {r['label']:44} {fmt(r['median']):>10} {r['unit']:9} {fmt(r['peak']):>9} "
+              f"{fmt(r['pct_of_peak']):>7}")
+    for e in doc["errors"]:
+        print("  error:", e)
+    gate = {"gemm_bf16": 75.0, "memory_copy": 85.0}  # what an H200 should reach (issue 6)
+    for r in doc["results"]:
+        if r["name"] in gate and r["pct_of_peak"] is not None:
+            verdict = "ok" if r["pct_of_peak"] >= gate[r["name"]] else "BELOW"
+            print(f"  {r['device']} {r['name']}: {r['pct_of_peak']}% of peak (want >= {gate[r['name']]}%) {verdict}")
+sys.exit(0 if rows and all(status.startswith("ok") for _, status, _ in rows) else 1)
+PY
+status=$?
+rm -f "$steps"
+exit $status
