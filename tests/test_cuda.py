@@ -5,6 +5,8 @@ pool sizing from --gpu-memory-utilization; device placement on a second GPU."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from test_parity import LogitRecorder, make_prompts, reference_logits
@@ -14,6 +16,14 @@ from llmctl.engine.layers.attention import FlashAttention, TorchAttention, selec
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Engines sized from --gpu-memory-utilization read the free memory: give back what a test cached."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _reference_tokens(folder, prompt, dtype, new_tokens):
@@ -67,6 +77,22 @@ def test_cuda_float32_logits_match_cpu_reference_with_chunks_and_prefix_cache(ti
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_gpu_memory_utilization_bounds_the_pool_and_the_peak(tiny_models):
+    device = torch.device("cuda", 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    utilization = 0.3
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
+              max_model_len=512, gpu_memory_utilization=utilization)
+    runner = llm.engine.runner
+    kept = 1.5 if isinstance(runner.attention, TorchAttention) else 1.0  # the kept decode K/V is reserved too
+    assert 0.1 * total < runner.kv_cache_bytes * kept <= utilization * total
+    long_batch = [list(range(1, 400)) for _ in range(16)]
+    llm.generate(long_batch, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    assert torch.cuda.max_memory_allocated(device) - start <= utilization * total
+
+
 def test_cuda_bfloat16_tracks_float32_reference_with_the_selected_backend(tiny_models):
     folder = tiny_models["llama"]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_model_len=512)
@@ -113,22 +139,6 @@ def test_cuda_seeded_sampling_is_reproducible_and_uses_cuda_generators(tiny_mode
     assert first == again and first != other
     unseeded = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 24 for o in unseeded)
-
-
-def test_gpu_memory_utilization_bounds_the_pool_and_the_peak(tiny_models):
-    device = torch.device("cuda", 0)
-    total = torch.cuda.get_device_properties(device).total_memory
-    utilization = 0.3
-    torch.cuda.reset_peak_memory_stats(device)
-    start = torch.cuda.memory_allocated(device)
-    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
-              max_model_len=512, gpu_memory_utilization=utilization)
-    runner = llm.engine.runner
-    kept = 1.5 if isinstance(runner.attention, TorchAttention) else 1.0  # the kept decode K/V is reserved too
-    assert 0.1 * total < runner.kv_cache_bytes * kept <= utilization * total
-    long_batch = [list(range(1, 400)) for _ in range(16)]
-    llm.generate(long_batch, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    assert torch.cuda.max_memory_allocated(device) - start <= utilization * total
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability(0) < (8, 0),
