@@ -44,7 +44,7 @@ exec > >(tee -a "$log") 2>&1
 extra=""
 if compgen -G ".whl/*.whl" > /dev/null; then
     rm -rf /tmp/gpu_check_site
-    if "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_check_site .whl/*.whl; then
+    if timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_check_site .whl/*.whl; then
         extra=/tmp/gpu_check_site
     else
         echo "gpu_check: installing .whl/*.whl failed; the CLI steps may fail to import"
@@ -79,10 +79,10 @@ step() {
     echo "== $name: $status in $((SECONDS - start))s"
 }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-"$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, \
+timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+timeout 60 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
-"$PY" -c "import llmctl.engine, llmctl.cli, typer; print('llmctl from', llmctl.__file__, '| typer', typer.__version__)"
+timeout 60 "$PY" -c "import llmctl.engine, llmctl.cli, typer; print('llmctl from', llmctl.__file__, '| typer', typer.__version__)"
 
 OK_CODES="0 1" step doctor 60 "$out/doctor.json" "$PY" -m llmctl.cli doctor --json
 step bench_gpu 150 "$out/bench_gpu.json" "$PY" -m llmctl.cli bench --gpu --json --quick
