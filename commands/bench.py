@@ -152,13 +152,7 @@ def throughput(
     """Offline throughput (vLLM's definition): one timed pass over N requests submitted at once."""
     from llmctl.bench.offline_runner import ThroughputJob, run_throughput_job
 
-    args = eo.engine_args(
-        model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, block_size=block_size,
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, load_format=load_format,
-        num_threads=num_threads, verify=verify,
-    )
+    args = eo.engine_args_from(locals())
     run_throughput_job(args, ThroughputJob(num_prompts, input_len, output_len, range_ratio, dataset, repeats,
                                            workload_seed, compare_hf, hf_batch_size, json_output))
 
@@ -194,13 +188,7 @@ def latency(
     """Offline latency (vLLM's definition): one fixed batch end to end, warm-up then timed passes."""
     from llmctl.bench.offline_runner import LatencyJob, run_latency_job
 
-    args = eo.engine_args(
-        model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, block_size=block_size,
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, load_format=load_format,
-        num_threads=num_threads, verify=verify,
-    )
+    args = eo.engine_args_from(locals())
     run_latency_job(args, LatencyJob(batch_size, input_len, output_len, num_iters_warmup, num_iters, workload_seed,
                                      compare_hf, json_output))
 

@@ -76,13 +76,7 @@ def generate(
         frequency_penalty=frequency_penalty, stop=list(stop or []), stop_token_ids=list(stop_token_ids or []),
         ignore_eos=ignore_eos, n=n, logprobs=logprobs, seed=sampling_seed,
     )
-    args = eo.engine_args(
-        model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, block_size=block_size,
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, load_format=load_format,
-        num_threads=num_threads, verify=verify,
-    )
+    args = eo.engine_args_from(locals())
     job = GenerateJob(specs=specs, sampling=sampling, chat=chat, system=system, json_output=json_output)
     run_generate(args, job)
 

@@ -239,11 +239,7 @@ def torch_profile(
     """Run engine steps under torch.profiler: Chrome/Perfetto trace (.json.gz) and the operator table."""
     from llmctl.profiling import torch_trace as tt
 
-    args = eo.engine_args(model=model, dtype=dtype, device=device, seed=seed, block_size=block_size,
-                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                          gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
-                          num_kv_blocks=num_kv_blocks, load_format=load_format, num_threads=num_threads)
+    args = eo.engine_args_from(locals())
     plan = tt.TorchPlan(args, batch_size, input_len, output_len, wait, warmup, active, steps, sort_by.value,
                         row_limit, record_shapes, seed)
     plan.validate()
@@ -309,10 +305,7 @@ def leak(
         _print_dry_run(command, None, json_output)
         return
     if engine:
-        args = eo.engine_args(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
-                              max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
-                              gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
-                              num_kv_blocks=num_kv_blocks, load_format=load_format, num_threads=num_threads)
+        args = eo.engine_args_from(locals())
         job = lk.engine_workload(args, batch_size, input_len, output_len, seed)
     else:
         job = lk.load_callable(workload)

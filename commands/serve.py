@@ -70,12 +70,6 @@ def serve(
         settings.validate()
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    args = eo.engine_args(
-        model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, block_size=block_size,
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks, load_format=load_format,
-        num_threads=num_threads, verify=verify,
-    )
+    args = eo.engine_args_from(locals())
     raise typer.Exit(run_server(args, settings, max_waiting_requests=max_waiting_requests,
                                 request_timeout_s=request_timeout))

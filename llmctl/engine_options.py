@@ -7,7 +7,7 @@ parsed values back into a validated `EngineArgs`.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Mapping, Optional
 
 import typer
 
@@ -46,6 +46,16 @@ NumKvBlocks = Annotated[Optional[int], _opt("--num-kv-blocks", help="Explicit KV
 LoadFormatOpt = Annotated[LoadFormat, _opt("--load-format", help="auto: read the checkpoint; dummy: random weights of its shapes.")]
 NumThreads = Annotated[Optional[int], _opt("--num-threads", help="CPU threads for torch.")]
 Verify = Annotated[bool, _opt("--verify", help="Check weight files against the folder's SHA256SUMS first.")]
+
+
+ENGINE_FLAG_NAMES = ("model", "tokenizer", "dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_memory",
+                     "num_kv_blocks", "load_format", "num_threads", "verify")
+
+
+def engine_args_from(params: Mapping[str, Any]):
+    """`EngineArgs` from a command's parsed parameters (its `locals()`): the engine flags among them."""
+    return engine_args(**{name: params[name] for name in ENGINE_FLAG_NAMES if name in params})
 
 
 def engine_args(**values: Any):
