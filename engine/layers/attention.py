@@ -54,12 +54,23 @@ def write_kv_token_major(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.
 
 @dataclass
 class WorkspacePlan:
-    """How this step's decode rows get their gathered K/V: `rebuild` gathers from the pool and keeps
-    the result, `append` writes only the new token into last step's copy, `none` gathers and drops."""
+    """How this step's decode rows get their K/V.
+
+    `slots`: every running sequence keeps a row of a per-layer workspace [kv_heads, rows, capacity,
+    head_dim] across steps. Rows of sequences new to the workspace (or out of step with it) are
+    gathered from the pool (`fill_*`), then every row's newest token is appended; attention runs
+    over rows [0, used_rows). `none`: the batch is over the workspace budget, so each layer
+    gathers the batch's blocks and drops them after use.
+    """
 
     mode: str
     capacity: int
-    append_index: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None  # [num_single] workspace row of each decode row
+    used_rows: int = 0
+    fill_rows: Optional[torch.Tensor] = None  # rows to (re)gather from the pool
+    fill_tables: Optional[torch.Tensor] = None  # [len(fill_rows), capacity // block_size] block ids
+    append_index: Optional[torch.Tensor] = None  # flat (row, position) of each decode row's new token
+    regrow: Optional[tuple[int, int]] = None  # (rows, capacity) the kept workspaces had before this step
 
 
 class TorchAttention:
@@ -70,10 +81,13 @@ class TorchAttention:
     matmuls read without another copy (a token-major gather needs a transposing copy that costs
     several times the gather itself on CPU).
 
-    A steady decode batch (same sequences, one token further each step) keeps its gathered K/V
-    between steps, one copy per layer, and only appends the new token: the gather, which costs
-    about as much as the attention matmuls, then happens only when the batch changes or grows past
-    a block. `workspace_budget_tokens` (set by the runner) caps that copy's size.
+    Decode rows keep their K/V between steps in a per-layer workspace [rows, kv_heads, capacity,
+    head_dim]: each running sequence owns a row, so a step appends one token per row, and only
+    sequences new to the batch (or out of step with their row) are gathered from the pool. A
+    finished sequence just frees its row; capacity grows two blocks at a time. The gather costs
+    about as much as the attention matmuls, so this keeps it off the steady path even while
+    requests come and go. `workspace_budget_tokens` (set by the runner) caps the workspace; over
+    it, each layer gathers the batch's blocks and drops them after use.
     """
 
     name = "torch"
@@ -86,8 +100,10 @@ class TorchAttention:
         self.window = sliding_window
         self.workspace_budget_tokens = 0
         self._workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # pool data_ptr -> (K, V)
-        self._buffers: dict[tuple, torch.Tensor] = {}  # storage behind the workspaces, reused across rebuilds
-        self._last_batch: tuple[tuple[int, ...], list[int], int] = ((), [], 0)  # ids, lens, capacity
+        self._scratch: dict[str, torch.Tensor] = {}  # flat storage for "none" mode gathers, reused
+        self._slots: dict[int, int] = {}  # seq id -> workspace row
+        self._kept_lens: dict[int, int] = {}  # seq id -> tokens its row holds
+        self._shape = (0, 0)  # (rows, capacity) of the kept workspaces
 
     def validate_block_size(self, block_size: int) -> Optional[str]:
         return None
@@ -101,41 +117,88 @@ class TorchAttention:
             return
         num_blocks = -(-meta.single_max_context // block_size)
         meta.single_block_tables = meta.single_block_tables[:, :num_blocks].contiguous()
-        meta.workspace = self._plan_workspace(meta, num_blocks * block_size)
-        positions = torch.arange(num_blocks * block_size, device=meta.slot_mapping.device)
-        lens = meta.single_context_lens.unsqueeze(1)
-        hidden = positions >= lens
+        lens = meta.single_context_lens.tolist()
+        meta.workspace = self._plan_workspace(meta, lens, num_blocks, block_size)
+        row_lens = meta.single_context_lens
+        if meta.workspace.mode == "slots":  # rows without a sequence this step see one (masked-in) slot
+            row_lens = torch.ones(meta.workspace.used_rows, dtype=torch.long, device=row_lens.device)
+            row_lens[meta.workspace.rows] = meta.single_context_lens
+        positions = torch.arange(meta.workspace.capacity, device=row_lens.device)
+        hidden = positions >= row_lens.unsqueeze(1)
         if self.window is not None:
-            hidden |= positions <= lens - 1 - self.window
+            hidden |= positions <= row_lens.unsqueeze(1) - 1 - self.window
         bias = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
-        meta.single_bias = bias[None, :, None, :]  # an add is several times cheaper than masked_fill here
+        # an add is several times cheaper than masked_fill here; scores are [rows, Hkv, G, L] in
+        # "slots" mode and [Hkv, rows, G, L] in "none" mode
+        meta.single_bias = bias[:, None, None, :] if meta.workspace.mode == "slots" else bias[None, :, None, :]
 
     @property
     def kept_layers(self) -> int:
-        """How many layers currently keep a decode batch's K/V."""
+        """How many layers currently keep decode K/V."""
         return len(self._workspaces)
 
     def release(self) -> None:
         """Drop the kept decode K/V (the engine calls this when it goes idle)."""
         self._workspaces.clear()
-        self._buffers.clear()
-        self._last_batch = ((), [], 0)
+        self._scratch.clear()
+        self._slots.clear()
+        self._kept_lens.clear()
+        self._shape = (0, 0)
 
-    def _plan_workspace(self, meta: AttentionMetadata, capacity: int) -> WorkspacePlan:
-        lens = meta.single_context_lens.tolist()
-        last_ids, last_lens, last_capacity = self._last_batch
-        steady = (meta.single_seq_ids == last_ids and capacity == last_capacity
-                  and all(now == before + 1 for now, before in zip(lens, last_lens)))
-        if steady:
-            self._last_batch = (last_ids, lens, capacity)
-            rows = torch.arange(len(lens), device=meta.single_context_lens.device)
-            return WorkspacePlan("append", capacity, rows * capacity + meta.single_context_lens - 1)
-        self._workspaces.clear()
-        if len(lens) * capacity > self.workspace_budget_tokens:
-            self._last_batch = ((), [], 0)
-            return WorkspacePlan("none", capacity)
-        self._last_batch = (meta.single_seq_ids, lens, capacity)
-        return WorkspacePlan("rebuild", capacity)
+    # ---- the decode workspace ---------------------------------------------------------------------
+    def _plan_workspace(self, meta: AttentionMetadata, lens: list[int], num_blocks: int,
+                        block_size: int) -> WorkspacePlan:
+        ids = meta.single_seq_ids
+        for seq_id in set(self._slots) - set(ids):  # finished, preempted or not scheduled: free the row
+            del self._slots[seq_id], self._kept_lens[seq_id]
+        free = sorted(set(range(len(ids) + len(self._slots))) - set(self._slots.values()))
+        for seq_id in ids:
+            if seq_id not in self._slots:
+                self._slots[seq_id] = free.pop(0)
+        rows_needed = max(self._slots.values()) + 1
+        old_rows, old_capacity = self._shape
+        # Grow by two blocks at a time: a regrow copies the workspace, a larger one is read every step.
+        capacity = old_capacity if num_blocks * block_size <= old_capacity else (num_blocks + 1) * block_size
+        rows = max(rows_needed, old_rows)
+        if rows * capacity > self.workspace_budget_tokens:
+            self.release()
+            return WorkspacePlan("none", num_blocks * block_size)
+        device = meta.single_context_lens.device
+        row_of = [self._slots[seq_id] for seq_id in ids]
+        stale = [i for i, (seq_id, n) in enumerate(zip(ids, lens)) if self._kept_lens.get(seq_id) != n - 1]
+        for seq_id, n in zip(ids, lens):
+            self._kept_lens[seq_id] = n
+        plan = WorkspacePlan("slots", capacity, used_rows=rows_needed,
+                             rows=torch.tensor(row_of, dtype=torch.long, device=device),
+                             regrow=(old_rows, old_capacity) if (rows, capacity) != self._shape else None)
+        heads = torch.arange(self.num_kv_heads, device=device)
+        plan.append_index = (((plan.rows * self.num_kv_heads).unsqueeze(1) + heads) * capacity
+                             + (meta.single_context_lens - 1).unsqueeze(1)).reshape(-1)
+        if stale:
+            tables = meta.single_block_tables[stale]
+            pad = capacity // block_size - tables.shape[1]  # padding blocks are masked out by the bias
+            plan.fill_tables = F.pad(tables, (0, pad)) if pad > 0 else tables[:, : capacity // block_size]
+            plan.fill_rows = plan.rows[stale]
+        self._shape = (rows, capacity)
+        if plan.regrow is not None and plan.regrow != (0, 0) and not self._workspaces:
+            plan.regrow = None
+        return plan
+
+    def _kept(self, layer: int, like: torch.Tensor, plan: WorkspacePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's workspace K/V, re-laid out when the row count or capacity grew."""
+        rows, capacity = self._shape
+        kept = self._workspaces.get(layer)
+        if kept is not None and plan.regrow is None:
+            return kept
+        shape = (rows, self.num_kv_heads, capacity, self.head_dim)
+        grown = (torch.zeros(shape, dtype=like.dtype, device=like.device),
+                 torch.zeros(shape, dtype=like.dtype, device=like.device))
+        if kept is not None:
+            old_rows, old_capacity = kept[0].shape[0], kept[0].shape[2]
+            for new, old in zip(grown, kept):
+                new[:old_rows, :, :old_capacity].copy_(old)
+        self._workspaces[layer] = grown
+        return grown
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -170,40 +233,46 @@ class TorchAttention:
             picked = torch.index_select(source, 0, rows, out=out.view(rows.numel(), block_size * dim))
         return picked.view(heads, tables.shape[0], -1, dim)
 
-    def _buffer(self, key: tuple, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """Flat storage kept across steps: fresh multi-MB tensors every rebuild cost page faults."""
-        buffer = self._buffers.get(key)
+    def _scratch_buffer(self, key: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """Flat storage kept across steps: fresh multi-MB tensors every step cost page faults."""
+        buffer = self._scratch.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._buffers[key] = buffer
+            self._scratch[key] = buffer
         return buffer[:numel]
 
     def _decode_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's [Hkv, B, L, D] keys and values for the single-token rows (L padded to blocks)."""
-        plan, layer = meta.workspace, k_cache.data_ptr()
-        if plan.mode == "append":
-            keys, values = self._workspaces[layer]
-            keys.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, plan.append_index, k.transpose(0, 1))
-            values.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, plan.append_index, v.transpose(0, 1))
-            return keys, values
-        owner = layer if plan.mode == "rebuild" else "scratch"  # "none": used at once, one scratch for all layers
-        numel = self.num_kv_heads * meta.single_block_tables.numel() * k_cache.shape[2] * self.head_dim
-        keys = self._gather(k_cache, meta.single_block_tables, self._buffer((owner, "k"), numel, k_cache))
-        values = self._gather(v_cache, meta.single_block_tables, self._buffer((owner, "v"), numel, v_cache))
-        if plan.mode == "rebuild":
-            self._workspaces[layer] = (keys, values)
-        return keys, values
+        """This layer's [Hkv, rows, L, D] keys and values for the single-token rows."""
+        plan = meta.workspace
+        if plan.mode == "none":
+            numel = self.num_kv_heads * meta.single_block_tables.numel() * k_cache.shape[2] * self.head_dim
+            return (self._gather(k_cache, meta.single_block_tables, self._scratch_buffer("k", numel, k_cache)),
+                    self._gather(v_cache, meta.single_block_tables, self._scratch_buffer("v", numel, v_cache)))
+        keys, values = self._kept(k_cache.data_ptr(), k_cache, plan)
+        for kept, cache, new in ((keys, k_cache, k), (values, v_cache, v)):
+            if plan.fill_rows is not None:
+                kept.index_copy_(0, plan.fill_rows, self._gather(cache, plan.fill_tables).transpose(0, 1))
+            kept.view(-1, self.head_dim).index_copy_(0, plan.append_index, new.reshape(-1, self.head_dim))
+        used = plan.used_rows  # rows first, so the first `used` rows are one contiguous block
+        return keys[:used], values[:used]
 
     def _single(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         batch = q.shape[0]
         keys, values = self._decode_kv(k, v, k_cache, v_cache, meta)
-        qg = (q * self.scale).view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1).contiguous()
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) + meta.single_bias  # [Hkv, B, G, L], float32
+        qg = (q * self.scale).view(batch, self.num_kv_heads, self.group, self.head_dim)
+        plan = meta.workspace
+        if plan.mode == "slots":  # place each query at its sequence's workspace row: [rows, Hkv, G, D]
+            placed = qg.new_zeros(plan.used_rows, self.num_kv_heads, self.group, self.head_dim)
+            qg = placed.index_copy_(0, plan.rows, qg)
+        else:  # [Hkv, rows, G, D], the layout of a gather from the head-major pool
+            qg = qg.transpose(0, 1).contiguous()
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) + meta.single_bias  # float32
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)  # [Hkv, B, G, D]
-        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
+        out = torch.matmul(probs, values)
+        out = out.index_select(0, plan.rows) if plan.mode == "slots" else out.transpose(0, 1)
+        return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
