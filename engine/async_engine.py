@@ -57,9 +57,17 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._on_cancel = on_cancel
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
     def push(self, item: Union[RequestOutput, BaseException]) -> None:
         """Called from the engine thread."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def put_now(self, item: Union[RequestOutput, BaseException]) -> None:
+        """Called on the stream's event loop."""
+        self._queue.put_nowait(item)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -98,7 +106,7 @@ class _Submission:
 class AsyncLLMEngine:
     """`AsyncLLMEngine.from_engine_args(args)`, then `start()`; `async for out in engine.generate(...)`."""
 
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: Optional[int] = None,
+    def __init__(self, engine: Optional[LLMEngine], *, max_waiting_requests: Optional[int] = None,
                  request_timeout_s: Optional[float] = None, step_listener: Optional[StepListener] = None):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
@@ -117,6 +125,8 @@ class AsyncLLMEngine:
         self._num_waiting = 0
         self._stopping = False
         self._ready = threading.Event()
+        self._start_requested = threading.Event()
+        self._warm = True
         self._thread: Optional[threading.Thread] = None
         self._consecutive_failures = 0
         self._stats: dict[str, float] = {}
@@ -124,19 +134,59 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **options: Any) -> "AsyncLLMEngine":
-        return cls(LLMEngine(args), **options)
+        """Load the model on the engine thread itself (returns once loaded; load errors raise here).
+
+        The thread that builds the weights should be the one that steps: with the weights built
+        on another thread, the same CPU decode step measured 15-20% slower.
+        """
+        async_engine = cls(None, **options)
+        async_engine._launch(lambda: LLMEngine(args))
+        return async_engine
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def start(self, warm_up: bool = True) -> None:
-        """Warm up (blocking), then start the engine thread; `is_ready` turns true after both."""
-        if self._thread is not None:
-            return
-        if warm_up:
-            self._warm_up()
-        self._stats = self.engine.get_stats()
-        self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
+    def _launch(self, build: Callable[[], LLMEngine]) -> None:
+        loaded = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(target=self._thread_main, args=(build, loaded, failure),
+                                        name="llmctl-engine", daemon=True)
         self._thread.start()
+        loaded.wait()
+        if failure:
+            self._thread.join()
+            self._thread = None
+            raise failure[0]
+
+    def _thread_main(self, build: Callable[[], LLMEngine], loaded: threading.Event,
+                     failure: list[BaseException]) -> None:
+        try:
+            self.engine = build()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of from_engine_args
+            failure.append(exc)
+            return
+        finally:
+            loaded.set()
+        self._start_requested.wait()
+        try:
+            if self._warm and not self._stopping:
+                self._warm_up()
+            self._stats = self.engine.get_stats()
+        except BaseException as exc:  # noqa: BLE001 - a failed warm-up is a dead engine
+            self._die(exc)
+            self._ready.set()
+            return
         self._ready.set()
+        self._run()
+
+    def start(self, warm_up: bool = True) -> None:
+        """Warm up on the engine thread, then serve; blocks until ready (`is_ready` turns true)."""
+        if self._thread is None:
+            engine = self.engine
+            self._launch(lambda: engine)
+        self._warm = warm_up
+        self._start_requested.set()
+        self._ready.wait()
+        if self.dead_error is not None:
+            raise self.dead_error
 
     def _warm_up(self) -> None:
         """One small prefill and decode, so the first real request does not pay one-time costs."""
@@ -160,6 +210,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._stopping = True
             self._wakeup.notify()
+        self._start_requested.set()  # a thread still waiting for start() exits
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -306,12 +357,15 @@ class AsyncLLMEngine:
             self._recover(exc)
             return
         self._consecutive_failures = 0
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             stream = self._stream(output.request_id)
             if stream is not None:
-                stream.push(output)
+                deliveries.setdefault(stream.loop, []).append((stream, output))
             if output.finished:
                 self._forget(output.request_id)
+        for loop, batch in deliveries.items():  # one wake-up of the event loop per step, not per request
+            loop.call_soon_threadsafe(_deliver, batch)
         step = self.engine.last_step
         if step is before:  # nothing was scheduled (e.g. dynamic batching holds a small batch)
             with self._lock:
@@ -376,6 +430,11 @@ class AsyncLLMEngine:
         with self._lock:
             self._stats = stats
             self._num_waiting = int(stats.get("num_waiting", 0))
+
+
+def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in batch:
+        stream.put_now(output)
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
