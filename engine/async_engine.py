@@ -34,6 +34,16 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "NCCL error")
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    """Schedule `fn` on a caller's event loop from the engine thread; a closed loop has nobody
+    waiting any more, so the hand-off is dropped rather than failing the engine thread."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+
+
 def _settle(future: asyncio.Future, error: Optional[BaseException] = None, value: Any = None) -> None:
     """Complete a future from the event loop unless its waiter has given up (cancelled)."""
     if future.done():
@@ -63,7 +73,7 @@ class RequestStream:
 
     def push(self, item: Union[RequestOutput, BaseException]) -> None:
         """Called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        _call_soon(self._loop, self._queue.put_nowait, item)
 
     def put_now(self, item: Union[RequestOutput, BaseException]) -> None:
         """Called on the stream's event loop."""
@@ -324,7 +334,7 @@ class AsyncLLMEngine:
                 result, error = fn(self.engine), None
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
                 result, error = None, exc
-            future.get_loop().call_soon_threadsafe(_settle, future, error, result)
+            _call_soon(future.get_loop(), _settle, future, error, result)
 
     def _add(self, sub: _Submission) -> None:
         error: Optional[BaseException] = None
@@ -339,7 +349,7 @@ class AsyncLLMEngine:
                 self._streams.pop(sub.request_id, None)
         if error is None and sub.deadline is not None:
             self._deadlines[sub.request_id] = sub.deadline
-        sub.accepted.get_loop().call_soon_threadsafe(_settle, sub.accepted, error)
+        _call_soon(sub.accepted.get_loop(), _settle, sub.accepted, error)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -365,7 +375,7 @@ class AsyncLLMEngine:
             if output.finished:
                 self._forget(output.request_id)
         for loop, batch in deliveries.items():  # one wake-up of the event loop per step, not per request
-            loop.call_soon_threadsafe(_deliver, batch)
+            _call_soon(loop, _deliver, batch)
         step = self.engine.last_step
         if step is before:  # nothing was scheduled (e.g. dynamic batching holds a small batch)
             with self._lock:
@@ -406,7 +416,7 @@ class AsyncLLMEngine:
         for kind, payload in commands:
             future = payload.accepted if kind == "add" else payload[1] if kind == "call" else None
             if future is not None:
-                future.get_loop().call_soon_threadsafe(_settle, future, error)
+                _call_soon(future.get_loop(), _settle, future, error)
         for stream in streams:
             stream.push(error)
         self._deadlines.clear()
