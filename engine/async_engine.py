@@ -317,9 +317,13 @@ class AsyncLLMEngine:
         if stopping:
             return False
         self._expire_deadlines()
-        if self.engine.has_unfinished_requests():
-            self._step()
-        self._publish_stats()
+        step = self._step() if self.engine.has_unfinished_requests() else None
+        stats = self.engine.get_stats()  # one snapshot per iteration, for readers and listeners alike
+        with self._lock:
+            self._stats = stats
+            self._num_waiting = int(stats.get("num_waiting", 0))
+        for listener in self._step_listeners if step is not None else ():
+            listener(step, stats)
         return True
 
     def _apply(self, kind: str, payload: Any) -> None:
@@ -359,13 +363,14 @@ class AsyncLLMEngine:
                 self._finish(request_id, RequestTimeoutError(
                     f"the request ran past its {self.request_timeout_s or 0:g} s timeout and was aborted"))
 
-    def _step(self) -> None:
+    def _step(self) -> Optional[StepInfo]:
+        """One engine step; returns what it ran (None when it failed or scheduled nothing)."""
         before = self.engine.last_step
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             self._recover(exc)
-            return
+            return None
         self._consecutive_failures = 0
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
@@ -380,10 +385,8 @@ class AsyncLLMEngine:
         if step is before:  # nothing was scheduled (e.g. dynamic batching holds a small batch)
             with self._lock:
                 self._wakeup.wait(0.002)
-        elif self._step_listeners:
-            stats = self.engine.get_stats()
-            for listener in self._step_listeners:
-                listener(step, stats)
+            return None
+        return step
 
     def _recover(self, exc: Exception) -> None:
         if any(marker in str(exc) for marker in _FATAL_MARKERS):
@@ -434,12 +437,6 @@ class AsyncLLMEngine:
         stream = self._forget(request_id)
         if stream is not None:
             stream.push(error)
-
-    def _publish_stats(self) -> None:
-        stats = self.engine.get_stats()
-        with self._lock:
-            self._stats = stats
-            self._num_waiting = int(stats.get("num_waiting", 0))
 
 
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:

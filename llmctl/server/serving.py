@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmctl.engine.async_engine import AsyncLLMEngine, RequestStream
 from llmctl.engine.errors import EngineError
-from llmctl.engine.outputs import CompletionOutput, RequestOutput
+from llmctl.engine.outputs import RequestOutput
 from llmctl.server.errors import APIError, from_exception
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
@@ -222,7 +222,7 @@ class OpenAIServing:
                     "index": p_index * body.n + completion.index, "text": prefix + completion.text,
                     "logprobs": self._completion_logprobs(completion.token_ids, completion.logprobs, len(prefix))
                     if body.logprobs is not None else None,
-                    "finish_reason": _finish_reason(completion), "stop_reason": completion.stop_reason,
+                    "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                 })
         return {"id": job.response_id, "object": "text_completion", "created": job.created,
                 "model": self.model_name, "choices": choices, "usage": job.usage()}
@@ -236,7 +236,7 @@ class OpenAIServing:
                 "message": {"role": "assistant", "content": completion.text},
                 "logprobs": {"content": self._chat_logprobs(completion.token_ids, completion.logprobs,
                                                             body.top_logprobs or 0)} if body.logprobs else None,
-                "finish_reason": _finish_reason(completion), "stop_reason": completion.stop_reason,
+                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             })
         return {"id": job.response_id, "object": "chat.completion", "created": job.created,
                 "model": self.model_name, "choices": choices, "usage": job.usage()}
@@ -276,7 +276,7 @@ class OpenAIServing:
             job.sent_tokens[key] = len(completion.token_ids)
             if finished:
                 job.done.add(key)
-            yield completion, delta, new_ids, new_lps, _finish_reason(completion) if finished else None, text_at == 0
+            yield completion, delta, new_ids, new_lps, completion.finish_reason if finished else None, text_at == 0
 
     async def _completion_events(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         body: CompletionRequest = job.body  # type: ignore[assignment]
@@ -346,10 +346,6 @@ async def _wait_for_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def _finish_reason(completion: CompletionOutput) -> Optional[str]:
-    return completion.finish_reason
 
 
 def _chunk_object(job: _Job) -> str:
