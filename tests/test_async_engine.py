@@ -5,6 +5,7 @@ fails everything pending at once and turns the engine unhealthy)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -112,21 +113,32 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine):
 def test_admission_control_refuses_beyond_the_waiting_limit():
     eng = AsyncLLMEngine.from_engine_args(EngineArgs(device="cpu", max_num_seqs=1), max_waiting_requests=1)
     eng.start()
+    frozen, release = threading.Event(), threading.Event()
+
+    def hold_when_one_waits(_step, stats):  # freeze the engine so the first request cannot finish first
+        if stats.get("num_waiting", 0) >= 1 and not release.is_set():
+            frozen.set()
+            release.wait(30)
+
+    eng.add_step_listener(hold_when_one_waits)
     try:
         async def main():
             first = asyncio.create_task(_run(eng, "running", 300))
             while eng.get_stats()["num_running"] < 1:
                 await asyncio.sleep(0.005)
             second = asyncio.create_task(_run(eng, "waiting", 2))
-            while eng.get_stats()["num_waiting"] + eng.get_stats()["num_pending"] < 1:
-                await asyncio.sleep(0.005)
-            with pytest.raises(EngineOverloadedError, match="over capacity"):
-                await eng.add_request("refused", "x", SamplingParams())
+            assert await asyncio.to_thread(frozen.wait, 30)
+            try:
+                with pytest.raises(EngineOverloadedError, match="over capacity"):
+                    await eng.add_request("refused", "x", SamplingParams())
+            finally:
+                release.set()
             return await asyncio.gather(first, second)
 
         outputs = asyncio.run(main())
         assert [len(o.outputs[0].token_ids) for o in outputs] == [300, 2]
     finally:
+        release.set()
         eng.shutdown()
 
 

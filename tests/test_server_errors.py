@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -123,6 +124,17 @@ def test_rate_limit_answers_429_with_retry_after():
 
 def test_full_waiting_queue_refuses_with_503_and_retry_after():
     with running_server(max_waiting_requests=2, engine_options={"max_num_seqs": 1}) as srv:
+        # Freeze the engine thread (a step listener) once two requests wait behind the running one,
+        # so the refusal does not race against the first request finishing.
+        frozen, release = threading.Event(), threading.Event()
+
+        def hold_when_queue_is_full(_step, stats):
+            if stats.get("num_waiting", 0) >= 2 and not release.is_set():
+                frozen.set()
+                release.wait(30)
+
+        srv.engine.add_step_listener(hold_when_queue_is_full)
+
         async def main():
             async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
                 long = {"prompt": "A tale", "max_tokens": 400, "ignore_eos": True}
@@ -131,9 +143,11 @@ def test_full_waiting_queue_refuses_with_503_and_retry_after():
                     await asyncio.sleep(0.01)
                 queued = [asyncio.create_task(http.post("/v1/completions", json={**long, "max_tokens": 2}))
                           for _ in range(2)]
-                while srv.engine.get_stats().get("num_waiting", 0) + srv.engine.get_stats()["num_pending"] < 2:
-                    await asyncio.sleep(0.01)
-                refused = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert await asyncio.to_thread(frozen.wait, 30)
+                try:
+                    refused = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                finally:
+                    release.set()
                 done = await asyncio.gather(first, *queued)
                 return refused, done
 
