@@ -20,6 +20,7 @@ import torch
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.errors import EngineArgsError, InvalidRequestError, ModelLoadError
+from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import ModelRunner, RunnerConfig
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -112,6 +113,8 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         device = resolve_device(args.device)
+        if device.type == "cpu":
+            tune_cpu_allocator()
         self.max_model_len = self._resolve_max_model_len(args)
         self.runner = ModelRunner(RunnerConfig(
             model_config=self.model_config, model_folder=folder, device=device,

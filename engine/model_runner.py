@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from llmctl.engine.errors import EngineArgsError
+from llmctl.engine.kernels import load_cpu_kernels
 from llmctl.engine.layers.attention import AttentionMetadata, PrefillSpan, TorchAttention, select_backend
 from llmctl.engine.layers.linear import pack_linears
 from llmctl.engine.loader import build_model
@@ -107,9 +108,20 @@ class ModelRunner:
         if self.device.type != "cuda":
             budget = max(budget, WORKSPACE_FLOOR_BYTES)
         self.attention.workspace_budget_tokens = budget // bytes_per_token
+        self._attach_cpu_kernels()
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,
-                    self.block_size, self.kv_cache_bytes / 2**20, self.attention.name)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s%s", self.num_blocks,
+                    self.block_size, self.kv_cache_bytes / 2**20, self.attention.name,
+                    " (native CPU decode kernel)" if getattr(self.attention, "decode_kernel", None) else "")
+
+    def _attach_cpu_kernels(self) -> None:
+        """CPU decode attention straight from the paged pool, where the native kernels build and fit."""
+        if self.device.type != "cpu" or not isinstance(self.attention, TorchAttention):
+            return
+        kernels = load_cpu_kernels()
+        mc = self.config.model_config
+        if kernels is not None and kernels.supports_decode(self.config.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim):
+            self.attention.decode_kernel = kernels
 
     # ---- KV pool ------------------------------------------------------------------------------
     @property

@@ -31,6 +31,28 @@ class SamplerOutput:
     logprobs: Optional[list[Optional[dict[int, float]]]]  # per row: {token: logprob} incl. the sampled one
 
 
+ARGMAX_CHUNK = 1024
+
+
+def row_argmax(values: torch.Tensor) -> torch.Tensor:
+    """`values.argmax(-1)` of a 2-D tensor (first index on ties), in two passes on CPU.
+
+    torch's CPU argmax over the last dimension is not vectorised (about 3.4 ms for 64 x 49152
+    float32 here) while `amax` is (0.35 ms): take the maximum of each 1024-wide chunk, pick the
+    first chunk holding the row's maximum, and argmax inside that chunk only.
+    """
+    rows, width = values.shape
+    if values.device.type != "cpu" or width < 4 * ARGMAX_CHUNK:
+        return values.argmax(dim=-1)
+    pad = -width % ARGMAX_CHUNK
+    if pad:
+        values = torch.nn.functional.pad(values, (0, pad), value=float("-inf"))
+    chunks = values.view(rows, -1, ARGMAX_CHUNK)
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)
+    inside = chunks[torch.arange(rows, device=values.device), best_chunk].argmax(dim=-1)
+    return best_chunk * ARGMAX_CHUNK + inside
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator  # for unseeded rows
@@ -90,7 +112,7 @@ class Sampler:
 
     # ---- choosing ---------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        chosen = logits.argmax(dim=-1)
+        chosen = row_argmax(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
             return chosen
@@ -100,7 +122,7 @@ class Sampler:
                                    dtype=subset.dtype, device=subset.device).unsqueeze(1)
         probs = torch.softmax(self._filter(subset / temperature, [rows[i].params for i in random_rows]), dim=-1)
         noise = self._exponential_noise(probs, [rows[i].generator for i in random_rows])
-        chosen[index] = (probs / noise).argmax(dim=-1)
+        chosen[index] = row_argmax(probs / noise)
         return chosen
 
     @staticmethod

@@ -13,7 +13,7 @@ ARCH_CONFIGS = {
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                                   rope_theta=50000.0)),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None, head_dim=16)),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, head_dim=32)),  # 32: the native CPU decode kernel's
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
 }
 

@@ -43,14 +43,25 @@ def reference_logits(model, prompt: list[int], output: list[int]) -> torch.Tenso
     return logits[len(prompt) - 1: len(prompt) - 1 + len(output)]
 
 
+def use_decode_path(llm: LLM, path: str) -> None:
+    """Pin the CPU decode attention to the native kernel or the torch workspace path."""
+    attention = llm.engine.runner.attention
+    if path == "native" and attention.decode_kernel is None:
+        pytest.skip("the native CPU decode kernel does not serve this model here (compiler, AVX-512 or head_dim)")
+    if path == "torch":
+        attention.decode_kernel = None
+
+
+@pytest.mark.parametrize("decode", ["native", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_greedy_tokens_and_logits_match_transformers(tiny_models, arch):
+def test_greedy_tokens_and_logits_match_transformers(tiny_models, arch, decode):
     from transformers import AutoModelForCausalLM
 
     folder = tiny_models[arch]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu",
               max_num_batched_tokens=96, num_kv_blocks=40, block_size=16, max_num_seqs=8,
               max_model_len=400)
+    use_decode_path(llm, decode)
     prompts = make_prompts(llm.engine.vocab_size)
     recorders = [LogitRecorder() for _ in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logits_processors=[rec])
@@ -100,6 +111,7 @@ def test_decode_workspace_changes_nothing(tiny_models):
     for budget in (None, 0):
         llm = LLM(str(tiny_models["mistral"]), skip_tokenizer_init=True, dtype="float32", device="cpu",
                   max_model_len=400, max_num_batched_tokens=128)
+        use_decode_path(llm, "torch")
         if budget is not None:
             llm.engine.runner.attention.workspace_budget_tokens = budget
         recorders = [LogitRecorder() for _ in prompts]
@@ -111,12 +123,15 @@ def test_decode_workspace_changes_nothing(tiny_models):
         assert torch.equal(kept, gathered)
 
 
-def test_bfloat16_cpu_path_tracks_float32_reference(tiny_models):
-    """The bf16 CPU kernels (oneDNN-packed batches, mv for single rows) stay close to fp32 logits."""
+@pytest.mark.parametrize("decode", ["native", "torch"])
+def test_bfloat16_cpu_path_tracks_float32_reference(tiny_models, decode):
+    """The bf16 CPU kernels (oneDNN-packed batches, mv for single rows, decode attention) stay close
+    to fp32 logits."""
     from transformers import AutoModelForCausalLM
 
-    folder = tiny_models["llama"]
+    folder = tiny_models["qwen2"]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400)
+    use_decode_path(llm, decode)
     prompts = make_prompts(512)[:4]
     recorders = [LogitRecorder() for _ in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logits_processors=[r]) for r in recorders]
@@ -131,6 +146,7 @@ def test_bfloat16_cpu_path_tracks_float32_reference(tiny_models):
 
 def test_idle_engine_drops_kept_decode_kv(tiny_models):
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400)
+    use_decode_path(llm, "torch")
     seen = []
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                             logits_processors=[lambda ids, row: seen.append(llm.engine.runner.attention.kept_layers) or row])

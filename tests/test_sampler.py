@@ -8,8 +8,10 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from llmctl.engine.sampler import Sampler, SamplingRow
+from llmctl.engine.sampler import Sampler, SamplingRow, row_argmax
 from llmctl.engine.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -47,6 +49,19 @@ def test_greedy_is_argmax_per_row():
     out = sampler()(logits, [row(SamplingParams(temperature=0.0)) for _ in range(6)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), width=st.integers(1, 9000), ties=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_row_argmax_matches_torch_including_ties(rows, width, ties, seed):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, width, generator=generator).to(torch.bfloat16).float()  # bf16 rounding: ties
+    for _ in range(ties):  # repeat a row's maximum further along: the first index must win
+        column = int(torch.randint(width, (1,), generator=generator))
+        values[:, column] = values.amax(dim=-1)
+    assert torch.equal(row_argmax(values), values.argmax(dim=-1))
+    masked = torch.full((rows, width), float("-inf"))
+    assert torch.equal(row_argmax(masked), masked.argmax(dim=-1))
 
 
 def test_top_k_1_equals_greedy():

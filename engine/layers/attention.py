@@ -88,6 +88,9 @@ class TorchAttention:
     about as much as the attention matmuls, so this keeps it off the steady path even while
     requests come and go. `workspace_budget_tokens` (set by the runner) caps the workspace; over
     it, each layer gathers the batch's blocks and drops them after use.
+
+    With `decode_kernel` set (the native CPU kernels, see `llmctl.engine.kernels`), decode rows
+    skip all of that: the kernel reads each sequence's K/V where it lies in the pool.
     """
 
     name = "torch"
@@ -104,6 +107,7 @@ class TorchAttention:
         self._slots: dict[int, int] = {}  # seq id -> workspace row
         self._kept_lens: dict[int, int] = {}  # seq id -> tokens its row holds
         self._shape = (0, 0)  # (rows, capacity) of the kept workspaces
+        self.decode_kernel = None  # CpuKernels, set by the runner where it supports this model
 
     def validate_block_size(self, block_size: int) -> Optional[str]:
         return None
@@ -117,6 +121,8 @@ class TorchAttention:
             return
         num_blocks = -(-meta.single_max_context // block_size)
         meta.single_block_tables = meta.single_block_tables[:, :num_blocks].contiguous()
+        if self.decode_kernel is not None:
+            return
         lens = meta.single_context_lens.tolist()
         meta.workspace = self._plan_workspace(meta, lens, num_blocks, block_size)
         row_lens = meta.single_context_lens
@@ -259,6 +265,9 @@ class TorchAttention:
 
     def _single(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.decode_kernel is not None:
+            return self.decode_kernel.paged_decode_attention(q, k_cache, v_cache, meta.single_block_tables,
+                                                             meta.single_context_lens, self.scale, self.window)
         batch = q.shape[0]
         keys, values = self._decode_kv(k, v, k_cache, v_cache, meta)
         qg = (q * self.scale).view(batch, self.num_kv_heads, self.group, self.head_dim)

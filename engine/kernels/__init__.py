@@ -1,0 +1,143 @@
+"""Native CPU kernels (`cpu_kernels.c`), built on first use with the host's C compiler.
+
+The engine runs without them (the torch paths stay correct everywhere); with them, CPU decode
+attention reads the paged KV pool directly instead of gathering it into padded tensors. The build
+takes about a second and is cached per source, compiler and CPU (it uses `-march=native`) under
+`$LLMCTL_CACHE_DIR` or `~/.cache/llmctl`. No compiler, a failed build, a CPU without AVX-512, or
+`LLMCTL_DISABLE_CPU_KERNELS=1` means `load_cpu_kernels()` returns None and the torch path is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+DISABLE_ENV = "LLMCTL_DISABLE_CPU_KERNELS"
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_DECODE_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+    [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
+
+
+class CpuKernels:
+    """Typed entry points of the built library; arguments are checked before any pointer is passed."""
+
+    dtypes = tuple(_SUFFIX)
+    max_group = 16  # MAX_GROUP in the C source
+
+    def __init__(self, library: ctypes.CDLL):
+        self._decode = {}
+        for dtype, suffix in _SUFFIX.items():
+            function = getattr(library, f"paged_decode_attention_{suffix}")
+            function.argtypes, function.restype = _DECODE_ARGTYPES, None
+            self._decode[dtype] = function
+
+    def supports_decode(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return dtype in self._decode and head_dim % 32 == 0 and num_heads // num_kv_heads <= self.max_group
+
+    def paged_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               window: Optional[int] = None) -> torch.Tensor:
+        """Attention of one new token per sequence over its paged K/V.
+
+        q [seqs, heads, head_dim]; pools [kv_heads, blocks, block_size, head_dim]; block_tables
+        [seqs, width] int64; context_lens [seqs] int64 (the new token included). Returns [seqs, heads, head_dim].
+        """
+        seqs, heads, head_dim = q.shape
+        kv_heads, num_blocks, block_size, pool_dim = k_pool.shape
+        if q.dtype not in self._decode or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+            raise ValueError(f"paged_decode_attention: unsupported dtypes {q.dtype}/{k_pool.dtype}/{v_pool.dtype}")
+        if pool_dim != head_dim or heads % kv_heads or v_pool.shape != k_pool.shape:
+            raise ValueError("paged_decode_attention: q and the pools disagree on heads or head_dim")
+        if not self.supports_decode(q.dtype, heads, kv_heads, head_dim):
+            raise ValueError(f"paged_decode_attention: head_dim {head_dim} or group {heads // kv_heads} not supported")
+        if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or block_tables.dim() != 2 \
+                or block_tables.shape[0] != seqs or context_lens.shape != (seqs,):
+            raise ValueError("paged_decode_attention: block_tables [seqs, width] and context_lens [seqs] must be int64")
+        if seqs and int(context_lens.max()) > block_tables.shape[1] * block_size:
+            raise ValueError("paged_decode_attention: a context is longer than its block table")
+        tensors = [t.contiguous() for t in (q, k_pool, v_pool, block_tables, context_lens)]
+        q, k_pool, v_pool, block_tables, context_lens = tensors
+        out = torch.empty_like(q)
+        if seqs:
+            self._decode[q.dtype](
+                q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                context_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, head_dim, num_blocks, block_size,
+                scale, window or 0, torch.get_num_threads())
+        return out
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("LLMCTL_CACHE_DIR")
+    if explicit:
+        return Path(explicit) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llmctl" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags: a library built with -march=native must not run on another CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+    target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent engines never load a half-written library.
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        result = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+                                timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@lru_cache(maxsize=1)
+def load_cpu_kernels() -> Optional[CpuKernels]:
+    """The built kernels, or None (logged once) when they cannot be used here."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention uses the slower torch path")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+        if library.kernel_vector_bits() != 512:
+            logger.info("CPU kernels need AVX-512: using the torch paths")
+            return None
+        return CpuKernels(library)
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        logger.warning("CPU kernels unavailable (%s): using the torch path", exc)
+        return None

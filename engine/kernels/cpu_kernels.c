@@ -1,0 +1,178 @@
+/* CPU kernels for llmctl's engine, built on first use by kernels/__init__.py with the host's C
+ * compiler (-O3 -march=native -fopenmp) and called through ctypes. Plain C on purpose: no torch
+ * headers, so a build takes about a second.
+ *
+ * The kernels exist only where the target has AVX-512 (`kernel_vector_bits()` says so); elsewhere
+ * the library builds empty and the engine keeps its torch paths.
+ *
+ * OpenMP: torch already loaded its libgomp (SONAME libgomp.so.1), so this library shares torch's
+ * runtime and thread pool instead of starting a second one; callers pass the thread count.
+ *
+ * Element types: `bf16` selects bfloat16 (uint16_t bits) over float32 storage. Both variants are
+ * compiled from one always-inlined body with the flag constant.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+int kernel_vector_bits(void) { return 512; }
+
+INLINE uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* keep NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Sixteen bf16 (or float) values at `src` + `offset`, widened to float32. */
+INLINE __m512 load16(const void *src, int64_t offset, const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + offset))), 16));
+    return _mm512_loadu_ps((const float *)src + offset);
+}
+
+INLINE void store16(void *dst, int64_t offset, __m512 values, const int bf16) {
+    if (!bf16) {
+        _mm512_storeu_ps((float *)dst + offset, values);
+        return;
+    }
+    float lane[16];
+    _mm512_storeu_ps(lane, values);
+    for (int i = 0; i < 16; i++) ((uint16_t *)dst)[offset + i] = f32_to_bf16(lane[i]);
+}
+
+/* Decode attention is memory-bound with little work per row: without prefetching the next rows
+ * the kernel stalls on DRAM latency (measured: 2.2 ms against 1.6 ms per 64-sequence layer). */
+#define PREFETCH_ROWS 8
+INLINE void prefetch_row(const void *src, int64_t offset, int64_t n, const int bf16) {
+    const char *start = bf16 ? (const char *)((const uint16_t *)src + offset) : (const char *)((const float *)src + offset);
+    for (int64_t b = 0; b < n * (bf16 ? 2 : 4); b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
+}
+
+/* e^x for x <= 0 (softmax after subtracting the maximum): 2^k * e^f with k = round(x / ln2) and
+ * |f| <= ln2/2, e^f from a degree-7 Taylor polynomial (relative error about 1e-8). */
+INLINE __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.6931471805599453f), x);
+    static const float taylor[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    for (int i = 0; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(taylor[i]));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* s[t] <- e^(s[t] - max s) for t < n; returns their sum. The tail is padded with -inf lanes. */
+INLINE float softmax_numerators(float *s, int64_t n) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + t));
+    }
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
+        _mm512_mask_storeu_ps(s + t, live, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+    }
+    return _mm512_reduce_add_ps(total);
+}
+
+/* q . k for each query of the group against one key row: scores[g * stride] <- dot * scale. */
+INLINE void score_row(const void *q, int64_t q_offset, const void *k_pool, int64_t k_offset, int64_t group,
+                      int64_t head_dim, float scale, float *scores, int64_t stride, const int bf16) {
+    for (int64_t g = 0; g < group; g++) {
+        __m512 acc = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+        if (bf16) { /* bf16 pair products summed in float32, without widening the key row */
+            const uint16_t *qg = (const uint16_t *)q + q_offset + g * head_dim;
+            const uint16_t *k = (const uint16_t *)k_pool + k_offset;
+            for (int64_t d = 0; d < head_dim; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + d), (__m512bh)_mm512_loadu_si512(k + d));
+            scores[g * stride] = _mm512_reduce_add_ps(acc) * scale;
+            continue;
+        }
+#endif
+        for (int64_t d = 0; d < head_dim; d += 16)
+            acc = _mm512_fmadd_ps(load16(q, q_offset + g * head_dim + d, bf16), load16(k_pool, k_offset + d, bf16), acc);
+        scores[g * stride] = _mm512_reduce_add_ps(acc) * scale;
+    }
+}
+
+#define MAX_GROUP 16
+
+/* Decode attention straight from the paged pool: one query token per sequence.
+ *   q       [num_seqs, num_heads, head_dim]          (head_dim % 32 == 0, num_heads / num_kv_heads <= 16)
+ *   k_pool, v_pool  [num_kv_heads, num_blocks, block_size, head_dim] (the torch backend's layout)
+ *   tables  [num_seqs, table_stride] block ids;  lens [num_seqs] context lengths (new token included)
+ *   out     [num_seqs, num_heads, head_dim]
+ * One work item per (sequence, KV head) serves the head's whole query group, so each K/V row is
+ * read from memory once. Scores and softmax are float32; `window` > 0 keeps the last `window` keys. */
+INLINE void decode_attention(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
+                             int64_t table_stride, const int64_t *lens, void *out, int64_t num_seqs,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+                             int64_t block_size, float scale, int64_t window, int num_threads, const int bf16) {
+    const int64_t group = num_heads / num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
+        const int64_t seq = item / num_kv_heads, head = item % num_kv_heads;
+        const int64_t len = lens[seq];
+        const int64_t first = (window > 0 && len > window) ? len - window : 0;
+        const int64_t n = len - first;
+        const int64_t q_offset = (seq * num_heads + head * group) * head_dim;
+        const int64_t *table = tables + seq * table_stride;
+        const int64_t head_base = head * num_blocks;
+#define ROW_OFFSET(pos) (((head_base + table[(pos) / block_size]) * block_size + (pos) % block_size) * head_dim)
+        float *scores = malloc(sizeof(float) * (size_t)(group * n + 1)); /* [group][n] */
+        if (scores == NULL) continue;                                   /* not at these sizes */
+        for (int64_t t = 0; t < n; t++) {
+            if (t + PREFETCH_ROWS < n) { /* V rows are read next: start them too */
+                prefetch_row(k_pool, ROW_OFFSET(first + t + PREFETCH_ROWS), head_dim, bf16);
+                prefetch_row(v_pool, ROW_OFFSET(first + t + PREFETCH_ROWS), head_dim, bf16);
+            }
+            score_row(q, q_offset, k_pool, ROW_OFFSET(first + t), group, head_dim, scale, scores + t, n, bf16);
+        }
+        float inverse[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            const float total = softmax_numerators(scores + g * n, n);
+            inverse[g] = total > 0.0f ? 1.0f / total : 0.0f;
+        }
+        for (int64_t d = 0; d < head_dim; d += 16) { /* a 16-wide column slice of the output at a time */
+            __m512 acc[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const __m512 v = load16(v_pool, ROW_OFFSET(first + t) + d, bf16);
+                for (int64_t g = 0; g < group; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + t]), v, acc[g]);
+            }
+            for (int64_t g = 0; g < group; g++)
+                store16(out, q_offset + g * head_dim + d, _mm512_mul_ps(acc[g], _mm512_set1_ps(inverse[g])), bf16);
+        }
+#undef ROW_OFFSET
+        free(scores);
+    }
+}
+
+#define DECODE_ARGS                                                                                           \
+    const void *q, const void *k_pool, const void *v_pool, const int64_t *tables, int64_t table_stride,      \
+        const int64_t *lens, void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,           \
+        int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window, int num_threads
+#define DECODE_PASS                                                                                           \
+    q, k_pool, v_pool, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_dim,          \
+        num_blocks, block_size, scale, window, num_threads
+
+void paged_decode_attention_bf16(DECODE_ARGS) { decode_attention(DECODE_PASS, 1); }
+void paged_decode_attention_f32(DECODE_ARGS) { decode_attention(DECODE_PASS, 0); }
+
+#else
+int kernel_vector_bits(void) { return 0; }
+#endif
