@@ -78,6 +78,7 @@ def test_a_non_contiguous_query_is_read_correctly():
     (lambda a: {**a, "k_pool": a["k_pool"].bfloat16()}, "unsupported dtypes"),
     (lambda a: {**a, "q": a["q"][..., :16]}, "disagree"),
     (lambda a: {**a, "block_tables": a["block_tables"].int()}, "int64"),
+    (lambda a: {**a, "k_pool": a["k_pool"][:, :, :12], "v_pool": a["v_pool"][:, :, :12]}, "power of two"),
     (lambda a: {**a, "context_lens": a["context_lens"][:1]}, "int64"),
     (lambda a: {**a, "context_lens": a["context_lens"] + 1000}, "longer than its block table"),
 ])

@@ -62,6 +62,8 @@ class CpuKernels:
             raise ValueError(f"paged_decode_attention: unsupported dtypes {q.dtype}/{k_pool.dtype}/{v_pool.dtype}")
         if pool_dim != head_dim or heads % kv_heads or v_pool.shape != k_pool.shape:
             raise ValueError("paged_decode_attention: q and the pools disagree on heads or head_dim")
+        if block_size & (block_size - 1):
+            raise ValueError(f"paged_decode_attention: block size {block_size} is not a power of two")
         if not self.supports_decode(q.dtype, heads, kv_heads, head_dim):
             raise ValueError(f"paged_decode_attention: head_dim {head_dim} or group {heads // kv_heads} not supported")
         if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or block_tables.dim() != 2 \

@@ -113,7 +113,8 @@ INLINE void score_row(const void *q, int64_t q_offset, const void *k_pool, int64
 
 /* Decode attention straight from the paged pool: one query token per sequence.
  *   q       [num_seqs, num_heads, head_dim]          (head_dim % 32 == 0, num_heads / num_kv_heads <= 16)
- *   k_pool, v_pool  [num_kv_heads, num_blocks, block_size, head_dim] (the torch backend's layout)
+ *   k_pool, v_pool  [num_kv_heads, num_blocks, block_size, head_dim] (the torch backend's layout;
+ *           block_size a power of two)
  *   tables  [num_seqs, table_stride] block ids;  lens [num_seqs] context lengths (new token included)
  *   out     [num_seqs, num_heads, head_dim]
  * One work item per (sequence, KV head) serves the head's whole query group, so each K/V row is
@@ -123,6 +124,7 @@ INLINE void decode_attention(const void *q, const void *k_pool, const void *v_po
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
                              int64_t block_size, float scale, int64_t window, int num_threads, const int bf16) {
     const int64_t group = num_heads / num_kv_heads;
+    const int block_shift = __builtin_ctzll((unsigned long long)block_size);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
         const int64_t seq = item / num_kv_heads, head = item % num_kv_heads;
@@ -132,15 +134,21 @@ INLINE void decode_attention(const void *q, const void *k_pool, const void *v_po
         const int64_t q_offset = (seq * num_heads + head * group) * head_dim;
         const int64_t *table = tables + seq * table_stride;
         const int64_t head_base = head * num_blocks;
-#define ROW_OFFSET(pos) (((head_base + table[(pos) / block_size]) * block_size + (pos) % block_size) * head_dim)
-        float *scores = malloc(sizeof(float) * (size_t)(group * n + 1)); /* [group][n] */
-        if (scores == NULL) continue;                                   /* not at these sizes */
+        /* each key's row offset [n], then scores [group][n]; block_size is a power of two (no division:
+         * a 64-bit idiv per row cost more than the memory traffic) */
+        int64_t *rows = malloc(sizeof(int64_t) * (size_t)(n + 1) + sizeof(float) * (size_t)(group * n + 1));
+        if (rows == NULL) continue; /* not at these sizes */
+        float *scores = (float *)(rows + n + 1);
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = first + t;
+            rows[t] = (((head_base + table[pos >> block_shift]) << block_shift) + (pos & (block_size - 1))) * head_dim;
+        }
         for (int64_t t = 0; t < n; t++) {
             if (t + PREFETCH_ROWS < n) { /* V rows are read next: start them too */
-                prefetch_row(k_pool, ROW_OFFSET(first + t + PREFETCH_ROWS), head_dim, bf16);
-                prefetch_row(v_pool, ROW_OFFSET(first + t + PREFETCH_ROWS), head_dim, bf16);
+                prefetch_row(k_pool, rows[t + PREFETCH_ROWS], head_dim, bf16);
+                prefetch_row(v_pool, rows[t + PREFETCH_ROWS], head_dim, bf16);
             }
-            score_row(q, q_offset, k_pool, ROW_OFFSET(first + t), group, head_dim, scale, scores + t, n, bf16);
+            score_row(q, q_offset, k_pool, rows[t], group, head_dim, scale, scores + t, n, bf16);
         }
         float inverse[MAX_GROUP];
         for (int64_t g = 0; g < group; g++) {
@@ -151,14 +159,13 @@ INLINE void decode_attention(const void *q, const void *k_pool, const void *v_po
             __m512 acc[MAX_GROUP];
             for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
             for (int64_t t = 0; t < n; t++) {
-                const __m512 v = load16(v_pool, ROW_OFFSET(first + t) + d, bf16);
+                const __m512 v = load16(v_pool, rows[t] + d, bf16);
                 for (int64_t g = 0; g < group; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + t]), v, acc[g]);
             }
             for (int64_t g = 0; g < group; g++)
                 store16(out, q_offset + g * head_dim + d, _mm512_mul_ps(acc[g], _mm512_set1_ps(inverse[g])), bf16);
         }
-#undef ROW_OFFSET
-        free(scores);
+        free(rows);
     }
 }
 
