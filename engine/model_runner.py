@@ -115,12 +115,18 @@ class ModelRunner:
                     " (native CPU decode kernel)" if getattr(self.attention, "decode_kernel", None) else "")
 
     def _attach_cpu_kernels(self) -> None:
-        """CPU decode attention straight from the paged pool, where the native kernels build and fit."""
+        """On CPU, hand the native kernels (where they build) to the layers that have fused paths,
+        and to the attention backend where its decode kernel fits the model."""
         if self.device.type != "cpu" or not isinstance(self.attention, TorchAttention):
             return
         kernels = load_cpu_kernels()
+        if kernels is None or self.config.dtype not in kernels.dtypes:
+            return
+        for module in self.model.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
         mc = self.config.model_config
-        if kernels is not None and kernels.supports_decode(self.config.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim):
+        if kernels.supports_decode(self.config.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim):
             self.attention.decode_kernel = kernels
 
     # ---- KV pool ------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The native CPU kernels: paged decode attention against a plain-torch reference, argument checks,
-and the build (cache reuse, opting out, no compiler)."""
+"""The native CPU kernels: paged decode attention against a plain-torch reference, the fused
+elementwise ops against the torch ops they replace, argument checks, and the build (cache reuse,
+opting out, no compiler)."""
 
 from __future__ import annotations
 
@@ -145,3 +146,86 @@ def test_a_failing_compiler_gives_none(fresh_loader, monkeypatch, kernel_log):
     assert load_cpu_kernels() is None
     assert len(kernel_log) == 1 and "error: broken" in kernel_log[0].getMessage()
     assert not list((fresh_loader / "kernels").glob("*.so"))
+
+
+# ---- fused elementwise kernels: the torch path's results, in one pass ----------------------------
+def hf_rms_norm(x, weight, eps):
+    """Hugging Face Llama's RMSNorm: normalise in float32, cast back, then scale."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       rows=st.integers(1, 40), dim=st.integers(1, 700), with_residual=st.booleans())
+def test_rms_norm_matches_hugging_face(seed, dtype, rows, dim, with_residual):
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, dim, generator=generator) * 3).to(dtype)
+    weight = torch.randn(dim, generator=generator).to(dtype)
+    residual = torch.randn(rows, dim, generator=generator).to(dtype) if with_residual else None
+    stream = (residual + x) if with_residual else x
+    expected = hf_rms_norm(stream, weight, 1e-6)
+    kept = residual.clone() if with_residual else None
+    ours = KERNELS.rms_norm(x, weight, 1e-6, kept)
+    if with_residual:
+        assert torch.equal(kept, stream)  # the residual stream was updated in place, rounded like torch's add
+    # bf16: the float32 sum of squares may differ in its last bit, which can move a rounding by a step
+    tolerance = 1e-5 if dtype is torch.float32 else 2 ** -6
+    assert torch.allclose(ours.float(), expected.float(), rtol=tolerance, atol=1e-5)
+
+
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       rows=st.integers(1, 20), size=st.integers(1, 400))
+def test_silu_and_mul_matches_torch(seed, dtype, rows, size):
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(rows, 2 * size, generator=generator) * 6).to(dtype)
+    gate_up[0, 0] = -200.0  # far outside the exp's range: still finite
+    gate, up = gate_up.split(size, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up).float()
+    ours = KERNELS.silu_and_mul(gate_up).float()
+    assert torch.isfinite(ours).all()
+    # float32: the polynomial exp's 1e-7 error; bf16: at most one rounding step apart
+    tolerance = 1e-5 if dtype is torch.float32 else 2 ** -7
+    assert torch.allclose(ours, expected, rtol=tolerance, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 40])
+def test_rotary_in_place_equals_the_torch_rotation(dtype, head_dim):
+    from llmctl.engine.layers.rotary import rotate
+
+    tokens, heads, extra = 9, 5, 3 * head_dim  # extra: the V part of a fused qkv row, left untouched
+    qkv = torch.randn(tokens, heads * head_dim + extra).to(dtype)
+    angles = torch.randn(tokens, head_dim // 2) * 20
+    cos, sin = angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+    expected = rotate(qkv[:, : heads * head_dim].view(tokens, heads, head_dim), cos, sin).reshape(tokens, -1)
+    ours = qkv.clone()
+    KERNELS.rotary_(ours, heads, head_dim, cos, sin)
+    assert torch.equal(ours[:, heads * head_dim:], qkv[:, heads * head_dim:])
+    if dtype is torch.bfloat16:
+        assert torch.equal(ours[:, : heads * head_dim], expected)  # the same roundings as the torch ops
+    else:
+        assert torch.allclose(ours[:, : heads * head_dim], expected, atol=1e-6)
+
+
+@needs_kernels
+def test_fused_ops_refuse_bad_arguments():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="last dimension"):
+        KERNELS.rms_norm(x, torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        KERNELS.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        KERNELS.rms_norm(x, torch.ones(64), 1e-6, torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="contiguous"):
+        KERNELS.silu_and_mul(torch.randn(64, 4).t())
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        KERNELS.silu_and_mul(torch.randn(4, 64).half())
+    with pytest.raises(ValueError, match="rotary_"):
+        KERNELS.rotary_(x, 3, 32, torch.ones(4, 16), torch.ones(4, 16))  # 3 heads of 32 exceed a 64-wide row
+    with pytest.raises(ValueError, match="cos/sin"):
+        KERNELS.rotary_(x, 2, 32, torch.ones(4, 16, dtype=torch.bfloat16), torch.ones(4, 16))

@@ -39,11 +39,57 @@ class CpuKernels:
     max_group = 16  # MAX_GROUP in the C source
 
     def __init__(self, library: ctypes.CDLL):
-        self._decode = {}
-        for dtype, suffix in _SUFFIX.items():
-            function = getattr(library, f"paged_decode_attention_{suffix}")
-            function.argtypes, function.restype = _DECODE_ARGTYPES, None
-            self._decode[dtype] = function
+        def bind(name: str, argtypes: list) -> dict:
+            functions = {}
+            for dtype, suffix in _SUFFIX.items():
+                function = getattr(library, f"{name}_{suffix}")
+                function.argtypes, function.restype = argtypes, None
+                functions[dtype] = function
+            return functions
+
+        self._decode = bind("paged_decode_attention", _DECODE_ARGTYPES)
+        self._rms_norm = bind("rms_norm", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int])
+        self._silu_and_mul = bind("silu_and_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
+        self._rotary = bind("rotary", [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+
+    # ---- fused elementwise ops (any row count; torch's rounding in bf16) ---------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """RMSNorm(x) * weight over the last dimension; with `residual`, first `residual += x` in place
+        and normalise that (one pass instead of an add and a norm)."""
+        _check_rows("rms_norm", x, weight.shape[-1], self._rms_norm)
+        if weight.dtype != x.dtype or not weight.is_contiguous():
+            raise ValueError("rms_norm: the weight must be contiguous and of the input's dtype")
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                     or not residual.is_contiguous()):
+            raise ValueError("rms_norm: the residual must be a contiguous tensor like the input")
+        out = torch.empty_like(x)
+        self._rms_norm[x.dtype](x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                                weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+                                torch.get_num_threads())
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows laid out as [gate | up]."""
+        size = gate_up.shape[-1] // 2
+        _check_rows("silu_and_mul", gate_up, 2 * size, self._silu_and_mul)
+        out = gate_up.new_empty(*gate_up.shape[:-1], size)
+        self._silu_and_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * size), size,
+                                          torch.get_num_threads())
+        return out
+
+    def rotary_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate-half RoPE in place on the first `heads` heads of each row of the 2-D `x` (rows may be
+        strided, as in a fused qkv output); cos/sin hold one row of head_dim/2 values per token."""
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in self._rotary or heads * head_dim > x.shape[1] \
+                or head_dim % 2:
+            raise ValueError("rotary_: x must be [tokens, >= heads * head_dim] with unit stride in its last dim")
+        half = head_dim // 2
+        tables = [t.reshape(x.shape[0], half) for t in (cos, sin)]
+        if any(t.dtype != x.dtype or not t.is_contiguous() for t in tables):
+            raise ValueError("rotary_: cos/sin must be contiguous [tokens, head_dim / 2] in x's dtype")
+        self._rotary[x.dtype](x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, tables[0].data_ptr(),
+                              tables[1].data_ptr(), torch.get_num_threads())
 
     def supports_decode(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return dtype in self._decode and head_dim % 32 == 0 and num_heads // num_kv_heads <= self.max_group
@@ -80,6 +126,12 @@ class CpuKernels:
                 context_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, head_dim, num_blocks, block_size,
                 scale, window or 0, torch.get_num_threads())
         return out
+
+
+def _check_rows(name: str, x: torch.Tensor, width: int, functions: dict) -> None:
+    if x.dtype not in functions or not x.is_contiguous() or x.dim() < 1 or x.shape[-1] != width or width == 0:
+        raise ValueError(f"{name}: expected a contiguous float32/bfloat16 tensor with last dimension {width}, "
+                         f"got {x.dtype} {tuple(x.shape)}")
 
 
 def _cache_dir() -> Path:

@@ -6,6 +6,8 @@ and `gate_up_proj` (gate, up); `STACKED_PARAMS` tells the loader how HF tensors 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,13 +27,23 @@ STACKED_PARAMS = {
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; with `residual`, first adds x into the residual stream and normalises the sum,
+    returning (normed, residual). `kernels` (the native CPU kernels, set by the runner) fuse it all."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        self.kernels = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.kernels is not None and x.is_contiguous():
+            normed = self.kernels.rms_norm(x, self.weight, self.eps, residual)  # residual updated in place
+            return normed if residual is None else (normed, residual)
+        if residual is None:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        residual = residual + x
+        return F.rms_norm(residual, (x.shape[-1],), self.weight, self.eps), residual
 
 
 class Attention(nn.Module):
@@ -47,6 +59,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.kernels = None  # native CPU kernels: RoPE in place instead of 7 torch ops
 
     def forward(self, rope, hidden, backend, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -56,7 +69,15 @@ class Attention(nn.Module):
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, k, *rope)
+            if self.kernels is not None:
+                self.kernels.rotary_(q.view(tokens, self.q_size), self.num_heads, self.head_dim, *rope)
+                self.kernels.rotary_(k.view(tokens, self.kv_size), self.num_kv_heads, self.head_dim, *rope)
+            else:
+                q, k = apply_rotary(q, k, *rope)
+        elif self.kernels is not None:  # rotate q and k where they lie in the qkv output
+            self.kernels.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
+            q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         else:  # q and k sit side by side: rotate them as one tensor (half the small ops)
             qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
@@ -72,9 +93,13 @@ class MLP(nn.Module):
         self.gate_up_proj.shard_sizes = (size, size)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
         self.size = size
+        self.kernels = None  # native CPU kernels: silu(gate) * up in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.size, self.size], dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split([self.size, self.size], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -86,9 +111,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, rope, hidden, backend, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), backend, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden, residual, backend, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden` is the previous layer's MLP output and `residual` the stream before it (None at the
+        first layer, whose `hidden` is the embeddings); the adds are the same as `h + f(norm(h))`,
+        arranged so that each add fuses with the norm that follows it."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, backend, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -119,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, backend, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.tables(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(rope, hidden, backend, kv_cache, meta)
-        hidden = self.model.norm(hidden[logits_indices])
+            hidden, residual = layer(rope, hidden, residual, backend, kv_cache, meta)
+        hidden, _ = self.model.norm(hidden[logits_indices], residual[logits_indices])
         return self.lm_head(hidden).float()
