@@ -74,6 +74,47 @@ def test_a_non_contiguous_query_is_read_correctly():
 
 
 @needs_kernels
+def test_a_query_viewed_inside_a_fused_qkv_row_is_read_in_place():
+    q, k_pool, v_pool, tables, lens = random_case(4, torch.bfloat16, 5, 3, 3, 64, 16, 70)
+    qkv = torch.cat([q.reshape(5, -1), torch.randn(5, 2 * 3 * 64).bfloat16()], dim=-1)
+    view = qkv[:, : 9 * 64].view(5, 9, 64)  # rows 960 elements apart, heads contiguous
+    assert view.stride() == (qkv.shape[1], 64, 1)
+    ours = KERNELS.paged_decode_attention(view, k_pool, v_pool, tables, lens, 0.125)
+    assert torch.equal(ours, KERNELS.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_strided_rows_at_their_slots(dtype):
+    tokens, kv_heads, dim, blocks, block_size = 11, 3, 64, 6, 16
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim).to(dtype)
+    k = qkv[:, 9 * dim: (9 + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (9 + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    pools = [torch.zeros(kv_heads, blocks, block_size, dim, dtype=dtype) for _ in range(4)]
+    KERNELS.write_kv(k, v, pools[0], pools[1], slots)
+    for pool, new in ((pools[2], k), (pools[3], v)):  # the torch backend's own write
+        pool.view(kv_heads, -1, dim).index_copy_(1, slots, new.transpose(0, 1))
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+@needs_kernels
+def test_write_kv_refuses_slots_outside_the_pool_and_mismatched_tensors():
+    k = torch.randn(2, 3, 64)
+    pools = torch.zeros(3, 4, 16, 64), torch.zeros(3, 4, 16, 64)
+    with pytest.raises(ValueError, match="outside the pool"):
+        KERNELS.write_kv(k, k, *pools, torch.tensor([0, 64]))
+    with pytest.raises(ValueError, match="outside the pool"):
+        KERNELS.write_kv(k, k, *pools, torch.tensor([-1, 3]))
+    with pytest.raises(ValueError, match="dtype"):
+        KERNELS.write_kv(k, k.bfloat16(), *pools, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="shape"):
+        KERNELS.write_kv(k, k, pools[0], torch.zeros(3, 4, 8, 64), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="int64"):
+        KERNELS.write_kv(k, k, *pools, torch.tensor([0, 1], dtype=torch.int32))
+
+
+@needs_kernels
 @pytest.mark.parametrize("change, message", [
     (lambda a: {**a, "q": a["q"].half()}, "unsupported dtypes"),
     (lambda a: {**a, "k_pool": a["k_pool"].bfloat16()}, "unsupported dtypes"),

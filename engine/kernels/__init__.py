@@ -28,8 +28,10 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "LLMCTL_DISABLE_CPU_KERNELS"
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-_DECODE_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-    [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
+# q, q row stride, k_pool, v_pool, tables, table stride, lens, out, 6 sizes, scale, window, threads
+_POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
+_DECODE_ARGTYPES = [_POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _POINTER, _POINTER] + [_INT64] * 6 \
+    + [ctypes.c_float, _INT64, ctypes.c_int]
 
 
 class CpuKernels:
@@ -50,7 +52,30 @@ class CpuKernels:
         self._decode = bind("paged_decode_attention", _DECODE_ARGTYPES)
         self._rms_norm = bind("rms_norm", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int])
         self._silu_and_mul = bind("silu_and_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
+        self._write_kv = bind("write_kv", [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                              + [ctypes.c_int64] * 4 + [ctypes.c_int])
         self._rotary = bind("rotary", [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store each token's keys and values [tokens, kv_heads, head_dim] (views into a fused qkv
+        output are fine) at its slot of the head-major pools [kv_heads, blocks, block_size, head_dim]."""
+        tokens, kv_heads, head_dim = k.shape
+        pool_slots = k_pool.shape[1] * k_pool.shape[2]
+        if (k_pool.shape != v_pool.shape or k_pool.shape[0] != kv_heads or k_pool.shape[3] != head_dim
+                or v.shape != k.shape or not k_pool.is_contiguous() or not v_pool.is_contiguous()):
+            raise ValueError("write_kv: keys, values and the pools disagree on shape")
+        if {t.dtype for t in (k, v, k_pool, v_pool)} != {k.dtype} or k.dtype not in self._write_kv:
+            raise ValueError("write_kv: keys, values and pools must share one float32/bfloat16 dtype")
+        if k.stride()[1:] != (head_dim, 1) or v.stride()[1:] != (head_dim, 1):
+            raise ValueError("write_kv: keys and values must be rows of contiguous heads")
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (tokens,) or not slot_mapping.is_contiguous():
+            raise ValueError("write_kv: slot_mapping must be a contiguous int64 [tokens]")
+        if tokens and not 0 <= int(slot_mapping.min()) <= int(slot_mapping.max()) < pool_slots:
+            raise ValueError("write_kv: a slot lies outside the pool")
+        self._write_kv[k.dtype](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
+                                v_pool.data_ptr(), slot_mapping.data_ptr(), tokens, kv_heads, head_dim, pool_slots,
+                                torch.get_num_threads())
 
     # ---- fused elementwise ops (any row count; torch's rounding in bf16) ---------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -117,14 +142,16 @@ class CpuKernels:
             raise ValueError("paged_decode_attention: block_tables [seqs, width] and context_lens [seqs] must be int64")
         if seqs and int(context_lens.max()) > block_tables.shape[1] * block_size:
             raise ValueError("paged_decode_attention: a context is longer than its block table")
-        tensors = [t.contiguous() for t in (q, k_pool, v_pool, block_tables, context_lens)]
-        q, k_pool, v_pool, block_tables, context_lens = tensors
-        out = torch.empty_like(q)
+        if q.stride(2) != 1 or q.stride(1) != head_dim:  # rows may be apart (a view into qkv), heads not
+            q = q.contiguous()
+        k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()
+        block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+        out = q.new_empty(seqs, heads, head_dim)
         if seqs:
             self._decode[q.dtype](
-                q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                context_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, head_dim, num_blocks, block_size,
-                scale, window or 0, torch.get_num_threads())
+                q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
+                block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, head_dim,
+                num_blocks, block_size, scale, window or 0, torch.get_num_threads())
         return out
 
 

@@ -124,14 +124,15 @@ INLINE void score_row(const void *q, int64_t q_offset, const void *k_pool, int64
 #define MAX_GROUP 16
 
 /* Decode attention straight from the paged pool: one query token per sequence.
- *   q       [num_seqs, num_heads, head_dim]          (head_dim % 32 == 0, num_heads / num_kv_heads <= 16)
+ *   q       [num_seqs, num_heads, head_dim], rows `q_stride` elements apart (a view into a fused qkv
+ *           output needs no copy; head_dim % 32 == 0, num_heads / num_kv_heads <= 16)
  *   k_pool, v_pool  [num_kv_heads, num_blocks, block_size, head_dim] (the torch backend's layout;
  *           block_size a power of two)
  *   tables  [num_seqs, table_stride] block ids;  lens [num_seqs] context lengths (new token included)
  *   out     [num_seqs, num_heads, head_dim]
  * One work item per (sequence, KV head) serves the head's whole query group, so each K/V row is
  * read from memory once. Scores and softmax are float32; `window` > 0 keeps the last `window` keys. */
-INLINE void decode_attention(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
+INLINE void decode_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *tables,
                              int64_t table_stride, const int64_t *lens, void *out, int64_t num_seqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
                              int64_t block_size, float scale, int64_t window, int num_threads, const int bf16) {
@@ -143,7 +144,8 @@ INLINE void decode_attention(const void *q, const void *k_pool, const void *v_po
         const int64_t len = lens[seq];
         const int64_t first = (window > 0 && len > window) ? len - window : 0;
         const int64_t n = len - first;
-        const int64_t q_offset = (seq * num_heads + head * group) * head_dim;
+        const int64_t q_offset = seq * q_stride + head * group * head_dim;
+        const int64_t out_offset = (seq * num_heads + head * group) * head_dim;
         const int64_t *table = tables + seq * table_stride;
         const int64_t head_base = head * num_blocks;
         /* each key's row offset [n], then scores [group][n]; block_size is a power of two (no division:
@@ -175,18 +177,18 @@ INLINE void decode_attention(const void *q, const void *k_pool, const void *v_po
                 for (int64_t g = 0; g < group; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + t]), v, acc[g]);
             }
             for (int64_t g = 0; g < group; g++)
-                store16(out, q_offset + g * head_dim + d, _mm512_mul_ps(acc[g], _mm512_set1_ps(inverse[g])), bf16);
+                store16(out, out_offset + g * head_dim + d, _mm512_mul_ps(acc[g], _mm512_set1_ps(inverse[g])), bf16);
         }
         free(rows);
     }
 }
 
 #define DECODE_ARGS                                                                                           \
-    const void *q, const void *k_pool, const void *v_pool, const int64_t *tables, int64_t table_stride,      \
+    const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *tables, int64_t table_stride,      \
         const int64_t *lens, void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,           \
         int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window, int num_threads
 #define DECODE_PASS                                                                                           \
-    q, k_pool, v_pool, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_dim,          \
+    q, q_stride, k_pool, v_pool, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_dim,          \
         num_blocks, block_size, scale, window, num_threads
 
 void paged_decode_attention_bf16(DECODE_ARGS) { decode_attention(DECODE_PASS, 1); }
@@ -258,6 +260,28 @@ INLINE void rotary(void *x, int64_t rows, int64_t row_stride, int64_t heads, int
         }
     }
 }
+
+/* Scatter this step's keys and values into the head-major pools [kv_heads, pool_slots, head_dim]:
+ * row r's heads go to slot slots[r]. Sources are [rows, kv_heads, head_dim] with rows `k_stride` and
+ * `v_stride` elements apart (views into a fused qkv output). Replaces two transposing index_copy_ calls. */
+INLINE void write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_pool, void *v_pool, const int64_t *slots,
+                     int64_t rows, int64_t kv_heads, int64_t head_dim, int64_t pool_slots, int num_threads, const int bf16) {
+    const size_t element = bf16 ? 2 : 4, bytes = (size_t)head_dim * element;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 64)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const size_t to = (size_t)((h * pool_slots + slots[r]) * head_dim) * element;
+            memcpy((char *)k_pool + to, (const char *)k + (size_t)(r * k_stride + h * head_dim) * element, bytes);
+            memcpy((char *)v_pool + to, (const char *)v + (size_t)(r * v_stride + h * head_dim) * element, bytes);
+        }
+    }
+}
+
+#define WRITE_KV_ARGS const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_pool, void *v_pool, const int64_t *slots, \
+    int64_t rows, int64_t kv_heads, int64_t head_dim, int64_t pool_slots, int num_threads
+#define WRITE_KV_PASS k, k_stride, v, v_stride, k_pool, v_pool, slots, rows, kv_heads, head_dim, pool_slots, num_threads
+void write_kv_bf16(WRITE_KV_ARGS) { write_kv(WRITE_KV_PASS, 1); }
+void write_kv_f32(WRITE_KV_ARGS) { write_kv(WRITE_KV_PASS, 0); }
 
 #define NORM_ARGS const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps, int num_threads
 void rms_norm_bf16(NORM_ARGS) { rms_norm(x, residual, weight, out, rows, dim, eps, num_threads, 1); }

@@ -208,8 +208,11 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self._write(k_cache, k, meta.slot_mapping)
-        self._write(v_cache, v, meta.slot_mapping)
+        if self.decode_kernel is not None:
+            self.decode_kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self._write(k_cache, k, meta.slot_mapping)
+            self._write(v_cache, v, meta.slot_mapping)
         if not meta.prefills:
             return self._single(q, k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)

@@ -81,7 +81,7 @@ class Attention(nn.Module):
         else:  # q and k sit side by side: rotate them as one tensor (half the small ops)
             qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
