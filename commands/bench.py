@@ -147,6 +147,7 @@ def throughput(
     load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
     num_threads: eo.NumThreads = None,
     verify: eo.Verify = False,
+    enforce_eager: eo.EnforceEager = False,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Offline throughput (vLLM's definition): one timed pass over N requests submitted at once."""
@@ -183,6 +184,7 @@ def latency(
     load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
     num_threads: eo.NumThreads = None,
     verify: eo.Verify = False,
+    enforce_eager: eo.EnforceEager = False,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Offline latency (vLLM's definition): one fixed batch end to end, warm-up then timed passes."""

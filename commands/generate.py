@@ -56,6 +56,7 @@ def generate(
     load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
     num_threads: eo.NumThreads = None,
     verify: eo.Verify = False,
+    enforce_eager: eo.EnforceEager = False,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Generate text with the built-in engine (the embedded model unless --model is given)."""

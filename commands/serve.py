@@ -49,6 +49,7 @@ def serve(
     load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
     num_threads: eo.NumThreads = None,
     verify: eo.Verify = False,
+    enforce_eager: eo.EnforceEager = False,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics, /health)."""

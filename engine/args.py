@@ -39,6 +39,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     verify: bool = False  # check weight files against a sha256 manifest before loading
     num_threads: Optional[int] = None  # CPU threads for torch; None: torch's default
+    enforce_eager: bool = False  # CUDA: never capture decode steps into CUDA graphs
 
     def __post_init__(self) -> None:
         self.validate()

@@ -122,7 +122,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=self._max_batched_tokens(args), kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-            load_format=args.load_format, seed=args.seed, verify=args.verify,
+            load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
         ))
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(

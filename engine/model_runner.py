@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from llmctl.engine.cuda_graphs import maybe_decode_graphs
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.kernels import load_cpu_kernels
 from llmctl.engine.layers.attention import AttentionMetadata, PrefillSpan, TorchAttention, select_backend
@@ -82,6 +83,7 @@ class RunnerConfig:
     load_format: str
     seed: int
     verify: bool
+    enforce_eager: bool = False
 
 
 class ModelRunner:
@@ -99,6 +101,8 @@ class ModelRunner:
                                  device=self.device, load_format=config.load_format, seed=config.seed,
                                  verify=config.verify)
         pack_linears(self.model, self.device, config.dtype, batch_hint=min(config.max_num_seqs, 64))
+        self.graphs = maybe_decode_graphs(self.model, self.attention, self.device, config.dtype, config.max_num_seqs,
+                                          config.enforce_eager)
         self.num_blocks = self._plan_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Decode workspaces (torch backend) may hold half the pool's size again (on CPU at least 1 GiB;
@@ -206,7 +210,10 @@ class ModelRunner:
     def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor]):
         order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
         input_ids, positions, meta, logits_indices, prompt_rows = self._prepare(order)
-        logits = self.model(input_ids, positions, kv_caches, meta, self.attention, logits_indices)
+        if self.graphs is not None and kv_caches is self.kv_caches and self.graphs.can_run(len(order), meta):
+            logits = self.graphs.run(input_ids, positions, kv_caches, meta, logits_indices)
+        else:
+            logits = self.model(input_ids, positions, kv_caches, meta, self.attention, logits_indices)
         return order, logits, prompt_rows
 
     def _prepare(self, order: list[ScheduledSeq]):

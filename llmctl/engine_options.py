@@ -46,11 +46,12 @@ NumKvBlocks = Annotated[Optional[int], _opt("--num-kv-blocks", help="Explicit KV
 LoadFormatOpt = Annotated[LoadFormat, _opt("--load-format", help="auto: read the checkpoint; dummy: random weights of its shapes.")]
 NumThreads = Annotated[Optional[int], _opt("--num-threads", help="CPU threads for torch.")]
 Verify = Annotated[bool, _opt("--verify", help="Check weight files against the folder's SHA256SUMS first.")]
+EnforceEager = Annotated[bool, _opt("--enforce-eager", help="Never capture CUDA graphs for decode steps (CUDA).")]
 
 
 ENGINE_FLAG_NAMES = ("model", "tokenizer", "dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_memory",
-                     "num_kv_blocks", "load_format", "num_threads", "verify")
+                     "num_kv_blocks", "load_format", "num_threads", "verify", "enforce_eager")
 
 
 def engine_args_from(params: Mapping[str, Any]):

@@ -182,3 +182,29 @@ def test_second_gpu_keeps_everything_on_its_device(tiny_models):
                            SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=3))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
     assert torch.cuda.memory_allocated(0) == before  # nothing was created on the default device
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_cuda_graphs_replay_the_eager_logits(tiny_models, dtype):
+    """Decode steps replay captured graphs (pieces around eager attention) and give eager's logits."""
+    prompts = make_prompts(512)[:5]
+    results = []
+    for enforce_eager in (True, False):
+        llm = LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype=dtype, device="cuda",
+                  max_model_len=400, max_num_seqs=8, enforce_eager=enforce_eager)
+        recorders = [LogitRecorder() for _ in prompts]
+        params = [SamplingParams(temperature=0.0, max_tokens=10 + 2 * i, ignore_eos=True, logits_processors=[r])
+                  for i, r in enumerate(recorders)]
+        outputs = llm.generate(prompts, params)
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == enforce_eager
+        if graphs is not None:
+            assert graphs.num_captured >= 2  # batches shrink from 5 rows (bucket 8) as requests finish
+        results.append(([o.outputs[0].token_ids for o in outputs], [torch.stack(r.rows) for r in recorders]))
+        del llm
+    (eager_tokens, eager_logits), (graph_tokens, graph_logits) = results
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    for ours, expected in zip(graph_logits, eager_logits):
+        assert torch.allclose(ours, expected, atol=tolerance, rtol=tolerance)
+    if dtype == "float32":
+        assert graph_tokens == eager_tokens

@@ -61,7 +61,8 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         self.kernels = None  # native CPU kernels: RoPE in place instead of 7 torch ops
 
-    def forward(self, rope, hidden, backend, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, rope, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden -> rotated q [tokens, heads, dim], k and v [tokens, kv_heads, dim] (views where possible)."""
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
@@ -81,8 +82,10 @@ class Attention(nn.Module):
         else:  # q and k sit side by side: rotate them as one tensor (half the small ops)
             qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return q, k, v
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attended.reshape(attended.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -111,16 +114,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, rope, hidden, residual, backend, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    # The layer is split at attention, the one op whose shapes depend on each sequence's context:
+    # CUDA graphs capture the halves around it (see engine/cuda_graphs.py) and attention runs eagerly.
+    def pre_attention(self, rope, hidden: torch.Tensor, residual: Optional[torch.Tensor]):
         """`hidden` is the previous layer's MLP output and `residual` the stream before it (None at the
-        first layer, whose `hidden` is the embeddings); the adds are the same as `h + f(norm(h))`,
-        arranged so that each add fuses with the norm that follows it."""
+        first layer, whose `hidden` is the embeddings). Returns q, k, v and the residual stream; the
+        adds are those of `h + f(norm(h))`, arranged so that each fuses with the norm after it."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, backend, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return (*self.self_attn.project(rope, hidden), residual)
+
+    def post_attention(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.post_attention_layernorm(self.self_attn.output(attended), residual)
         return self.mlp(hidden), residual
 
 
@@ -148,12 +155,21 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Token embeddings and this step's RoPE cos/sin rows."""
+        hidden = self.model.embed_tokens(input_ids)
+        return hidden, self.model.rotary.tables(positions, hidden.dtype)
+
+    def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.model.norm(hidden, residual)
+        return self.lm_head(hidden).float()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend, logits_indices: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary.tables(positions, hidden.dtype)
+        hidden, rope = self.embed(input_ids, positions)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, backend, kv_cache, meta)
-        hidden, _ = self.model.norm(hidden[logits_indices], residual[logits_indices])
-        return self.lm_head(hidden).float()
+            q, k, v, residual = layer.pre_attention(rope, hidden, residual)
+            attended = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+            hidden, residual = layer.post_attention(attended, residual)
+        return self.logits(hidden[logits_indices], residual[logits_indices])
