@@ -270,3 +270,45 @@ def test_fused_ops_refuse_bad_arguments():
         KERNELS.rotary_(x, 3, 32, torch.ones(4, 16), torch.ones(4, 16))  # 3 heads of 32 exceed a 64-wide row
     with pytest.raises(ValueError, match="cos/sin"):
         KERNELS.rotary_(x, 2, 32, torch.ones(4, 16, dtype=torch.bfloat16), torch.ones(4, 16))
+
+
+needs_gemv = pytest.mark.skipif(KERNELS is None or not KERNELS.has_gemv, reason="no AVX512-BF16 GEMV here")
+
+
+@needs_gemv
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 70), k=st.integers(1, 300), with_bias=st.booleans())
+def test_gemv_matches_a_float32_product(seed, n, k, with_bias):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    x = torch.randn(1, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    expected = weight.float() @ x[0].float() + (bias.float() if with_bias else 0.0)
+    ours = KERNELS.gemv(weight, x, bias)
+    assert ours.shape == (1, n) and ours.dtype == torch.bfloat16
+    # float32 accumulation, one bf16 rounding of the result (plus the bias add's)
+    assert torch.allclose(ours[0].float(), expected, rtol=2 ** -7, atol=1e-2 * (k ** 0.5))
+
+
+@needs_gemv
+def test_gemv_refuses_bad_arguments():
+    weight, x = torch.randn(8, 64).bfloat16(), torch.randn(1, 64).bfloat16()
+    with pytest.raises(ValueError, match="gemv"):
+        KERNELS.gemv(weight.float(), x)
+    with pytest.raises(ValueError, match="gemv"):
+        KERNELS.gemv(weight, torch.randn(2, 64).bfloat16())
+    with pytest.raises(ValueError, match="gemv"):
+        KERNELS.gemv(weight.t(), torch.randn(1, 8).bfloat16())
+    with pytest.raises(ValueError, match="bias"):
+        KERNELS.gemv(weight, x, torch.zeros(4, dtype=torch.bfloat16))
+
+
+@needs_gemv
+def test_single_row_linears_use_the_gemv_and_agree_with_the_batched_path():
+    from llmctl.engine.layers.linear import OneDNNLinear
+
+    layer = OneDNNLinear(torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16(), batch_hint=16)
+    layer.kernels = KERNELS
+    x = torch.randn(1, 64).bfloat16()
+    batched = layer(torch.cat([x, x]))[:1]  # two rows: oneDNN's packed GEMM
+    assert torch.allclose(layer(x).float(), batched.float(), rtol=2 ** -7, atol=2e-2)

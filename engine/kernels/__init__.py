@@ -54,6 +54,12 @@ class CpuKernels:
         self._silu_and_mul = bind("silu_and_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
         self._write_kv = bind("write_kv", [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
                               + [ctypes.c_int64] * 4 + [ctypes.c_int])
+        self._gemv = library.gemv_bf16
+        self._gemv.argtypes = [_POINTER] * 4 + [_INT64] * 2 + [ctypes.c_int]
+        self._gemv.restype = ctypes.c_int
+        probe, probe_out = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
+        # 0 where the CPU lacks the bf16 dot product (the library was built without it)
+        self.has_gemv = bool(self._gemv(probe.data_ptr(), probe.data_ptr(), None, probe_out.data_ptr(), 1, 32, 1))
         self._rotary = bind("rotary", [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -76,6 +82,19 @@ class CpuKernels:
         self._write_kv[k.dtype](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
                                 v_pool.data_ptr(), slot_mapping.data_ptr(), tokens, kv_heads, head_dim, pool_slots,
                                 torch.get_num_threads())
+
+    def gemv(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [1, K] @ weight[N, K].T (+ bias) in bfloat16, one streaming pass over the weight."""
+        n, k = weight.shape
+        if not self.has_gemv or weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or x.shape != (1, k) \
+                or not weight.is_contiguous() or not x.is_contiguous():
+            raise ValueError("gemv: needs a contiguous bf16 weight [N, K] and input [1, K] on a CPU with AVX512-BF16")
+        if bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            raise ValueError("gemv: the bias must be a contiguous bf16 [N]")
+        out = x.new_empty(1, n)
+        self._gemv(weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                   n, k, torch.get_num_threads())
+        return out
 
     # ---- fused elementwise ops (any row count; torch's rounding in bf16) ---------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

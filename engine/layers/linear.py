@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 class OneDNNLinear(nn.Module):
-    """bfloat16 linear: `torch.mv` on the plain weight for single-row inputs (decode at batch 1,
-    where it streams the weight fastest here) and a oneDNN-reordered copy for everything else."""
+    """bfloat16 linear: for single-row inputs (decode at batch 1) the native GEMV or `torch.mv` on
+    the plain weight, which stream it fastest here; a oneDNN-reordered copy for everything else."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], batch_hint: int):
         super().__init__()
@@ -26,8 +26,11 @@ class OneDNNLinear(nn.Module):
         self.weight = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, max(batch_hint, 16))
         self.bias = bias.detach() if bias is not None else None
+        self.kernels = None  # native CPU kernels (set by the runner): their GEMV serves single rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.kernels is not None and self.kernels.has_gemv and x.is_contiguous():
+            return self.kernels.gemv(self.weight, x, self.bias)
         if x.shape[0] == 1:
             out = torch.mv(self.weight, x[0]).unsqueeze(0)
             return out if self.bias is None else out + self.bias
