@@ -123,6 +123,8 @@ def test_write_kv_refuses_slots_outside_the_pool_and_mismatched_tensors():
     (lambda a: {**a, "k_pool": a["k_pool"][:, :, :12], "v_pool": a["v_pool"][:, :, :12]}, "power of two"),
     (lambda a: {**a, "context_lens": a["context_lens"][:1]}, "int64"),
     (lambda a: {**a, "context_lens": a["context_lens"] + 1000}, "longer than its block table"),
+    (lambda a: {**a, "context_lens": a["context_lens"] * 0}, "at least the new token"),
+    (lambda a: {**a, "block_tables": a["block_tables"] + 10_000}, "outside the pool"),
 ])
 def test_bad_arguments_are_refused_before_any_pointer_is_used(change, message):
     q, k_pool, v_pool, tables, lens = random_case(5, torch.float32, 3, 2, 2, 64, 16, 40)

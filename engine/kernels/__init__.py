@@ -161,6 +161,10 @@ class CpuKernels:
             raise ValueError("paged_decode_attention: block_tables [seqs, width] and context_lens [seqs] must be int64")
         if seqs and int(context_lens.max()) > block_tables.shape[1] * block_size:
             raise ValueError("paged_decode_attention: a context is longer than its block table")
+        if seqs and int(context_lens.min()) < 1:
+            raise ValueError("paged_decode_attention: every context holds at least the new token")
+        if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks:
+            raise ValueError("paged_decode_attention: a block id lies outside the pool")
         if q.stride(2) != 1 or q.stride(1) != head_dim:  # rows may be apart (a view into qkv), heads not
             q = q.contiguous()
         k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()
