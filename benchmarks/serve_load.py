@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -132,8 +133,12 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vLLM (CPU) installed")
-    parser.add_argument("--log-dir", default=".", help="where the servers' logs go")
+    parser.add_argument("--log-dir", default=None,
+                        help="where the servers' logs (and a --smollm-shape model) go; default: a new temp folder")
     args = parser.parse_args()
+    # never the working directory: a SmolLM-shaped model is 270 MB and lands beside the logs
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="llmctl-serve-load-")
+    print(f"logs in {args.log_dir}", flush=True)
     model = args.model or default_model()
     if args.smollm_shape:
         model = smollm_shaped_model(Path(args.log_dir) / f"smollm-135m-{args.smollm_shape}", args.smollm_shape)
