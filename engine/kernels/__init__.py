@@ -159,11 +159,13 @@ class CpuKernels:
         if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or block_tables.dim() != 2 \
                 or block_tables.shape[0] != seqs or context_lens.shape != (seqs,):
             raise ValueError("paged_decode_attention: block_tables [seqs, width] and context_lens [seqs] must be int64")
-        if seqs and int(context_lens.max()) > block_tables.shape[1] * block_size:
+        shortest, longest = (int(v) for v in torch.aminmax(context_lens)) if seqs else (1, 0)
+        if longest > block_tables.shape[1] * block_size:
             raise ValueError("paged_decode_attention: a context is longer than its block table")
-        if seqs and int(context_lens.min()) < 1:
+        if shortest < 1:
             raise ValueError("paged_decode_attention: every context holds at least the new token")
-        if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks:
+        lowest, highest = (int(v) for v in torch.aminmax(block_tables)) if block_tables.numel() else (0, -1)
+        if lowest < 0 or highest >= num_blocks:
             raise ValueError("paged_decode_attention: a block id lies outside the pool")
         if q.stride(2) != 1 or q.stride(1) != head_dim:  # rows may be apart (a view into qkv), heads not
             q = q.contiguous()

@@ -86,13 +86,13 @@ INLINE __m512 exp_clamped(__m512 x) {
 INLINE float softmax_numerators(float *s, int64_t n) {
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __mmask16 live = tail_mask(n - t);
         top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + t));
     }
     const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __mmask16 live = tail_mask(n - t);
         const __m512 e = exp_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
         _mm512_mask_storeu_ps(s + t, live, e);
         total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
