@@ -1,14 +1,16 @@
 """The embedded default model (issue 3): the training script, and the shipped Hugging Face folder.
 
 Checked with transformers and tokenizers only; the engine's own tests live elsewhere.
-The corpus is expected at ../shared/data/tinyshakespeare.txt beside the repository (CI has it).
+The training-script tests run on a small synthetic play; the tests of the shipped model against
+tiny-shakespeare find it through `$LLMCTL_TRAIN_CORPUS` (default ../shared/data/ beside the
+repository) and skip when it is absent; `.ci/run` refuses to run without it, so CI never skips them.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
+import os
 import math
 import re
 import subprocess
@@ -22,8 +24,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from corpus import load_trainer, real_corpus, synthetic_play
+
 ROOT = Path(__file__).resolve().parent.parent
-CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 SCRIPT = ROOT / "tools" / "train_default_model.py"
 SHIPPED = ROOT / "llmctl" / "default_model"
 HF_FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
@@ -38,23 +41,11 @@ SPEAKER_LINE = re.compile(r"^[A-Z][A-Za-z]*(?: [A-Z][A-Za-z]*)*:$", re.MULTILINE
 
 
 def corpus_text() -> str:
-    assert CORPUS.is_file(), (
-        f"training corpus not found at {CORPUS}: the default-model tests need tiny-shakespeare "
-        "in ../shared/data/ beside the repository"
-    )
-    return CORPUS.read_text(encoding="utf-8")
+    return real_corpus().read_text(encoding="utf-8")
 
 
 def val_text(text: str) -> str:
     return text[int(len(text) * 0.9) :]
-
-
-def load_trainer():
-    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_trainer(corpus: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -115,7 +106,7 @@ def unigram_loss(train_ids: list[int], val_ids: list[int], vocab: int) -> float:
 @pytest.fixture(scope="module")
 def tiny_corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "slice.txt"
-    path.write_text(corpus_text()[:20_000], encoding="utf-8")
+    path.write_text(synthetic_play(20_000), encoding="utf-8")
     return path
 
 
@@ -323,3 +314,28 @@ def test_chat_template_renders_in_sandboxed_jinja_and_matches_transformers(shipp
     assert auto_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
     tok = Tokenizer.from_file(str(SHIPPED / "tokenizer.json"))
     assert tok.encode(rendered).ids.count(tok.token_to_id("<|im_start|>")) == 3
+
+
+# ---------------------------------------------------------------- where the corpus comes from
+
+
+def test_ci_refuses_to_run_without_the_corpus(tmp_path):
+    """CI must never skip the corpus tests: .ci/run stops (before installing anything) without it."""
+    env = {"PATH": "/usr/bin:/bin", "LLMCTL_TRAIN_CORPUS": str(tmp_path / "missing.txt")}
+    proc = subprocess.run(["bash", str(ROOT / ".ci" / "run")], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2
+    assert f"training corpus not found at {tmp_path / 'missing.txt'}" in proc.stderr
+    assert "LLMCTL_TRAIN_CORPUS" in proc.stderr
+
+
+def test_trainer_reads_the_corpus_from_the_env_variable(tmp_path, monkeypatch):
+    trainer = load_trainer()
+    play = tmp_path / "play.txt"
+    play.write_text(synthetic_play(2_000), encoding="utf-8")
+    monkeypatch.setenv("LLMCTL_TRAIN_CORPUS", str(play))
+    assert trainer.parse_args(["--out", "unused"]).corpus == play
+    monkeypatch.setenv("LLMCTL_TRAIN_CORPUS", str(tmp_path / "missing.txt"))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 2
+    assert f"training corpus not found at {tmp_path / 'missing.txt'}" in proc.stderr

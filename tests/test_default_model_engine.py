@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,8 @@ import torch
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.llm_engine import default_model_path
 
-ROOT = Path(__file__).resolve().parent.parent
-CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+from corpus import real_corpus
+
 SPEAKER_LINE = re.compile(r"^[A-Z][A-Za-z]*(?: [A-Z][A-Za-z]*)*:$", re.MULTILINE)
 # The training run measured 3.442 nats/token on this slice (metrics.json, transformers, float32).
 # Our engine must reproduce it to within float32 noise, and the absolute bar is set just above the
@@ -34,8 +33,7 @@ def llm() -> LLM:
 
 
 def held_out_slice(llm: LLM, metrics: dict) -> list[int]:
-    assert CORPUS.is_file(), f"corpus not found at {CORPUS} (tests need ../shared/data beside the repo)"
-    text = CORPUS.read_text(encoding="utf-8")
+    text = real_corpus().read_text(encoding="utf-8")
     held_out = llm.get_tokenizer().encode(text[int(len(text) * 0.9):], add_special_tokens=False)
     count = int(re.search(r"\d+", metrics["slice"]["tokens"]).group())
     return held_out[:count]

@@ -8,6 +8,9 @@ generation_config.json) plus a model card README.md and metrics.json.
 
     python tools/train_default_model.py ../shared/data/tinyshakespeare.txt --out llmctl/default_model
 
+Without the corpus argument it reads `$LLMCTL_TRAIN_CORPUS`, else `../shared/data/tinyshakespeare.txt`
+beside the repository (`default_corpus_path()`; the tests and `.ci/run` use the same rule).
+
 The last 10% of the corpus (by characters, contiguous) is held out for validation; the
 tokenizer and the model only ever see the first 90%. Training stops at --max-steps or when
 --time-budget-min runs out, whichever comes first; the learning rate follows a cosine curve over
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import shlex
 import sys
@@ -41,6 +45,13 @@ CHAT_TEMPLATE = (
 VAL_FRACTION = 0.1
 SAMPLE_PROMPTS = [("ROMEO:\n", False), ("JULIET:\n", True), ("First Citizen:\n", True)]
 CORPUS_SOURCE = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+CORPUS_ENV = "LLMCTL_TRAIN_CORPUS"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_corpus_path() -> Path:
+    """Where the training corpus is looked for: `$LLMCTL_TRAIN_CORPUS`, else `../shared/data/` beside the repo."""
+    return Path(os.environ.get(CORPUS_ENV) or REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")
 
 
 @dataclass
@@ -55,7 +66,8 @@ class TrainResult:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("corpus", type=Path, help="plain-text training corpus (tinyshakespeare.txt)")
+    p.add_argument("corpus", type=Path, nargs="?", default=None,
+                   help=f"plain-text training corpus (default: ${CORPUS_ENV}, else ../shared/data/tinyshakespeare.txt)")
     p.add_argument("--out", type=Path, required=True, help="output folder (created or overwritten)")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--hidden-size", type=int, default=256)
@@ -85,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
+    args.corpus = args.corpus or default_corpus_path()
+    if not args.corpus.is_file():
+        p.error(f"training corpus not found at {args.corpus}: pass its path or set {CORPUS_ENV}")
     args.eval_seq_len = args.eval_seq_len or args.max_position
     return args
 
