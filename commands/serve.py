@@ -26,7 +26,14 @@ def serve(
     request_timeout: Annotated[Optional[float], _o("--request-timeout", help="Abort requests running longer than this many seconds.")] = None,
     shutdown_timeout: Annotated[float, _o("--shutdown-timeout", help="Seconds to let in-flight requests finish after SIGTERM/SIGINT.")] = 30.0,
     profile_dir: Annotated[Optional[Path], _o("--profile-dir", help="Enable POST /start_profile and /stop_profile, writing torch.profiler traces here.")] = None,
-    api_key: Annotated[Optional[str], _o("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes.", panel=SECURITY)] = None,
+    api_key: Annotated[Optional[str], _o("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes. Prefer LLMCTL_API_KEY or --api-key-file: a flag shows in ps.", panel=SECURITY)] = None,
+    api_key_file: Annotated[Optional[Path], _o("--api-key-file", help="Read the API key from this file (first line).", panel=SECURITY)] = None,
+    auth_failure_limit: Annotated[str, _o("--auth-failure-limit", help="Failed authentications allowed per client, e.g. 10/minute; then 429.", panel=SECURITY)] = "10/minute",
+    forwarded_allow_ips: Annotated[Optional[str], _o("--forwarded-allow-ips", help="Comma-separated proxy IPs (or *) whose X-Forwarded-For/-Proto are trusted (default: none).", panel=SECURITY)] = None,
+    limit_concurrency: Annotated[Optional[int], _o("--limit-concurrency", help="Most open connections; more get 503.", panel=SECURITY)] = 1024,
+    timeout_headers: Annotated[float, _o("--timeout-headers", help="Seconds a client has to send a request's headers.", panel=SECURITY)] = 10.0,
+    timeout_body: Annotated[float, _o("--timeout-body", help="Seconds a client has to send a request's body (then 408).", panel=SECURITY)] = 60.0,
+    timeout_keep_alive: Annotated[float, _o("--timeout-keep-alive", help="Seconds an idle keep-alive connection stays open.", panel=SECURITY)] = 5.0,
     max_output_tokens: Annotated[int, _o("--max-output-tokens", help="Largest max_tokens a request may ask for.", panel=SECURITY)] = 1024,
     rate_limit: Annotated[Optional[str], _o("--rate-limit", help="Per-client request rate, e.g. 100/minute (default: off).", panel=SECURITY)] = None,
     max_body_size: Annotated[int, _o("--max-body-size", help="Largest request body in bytes.", panel=SECURITY)] = 8 * 1024 * 1024,
@@ -61,11 +68,18 @@ def serve(
         raise UserError("--max-waiting-requests must be >= 0")
     if request_timeout is not None and request_timeout <= 0:
         raise UserError("--request-timeout must be > 0")
+    if api_key_file is not None:
+        if api_key is not None:
+            raise UserError("pass --api-key (or LLMCTL_API_KEY) or --api-key-file, not both")
+        api_key = _read_key_file(api_key_file)
     settings = ServerSettings(
         served_model_name=served_model_name or (Path(model).resolve().name if model else "llmctl-default"),
         host=host, port=port, api_key=api_key, max_output_tokens=max_output_tokens, max_body_bytes=max_body_size,
         rate_limit=rate_limit, allowed_origins=list(allowed_origins or []), audit_log=audit_log,
         audit_log_prompts=audit_log_prompts, shutdown_timeout_s=shutdown_timeout, profile_dir=profile_dir,
+        auth_failure_limit=auth_failure_limit, forwarded_allow_ips=forwarded_allow_ips,
+        limit_concurrency=limit_concurrency, timeout_headers_s=timeout_headers, timeout_body_s=timeout_body,
+        timeout_keep_alive_s=timeout_keep_alive,
     )
     try:
         settings.validate()
@@ -74,3 +88,16 @@ def serve(
     args = eo.engine_args_from(locals())
     raise typer.Exit(run_server(args, settings, max_waiting_requests=max_waiting_requests,
                                 request_timeout_s=request_timeout))
+
+
+def _read_key_file(path: Path) -> str:
+    from llmctl.errors import UserError
+
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--api-key-file {path}: cannot read it ({exc})") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise UserError(f"--api-key-file {path} is empty")
+    return key

@@ -14,6 +14,56 @@ import uvicorn
 
 from llmctl.engine import AsyncLLMEngine, EngineArgs
 from llmctl.server.app import ServerSettings, build_app
+from llmctl.server.runner import uvicorn_config
+
+
+def rss_mib() -> float:
+    """This process's resident memory (the test server runs in it)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def raw_exchange(port: int, chunks: list[bytes], *, pause_s: float = 0.0, timeout_s: float = 10.0) -> bytes:
+    """Send `chunks` on one raw TCP connection (optionally pausing between them), then read until the
+    server closes it or `timeout_s` passes. For attacks an HTTP client would normalise away."""
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        try:
+            for chunk in chunks:
+                sock.sendall(chunk)
+                if pause_s:
+                    time.sleep(pause_s)
+        except OSError:  # the server may close before we finish sending: that is often the point
+            pass
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                data = sock.recv(65536)
+            except socket.timeout:
+                break
+            except OSError:
+                break
+            if not data:
+                return received + b"<closed>"
+            received += data
+    return received
+
+
+def responses_in(raw: bytes) -> list[int]:
+    """The status codes of the HTTP responses in `raw`, in order."""
+    import re
+
+    return [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)]
+
+
+def json_body_of(raw: bytes) -> dict:
+    import json
+
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return json.loads(rest[:rest.index(b"}}") + 2])
 
 
 def free_port() -> int:
@@ -27,9 +77,7 @@ class RunningServer:
         self.engine = engine
         self.settings = settings
         self.base_url = f"http://127.0.0.1:{settings.port}"
-        config = uvicorn.Config(build_app(engine, settings), host="127.0.0.1", port=settings.port,
-                                log_level="warning", timeout_graceful_shutdown=settings.shutdown_timeout_s)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(build_app(engine, settings), settings, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> "RunningServer":
@@ -47,6 +95,20 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+    @property
+    def port(self) -> int:
+        return self.settings.port
+
+    def assert_recovered(self, rss_before_mib: float, rss_bound_mib: float = 256.0) -> None:
+        """After an attack: /health 200, every KV block free, and RSS back within `rss_bound_mib`."""
+        assert httpx.get(self.base_url + "/health", timeout=10).status_code == 200
+        self.wait_idle()
+        import gc
+
+        gc.collect()
+        grown = rss_mib() - rss_before_mib
+        assert grown < rss_bound_mib, f"RSS grew by {grown:.0f} MiB (bound {rss_bound_mib:.0f} MiB)"
 
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
         """Wait until the engine holds no request and every KV block is free again."""

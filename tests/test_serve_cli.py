@@ -90,6 +90,25 @@ def test_profile_endpoints_write_a_trace_and_need_the_key(tmp_path):
         proc.wait(30)
 
 
+def test_api_key_from_a_file_and_timeouts_from_flags(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    proc, base = _start("--api-key-file", str(key_file), "--timeout-headers", "1")
+    try:
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer sk-from-file"}).status_code == 200
+        import socket
+
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            started = time.monotonic()
+            assert silent.recv(100) == b""  # closed by the server at --timeout-headers
+            assert time.monotonic() - started < 8
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
 def test_profile_endpoints_absent_without_profile_dir():
     proc, base = _start()
     try:
@@ -106,6 +125,10 @@ def test_profile_endpoints_absent_without_profile_dir():
     (("--max-output-tokens", "0"), "--max-output-tokens must be >= 1"),
     (("--audit-log-prompts",), "needs --audit-log"),
     (("--request-timeout", "-1"), "--request-timeout must be > 0"),
+    (("--timeout-body", "0"), "--timeout-body must be > 0"),
+    (("--limit-concurrency", "0"), "--limit-concurrency must be >= 1"),
+    (("--auth-failure-limit", "many"), "invalid rate limit"),
+    (("--api-key-file", "/no/such/key"), "--api-key-file /no/such/key: cannot read it"),
 ])
 def test_bad_serve_flags_are_one_line_errors(args, message):
     proc = subprocess.run([sys.executable, "-m", "llmctl.cli", "serve", "--port", str(free_port()), *args],

@@ -23,7 +23,7 @@ from llmctl.__about__ import __version__
 from llmctl.engine.async_engine import AsyncLLMEngine
 from llmctl.server.errors import APIError, install_error_handlers
 from llmctl.server.metrics import ServerMetrics, endpoint_label
-from llmctl.server.middleware import (AuditLog, BearerAuth, BodySizeLimit, RateLimit, RateLimiter, RequestContext,
+from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, RateLimit, RateLimiter, RequestContext,
                                       audit_line, is_protected)
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -46,6 +46,14 @@ class ServerSettings:
     audit_log_prompts: bool = False
     shutdown_timeout_s: float = 30.0
     profile_dir: Optional[Path] = None
+    # Failed authentications per client, on top of --rate-limit (key guessing is throttled even without it).
+    auth_failure_limit: str = "10/minute"
+    # Proxy addresses whose X-Forwarded-For / -Proto are believed; None: no forwarded header is.
+    forwarded_allow_ips: Optional[str] = None
+    timeout_headers_s: float = 10.0
+    timeout_body_s: float = 60.0
+    timeout_keep_alive_s: float = 5.0
+    limit_concurrency: Optional[int] = 1024
 
     def validate(self) -> None:
         checks = [
@@ -55,12 +63,19 @@ class ServerSettings:
             (self.max_body_bytes >= 1024, "--max-body-size must be at least 1024 bytes"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
             (self.api_key is None or len(self.api_key) >= 1, "--api-key must not be empty"),
+            (self.timeout_headers_s > 0, "--timeout-headers must be > 0"),
+            (self.timeout_body_s > 0, "--timeout-body must be > 0"),
+            (self.timeout_keep_alive_s > 0, "--timeout-keep-alive must be > 0"),
+            (self.limit_concurrency is None or self.limit_concurrency >= 1, "--limit-concurrency must be >= 1"),
+            (self.forwarded_allow_ips is None or bool(self.forwarded_allow_ips.strip()),
+             "--forwarded-allow-ips must not be empty"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         if self.rate_limit:
             RateLimit.parse(self.rate_limit)
+        RateLimit.parse(self.auth_failure_limit)
         if self.audit_log_prompts and self.audit_log is None:
             raise ValueError("--audit-log-prompts needs --audit-log FILE")
 
@@ -99,17 +114,20 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
         if audit is not None and is_protected(record["path"]):
             audit.write(audit_line(record, settings.audit_log_prompts))
 
-    # Added innermost first: requests pass RequestContext, then size, auth, rate limit, CORS.
+    # Added innermost first: a request passes RequestContext, CORS, the rate limit, auth, then the
+    # body guard. Nothing reads the body before the caller is counted and authenticated, and every
+    # refusal passes back through CORS, so a browser can read why it failed.
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.timeout_body_s)
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key,
+                           failure_limit=RateLimit.parse(settings.auth_failure_limit))
+    if settings.rate_limit:
+        app.add_middleware(RateLimiter, limit=RateLimit.parse(settings.rate_limit))
     if settings.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"])
-    if settings.rate_limit:
-        app.add_middleware(RateLimiter, limit=RateLimit.parse(settings.rate_limit))
-    if settings.api_key:
-        app.add_middleware(BearerAuth, api_key=settings.api_key)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContext, on_finished=on_finished)
     return app
 

@@ -1,12 +1,17 @@
-"""ASGI middleware in front of the API: request ids, audit log and HTTP metrics, body-size limit,
-Bearer-token auth and per-client rate limiting.
+"""ASGI middleware in front of the API: request ids, audit log and HTTP metrics, per-client rate
+limiting, Bearer-token auth (with its own failed-attempt limit) and the body guard (size counted
+on the bytes received, a read deadline, no Content-Length + Transfer-Encoding).
 
 Each is a small pure-ASGI wrapper (streaming responses pass through untouched) that answers
-refusals itself with an OpenAI error body, before any handler runs.
+refusals itself with an OpenAI error body, before any handler runs. The order matters and is set
+in `app.py`: rate limit and auth come before the body is read, so an unauthenticated or throttled
+caller never makes the server read its body; CORS wraps them all, so their refusals carry CORS
+headers too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import re
@@ -30,10 +35,13 @@ def is_protected(path: str) -> bool:
     return path.startswith(PROTECTED_PREFIXES)
 
 
-async def send_error(send: Callable, error: APIError) -> None:
+async def send_error(send: Callable, error: APIError, *, close: bool = False) -> None:
+    """Answer `error`; `close` ends the connection after it (a body we did not read may follow)."""
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -112,65 +120,102 @@ def _header(scope: dict, name: bytes) -> Optional[str]:
     return None
 
 
-# ---- body size ------------------------------------------------------------------------------------
-class BodySizeLimit:
-    """413 for bodies over `max_bytes`: by Content-Length up front, or, for a chunked body, by
-    reading it here (at most `max_bytes` are buffered) before the app sees any of it."""
+# ---- body guard ------------------------------------------------------------------------------------
+class BodyGuard:
+    """Reads the whole request body before the app sees any of it, counting the bytes actually
+    received (a Content-Length is only a claim: h11 frames a message by Transfer-Encoding when both
+    are sent), within `timeout_s` of the headers. Refusals close the connection so the unread rest
+    of a body can never be parsed as another request:
+    400 for Content-Length together with Transfer-Encoding (the request-smuggling shape),
+    413 past `max_bytes` (at most that many bytes are buffered), 408 for a body slower than the deadline.
+    """
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int):
+    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: Optional[float]):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = _header(scope, b"content-length")
-        if declared is not None:
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                await send_error(send, self._error())
-                return
-            await self.app(scope, receive, send)
+        if declared is not None and _header(scope, b"transfer-encoding") is not None:
+            await send_error(send, APIError(400, "a request must not carry both Content-Length and "
+                                                 "Transfer-Encoding", code="invalid_framing"), close=True)
             return
-        buffered, size = [], 0
-        while True:
-            message = await receive()
-            buffered.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await send_error(send, self._error())
-                return
-            if not message.get("more_body", False):
-                break
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await send_error(send, self._too_large(), close=True)
+            return
+        try:
+            buffered = await asyncio.wait_for(self._read(receive), self.timeout_s)
+        except asyncio.TimeoutError:
+            await send_error(send, APIError(408, f"the request body did not arrive within {self.timeout_s:g} s "
+                                                 "(--timeout-body)", code="body_timeout"), close=True)
+            return
+        if buffered is None:
+            await send_error(send, self._too_large(), close=True)
+            return
 
         async def replay() -> dict:
             return buffered.pop(0) if buffered else await receive()
 
         await self.app(scope, replay, send)
 
-    def _error(self) -> APIError:
+    async def _read(self, receive: Callable) -> Optional[list[dict]]:
+        """The body's messages, or None once more than `max_bytes` arrived."""
+        buffered, size = [], 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                return buffered
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return None
+            if not message.get("more_body", False):
+                return buffered
+
+    def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes",
                         code="request_too_large")
 
 
+def _may_have_body(scope: dict) -> bool:
+    length = _header(scope, b"content-length")
+    return _header(scope, b"transfer-encoding") is not None or (length is not None and length.strip() != "0")
+
+
 # ---- auth -----------------------------------------------------------------------------------------
 class BearerAuth:
-    """Require `Authorization: Bearer <key>` on API routes; compared in constant time."""
+    """Require `Authorization: Bearer <key>` on API routes; compared in constant time.
 
-    def __init__(self, app: ASGIApp, *, api_key: str):
+    Failed attempts draw on a per-client bucket of their own (`failure_limit`, stricter than the
+    request rate limit): a client that used it up gets 429 without its key being looked at, so keys
+    cannot be guessed at line rate.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str, failure_limit: "RateLimit"):
         self.app = app
         self._key = api_key.encode()
+        self.failures = TokenBuckets(failure_limit)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and is_protected(scope["path"]) and scope["method"] != "OPTIONS":
+            client = client_of(scope)
+            wait = self.failures.wait(client)
+            if wait > 0:
+                await send_error(send, _rate_limited(wait, f"too many failed authentications "
+                                                           f"({self.failures.limit} per client)"),
+                                 close=_may_have_body(scope))
+                return
             header = _header(scope, b"authorization") or ""
             scheme, _, token = header.partition(" ")
             if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)):
+                self.failures.take(client)
                 message = "missing API key: send 'Authorization: Bearer <key>'" if not header else "invalid API key"
                 await send_error(send, APIError(401, message, code="invalid_api_key",
-                                                headers={"WWW-Authenticate": "Bearer"}))
+                                                headers={"WWW-Authenticate": "Bearer"}), close=_may_have_body(scope))
                 return
         await self.app(scope, receive, send)
 
@@ -207,13 +252,20 @@ class TokenBuckets:
         self._clock = clock
 
     def take(self, client: str) -> float:
-        """0 when the request may pass, else the seconds until it would."""
+        """0 when the request may pass (and it is counted), else the seconds until it would."""
+        return self._draw(client, consume=True)
+
+    def wait(self, client: str) -> float:
+        """As `take`, without counting anything."""
+        return self._draw(client, consume=False)
+
+    def _draw(self, client: str, consume: bool) -> float:
         now = self._clock()
         tokens, last = self._buckets.pop(client, (float(self.limit.requests), now))
         tokens = min(float(self.limit.requests), tokens + (now - last) * self._rate)
         wait = 0.0
         if tokens >= 1.0:
-            tokens -= 1.0
+            tokens -= 1.0 if consume else 0.0
         else:
             wait = (1.0 - tokens) / self._rate
         self._buckets[client] = (tokens, now)
@@ -228,13 +280,17 @@ class RateLimiter:
         self.buckets = TokenBuckets(limit)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and is_protected(scope["path"]) and scope["method"] != "OPTIONS":
             wait = self.buckets.take(client_of(scope))
             if wait > 0:
-                retry = max(1, int(wait + 0.999))
-                await send_error(send, APIError(429, f"rate limit exceeded ({self.buckets.limit.requests} requests "
-                                                     f"per {self.buckets.limit.period_s:g} s per client); retry "
-                                                     f"in {retry} s", code="rate_limit_exceeded",
-                                                headers={"Retry-After": str(retry)}))
+                limit = self.buckets.limit
+                await send_error(send, _rate_limited(wait, f"rate limit exceeded ({limit.requests} requests per "
+                                                           f"{limit.period_s:g} s per client)"),
+                                 close=_may_have_body(scope))
                 return
         await self.app(scope, receive, send)
+
+
+def _rate_limited(wait: float, why: str) -> APIError:
+    retry = max(1, int(wait + 0.999))
+    return APIError(429, f"{why}; retry in {retry} s", code="rate_limit_exceeded", headers={"Retry-After": str(retry)})

@@ -19,6 +19,7 @@ from llmctl.engine.args import EngineArgs
 from llmctl.errors import UserError
 from llmctl.engine.async_engine import AsyncLLMEngine
 from llmctl.server.app import ServerSettings, build_app
+from llmctl.server.connections import ConnectionLimits, guarded_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,20 @@ class _GracefulServer(uvicorn.Server):
             sys.stderr.flush()
 
 
+def uvicorn_config(app, settings: ServerSettings, **overrides) -> uvicorn.Config:
+    """uvicorn's settings for `app`: the one place connection-level limits are set (tests use it too)."""
+    options = dict(
+        host=settings.host, port=settings.port, timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        server_header=False, date_header=True, lifespan="on",
+        # uvicorn believes X-Forwarded-For from 127.0.0.1 by default, so any local process could pick
+        # its own client address (and rate-limit bucket); forwarded headers count only from named proxies.
+        proxy_headers=settings.forwarded_allow_ips is not None, forwarded_allow_ips=settings.forwarded_allow_ips,
+        timeout_keep_alive=settings.timeout_keep_alive_s,
+        http=guarded_protocol(ConnectionLimits(settings.timeout_headers_s, settings.limit_concurrency)),
+    )
+    return uvicorn.Config(app, **{**options, **overrides})
+
+
 def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting_requests: int | None,
                request_timeout_s: float | None) -> int:
     settings.validate()
@@ -62,10 +77,8 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting
                                              request_timeout_s=request_timeout_s)
     app = build_app(engine, settings)
     level = logging.getLogger("llmctl").getEffectiveLevel()
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=max(level, logging.INFO),
-                            access_log=level <= logging.INFO, timeout_graceful_shutdown=settings.shutdown_timeout_s,
-                            server_header=False, date_header=True, lifespan="on")
-    server = _GracefulServer(config)
+    server = _GracefulServer(uvicorn_config(app, settings, log_level=max(level, logging.INFO),
+                                            access_log=level <= logging.INFO))
     try:
         server.run()
     except SystemExit:  # uvicorn exits when it cannot bind

@@ -1,0 +1,165 @@
+"""Attacks on `llmctl serve` from hostile callers, over raw sockets where an HTTP client would
+normalise the attack away (request smuggling, slow headers and bodies). After each one the server
+must answer /health 200, hold no KV block and be back within an RSS bound (`assert_recovered`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from server_helpers import json_body_of, raw_exchange, responses_in, rss_mib, running_server
+
+KEY = "sk-attack"
+BODY = b'{"prompt": "x", "max_tokens": 2}'
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(api_key=KEY, max_output_tokens=16, max_body_bytes=64 * 1024, timeout_body_s=1.0,
+                        timeout_headers_s=1.0, auth_failure_limit="1000/minute") as srv:
+        yield srv
+
+
+@pytest.fixture
+def baseline(server):
+    return rss_mib()
+
+
+def _head(path: str = "/v1/completions", *extra: str, auth: bool = True) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    if auth:
+        lines.append(f"Authorization: Bearer {KEY}")
+    return ("\r\n".join([*lines, *extra]) + "\r\n\r\n").encode()
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def test_content_length_with_chunked_body_is_refused_and_nothing_is_smuggled(server, baseline):
+    # h11 frames by Transfer-Encoding; the old size check believed the (small) Content-Length, and the
+    # bytes after the last chunk ran as a second request on the same connection.
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+    big = b'{"prompt": "' + b"y" * 100_000 + b'", "max_tokens": 1}'
+    raw = raw_exchange(server.port, [_head("/v1/completions", "Content-Length: 10", "Transfer-Encoding: chunked")
+                                     + _chunk(big) + b"0\r\n\r\n" + smuggled])
+    assert responses_in(raw) == [400], raw[:300]
+    assert json_body_of(raw)["error"]["code"] == "invalid_framing"
+    assert raw.endswith(b"<closed>")
+    server.assert_recovered(baseline)
+
+
+def test_chunked_body_is_counted_as_received(server, baseline):
+    pieces = [_chunk(b'{"prompt": "')] + [_chunk(b"z" * 8192) for _ in range(10)] + [_chunk(b'"}'), b"0\r\n\r\n"]
+    raw = raw_exchange(server.port, [_head("/v1/completions", "Transfer-Encoding: chunked"), *pieces])
+    assert responses_in(raw) == [413] and raw.endswith(b"<closed>")
+    server.assert_recovered(baseline)
+
+
+def test_unauthenticated_body_is_not_read_before_the_401(server, baseline):
+    # Headers and one chunk, then silence: the 401 must come without waiting for (or reading) the rest.
+    started = time.monotonic()
+    raw = raw_exchange(server.port, [_head("/v1/completions", "Transfer-Encoding: chunked", auth=False)
+                                     + _chunk(b"{" * 1000)], timeout_s=5)
+    assert responses_in(raw) == [401] and raw.endswith(b"<closed>"), raw[:300]
+    assert time.monotonic() - started < 4
+    server.assert_recovered(baseline)
+
+
+def test_slow_body_gets_408_and_the_connection_closed(server, baseline):
+    started = time.monotonic()
+    raw = raw_exchange(server.port, [_head("/v1/completions", f"Content-Length: {len(BODY)}") + BODY[:5]],
+                       timeout_s=10)
+    assert responses_in(raw) == [408], raw[:300]
+    assert json_body_of(raw)["error"]["code"] == "body_timeout" and raw.endswith(b"<closed>")
+    assert time.monotonic() - started < 8
+    server.assert_recovered(baseline)
+
+
+def test_wrong_keys_are_throttled_per_client():
+    with running_server(api_key=KEY, auth_failure_limit="5/minute") as srv:
+        before = rss_mib()
+        wrong = {"Authorization": "Bearer guess"}
+        codes = [httpx.get(srv.base_url + "/v1/models", headers=wrong).status_code for _ in range(6)]
+        assert codes == [401] * 5 + [429]
+        refused = httpx.get(srv.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        assert refused.status_code == 429 and "failed authentications" in refused.json()["error"]["message"]
+        assert int(refused.headers["retry-after"]) >= 1
+        srv.assert_recovered(before)
+
+
+def test_failed_authentications_count_against_the_rate_limit():
+    with running_server(api_key=KEY, rate_limit="3/minute") as srv:
+        wrong = {"Authorization": "Bearer guess"}
+        codes = [httpx.get(srv.base_url + "/v1/models", headers=wrong).status_code for _ in range(3)]
+        right = httpx.get(srv.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        assert codes == [401] * 3 and right.status_code == 429
+
+
+def test_forwarded_for_is_ignored_unless_the_proxy_is_named(tmp_path):
+    log = tmp_path / "audit.jsonl"
+    with running_server(rate_limit="2/minute", audit_log=log) as srv:
+        codes = [httpx.get(srv.base_url + "/v1/models", headers={"X-Forwarded-For": f"10.0.0.{i}"}).status_code
+                 for i in range(3)]
+        assert codes == [200, 200, 429]
+    assert {json.loads(line)["client"] for line in log.read_text().splitlines()} == {"127.0.0.1"}
+    trusted = tmp_path / "trusted.jsonl"
+    with running_server(rate_limit="2/minute", audit_log=trusted, forwarded_allow_ips="127.0.0.1") as srv:
+        codes = [httpx.get(srv.base_url + "/v1/models", headers={"X-Forwarded-For": f"10.0.0.{i}"}).status_code
+                 for i in range(3)]
+        assert codes == [200, 200, 200]
+    assert [json.loads(line)["client"] for line in trusted.read_text().splitlines()] == [
+        "10.0.0.0", "10.0.0.1", "10.0.0.2"]
+
+
+def test_refusals_of_the_outer_middlewares_carry_cors_headers():
+    origin = {"Origin": "https://app.example"}
+    with running_server(api_key=KEY, rate_limit="2/minute", max_body_bytes=2048,
+                        allowed_origins=["https://app.example"]) as srv:
+        auth = {**origin, "Authorization": f"Bearer {KEY}"}
+        refusals = [httpx.get(srv.base_url + "/v1/models", headers=origin),  # 401
+                    httpx.post(srv.base_url + "/v1/completions", headers=auth, content=b"x" * 4096),  # 413
+                    httpx.get(srv.base_url + "/v1/models", headers=auth)]  # 429
+        assert [r.status_code for r in refusals] == [401, 413, 429]
+        for response in refusals:
+            assert response.headers["access-control-allow-origin"] == "https://app.example"
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_slowloris_headers_are_cut_at_the_header_deadline(server, baseline):
+    # One header line every 0.3 s never completes the request; the server closes at --timeout-headers (1 s).
+    lines = [b"POST /v1/completions HTTP/1.1\r\n"] + [f"X-Slow-{i}: a\r\n".encode() for i in range(40)]
+    started = time.monotonic()
+    raw = raw_exchange(server.port, lines, pause_s=0.3, timeout_s=15)
+    assert raw.endswith(b"<closed>") and responses_in(raw) == []
+    assert time.monotonic() - started < 6  # sending all 40 lines would take 12 s
+    server.assert_recovered(baseline)
+
+
+def test_a_silent_connection_is_closed(server, baseline):
+    started = time.monotonic()
+    raw = raw_exchange(server.port, [], timeout_s=10)
+    assert raw == b"<closed>" and time.monotonic() - started < 8
+    server.assert_recovered(baseline)
+
+
+def test_connections_past_the_cap_get_an_openai_503():
+    with running_server(limit_concurrency=2, timeout_headers_s=5.0) as srv:
+        before = rss_mib()
+        import socket
+
+        held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
+        try:
+            time.sleep(0.3)  # let the server accept both
+            with httpx.Client(timeout=10) as http:
+                refused = http.get(srv.base_url + "/v1/models")
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.3)
+        assert httpx.get(srv.base_url + "/v1/models").status_code == 200
+        srv.assert_recovered(before)
