@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError,
-                                  RequestTimeoutError, StepFailedError)
+                                  RequestTimeoutError, StepFailedError, is_out_of_memory)
 from llmctl.engine.llm_engine import LLMEngine, StepInfo
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
@@ -374,6 +374,9 @@ class AsyncLLMEngine:
         self._consecutive_failures = 0
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
+            if output.error is not None:  # finished by the engine: it does not fit in memory even alone
+                self._finish(output.request_id, output.error)
+                continue
             stream = self._stream(output.request_id)
             if stream is not None:
                 deliveries.setdefault(stream.loop, []).append((stream, output))
@@ -396,9 +399,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"{self._consecutive_failures} engine steps failed in a row; "
                                   f"last: {type(exc).__name__}: {exc}") from exc
         logger.error("engine step failed; failing its requests: %s: %s", type(exc).__name__, exc,
-                     exc_info=not _is_out_of_memory(exc))
-        if _is_out_of_memory(exc):
-            _release_cached_device_memory()
+                     exc_info=not is_out_of_memory(exc))
         for request_id in self.engine.fail_last_step():
             self._finish(request_id, StepFailedError(f"the engine step running this request failed "
                                                      f"({type(exc).__name__}: {exc}); other requests continue"))
@@ -443,13 +444,3 @@ def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, output in batch:
         stream.put_now(output)
 
-
-def _is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-
-
-def _release_cached_device_memory() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -38,9 +38,36 @@ class RequestTimeoutError(EngineError):
     """The request ran past its deadline and was aborted (its KV blocks are free)."""
 
 
+class CapacityError(EngineError):
+    """The request does not fit in device memory even alone at the smallest prefill chunk; it was
+    finished (its KV blocks are free) and the engine serves on. Retrying may succeed once memory
+    held elsewhere is released."""
+
+    def __init__(self, message: str, retry_after_s: int = 10):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class StepFailedError(EngineError):
     """The engine step running this request raised; the request was aborted, the engine serves on."""
 
 
 class EngineDeadError(EngineError):
     """The engine hit a fatal failure and no longer serves requests."""
+
+
+# What torch raises when an allocation fails: `torch.OutOfMemoryError` (CUDA, and other devices'
+# caching allocators), a plain RuntimeError from the CPU allocator ("[enforce fail at
+# alloc_cpu.cpp:127] ... DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes"
+# in torch 2.13), or Python's MemoryError from a host-side list or buffer.
+_CPU_ALLOCATION_FAILURE = "can't allocate memory"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for an allocation failure: a capacity problem the engine recovers from by shrinking the
+    step, not a bug."""
+    if isinstance(exc, MemoryError):
+        return True
+    if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+        return True
+    return isinstance(exc, RuntimeError) and _CPU_ALLOCATION_FAILURE in str(exc)

@@ -19,14 +19,15 @@ import torch
 
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.errors import EngineArgsError, InvalidRequestError, ModelLoadError
+from llmctl.engine.errors import (CapacityError, EngineArgsError, InvalidRequestError, ModelLoadError,
+                                  is_out_of_memory)
 from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import ModelRunner, RunnerConfig
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import Scheduler, SchedulerConfig
+from llmctl.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -133,6 +134,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.last_step = StepInfo((), 0, self.scheduler.config.max_num_batched_tokens)
         self._seq_ids = itertools.count()
+        self.num_oom_retries = 0  # steps retried smaller after running out of memory
+        self.num_capacity_errors = 0  # requests finished because they did not fit even alone
         self.eos_token_ids = self._eos_ids()
 
     # ---- configuration ------------------------------------------------------------------------
@@ -240,13 +243,30 @@ class LLMEngine:
 
     # ---- stepping -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        self.last_step = StepInfo(tuple(dict.fromkeys(s.seq.request_id for s in out.scheduled)),
-                                  out.num_batched_tokens, self.scheduler.config.max_num_batched_tokens)
-        rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in out.scheduled if s.samples}
-        result = self.runner.execute(out.scheduled, rows)
+        """Schedule and run one batch. A batch that runs out of memory is undone and retried
+        smaller (see `Scheduler.shrink_after_oom`); a request that does not fit even alone is
+        finished with a `CapacityError` (its output's `error`) and the others run on."""
+        while True:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return []
+            self.last_step = StepInfo(tuple(dict.fromkeys(s.seq.request_id for s in out.scheduled)),
+                                      out.num_batched_tokens, self.scheduler.token_budget)
+            rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in out.scheduled if s.samples}
+            try:
+                result = self.runner.execute(out.scheduled, rows)
+            except Exception as exc:  # noqa: BLE001 - only allocation failures are handled here
+                if not is_out_of_memory(exc):
+                    raise
+                cause = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            else:
+                return self._apply(out, result)
+            # Outside the except block, so the traceback (and the activations its frames hold) is gone.
+            failed = self._after_out_of_memory(out, cause)
+            if failed is not None:
+                return [failed]
+
+    def _apply(self, out: SchedulerOutput, result) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for item in out.scheduled:
@@ -266,6 +286,32 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             self.runner.attention.release()
         return outputs
+
+    def _after_out_of_memory(self, out: SchedulerOutput, cause: str) -> Optional[RequestOutput]:
+        """Undo the failed batch and lower the budgets; when it was one sequence at the smallest
+        chunk, finish that request with a capacity error instead and return its final output."""
+        tokens, seqs = out.num_batched_tokens, len(out.scheduled)
+        first = out.scheduled[0]
+        context = first.seq.num_computed_tokens + first.num_new_tokens  # before undo() resets it
+        self.scheduler.undo(out)
+        self.runner.attention.release()  # the kept decode K/V may be half-updated
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the failed forward's cached blocks back before the retry
+        if self.scheduler.shrink_after_oom(out):
+            self.num_oom_retries += 1
+            logger.warning("out of memory in a step of %d sequence(s), %d token(s) (%s); retrying with at most "
+                           "%d token(s) and %d sequence(s) per step", seqs, tokens, cause,
+                           self.scheduler.token_budget, self.scheduler.max_num_seqs)
+            return None
+        seq = first.seq
+        error = CapacityError(f"request {seq.request_id!r} does not fit in free device memory: a step of {tokens} "
+                              f"token(s) at a {context}-token context ran out of memory even alone ({cause}); "
+                              "retry later, or with a shorter prompt or max_tokens")
+        logger.error("%s", error)
+        self.num_capacity_errors += 1
+        output = self.abort_request(seq.request_id)
+        output.error = error
+        return output
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         stops = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
@@ -349,4 +395,5 @@ class LLMEngine:
                              request.finished, metrics, prompt_logprobs)
 
     def get_stats(self) -> dict[str, float]:
-        return {**self.scheduler.stats(), "num_requests": len(self.requests)}
+        return {**self.scheduler.stats(), "num_requests": len(self.requests),
+                "num_oom_retries": self.num_oom_retries, "num_capacity_errors": self.num_capacity_errors}

@@ -52,6 +52,13 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     # One entry per prompt token (None for the first, which nothing predicts), when asked for.
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    # Set when the engine finished the request on a failure of its own (a `CapacityError`: it does
+    # not fit in memory even alone); the completions then end with finish_reason "abort".
+    error: Optional[Exception] = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self, dict_factory=_json_safe_dict)
+
+
+def _json_safe_dict(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {key: str(value) if isinstance(value, BaseException) else value for key, value in items}

@@ -4,6 +4,11 @@ One token budget per step is spent on running sequences first (decodes and unfin
 chunks), then on waiting ones, so decode tokens and prefill chunks share every step and a long
 prompt never stalls the running batch. When the block pool runs dry the newest running sequence
 is preempted (its blocks freed; it is recomputed later and produces the same output).
+
+When a step runs out of memory the engine undoes the schedule (`undo`) and lowers the budgets
+below the batch that failed (`shrink_after_oom`): first the prefill chunk (the token budget), then
+the number of sequences (running ones over the cap are preempted as above). The lowered budgets
+hold for `OOM_RECOVERY_STEPS` steps, then double back towards the configured ones.
 """
 
 from __future__ import annotations
@@ -14,6 +19,12 @@ from typing import Callable, Optional
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.sequence import Sequence, SequenceStatus
+
+
+# Steps a lowered budget holds before it doubles back: long enough that a workload which ran out of
+# memory does not hit the same wall every few steps, short enough (about a second of decode on CPU,
+# less on a GPU) that a passing spike does not cost throughput for long.
+OOM_RECOVERY_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # moved from waiting to running by this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -60,6 +72,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Budgets lowered after an out-of-memory step (None: the configured one) and the steps since.
+        self._token_cap: Optional[int] = None
+        self._seq_cap: Optional[int] = None
+        self._steps_since_shrink = 0
 
     # ---- queue management -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -79,14 +95,63 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def token_budget(self) -> int:
+        """Tokens a step may compute: the configured budget, or less after an out-of-memory step."""
+        return self.config.max_num_batched_tokens if self._token_cap is None else self._token_cap
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences that may run: the configured limit, or less after an out-of-memory step."""
+        return self.config.max_num_seqs if self._seq_cap is None else self._seq_cap
+
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        if self._token_cap is not None or self._seq_cap is not None:
+            self._relax_budgets(out)
+        budget = self._schedule_running(out, self.token_budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
+
+    # ---- out of memory --------------------------------------------------------------------
+    def undo(self, out: SchedulerOutput) -> None:
+        """Take back `schedule()` after its step failed before any of it was applied: sequences it
+        admitted return to waiting with their blocks freed (a cached prefix stays in the cache);
+        running ones keep their blocks, and a retry writes the same KV slots again."""
+        for seq in out.admitted:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+
+    def shrink_after_oom(self, out: SchedulerOutput) -> bool:
+        """Lower the budgets below the batch `out` that ran out of memory: halve the token budget
+        (the prefill chunk) while a chunk is longer than one block, else halve the number of
+        sequences. False when the batch was one sequence at one block or less: nothing smaller runs."""
+        floor = self.blocks.block_size
+        longest = max(item.num_new_tokens for item in out.scheduled)
+        if longest > floor:
+            self._token_cap = max(floor, out.num_batched_tokens // 2)
+        elif len(out.scheduled) > 1:
+            self._seq_cap = max(1, len(out.scheduled) // 2)
+        else:
+            return False
+        self._steps_since_shrink = 0
+        return True
+
+    def _relax_budgets(self, out: SchedulerOutput) -> None:
+        """Preempt running sequences over a lowered sequence cap; double lowered budgets back every
+        `OOM_RECOVERY_STEPS` steps (a cap that reaches the configured value is dropped)."""
+        self._steps_since_shrink += 1
+        if self._steps_since_shrink >= OOM_RECOVERY_STEPS:
+            self._steps_since_shrink = 0
+            self._token_cap = _doubled(self._token_cap, self.config.max_num_batched_tokens)
+            self._seq_cap = _doubled(self._seq_cap, self.config.max_num_seqs)
+        while len(self.running) > self.max_num_seqs:
+            self._preempt(self._pick_victim(), out)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
@@ -110,7 +175,7 @@ class Scheduler:
         if self._should_wait_for_more():
             return
         for seq in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.parent is not None and not (seq.parent.prompt_computed or seq.parent.is_finished):
                 continue
@@ -124,6 +189,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = self.clock()
             self.running.append(seq)
+            out.admitted.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
@@ -132,7 +198,7 @@ class Scheduler:
         timeout = self.config.batch_wait_timeout_s
         if timeout <= 0 or self.running or not self.waiting:
             return False
-        if len(self.waiting) >= self.config.max_num_seqs:
+        if len(self.waiting) >= self.max_num_seqs:
             return False
         oldest = min(seq.arrival_time for seq in self.waiting)
         return self.clock() - oldest < timeout
@@ -176,6 +242,8 @@ class Scheduler:
             "kv_cache_fragmentation": self._fragmentation(),
             "prefix_cache_hit_rate": self.blocks.prefix_hits / queries if queries else 0.0,
             "num_preemptions": self.num_preemptions,
+            "token_budget": self.token_budget,
+            "max_num_seqs": self.max_num_seqs,
         }
 
     def _fragmentation(self) -> float:
@@ -186,3 +254,7 @@ class Scheduler:
             return 0.0
         used = sum(min(seq.num_computed_tokens, len(seq.block_table) * self.blocks.block_size) for seq in self.running)
         return 1.0 - used / slots
+
+
+def _doubled(cap: Optional[int], limit: int) -> Optional[int]:
+    return None if cap is None or 2 * cap >= limit else 2 * cap

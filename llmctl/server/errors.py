@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmctl.engine.errors import (EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError,
-                                  RequestTimeoutError, StepFailedError)
+from llmctl.engine.errors import (CapacityError, EngineDeadError, EngineError, EngineOverloadedError,
+                                  InvalidRequestError, RequestTimeoutError, StepFailedError)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=_param_of(str(exc)), code="invalid_value")
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, str(exc), code="server_overloaded", headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, CapacityError):
+        return APIError(503, str(exc), code="insufficient_capacity", headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, RequestTimeoutError):
         return APIError(408, str(exc), code="request_timeout")
     if isinstance(exc, EngineDeadError):

@@ -43,15 +43,21 @@ class _EngineStatsCollector(Collector):
             ("llmctl:prefix_cache_hit_rate", "Share of prefix-cache block queries that hit, since start.",
              stats.get("prefix_cache_hit_rate", 0.0)),
             ("llmctl:kv_cache_free_blocks", "Free KV-cache blocks.", stats.get("num_free_blocks", 0)),
+            ("llmctl:step_token_budget", "Tokens a step may compute now (below --max-num-batched-tokens for "
+             "a while after a step ran out of memory).", stats.get("token_budget", 0)),
         ]
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model], float(value))
-            yield family
-        preemptions = CounterMetricFamily("llmctl:num_preemptions", "Sequences preempted (KV cache full).",
-                                          labels=["model_name"])
-        preemptions.add_metric([self._model], float(stats.get("num_preemptions", 0)))
-        yield preemptions
+        counters = [
+            ("llmctl:num_preemptions", "Sequences preempted (KV cache full).", stats.get("num_preemptions", 0)),
+            ("llmctl:num_oom_retries", "Engine steps that ran out of memory and were retried smaller.",
+             stats.get("num_oom_retries", 0)),
+            ("llmctl:num_capacity_errors", "Requests finished with a capacity error (503): out of memory "
+             "even alone at the smallest chunk.", stats.get("num_capacity_errors", 0)),
+        ]
+        for family_type, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, value in rows:
+                family = family_type(name, doc, labels=["model_name"])
+                family.add_metric([self._model], float(value))
+                yield family
 
 
 class ServerMetrics:
