@@ -4,17 +4,19 @@ A decode step launches a few hundred small kernels whose launch cost exceeds the
 batches. Attention is the one op whose shapes follow each sequence's context length, so it stays
 eager; everything around it is captured: embedding + layer 0's pre-attention half, then for each
 layer its post-attention half fused with the next layer's pre-attention half, and finally the
-last post-attention half + norm + lm_head. One set of graphs per batch-size bucket, captured on
-first use into one shared memory pool; a batch is padded to its bucket (pad rows compute rows
-nobody reads; their attention output is left as it was).
+last post-attention half + norm + lm_head. One set of graphs per batch-size bucket, all captured at
+start-up (`capture_all`, smallest bucket first, within the memory the runner allows) into one shared
+memory pool; a batch is padded to the smallest captured bucket that holds it (pad rows compute rows
+nobody reads; their attention output is left as it was), and runs eagerly when none does.
 
-`capture` and `new_pool` are injectable so the bookkeeping runs (and is tested) without CUDA;
-on CUDA they are `torch.cuda.graph` capture and `torch.cuda.graph_pool_handle`.
+`capturer` is injectable so the bookkeeping runs (and is tested) without CUDA; on CUDA it is
+`CudaCapturer`: `torch.cuda.graph` capture on a stream of the engine's device.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -27,12 +29,33 @@ logger = logging.getLogger(__name__)
 Piece = Callable[[], None]
 
 
-def cuda_capture(piece: Piece, pool: Any) -> Any:
-    """Record `piece` into a CUDA graph drawing on `pool`; the graph's `replay()` reruns it."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        piece()
-    return graph
+class CudaCapturer:
+    """Records pieces into CUDA graphs drawing on one memory pool, on a stream of `device`.
+
+    The stream is explicit: without `stream=`, `torch.cuda.graph` captures on one class-wide stream
+    created on whichever device was current the first time, so on any other GPU (`--device cuda:1`)
+    the graph records nothing and every replay is a no-op (torch only warns "The CUDA Graph is empty").
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def warm_up(self, pieces: list[Piece]) -> None:
+        """Run each piece once outside capture (library handles and workspaces get created), on the
+        capture stream, a side stream as torch's CUDA graph notes ask."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for piece in pieces:
+                piece()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def __call__(self, piece: Piece) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            piece()
+        return graph
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -56,26 +79,32 @@ class DecodeGraphs:
     """Captures and replays the model's decode steps in pieces around eager attention."""
 
     def __init__(self, model: torch.nn.Module, backend, max_batch: int, device: torch.device, dtype: torch.dtype,
-                 capture: Callable[[Piece, Any], Any] = cuda_capture,
-                 new_pool: Callable[[], Any] = lambda: torch.cuda.graph_pool_handle()):
+                 capturer: Any = None):
         self.model, self.backend, self.device, self.dtype = model, backend, device, dtype
         self.buckets = batch_buckets(max_batch)
-        self._capture, self._pool = capture, new_pool()
+        self._capturer = capturer if capturer is not None else CudaCapturer(device)
         self._captured: dict[int, _Bucket] = {}
 
     def can_run(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Decode-only batches (every row one new token, no prefill) up to the largest bucket."""
-        return not meta.prefills and meta.num_single == num_tokens and 0 < num_tokens <= self.buckets[-1]
+        """Decode-only batches (every row one new token, no prefill) that fit a captured bucket."""
+        return (not meta.prefills and meta.num_single == num_tokens and 0 < num_tokens
+                and self._bucket_for(num_tokens) is not None)
 
     @property
     def num_captured(self) -> int:
         return len(self._captured)
 
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._captured)
+
+    def _bucket_for(self, rows: int) -> Optional[int]:
+        return next((size for size in sorted(self._captured) if size >= rows), None)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         rows = input_ids.shape[0]
-        size = next(b for b in self.buckets if b >= rows)
-        bucket = self._captured.get(size) or self._capture_bucket(size)
+        bucket = self._captured[self._bucket_for(rows)]
         bucket.input_ids[:rows].copy_(input_ids)
         bucket.input_ids[rows:].zero_()
         bucket.positions[:rows].copy_(positions)
@@ -90,7 +119,35 @@ class DecodeGraphs:
         return bucket.values["logits"][:rows][logits_indices]
 
     # ---- capture ----------------------------------------------------------------------------------
-    def _capture_bucket(self, size: int) -> _Bucket:
+    def capture_all(self, allowance: Optional[int], measure: Callable[[Callable[[], object]], int]) -> int:
+        """Capture every bucket, smallest first, while the next one is expected to fit in `allowance`
+        bytes (None: no limit); `measure(work)` returns the bytes `work` took. A bucket whose capture
+        fails runs eagerly; out of memory stops capturing. Returns the bytes the graphs took."""
+        started, spent, last = time.monotonic(), 0, None  # last: (size, bytes) of the last capture
+        for size in self.buckets:
+            # A bucket's graphs hold its rows' static outputs, so their memory grows with the batch size.
+            expected = last[1] * size // last[0] if last else 0
+            if allowance is not None and (allowance <= 0 or spent + expected > allowance):
+                logger.info("decode graphs: batch sizes from %d run eagerly (%.0f MiB of %.0f MiB allowed for "
+                            "graphs already used)", size, spent / 2**20, max(allowance, 0) / 2**20)
+                break
+            try:
+                cost = measure(lambda: self._capture_bucket(size))
+            except torch.cuda.OutOfMemoryError as exc:
+                self._captured.pop(size, None)
+                logger.warning("decode graphs: out of memory capturing batch size %d; it and larger ones run "
+                               "eagerly (%s)", size, exc)
+                break
+            except RuntimeError as exc:
+                self._captured.pop(size, None)
+                logger.warning("decode graphs: capturing batch size %d failed, it runs eagerly: %s", size, exc)
+                continue
+            spent, last = spent + cost, (size, cost)
+        logger.info("captured decode graphs for %d batch sizes (%s) in %.1f s, %.0f MiB", len(self._captured),
+                    ", ".join(map(str, self.captured_sizes)) or "none", time.monotonic() - started, spent / 2**20)
+        return spent
+
+    def _capture_bucket(self, size: int) -> None:
         config = self.model.config
         zeros = dict(dtype=torch.long, device=self.device)
         bucket = _Bucket(
@@ -98,25 +155,9 @@ class DecodeGraphs:
             attended=[torch.zeros(size, config.num_heads, config.head_dim, dtype=self.dtype, device=self.device)
                       for _ in self.model.model.layers])
         pieces = self._pieces(bucket)
-        self._warm_up(pieces)
-        bucket.graphs = [self._capture(piece, self._pool) for piece in pieces]
+        self._capturer.warm_up(pieces)
+        bucket.graphs = [self._capturer(piece) for piece in pieces]
         self._captured[size] = bucket
-        logger.info("captured decode graphs for batch size %d (%d pieces)", size, len(pieces))
-        return bucket
-
-    def _warm_up(self, pieces: list[Piece]) -> None:
-        """Run each piece once outside capture (library handles and workspaces get created), on a
-        side stream as torch's CUDA graph notes ask."""
-        if self.device.type != "cuda":
-            for piece in pieces:
-                piece()
-            return
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for piece in pieces:
-                piece()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _pieces(self, bucket: _Bucket) -> list[Piece]:
         model, values = self.model, bucket.values
@@ -144,7 +185,7 @@ class DecodeGraphs:
 
 def maybe_decode_graphs(model: torch.nn.Module, backend, device: torch.device, dtype: torch.dtype,
                         max_num_seqs: int, enforce_eager: bool) -> Optional[DecodeGraphs]:
-    """Decode graphs on CUDA unless `enforce_eager`; None elsewhere."""
+    """Decode graphs (nothing captured yet) on CUDA unless `enforce_eager`; None elsewhere."""
     if device.type != "cuda" or enforce_eager:
         return None
     return DecodeGraphs(model, backend, min(max_num_seqs, 256), device, dtype)

@@ -7,7 +7,6 @@ tokens.
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from llmctl.engine.cuda_graphs import maybe_decode_graphs
+from llmctl.engine.cuda_graphs import DecodeGraphs, maybe_decode_graphs
+from llmctl.engine.device_memory import device_memory
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.kernels import load_cpu_kernels
 from llmctl.engine.layers.attention import AttentionMetadata, PrefillSpan, TorchAttention, select_backend
@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 4 << 30
 WORKSPACE_FLOOR_BYTES = 1 << 30
 WORKSPACE_SHARE = 0.5  # the torch backend's kept decode K/V may reach this fraction of the pool's bytes
+# Decode graphs may take at most this share of the memory left for graphs + KV: an 8B model's graphs for
+# 256 sequences take ~3.1 GiB (0.85 GiB at 128), a few percent of an 80-141 GB card's budget; on a 24 GB card
+# the cap keeps the KV pool and graphs the larger batch sizes would need run eagerly instead.
+GRAPH_SHARE = 0.1
 
 
 @dataclass
@@ -67,6 +71,12 @@ def _prompt_logprobs(logits: torch.Tensor, rows: list[PromptRow]) -> dict[int, l
     return result
 
 
+def _unmeasured(work) -> int:
+    """Run `work` where no device memory budget applies: nothing to measure."""
+    work()
+    return 0
+
+
 @dataclass
 class RunnerConfig:
     model_config: ModelConfig
@@ -101,12 +111,20 @@ class ModelRunner:
                                  device=self.device, load_format=config.load_format, seed=config.seed,
                                  verify=config.verify)
         pack_linears(self.model, self.device, config.dtype, batch_hint=min(config.max_num_seqs, 64))
+        # Start-up, in this order on every device: measure the worst-case forward (where a device memory
+        # budget applies), capture the decode graphs within that budget, then size the KV pool from what is
+        # left and allocate it. The profile peak and the graphs' memory both come out of
+        # --gpu-memory-utilization, and nothing runs before the pieces it reads exist.
+        self.memory = device_memory(self.device) if config.num_kv_blocks is None else None
+        peak = self._profile_peak() if self.memory is not None else 0
         self.graphs = maybe_decode_graphs(self.model, self.attention, self.device, config.dtype, config.max_num_seqs,
                                           config.enforce_eager)
-        self.num_blocks = self._plan_num_blocks()
+        if self.graphs is not None:
+            self._capture_graphs(self.graphs, peak)
+        self.num_blocks = self._plan_num_blocks(peak)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Decode workspaces (torch backend) may hold half the pool's size again (on CPU at least 1 GiB;
-        # on CUDA that half is reserved out of --gpu-memory-utilization by _cuda_blocks).
+        # on CUDA that half is reserved out of --gpu-memory-utilization by _plan_num_blocks).
         bytes_per_token = self.bytes_per_block // self.block_size
         budget = int(self.kv_cache_bytes * WORKSPACE_SHARE)
         if self.device.type != "cuda":
@@ -144,17 +162,28 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def _plan_num_blocks(self) -> int:
+    @property
+    def _reserved_bytes_per_block(self) -> int:
+        """A block's bytes plus the torch backend's kept decode K/V for it (up to WORKSPACE_SHARE of the pool)."""
+        share = WORKSPACE_SHARE if isinstance(self.attention, TorchAttention) else 0.0
+        return int(self.bytes_per_block * (1.0 + share))
+
+    def _plan_num_blocks(self, peak: int) -> int:
         cfg = self.config
         min_blocks = -(-cfg.max_model_len // self.block_size)
+        # More than max_num_seqs full contexts (+1 block each for block alignment) can never be in use.
+        usable = cfg.max_num_seqs * (min_blocks + 1)
         if cfg.num_kv_blocks is not None:
             blocks = cfg.num_kv_blocks
-        elif self.device.type == "cuda":
-            blocks = self._cuda_blocks()
+        elif self.memory is not None:
+            # Capped at `usable`: a tiny model on a 141 GB GPU would otherwise get millions of blocks, one
+            # Python object each in the block manager (~1.1 s and 250 MiB per million).
+            blocks = min(self._budget_bytes(peak) // self._reserved_bytes_per_block, usable)
         else:
-            wanted = cfg.max_num_seqs * (min_blocks + 1) * self.bytes_per_block
-            budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(CPU_DEFAULT_KV_BYTES, wanted)
+            budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(
+                CPU_DEFAULT_KV_BYTES, usable * self.bytes_per_block)
             blocks = budget // self.bytes_per_block
+        blocks = max(int(blocks), 0)
         if blocks < min_blocks:
             raise EngineArgsError(
                 f"the KV cache holds {blocks} blocks of {self.block_size} tokens, fewer than one "
@@ -162,31 +191,44 @@ class ModelRunner:
                 "--gpu-memory-utilization / --num-kv-blocks or lower --max-model-len")
         return blocks
 
-    def _cuda_blocks(self) -> int:
-        # mem_get_info counts the caching allocator's free-but-reserved blocks as used: return them first
-        # (an engine dropped earlier in this process may also still hold its pool in a reference cycle).
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = self._profile_activation_bytes()
-        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak
-        # The torch backend's kept decode K/V (up to WORKSPACE_SHARE of the pool) must fit in the same budget.
-        share = WORKSPACE_SHARE if isinstance(self.attention, TorchAttention) else 0.0
-        return max(int(budget // (self.bytes_per_block * (1.0 + share))), 0)
+    def _budget_bytes(self, peak: int) -> int:
+        """Bytes --gpu-memory-utilization leaves for what is not allocated yet, less the profiled peak."""
+        free, total = self.memory.free_and_total()
+        return int(total * self.config.gpu_memory_utilization) - (total - free) - peak
 
-    def _profile_activation_bytes(self) -> int:
-        """Peak extra memory of one forward over the largest batch, measured with a small scratch pool."""
-        tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        scratch = self._allocate_kv_cache(-(-tokens // self.block_size))
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        seq = Sequence(-1, "profile", 0, [0] * tokens, params=None)  # type: ignore[arg-type]
-        seq.block_table = list(range(-(-tokens // self.block_size)))
-        self._forward([ScheduledSeq(seq, tokens)], scratch)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del scratch
-        torch.cuda.empty_cache()
-        return peak
+    def _capture_graphs(self, graphs: DecodeGraphs, peak: int) -> None:
+        """Capture every decode-graph bucket now, within GRAPH_SHARE of the budget and leaving room for one
+        max_model_len sequence's blocks (no budget, e.g. with --num-kv-blocks: every bucket)."""
+        with torch.inference_mode():
+            if self.memory is None:
+                graphs.capture_all(None, _unmeasured)
+                return
+            budget = self._budget_bytes(peak)
+            one_sequence = -(-self.config.max_model_len // self.block_size) * self._reserved_bytes_per_block
+            graphs.capture_all(max(min(budget - one_sequence, int(budget * GRAPH_SHARE)), 0), self.memory.growth)
+
+    def _profile_peak(self) -> int:
+        """Peak extra device memory of the worst step: the largest prefill chunk (max_num_batched_tokens, at
+        most max_model_len) ending a max_model_len context, so a cached prefix, the masked attention path and
+        its K/V gather are in it. Its K/V go to a scratch pool the size of the chunk, which the prefix's block
+        table walks round and round (the values do not matter; the shapes do)."""
+        cfg = self.config
+        tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+        scratch_blocks = -(-tokens // self.block_size)
+        scratch = self._allocate_kv_cache(scratch_blocks)
+        seq = Sequence(-1, "profile", 0, [0] * cfg.max_model_len, params=None)  # type: ignore[arg-type]
+        seq.num_computed_tokens = cfg.max_model_len - tokens
+        seq.block_table = [i % scratch_blocks for i in range(-(-cfg.max_model_len // self.block_size))]
+        try:
+            with torch.inference_mode():
+                return self.memory.growth(lambda: self._forward([ScheduledSeq(seq, tokens)], scratch, None))
+        except torch.cuda.OutOfMemoryError as exc:
+            raise EngineArgsError(
+                f"out of memory in the profile step ({tokens} new tokens of a {cfg.max_model_len}-token context) "
+                "after loading the weights; lower --max-num-batched-tokens or --max-model-len, or raise "
+                f"--gpu-memory-utilization: {exc}") from exc
+        finally:
+            del scratch
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, *self.attention.kv_cache_shape(num_blocks, self.block_size))
@@ -198,7 +240,7 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq], rows: dict[int, SamplingRow]) -> StepResult:
         """Run the batch: sample the sequences that finished their known tokens, and score prompt
         tokens for the sequences that asked for prompt log-probs."""
-        order, logits, prompt_rows = self._forward(scheduled, self.kv_caches)
+        order, logits, prompt_rows = self._forward(scheduled, self.kv_caches, self.graphs)
         sampling = [s.seq for s in order if s.samples]
         result = StepResult({}, _prompt_logprobs(logits[len(sampling):], prompt_rows))
         if sampling:
@@ -207,11 +249,11 @@ class ModelRunner:
             result.sampled = {seq.seq_id: (t, lp) for seq, t, lp in zip(sampling, sampled.token_ids, logprobs)}
         return result
 
-    def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor]):
+    def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]):
         order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
         input_ids, positions, meta, logits_indices, prompt_rows = self._prepare(order)
-        if self.graphs is not None and kv_caches is self.kv_caches and self.graphs.can_run(len(order), meta):
-            logits = self.graphs.run(input_ids, positions, kv_caches, meta, logits_indices)
+        if graphs is not None and graphs.can_run(len(order), meta):
+            logits = graphs.run(input_ids, positions, kv_caches, meta, logits_indices)
         else:
             logits = self.model(input_ids, positions, kv_caches, meta, self.attention, logits_indices)
         return order, logits, prompt_rows

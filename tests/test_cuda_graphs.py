@@ -1,6 +1,6 @@
-"""Piecewise decode graphs: the bookkeeping (buckets, padding, pieces around eager attention) run on
-CPU with a stand-in capture that replays by calling the piece; on CUDA, test_cuda.py replays real
-graphs."""
+"""Piecewise decode graphs: the bookkeeping (buckets, padding, pieces around eager attention, capture at
+start-up within a memory allowance) run on CPU with a stand-in capturer that replays by calling the piece;
+on CUDA, test_cuda.py replays real graphs."""
 
 from __future__ import annotations
 
@@ -19,6 +19,31 @@ class ReplayByCalling:
     def replay(self):
         self.counter["replays"] += 1
         self.piece()
+
+
+class CallingCapturer:
+    """Stands in for CudaCapturer on CPU: warm-up runs the pieces, a capture returns a ReplayByCalling.
+    `fail` makes chosen captures raise."""
+
+    def __init__(self, fail=None):
+        self.counter = {"replays": 0, "captures": 0, "warm_ups": 0}
+        self.fail = fail or {}  # n-th bucket captured (0: the first) -> the exception its capture raises
+
+    def warm_up(self, pieces):
+        self.counter["warm_ups"] += 1
+        if self.counter["warm_ups"] - 1 in self.fail:
+            raise self.fail[self.counter["warm_ups"] - 1]
+        for piece in pieces:
+            piece()
+
+    def __call__(self, piece):
+        self.counter["captures"] += 1
+        return ReplayByCalling(piece, self.counter)
+
+
+def unmeasured(work):
+    work()
+    return 0
 
 
 def recorded_logits(llm: LLM, prompts, max_tokens=12):
@@ -50,20 +75,17 @@ def test_piecewise_replay_gives_the_eager_logits(tiny_models):
 
     llm = LLM(str(tiny_models["qwen2"]), **kwargs)
     runner = llm.engine.runner
-    counter = {"replays": 0, "captures": 0}
-
-    def capture(piece, pool):
-        counter["captures"] += 1
-        return ReplayByCalling(piece, counter)
-
-    runner.graphs = DecodeGraphs(runner.model, runner.attention, 8, runner.device, torch.float32,
-                                 capture=capture, new_pool=lambda: None)
-    tokens, logits = recorded_logits(llm, prompts)
+    capturer = CallingCapturer()
+    runner.graphs = DecodeGraphs(runner.model, runner.attention, 8, runner.device, torch.float32, capturer=capturer)
+    runner.graphs.capture_all(None, unmeasured)
+    counter = capturer.counter
 
     layers = len(runner.model.model.layers)
-    assert counter["captures"] > 0 and counter["captures"] % (layers + 1) == 0  # one graph per piece
+    assert runner.graphs.captured_sizes == [1, 2, 4, 8]
+    assert counter["captures"] == (layers + 1) * 4  # one graph per piece and bucket
+    tokens, logits = recorded_logits(llm, prompts)
+    assert counter["captures"] == (layers + 1) * 4  # nothing captured while serving
     assert counter["replays"] >= (layers + 1) * 5  # decode steps went through the graphs
-    assert runner.graphs.num_captured >= 1 and set(runner.graphs._captured) <= {1, 2, 4}
     assert tokens == eager_tokens
     for ours, expected in zip(logits, eager_logits):
         assert torch.allclose(ours, expected, atol=1e-5)
@@ -73,10 +95,54 @@ def test_piecewise_replay_gives_the_eager_logits(tiny_models):
 def test_prefill_steps_stay_eager(tiny_models):
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=128)
     runner = llm.engine.runner
-    counter = {"replays": 0}
-    runner.graphs = DecodeGraphs(runner.model, runner.attention, 4, runner.device, torch.float32,
-                                 capture=lambda piece, pool: ReplayByCalling(piece, counter), new_pool=lambda: None)
+    capturer = CallingCapturer()
+    runner.graphs = DecodeGraphs(runner.model, runner.attention, 4, runner.device, torch.float32, capturer=capturer)
+    runner.graphs.capture_all(None, unmeasured)
+    counter = capturer.counter
     llm.generate([list(range(1, 30))], SamplingParams(max_tokens=1, ignore_eos=True))  # one prefill step only
-    assert counter["replays"] == 0 and runner.graphs.num_captured == 0
+    assert counter["replays"] == 0
     llm.generate([list(range(1, 30))] * 6, SamplingParams(max_tokens=3, ignore_eos=True))  # 6 rows > bucket 4
-    assert runner.graphs.num_captured == 0
+    assert counter["replays"] == 0
+
+
+def per_row_measure(mib_per_row, graphs):
+    """A `measure` for capture_all: each capture takes mib_per_row MiB per row of its bucket."""
+    def measure(work):
+        before = set(graphs.captured_sizes)
+        work()
+        return sum(mib_per_row * size << 20 for size in set(graphs.captured_sizes) - before)
+    return measure
+
+
+def test_capture_all_stops_before_the_allowance_and_failed_buckets_run_eagerly(tiny_models):
+    kwargs = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=256, max_num_seqs=64)
+    llm = LLM(str(tiny_models["qwen2"]), **kwargs)
+    runner = llm.engine.runner
+
+    def graphs_with(capturer):
+        return DecodeGraphs(runner.model, runner.attention, 64, runner.device, torch.float32, capturer=capturer)
+
+    graphs = graphs_with(CallingCapturer())
+    assert graphs.buckets == [1, 2, 4, 8, 16, 32, 48, 64]
+    # 10 MiB a row: 1..16 take 310 MiB; 32 is expected to take 16's 160 MiB x 2 more, over 315 MiB
+    spent = graphs.capture_all(315 << 20, per_row_measure(10, graphs))
+    assert graphs.captured_sizes == [1, 2, 4, 8, 16] and spent == 310 << 20
+    graphs = graphs_with(CallingCapturer())
+    assert graphs.capture_all(0, per_row_measure(10, graphs)) == 0 and graphs.captured_sizes == []
+
+    # bucket 4 (third) fails to capture: 3 rows pad to 8 instead; out of memory at 16 (fifth) stops capturing
+    capturer = CallingCapturer(fail={2: RuntimeError("operation not permitted when stream is capturing"),
+                                     4: torch.cuda.OutOfMemoryError("CUDA out of memory")})
+    runner.graphs = graphs = graphs_with(capturer)
+    graphs.capture_all(None, unmeasured)
+    assert graphs.captured_sizes == [1, 2, 8]
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17]
+    tokens, logits = recorded_logits(llm, prompts)
+    assert capturer.counter["replays"] > 0  # the 3-row steps replayed bucket 8's graphs
+    eager_tokens, eager_logits = recorded_logits(LLM(str(tiny_models["qwen2"]), **kwargs), prompts)
+    assert tokens == eager_tokens
+    for ours, expected in zip(logits, eager_logits):
+        assert torch.allclose(ours, expected, atol=1e-5)
+    replays = capturer.counter["replays"]
+    recorded_logits(llm, [[1, 2, 3]] * 9, max_tokens=3)  # 9 rows: no captured bucket holds them, eager
+    assert capturer.counter["replays"] == replays

@@ -72,11 +72,13 @@ class Recorder:
         return row
 
 
-def _run(folder, **engine):
+def _run(folder, configure=None, **engine):
     """Two generate calls: the second one's prompts share a 300-token prefix with one of the first, so
-    their prefills start after cached blocks (fewer queries than keys)."""
+    their prefills start after cached blocks (fewer queries than keys). `configure(llm)` runs first."""
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=1024,
               max_num_batched_tokens=96, enable_prefix_caching=True, **engine)
+    if configure is not None:
+        configure(llm)
     shared = [(5 * i + 1) % 500 for i in range(300)]
     batches = [[[3], list(range(1, 40)), shared + [7, 8, 9], [(3 * i) % 500 for i in range(600)]],
                [shared + [11] * 50, shared[:280] + [2] * 5]]
@@ -137,6 +139,9 @@ def test_select_backend_needs_cuda_16_bit_ampere_and_a_paged_flash_attn(monkeypa
     assert select_backend(cuda, torch.float32, 128) is TorchAttention
     assert select_backend(torch.device("cpu"), torch.bfloat16, 128) is TorchAttention
     assert select_backend(cuda, torch.bfloat16, 512) is TorchAttention  # over flash-attn's 256
+    assert select_backend(cuda, torch.bfloat16, 80) is FlashAttention
+    for padded in (4, 36, 100, 250):  # not a multiple of 8: flash-attn would copy the whole pool every call
+        assert select_backend(cuda, torch.bfloat16, padded) is TorchAttention
     capability[0] = (7, 5)
     assert select_backend(cuda, torch.bfloat16, 128) is TorchAttention  # Turing: no flash-attn 2 kernels
     capability[0] = (8, 0)
@@ -146,23 +151,158 @@ def test_select_backend_needs_cuda_16_bit_ampere_and_a_paged_flash_attn(monkeypa
     assert select_backend(cuda, torch.bfloat16, 128) is TorchAttention
 
 
-def test_cuda_pool_sizing_reserves_the_kept_decode_kv(tiny_models, monkeypatch):
-    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", num_kv_blocks=64,
-              max_model_len=256, gpu_memory_utilization=0.5)
+MIB, GIB = 1 << 20, 1 << 30
+
+
+class FakeMemory:
+    """DeviceMemory with made-up numbers for a runner on the CPU: `used` of `total` bytes are taken; the
+    profile forward (the measured work that captures no graphs) peaks at `peak` bytes and gives them back;
+    each graph capture keeps `per_row` bytes per row of its bucket. The measured work itself runs for real."""
+
+    def __init__(self, total, used, peak, per_row, graphs):
+        self.total, self.used, self.peak, self.per_row, self.graphs = total, used, peak, per_row, graphs
+        self.events = []
+
+    def free_and_total(self):
+        return self.total - self.used, self.total
+
+    def growth(self, work):
+        captured = lambda: set(self.graphs[0].captured_sizes) if self.graphs else set()  # noqa: E731
+        before = captured()
+        work()
+        new = captured() - before
+        if not new:
+            self.events.append("profile")
+            return self.peak
+        (size,) = new
+        self.events.append(f"capture {size}")
+        self.used += self.per_row * size
+        return self.per_row * size
+
+
+def cpu_runner_with_device_memory(monkeypatch, folder, total, used, peak, per_row, **engine):
+    """An LLM on the CPU whose runner plans start-up as on CUDA: FakeMemory as the device memory and decode
+    graphs (captured by CallingCapturer) unless enforce_eager. Returns (llm, memory, capturer)."""
+    from test_cuda_graphs import CallingCapturer
+
+    from llmctl.engine.cuda_graphs import DecodeGraphs
+
+    graphs, capturer = [], CallingCapturer()
+    memory = FakeMemory(total, used, peak, per_row, graphs)
+
+    def decode_graphs(model, backend, device, dtype, max_num_seqs, enforce_eager):
+        if enforce_eager:
+            return None
+        graphs.append(DecodeGraphs(model, backend, min(max_num_seqs, 256), device, dtype, capturer=capturer))
+        return graphs[0]
+
+    monkeypatch.setattr("llmctl.engine.model_runner.device_memory", lambda device: memory)
+    monkeypatch.setattr("llmctl.engine.model_runner.maybe_decode_graphs", decode_graphs)
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", **engine)
+    return llm, memory, capturer
+
+
+def test_startup_profiles_then_captures_graphs_within_the_budget_then_sizes_the_pool(tiny_models, monkeypatch):
+    """The CUDA start-up order run on the CPU with fake memory numbers (the profile forward and the graph
+    bookkeeping for real): profile, every graph bucket the budget allows, then the KV pool from what is left."""
+    llm, memory, capturer = cpu_runner_with_device_memory(
+        monkeypatch, tiny_models["qwen2"], total=100 * MIB, used=40 * MIB, peak=5 * MIB, per_row=MIB // 2,
+        max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.9)
     runner = llm.engine.runner
-    calls = []
-    gib = 1 << 30
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append("mem_get_info") or (30 * gib, 40 * gib))
-    monkeypatch.setattr(runner, "_profile_activation_bytes", lambda: gib)
-    budget = 20 * gib - 10 * gib - gib  # 50% of 40 GiB, less the 10 GiB in use, less the activation peak
-    blocks = runner._cuda_blocks()
-    assert calls[:2] == ["empty_cache", "mem_get_info"]  # cached blocks go back before free memory is read
+    # 90 MiB allowed, 40 in use, 5 for the profile peak: 45 MiB for graphs + KV. Graphs get at most 10% (4.5 MiB):
+    # buckets 1, 2, 4 take 0.5 + 1 + 2 MiB; 8 is expected to take 4 more, so it and larger buckets run eagerly.
+    assert memory.events == ["profile", "capture 1", "capture 2", "capture 4"]
+    assert runner.graphs.captured_sizes == [1, 2, 4]
+    left = 45 * MIB - 7 * MIB // 2
+    per_block = runner.bytes_per_block * 3 // 2  # the torch backend's kept decode K/V is reserved too
+    assert runner.num_blocks == left // per_block and runner.num_blocks < 256 * 17  # not capped here
+
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17, [9] * 5, list(range(100, 160))]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logits_processors=[Recorder()])
+              for i in range(len(prompts))]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert capturer.counter["replays"] > 0  # decode steps of 4 rows or fewer replayed the graphs
+    eager, _, _ = cpu_runner_with_device_memory(
+        monkeypatch, tiny_models["qwen2"], total=100 * MIB, used=40 * MIB, peak=5 * MIB, per_row=MIB // 2,
+        max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.9, enforce_eager=True)
+    eager_params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logits_processors=[Recorder()])
+                    for i in range(len(prompts))]
+    assert [o.outputs[0].token_ids for o in eager.generate(prompts, eager_params)] == tokens
+    for ours, theirs in zip(params, eager_params):
+        rows, expected = (torch.stack(p.logits_processors[0].rows) for p in (ours, theirs))
+        assert torch.allclose(rows, expected, atol=1e-5)
+
+
+def test_profile_forward_runs_the_worst_prefill_on_the_cpu(tmp_path, monkeypatch):
+    """The profile step's forward is the largest chunk at the end of a max_model_len context: a cached prefix,
+    so the masked prefill path (and, with a window, the windowed one) runs in it."""
+    from llmctl.engine.layers.attention import TorchAttention
+
+    seen = []
+    prefill = TorchAttention._prefill
+
+    def recording(self, q, k, v, k_cache, v_cache, span):
+        seen.append((span.length, span.context_len))
+        return prefill(self, q, k, v, k_cache, v_cache, span)
+
+    monkeypatch.setattr(TorchAttention, "_prefill", recording)
+    for arch, overrides in (("qwen3", {}), ("mistral", {"sliding_window": 48})):
+        from conftest import make_tiny_model
+
+        folder = make_tiny_model(tmp_path / arch, arch, **overrides)
+        seen.clear()
+        cpu_runner_with_device_memory(monkeypatch, folder, total=GIB, used=0, peak=0, per_row=0, max_model_len=300,
+                                      max_num_batched_tokens=64, enforce_eager=True)
+        assert seen == [(64, 300)] * 2  # both layers: 64 new tokens after a 236-token prefix
+
+
+def test_pool_on_a_huge_device_is_capped_at_what_max_num_seqs_can_use(tiny_models, monkeypatch):
+    llm, _, _ = cpu_runner_with_device_memory(
+        monkeypatch, tiny_models["llama"], total=141 * GIB, used=GIB, peak=GIB, per_row=MIB, max_model_len=256,
+        max_num_seqs=8)
+    # 8 full 256-token contexts, one block of slack each; uncapped the budget would give ~10 million blocks
+    assert llm.engine.runner.num_blocks == 8 * (256 // 16 + 1)
+    assert llm.engine.block_manager.num_blocks == 8 * 17
+
+
+def test_pool_sizing_reserves_the_kept_decode_kv_and_never_goes_negative(tiny_models, monkeypatch):
+    llm, memory, _ = cpu_runner_with_device_memory(
+        monkeypatch, tiny_models["llama"], total=40 * GIB, used=10 * GIB, peak=GIB, per_row=0, max_model_len=256,
+        max_num_seqs=8, gpu_memory_utilization=0.5, enforce_eager=True)
+    runner = llm.engine.runner
+    runner.config.max_num_seqs = 10**9  # no cap: the budget decides
+    memory.used = 21 * GIB // 2
+    budget = 20 * GIB - 21 * GIB // 2 - GIB  # 50% of 40 GiB, less the 10.5 GiB in use, less the profile peak
+    blocks = runner._plan_num_blocks(GIB)
     assert blocks * runner.bytes_per_block * 1.5 <= budget < (blocks + 1) * runner.bytes_per_block * 1.5
     monkeypatch.setattr(runner, "attention", FlashAttention.__new__(FlashAttention))  # keeps no decode K/V
-    assert runner._cuda_blocks() == budget // runner.bytes_per_block
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * gib, 40 * gib))
-    assert runner._cuda_blocks() == 0  # over budget already: no blocks, never a negative count
+    assert runner._plan_num_blocks(GIB) == budget // runner.bytes_per_block
+    memory.used = 39 * GIB  # over budget already: a clear error, never a negative count
+    from llmctl.engine.errors import EngineArgsError
+
+    with pytest.raises(EngineArgsError, match="fewer than one 256-token sequence needs"):
+        runner._plan_num_blocks(GIB)
+
+
+@pytest.mark.parametrize("arch, overrides", [("qwen3", {}), ("mistral", {"sliding_window": 48})])
+def test_masked_gqa_prefill_with_expanded_kv_heads_matches_enable_gqa(tmp_path, arch, overrides):
+    """The CUDA form of masked GQA prefill (cached prefix, sliding window): K/V heads expanded to one per query
+    head instead of enable_gqa, run on the CPU against the enable_gqa form, whole engine, both paths masked."""
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / arch, arch, **overrides)  # 4 query heads on 2 K/V heads
+    results = []
+    for expand in (False, True):
+        def configure(llm, expand=expand):
+            llm.engine.runner.attention.expand_masked_gqa = expand
+
+        llm, outputs, rows = _run(folder, configure, num_kv_blocks=256, block_size=16)
+        assert llm.engine.get_stats()["prefix_cache_hit_rate"] > 0
+        results.append((outputs, rows))
+    (base_out, base_rows), (expanded_out, expanded_rows) = results
+    assert [o.outputs[0].token_ids for o in base_out] == [o.outputs[0].token_ids for o in expanded_out]
+    for a, b in zip(base_rows, expanded_rows):
+        assert (a - b).abs().max().item() < 1e-5
 
 
 def test_leak_sampler_sums_device_memory_over_every_gpu(monkeypatch):

@@ -108,6 +108,8 @@ class TorchAttention:
         self._kept_lens: dict[int, int] = {}  # seq id -> tokens its row holds
         self._shape = (0, 0)  # (rows, capacity) of the kept workspaces
         self.decode_kernel = None  # CpuKernels, set by the runner where it supports this model
+        # Masked GQA prefill (cached prefix or sliding window) with one K/V head per query head: None = on CUDA.
+        self.expand_masked_gqa: Optional[bool] = None
 
     def validate_block_size(self, block_size: int) -> Optional[str]:
         return None
@@ -302,12 +304,21 @@ class TorchAttention:
             mask = k_pos <= q_pos
             if self.window is not None:
                 mask &= k_pos > q_pos - self.window
+        gqa = self.group > 1
+        expand = self.expand_masked_gqa if self.expand_masked_gqa is not None else q.device.type == "cuda"
+        if mask is not None and gqa and expand:
+            # On CUDA the fused kernels that take a mask (memory-efficient, cuDNN) do not take enable_gqa, and
+            # flash takes no mask: a masked GQA call would fall back to the math kernel, which materialises the
+            # [heads, queries, keys] scores in float32 (8 GiB for 32 heads x 2k queries x 32k keys). Query head h
+            # reads K/V head h // group, so repeat_interleave gives each query head its own copy.
+            k, v = k.repeat_interleave(self.group, dim=0), v.repeat_interleave(self.group, dim=0)
+            gqa = False
         # A batch dimension of one: SDPA's fused kernels (CUDA flash/efficient/cuDNN, the CPU flash kernel)
         # take 4-D inputs only; 3-D ones fall back to the math kernel, which materialises the full
         # [heads, queries, keys] score matrix in float32 and is several times slower.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
-            scale=self.scale, enable_gqa=self.group > 1,
+            scale=self.scale, enable_gqa=gqa,
         )
         return out[0].transpose(0, 1)
 
@@ -357,7 +368,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: Optional[
         return TorchAttention
     if torch.cuda.get_device_capability(device) < (8, 0):  # flash-attn 2 has Ampere+ kernels only
         return TorchAttention
-    if head_dim is not None and head_dim > 256:  # its largest head dimension
+    # Over 256 (its largest head dimension) flash-attn has no kernel; below that, a head dimension that is not a
+    # multiple of 8 is padded inside flash_attn_varlen_func, i.e. the whole paged K/V pool is copied every call.
+    if head_dim is not None and (head_dim > 256 or head_dim % 8):
         return TorchAttention
     try:
         import inspect
