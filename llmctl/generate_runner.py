@@ -41,6 +41,10 @@ def run_generate(args, job: GenerateJob) -> None:
             _print_text(index, spec, output, len(outputs))
     if not job.json_output and is_interactive(err):
         _print_summary(err, outputs)
+    failed = [(index, output.error) for index, output in enumerate(outputs) if output.error is not None]
+    if failed:  # the others were printed; these did not fit in memory even alone
+        index, error = failed[0]
+        raise UserError(f"{len(failed)} of {len(outputs)} prompt(s) failed; prompt {index}: {error}", exit_code=1)
 
 
 def _prompt_input(llm, spec: PromptSpec, job: GenerateJob):
@@ -142,6 +146,7 @@ def _as_json(index: int, spec: PromptSpec, output) -> dict[str, Any]:
         "prompt": spec.prompt,
         "text": first.text,
         "finish_reason": first.finish_reason,
+        "error": None if output.error is None else str(output.error),
         "prompt_tokens": len(output.prompt_token_ids),
         "completion_tokens": sum(len(c.token_ids) for c in output.outputs),
         **_request_timing(output),

@@ -321,3 +321,30 @@ def _metric(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
+
+
+# ---- llmctl generate ---------------------------------------------------------------------------------
+def test_generate_prints_the_prompts_that_fit_and_fails_in_one_line_for_the_one_that_does_not(
+        tiny_chat_model, tmp_path, monkeypatch, capsys):
+    from llmctl.cli import run
+
+    real = LLM.from_engine_args
+
+    def with_injected_oom(args):  # the real engine on a device whose memory ends at a 64-token context
+        llm = real(args)
+        InjectedOOM(llm.engine.runner, max_context=64)
+        return llm
+
+    monkeypatch.setattr(LLM, "from_engine_args", with_injected_oom)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("short one\n" + "To be, or not to be " * 30 + "\nshort two\n")
+    code = run(["generate", "-f", str(prompts), "-m", str(tiny_chat_model), "--json", "--max-tokens", "4",
+                "--temperature", "0", "--ignore-eos", "--device", "cpu"])
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert code == 1
+    assert [r["error"] is None for r in rows] == [True, False, True]
+    assert [r["completion_tokens"] for r in rows[::2]] == [4, 4]
+    assert rows[1]["finish_reason"] == "abort" and "does not fit in free device memory" in rows[1]["error"]
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith("llmctl: error: 1 of 3 prompt(s) failed; prompt 1: request") and "Traceback" not in captured.err
