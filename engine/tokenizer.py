@@ -7,6 +7,7 @@ sandbox, so a template cannot touch Python internals.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -77,7 +78,19 @@ class Tokenizer:
         return self._tok.token_to_id(token) if token else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only the batch call releases the GIL, so a server thread
+        # tokenising a long prompt leaves the event loop free (a 0.7 MB prompt: 1.4 s of loop lag
+        # through encode, 4 ms through encode_batch, measured on the default model's tokenizer).
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of text one token can stand for, so a text longer than
+        `max_chars_per_token * n` cannot fit in `n` tokens. A vocabulary entry is at least as long
+        as the text it decodes to (byte-level BPE spells each byte as one character); a normalizer
+        may contract text before the model sees it (NFKC, Hangul composition: at most 4 to 1)."""
+        longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if self._tok.normalizer is not None else 1)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -163,3 +163,48 @@ def test_connections_past_the_cap_get_an_openai_503():
         time.sleep(0.3)
         assert httpx.get(srv.base_url + "/v1/models").status_code == 200
         srv.assert_recovered(before)
+
+
+def _health_latencies_while(base_url: str, attack) -> tuple[list[float], object]:
+    """Poll /health every 20 ms on its own connection while `attack()` runs in another thread."""
+    import threading
+
+    result: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", attack()))
+    latencies: list[float] = []
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        http.get("/health")
+        thread.start()
+        while thread.is_alive():
+            started = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.02)
+    thread.join()
+    return latencies, result["value"]
+
+
+def test_a_maximal_text_prompt_is_refused_without_stalling_the_server():
+    # The largest body the default --max-body-size accepts (8 MiB), all of it one text prompt. It
+    # used to be tokenised on the event loop (4-9 s with /health waiting, RSS +2 GB that stayed).
+    with running_server() as srv:
+        before = rss_mib()
+        room = 8 * 1024 * 1024 - len(json.dumps({"prompt": "", "max_tokens": 4}))
+        text = ("All the world's a stage, " * 340_000)[:room]
+        body = json.dumps({"prompt": text, "max_tokens": 4}).encode()
+        assert len(body) == 8 * 1024 * 1024
+
+        def attack():
+            with httpx.Client(timeout=60) as http:
+                return [http.post(srv.base_url + "/v1/completions", content=body,
+                                  headers={"Content-Type": "application/json"}) for _ in range(3)]
+
+        latencies, responses = _health_latencies_while(srv.base_url, attack)
+        worst = max(latencies)
+        print(f"\n/health while an 8 MiB prompt was refused: worst {worst * 1000:.0f} ms over {len(latencies)} polls")
+        assert worst < 0.5  # 100 ms on an idle machine; generous for a shared, contended CI host
+        srv.assert_recovered(before, rss_bound_mib=128)
+        for response in responses:
+            assert response.status_code == 400, response.text[:300]
+            assert response.json()["error"]["code"] == "context_length_exceeded"
+

@@ -76,12 +76,12 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         check_unsupported(body)
-        return await self._serve(body, request, self._completion_prompts(body), chat=False)
+        return await self._serve(body, request, await self.tokenize(body), chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         check_unsupported(body)
-        return await self._serve(body, request, [self._chat_prompt(body)], chat=True)
+        return await self._serve(body, request, await self.tokenize(body), chat=True)
 
     async def _serve(self, body: AnyRequest, request: Request, prompts: list[_Prompt], chat: bool):
         audit = request.scope.get(AUDIT_KEY, {})
@@ -103,6 +103,30 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     # ---- prompts ----------------------------------------------------------------------------------
+    async def tokenize(self, body: AnyRequest) -> list[_Prompt]:
+        """The request's prompts as token ids: the one tokenisation step. Text that cannot fit the
+        context is refused by its length before any tokenising (a 7 MB prompt used to take seconds
+        and 2 GB to refuse), and the tokenising itself runs in a worker thread (it releases the GIL),
+        so the event loop keeps serving other requests meanwhile."""
+        self._check_text_length(body)
+        if isinstance(body, ChatCompletionRequest):
+            return [await asyncio.to_thread(self._chat_prompt, body)]
+        return await asyncio.to_thread(self._completion_prompts, body)
+
+    def _check_text_length(self, body: AnyRequest) -> None:
+        if self.tokenizer is None:
+            return
+        limit = self.max_model_len * self.tokenizer.max_chars_per_token
+        if isinstance(body, ChatCompletionRequest):
+            texts, param = ["".join(m["content"] + m.get("name", "") for m in body.plain_messages())], "messages"
+        else:
+            prompt = body.prompt
+            texts, param = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)], "prompt"
+        longest = max((len(t) for t in texts), default=0)
+        if longest > limit:
+            raise APIError(400, f"the {'messages have' if param == 'messages' else 'prompt has'} {longest} characters, "
+                                f"more than fit this model's context of {self.max_model_len} tokens (at most "
+                                f"{limit} characters)", param=param, code="context_length_exceeded")
     def _completion_prompts(self, body: CompletionRequest) -> list[_Prompt]:
         prompt = body.prompt
         if isinstance(prompt, str):
