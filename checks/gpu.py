@@ -77,7 +77,7 @@ def _count_findings(host: Host, pci: dict[str, Any], count: int) -> list[Finding
 
 def _device_node_findings(host: Host, count: int) -> list[Finding]:
     nodes = ["/dev/nvidiactl", "/dev/nvidia-uvm"]
-    nodes += [f"/dev/nvidia{host.nvml.device(i, 'nvmlDeviceGetMinorNumber') or i}" for i in range(count)]
+    nodes += [f"/dev/nvidia{_minor_number(host, i)}" for i in range(count)]
     findings = []
     for node in nodes:
         path = host.path(node)
@@ -89,6 +89,12 @@ def _device_node_findings(host: Host, count: int) -> list[Finding]:
             findings.append(Finding(Status.FAIL, f"{node} is not readable and writable by this user",
                                     f"ls -l {node}  # add the user to the owning group (e.g. sudo usermod -aG video $USER)"))
     return findings
+
+
+def _minor_number(host: Host, index: int) -> int:
+    """The N of /dev/nvidiaN: NVML's minor number (0 is a real one), the index where it is not reported."""
+    minor = host.nvml.device(index, "nvmlDeviceGetMinorNumber")
+    return index if minor is None else minor
 
 
 def gpu_persistence_mode(host: Host, plan: Plan) -> Result:

@@ -48,11 +48,19 @@ def normalize_bus_id(bus_id: Any) -> str:
     return f"{int(domain or '0', 16):04x}:{bus}:{rest}"
 
 
+class NvmlMismatch(Exception):
+    """An NVML query the driver's library cannot answer the way pynvml asks it: pynvml raises
+    NVMLLibraryMismatchError (not an NVMLError) when an unversioned wrapper finds only older versions,
+    e.g. nvmlDeviceGetComputeRunningProcesses, which calls the `_v3` function drivers before 510 lack.
+    The check that needed it is skipped with this reason (`runner.run_one`)."""
+
+
 class NvmlView:
     """pynvml (or a fake with the same names) behind calls that return None when unsupported.
 
     Older drivers lack newer functions (FunctionNotFound), consumer cards lack features
-    (NotSupported); checks treat both as "not available" instead of crashing.
+    (NotSupported); checks treat both as "not available" instead of crashing. A query pynvml
+    refuses as a library mismatch raises NvmlMismatch.
     """
 
     def __init__(self, lib: Any):
@@ -67,6 +75,9 @@ class NvmlView:
         try:
             value = function(*args)
         except Exception as exc:  # noqa: BLE001 - any NVMLError means "not available here"
+            if type(exc).__name__ == "NVMLLibraryMismatchError":
+                raise NvmlMismatch(f"{name} is not available: the driver's NVML library is older than pynvml "
+                                   f"expects ({exc})") from exc
             if type(exc).__name__.startswith("NVMLError"):
                 return None
             raise

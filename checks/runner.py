@@ -9,8 +9,8 @@ import time
 from collections import Counter
 from typing import Any, Iterable
 
-from llmctl.checks.model import Check, Result, Status
-from llmctl.checks.probe import Host
+from llmctl.checks.model import Check, Result, Status, skip
+from llmctl.checks.probe import Host, NvmlMismatch
 from llmctl.checks.settings import Plan
 from llmctl.checks.software import driver_cuda, driver_version_text
 
@@ -18,9 +18,12 @@ SCHEMA_VERSION = 1
 
 
 def run_one(check: Check, host: Host, plan: Plan) -> Result:
-    """A crashing check becomes a warning naming the error, so one bug cannot hide the rest."""
+    """A crashing check becomes a warning naming the error, so one bug cannot hide the rest; a check that
+    needs an NVML query this driver cannot answer is skipped with the reason."""
     try:
         return check.run(host, plan)
+    except NvmlMismatch as exc:
+        return skip(check.id, str(exc))
     except Exception as exc:  # noqa: BLE001 - reported, not swallowed
         return Result(check.id, Status.WARN, f"check could not run: {type(exc).__name__}: {exc}")
 

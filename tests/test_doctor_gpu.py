@@ -89,6 +89,18 @@ def test_gpu_visible_fails_on_missing_or_inaccessible_device_nodes(tmp_path):
         assert "/dev/nvidiactl is not readable" in result.summary
 
 
+def test_gpu_visible_checks_the_node_of_each_minor_number_including_zero(tmp_path):
+    # NVML index order follows PCI bus ids, minor numbers follow probe order: they need not agree.
+    write_tree(tmp_path, {"/dev/nvidiactl": "", "/dev/nvidia-uvm": "", "/dev/nvidia0": "", "/dev/nvidia2": ""})
+    result = gpu.gpu_visible(make_host(tmp_path, FakeNvml([h100(0, nvmlDeviceGetMinorNumber=2),
+                                                           h100(1, nvmlDeviceGetMinorNumber=0)])), plan())
+    assert result.status == Status.PASS, result.summary
+    (tmp_path / "dev" / "nvidia0").unlink()
+    result = gpu.gpu_visible(make_host(tmp_path, FakeNvml([h100(0, nvmlDeviceGetMinorNumber=2),
+                                                           h100(1, nvmlDeviceGetMinorNumber=0)])), plan())
+    assert result.status == Status.FAIL and "/dev/nvidia0 is missing" in result.summary
+
+
 def test_gpu_visible_only_warns_while_nvidia_uvm_is_not_created_yet(tmp_path):
     visible_root(tmp_path)
     (tmp_path / "dev" / "nvidia-uvm").unlink()
@@ -291,3 +303,20 @@ def test_compute_mode_unsupported_skips(tmp_path):
     g = h100(0)
     del g["nvmlDeviceGetComputeMode"]
     assert gpu.gpu_compute_mode(make_host(tmp_path, FakeNvml([g])), plan()).status == Status.SKIP
+
+
+def test_memory_free_is_skipped_with_the_reason_on_a_driver_without_the_v3_process_query(tmp_path):
+    import pynvml
+
+    from llmctl.checks.registry import BY_ID
+    from llmctl.checks.runner import run_one
+
+    @pynvml.throwOnVersionMismatch  # pynvml's own wrapper: FunctionNotFound -> NVMLLibraryMismatchError
+    def compute_processes_v3_missing():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    old_driver = h100(0, nvmlDeviceGetComputeRunningProcesses=compute_processes_v3_missing)
+    result = run_one(BY_ID["gpu-memory-free"], make_host(tmp_path, FakeNvml([old_driver])), plan())
+    assert result.status == Status.SKIP, result
+    assert "nvmlDeviceGetComputeRunningProcesses is not available" in result.summary
+    assert "pyNVML version does not match the NVML lib version" in result.summary
