@@ -9,12 +9,14 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llmctl import engine_options as eo
+from llmctl import help as help_format
 from llmctl.config import ConfigOption
 
 HARDWARE_FLAGS = ("gpu", "cpu", "quick", "full", "model", "num_threads", "json_output", "fail_below")
 WORKLOAD = "Workload"
 
 bench_app = typer.Typer(
+    cls=help_format.Group,
     invoke_without_command=True,
     no_args_is_help=False,
     help="Benchmarks: hardware (default: GPU if present, else CPU), offline throughput and latency.",
@@ -29,7 +31,7 @@ def bench(
     cpu: Annotated[bool, typer.Option("--cpu", help="Benchmark the CPU.")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="Few repetitions and small shapes: a few seconds per device.")] = False,
     full: Annotated[bool, typer.Option("--full", help="Many repetitions and larger shapes.")] = False,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Shape of the decode-step benchmark: a model folder (config.json) or a built-in shape (llama-3-8b, mistral-7b, qwen2.5-7b, qwen2.5-0.5b, smollm-135m).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", envvar="LLMCTL_BENCH_MODEL", help="Shape of the decode-step benchmark: a model folder (config.json) or a built-in shape (llama-3-8b, mistral-7b, qwen2.5-7b, qwen2.5-0.5b, smollm-135m).")] = None,
     num_threads: Annotated[Optional[int], typer.Option("--num-threads", min=1, help="CPU threads for torch (default: torch's).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else).")] = False,
     fail_below: Annotated[Optional[float], typer.Option("--fail-below", min=0.0, max=100.0, metavar="PCT", help="Exit 1 when any figure with a datasheet peak is under PCT % of it.")] = None,
@@ -119,13 +121,13 @@ def _w(*names: str, help: str, **extra: Any) -> Any:
     return typer.Option(*names, help=help, rich_help_panel=WORKLOAD, **extra)
 
 
-@bench_app.command("throughput")
+@bench_app.command("throughput", cls=help_format.Command)
 def throughput(
     num_prompts: Annotated[Optional[int], _w("--num-prompts", min=1, help="Requests in the pass (default: 100 random; a dataset's all).")] = None,
     input_len: Annotated[int, _w("--input-len", help="Prompt tokens per random request.")] = 128,
     output_len: Annotated[int, _w("--output-len", help="Output tokens per request (exact: ignore_eos).")] = 128,
     range_ratio: Annotated[float, _w("--range-ratio", help="Random lengths uniform in [L(1-r), L(1+r)], 0 <= r < 1.")] = 0.0,
-    dataset: Annotated[Optional[Path], _w("--dataset", help="Prompts file (plain lines or JSON lines as for 'generate -f') instead of random prompts.", dir_okay=False)] = None,
+    dataset: Annotated[Optional[Path], _w("--dataset", envvar="LLMCTL_BENCH_THROUGHPUT_DATASET", help="Prompts file (plain lines or JSON lines as for 'generate -f') instead of random prompts.", dir_okay=False)] = None,
     repeats: Annotated[int, _w("--repeats", min=1, help="Timed passes (mean ± std over them).")] = 1,
     workload_seed: Annotated[int, _w("--workload-seed", help="Seed of the random prompts.")] = 0,
     compare_hf: Annotated[bool, _w("--compare-hf", help="Also run transformers generate on the same workload and print the ratio.")] = False,
@@ -158,7 +160,7 @@ def throughput(
                                            workload_seed, compare_hf, hf_batch_size, json_output))
 
 
-@bench_app.command("latency")
+@bench_app.command("latency", cls=help_format.Command)
 def latency(
     batch_size: Annotated[int, _w("--batch-size", min=1, help="Prompts in the batch.")] = 8,
     input_len: Annotated[int, _w("--input-len", help="Prompt tokens per request.")] = 32,
@@ -198,7 +200,7 @@ def latency(
 def _register_serve() -> None:
     from llmctl.commands import bench_serve
 
-    bench_app.command("serve")(bench_serve.serve)
+    bench_app.command("serve", cls=help_format.Command)(bench_serve.serve)
 
 
 _register_serve()

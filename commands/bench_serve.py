@@ -50,7 +50,7 @@ def serve(
     ignore_eos: Annotated[bool, _o("--ignore-eos/--no-ignore-eos", panel=LOAD, help="Ask for exactly max_tokens (vLLM's ignore_eos extension).")] = True,
     temperature: Annotated[float, _o("--temperature", panel=LOAD, min=0.0, help="Sampling temperature sent with each request.")] = 0.0,
     request_timeout: Annotated[float, _o("--request-timeout", panel=LOAD, envvar="LLMCTL_BENCH_SERVE_REQUEST_TIMEOUT", min=0.001, help="Seconds without a byte from the server before a request fails.")] = 600.0,
-    dataset: Annotated[DatasetName, _o("--dataset", panel=DATA, help="random, file (--dataset-path JSONL) or shared-prefix.")] = DatasetName.random,
+    dataset: Annotated[DatasetName, _o("--dataset", panel=DATA, envvar="LLMCTL_BENCH_SERVE_DATASET", help="random, file (--dataset-path JSONL) or shared-prefix.")] = DatasetName.random,
     dataset_path: Annotated[Optional[Path], _o("--dataset-path", panel=DATA, dir_okay=False, help="JSON lines with 'prompt' and optional 'output_len' or 'max_tokens'.")] = None,
     random_input_len: Annotated[int, _o("--random-input-len", panel=DATA, min=1, help="Prompt tokens (random; the suffix for shared-prefix).")] = 1024,
     random_output_len: Annotated[int, _o("--random-output-len", panel=DATA, min=1, help="Output tokens (max_tokens); also the default for file prompts.")] = 128,

@@ -13,16 +13,21 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from llmctl import help as help_format
 from llmctl import engine_options as eo
 from llmctl.config import ConfigOption
 
 profile_app = typer.Typer(
+    cls=help_format.Group,
     name="profile",
     help="Profile a workload or a running process: CPU (py-spy), memory (memray), torch ops, a live server, leaks.",
     no_args_is_help=True,
 )
 
 OUT = "Output"
+# Not LLMCTL_PORT: that is the port `serve` listens on, and set for it, it would also make every
+# `profile cpu -- CMD` refuse "a workload and --port" (issue 11).
+PORT_ENV = "LLMCTL_PROFILE_PORT"
 WORKLOAD_PANEL = "Workload"
 
 
@@ -55,7 +60,7 @@ OutputDir = Annotated[Optional[Path], typer.Option("--output-dir", "-o", file_ok
 JsonOut = Annotated[bool, typer.Option("--json", rich_help_panel=OUT, help="Print only the manifest (JSON) on stdout.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", rich_help_panel=OUT, help="Print the underlying command and exit.")]
 Pid = Annotated[Optional[int], typer.Option("--pid", "-p", help="Attach to this process.")]
-Port = Annotated[Optional[int], typer.Option("--port", help="Attach to the process listening on this TCP port (e.g. llmctl serve).")]
+Port = Annotated[Optional[int], typer.Option("--port", envvar=PORT_ENV, help="Attach to the process listening on this TCP port (e.g. llmctl serve).")]
 Workload = Annotated[Optional[list[str]], typer.Argument(metavar="COMMAND", show_default=False,
                                                          help="Workload to start and profile (after --).")]
 BatchSize = Annotated[int, typer.Option("--batch-size", min=1, rich_help_panel=WORKLOAD_PANEL, help="Requests in flight.")]
@@ -91,7 +96,7 @@ def _check_command(workload: list[str]) -> None:
         raise UserError(f"workload command not found: {workload[0]}")
 
 
-@profile_app.command("cpu")
+@profile_app.command("cpu", cls=help_format.Command)
 def cpu(
     workload: Workload = None,
     pid: Pid = None,
@@ -157,7 +162,7 @@ def _cpu_top(plan: Any, dry_run: bool) -> None:
         raise UserError(f"the workload failed ({procs.describe_status(status)})", exit_code=1)
 
 
-@profile_app.command("mem")
+@profile_app.command("mem", cls=help_format.Command)
 def mem(
     workload: Workload = None,
     pid: Pid = None,
@@ -204,7 +209,7 @@ def mem(
     _finish(manifest, json_output)
 
 
-@profile_app.command("torch")
+@profile_app.command("torch", cls=help_format.Command)
 def torch_profile(
     ctx: typer.Context,
     model: eo.Model = None,
@@ -257,7 +262,7 @@ def torch_profile(
     _finish(manifest, json_output, quiet=True)
 
 
-@profile_app.command("leak")
+@profile_app.command("leak", cls=help_format.Command)
 def leak(
     ctx: typer.Context,
     workload: Annotated[Optional[str], typer.Argument(metavar="[MODULE:FUNCTION | FILE.py:FUNCTION]", show_default=False,
@@ -326,11 +331,11 @@ class ServerEndpoint(str, enum.Enum):
 LOAD_PANEL = "Load"
 
 
-@profile_app.command("server")
+@profile_app.command("server", cls=help_format.Command)
 def server(
     ctx: typer.Context,
     base_url: Annotated[Optional[str], typer.Option("--base-url", help="The server, e.g. http://127.0.0.1:8000 (default when neither this nor --port is given).")] = None,
-    port: Annotated[Optional[int], typer.Option("--port", help="Shorthand for --base-url http://127.0.0.1:PORT.")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", envvar=PORT_ENV, help="Shorthand for --base-url http://127.0.0.1:PORT.")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Bearer token (default: $OPENAI_API_KEY).")] = None,
     endpoint: Annotated[ServerEndpoint, typer.Option("--endpoint", rich_help_panel=LOAD_PANEL, help="/v1/completions or /v1/chat/completions.")] = ServerEndpoint.completions,
     num_prompts: Annotated[int, typer.Option("--num-prompts", min=1, rich_help_panel=LOAD_PANEL, help="Requests sent while recording.")] = 16,

@@ -13,10 +13,12 @@ import typer
 from typer._click import exceptions as click_errors  # typer 0.29 vendors click
 
 from llmctl.__about__ import __version__
-from llmctl.config import assign_env_vars
+from llmctl import help as help_format
+from llmctl.config import assign_env_vars, config_value_error
 from llmctl.errors import is_user_error, one_line
 
 app = typer.Typer(
+    cls=help_format.Group,
     name="llmctl",
     help="One toolkit for LLM inference hosts: generate, serve, bench, profile, doctor.",
     no_args_is_help=True,
@@ -52,11 +54,11 @@ def root(
 def _register_commands() -> None:
     from llmctl.commands import completion, generate
 
-    app.command("generate")(generate.generate)
-    app.command("completion")(completion.completion)
-    app.command("doctor")(__import__("llmctl.commands.doctor", fromlist=["doctor"]).doctor)
+    app.command("generate", cls=help_format.Command)(generate.generate)
+    app.command("completion", cls=help_format.Command)(completion.completion)
+    app.command("doctor", cls=help_format.Command)(__import__("llmctl.commands.doctor", fromlist=["doctor"]).doctor)
     app.add_typer(__import__("llmctl.commands.profile", fromlist=["profile_app"]).profile_app, name="profile")
-    app.command("serve")(__import__("llmctl.commands.serve", fromlist=["serve"]).serve)
+    app.command("serve", cls=help_format.Command)(__import__("llmctl.commands.serve", fromlist=["serve"]).serve)
     app.add_typer(__import__("llmctl.commands.bench", fromlist=["bench_app"]).bench_app, name="bench")
 
 
@@ -85,7 +87,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     except click_errors.UsageError as exc:
         hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
-        return _fail(one_line(exc.format_message()) + hint, exc.exit_code)
+        return _fail(one_line(config_value_error(exc) or exc.format_message()) + hint, exc.exit_code)
     except typer.Exit as exc:
         return exc.exit_code
     except click_errors.ClickException as exc:

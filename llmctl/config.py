@@ -2,6 +2,14 @@
 
 Click already resolves flag > envvar > `ctx.default_map` > default; this module feeds the YAML file
 into `default_map` (an eager `--config` option) and names every option's environment variable.
+
+One rule for environment names: an option's variable is `LLMCTL_` + its long flag name
+(`--max-model-len` -> `LLMCTL_MAX_MODEL_LEN`, `--json` -> `LLMCTL_JSON`), and a name means one
+thing in every command that reads it. Where a command gives a flag another meaning, that command's
+option carries `LLMCTL_<COMMAND>_<FLAG>` instead (`profile cpu --port` attaches to a process, so it
+reads `LLMCTL_PROFILE_PORT`, not the `LLMCTL_PORT` that `serve` listens on). `SHARED_ENV_MEANINGS`
+says what each name read by several commands with different help texts means; the test
+`tests/test_cli.py::test_every_env_name_has_one_meaning` holds every command to it.
 """
 
 from __future__ import annotations
@@ -11,12 +19,52 @@ from typing import Any, Optional
 
 import typer
 import yaml
+from typer._click.core import ParameterSource  # typer 0.29 vendors click
 
 ENV_PREFIX = "LLMCTL_"
+# Read by the library, not by an option: no option may take these names.
+PROCESS_ENV_NAMES = ("LLMCTL_CACHE_DIR", "LLMCTL_DISABLE_CPU_KERNELS", "LLMCTL_KEEP_MALLOC_DEFAULTS",
+                     "LLMCTL_TRAIN_CORPUS")
+# Names several commands read, with help texts that differ per command: the one meaning of each.
+SHARED_ENV_MEANINGS = {
+    "LLMCTL_API_KEY": "the llmctl server's API key: serve requires it, bench serve and profile server send it",
+    "LLMCTL_BASE_URL": "root URL of the server a client command talks to",
+    "LLMCTL_BATCH_SIZE": "requests run together as one batch",
+    "LLMCTL_COMPARE_HF": "also run transformers' generate on the same workload",
+    "LLMCTL_DRY_RUN": "print what would run and run nothing",
+    "LLMCTL_DURATION": "seconds to sample a process",
+    "LLMCTL_GPU_MEMORY_UTILIZATION": "fraction of each GPU's memory the engine may use (doctor: plans with it)",
+    "LLMCTL_IGNORE_EOS": "keep generating past end-of-sequence",
+    "LLMCTL_INPUT_LEN": "prompt tokens per request",
+    "LLMCTL_PROFILE_PORT": "TCP port of the server (or other process) a profile command targets",
+    "LLMCTL_OUTPUT_LEN": "generated tokens per request",
+    "LLMCTL_JSON": "print machine-readable JSON on stdout instead of the human report",
+    "LLMCTL_MODEL": "the Hugging Face model folder the engine runs (doctor: sizes its disk-space check)",
+    "LLMCTL_NATIVE": "include native (C/C++) frames in a profile",
+    "LLMCTL_NUM_PROMPTS": "number of requests sent",
+    "LLMCTL_NUM_THREADS": "CPU threads for torch",
+    "LLMCTL_RANDOM_INPUT_LEN": "prompt length of random requests sent to a server",
+    "LLMCTL_RANDOM_OUTPUT_LEN": "max_tokens of random requests sent to a server",
+    "LLMCTL_REQUEST_RATE": "requests per second sent to a server (inf: all at once)",
+    "LLMCTL_ROW_LIMIT": "rows of a profile's operator table",
+    "LLMCTL_TEMPERATURE": "sampling temperature",
+    "LLMCTL_TOKENIZER": "tokenizer folder",
+    "LLMCTL_WARMUP": "leading steps or iterations left out of a measurement",
+}
 
 
-def env_var_name(param_name: str) -> str:
-    return ENV_PREFIX + param_name.upper()
+def long_flag(param: Any) -> str:
+    """The option's first long flag (`--max-model-len`), or its name when it has none."""
+    return next((opt for opt in param.opts if opt.startswith("--")), "--" + param.name.replace("_", "-"))
+
+
+def env_var_name(flag: str) -> str:
+    """`--max-model-len` -> `LLMCTL_MAX_MODEL_LEN`: named after the flag users type, not the parameter."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _config_key(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def load_yaml_config(path: Path) -> dict[str, Any]:
@@ -42,14 +90,30 @@ def _apply_config(ctx: typer.Context, param: typer.CallbackParam, value: Optiona
     if value is None:
         return None
     data = load_yaml_config(value)
-    known = {p.name for p in ctx.command.params if p.name and p.name != "config"}
-    unknown = sorted(set(data) - known)
+    # YAML keys are long flag names (`json`, `stop-token-id`); default_map is keyed by parameter names.
+    params = {_config_key(long_flag(p)): p.name for p in ctx.command.params
+              if p.param_type_name == "option" and p.name and p.name != "config"}
+    unknown = sorted(set(data) - set(params))
     if unknown:
         raise typer.BadParameter(
             f"unknown key(s) in {value}: {', '.join(unknown)}; keys are this command's long flag names"
         )
-    ctx.default_map = {**(ctx.default_map or {}), **data}
+    ctx.default_map = {**(ctx.default_map or {}), **{params[key]: item for key, item in data.items()}}
     return value
+
+
+def config_value_error(exc: Any) -> Optional[str]:
+    """The message for a bad value that came from the YAML file, naming the file and its key.
+
+    Click's own message blames the option's environment variable even when the value came from
+    `--config` ("Invalid value for '--max-tokens' (env var: 'LLMCTL_MAX_TOKENS')").
+    """
+    ctx, param = getattr(exc, "ctx", None), getattr(exc, "param", None)
+    if ctx is None or param is None or not param.name:
+        return None
+    if ctx.get_parameter_source(param.name) is not ParameterSource.DEFAULT_MAP or not ctx.params.get("config"):
+        return None
+    return f"config file {ctx.params['config']}: invalid value for '{long_flag(param).lstrip('-')}': {exc.message}"
 
 
 ConfigOption = typer.Option(
@@ -63,11 +127,14 @@ ConfigOption = typer.Option(
 
 
 def assign_env_vars(command: Any) -> None:
-    """Give every option of every command (a click-style tree) its `LLMCTL_<NAME>` environment variable."""
+    """Give every option of every command (a click-style tree) its `LLMCTL_<FLAG>` environment variable.
+
+    Options that declare a per-command name (`envvar="LLMCTL_PROFILE_PORT"`) keep it.
+    """
     for param in command.params:
         if param.param_type_name == "option" and param.name and not param.envvar:
             if param.name in {"help", "version", "install_completion", "show_completion"}:
                 continue
-            param.envvar = env_var_name(param.name)
+            param.envvar = env_var_name(long_flag(param))
     for sub in getattr(command, "commands", {}).values():
         assign_env_vars(sub)
