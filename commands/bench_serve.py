@@ -8,6 +8,7 @@ block (or `--json`), saves or plots it, and turns `--slo` gates and total failur
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -80,14 +81,19 @@ def serve(
     report = _report_options(percentiles, goodput, slo, save_result, plot)
     plan = _plan(request_rate, burstiness, max_concurrency, seed, ignore_eos, temperature)
     base = serve_load.normalize_base_url(base_url)
+    _check_dataset_flags(dataset, dataset_path, random_range_ratio)
     tok = _load_tokenizer(tokenizer)
-    prompts = _prompts(dataset, dataset_path, num_prompts + num_warmups, random_input_len, random_output_len,
-                       random_range_ratio, prefix_len, num_prefixes, seed, tok)
     key = api_key or os.environ.get("OPENAI_API_KEY") or None
-    model_id = serve_load.resolve_model(base, key, model)
-    target = serve_load.Target(base, endpoint.value, model_id, key, request_timeout)
+    served = serve_load.served_model(base, key, model)
+    if tok is None and (tokenizer := _served_tokenizer_folder(served.id)) is not None:
+        tok = _load_tokenizer(tokenizer)
+    shape = _Shape(dataset, dataset_path, num_prompts + num_warmups, random_input_len, random_output_len,
+                   random_range_ratio, prefix_len, num_prefixes, seed)
+    prompts = _fitted_prompts(shape, tok, served.max_model_len, endpoint is Endpoint.chat)
+    target = serve_load.Target(base, endpoint.value, served.id, key, request_timeout)
     run = _run(target, plan, prompts[num_warmups:], prompts[:num_warmups], tok)
     settings = _settings(target, plan, dataset.value, num_prompts, num_warmups, tokenizer, report)
+    settings["max_model_len"] = served.max_model_len
     document = serve_load.result_document(settings, run, report["percentiles"], report["goodput"], save_detailed)
     if report["gates"]:
         document["slo"] = check_slos(report["gates"], document)
@@ -154,25 +160,89 @@ def _load_tokenizer(folder: Optional[Path]):
         raise UserError(f"--tokenizer {folder}: {exc}") from None
 
 
-def _prompts(dataset: DatasetName, path: Optional[Path], count: int, input_len: int, output_len: int,
-             range_ratio: float, prefix_len: int, num_prefixes: int, seed: int, tok):
-    import numpy as np
-
+def _check_dataset_flags(dataset: DatasetName, path: Optional[Path], range_ratio: float) -> None:
     from llmctl.bench import datasets
     from llmctl.errors import UserError
 
     datasets.validate_range_ratio(range_ratio)
-    rng = np.random.default_rng([seed, 0])
-    if dataset is DatasetName.file:
-        if path is None:
-            raise UserError("--dataset file needs --dataset-path FILE.jsonl")
-        return datasets.file_requests(path, count, output_len, tok)
-    if path is not None:
+    if dataset is DatasetName.file and path is None:
+        raise UserError("--dataset file needs --dataset-path FILE.jsonl")
+    if dataset is not DatasetName.file and path is not None:
         raise UserError(f"--dataset-path is only read with --dataset file (not {dataset.value})")
-    if dataset is DatasetName.shared_prefix:
-        return datasets.shared_prefix_requests(count, num_prefixes, prefix_len, input_len, output_len,
-                                               range_ratio, rng, tok)
-    return datasets.random_requests(count, input_len, output_len, range_ratio, rng, tok)
+
+
+def _served_tokenizer_folder(model_id: str) -> Optional[Path]:
+    """The served model's tokenizer when this machine has it: the embedded model's, or a folder named
+    like the model id (vLLM's bench serve likewise loads the tokenizer named by the model)."""
+    from llmctl.engine_options import EMBEDDED_MODEL_ID
+
+    if model_id == EMBEDDED_MODEL_ID:
+        from llmctl.engine.llm_engine import default_model_path
+
+        return default_model_path()
+    folder = Path(model_id).expanduser()
+    return folder if (folder / "tokenizer.json").is_file() else None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    dataset: DatasetName
+    path: Optional[Path]
+    count: int
+    input_len: int
+    output_len: int
+    range_ratio: float
+    prefix_len: int
+    num_prefixes: int
+    seed: int
+
+
+def _fitted_prompts(shape: _Shape, tok, max_model_len: Optional[int], chat: bool):
+    """The prompts, fitted into the server's context (prompt + output <= max_model_len) with a warning."""
+    from dataclasses import replace
+
+    from llmctl.bench import datasets
+
+    if max_model_len is None:
+        return _prompts(shape, tok)
+    context = max_model_len - (datasets.added_tokens(tok, chat) if tok is not None else 0)
+    unit = "tokens" if tok is not None else "words (no --tokenizer: they may tokenize longer)"
+    if shape.dataset is not DatasetName.file:
+        prefix = shape.prefix_len if shape.dataset is DatasetName.shared_prefix else 0
+        input_len, output_len, prefix_len = datasets.fit_lengths(shape.input_len, shape.output_len,
+                                                                 shape.range_ratio, context, prefix)
+        if (input_len, output_len, prefix_len) != (shape.input_len, shape.output_len, prefix):
+            asked = f"--random-input-len {shape.input_len} + --random-output-len {shape.output_len}"
+            asked += f" + --prefix-len {prefix}" if prefix else ""
+            _warn(f"{asked} do not fit the server's max_model_len of {max_model_len}: sending "
+                  f"{input_len}{f' + {prefix_len} prefix' if prefix else ''} prompt and {output_len} output {unit}")
+            shape = replace(shape, input_len=input_len, output_len=output_len, prefix_len=prefix_len or shape.prefix_len)
+    prompts, capped, too_long = datasets.fit_requests(_prompts(shape, tok), context)
+    if capped:
+        _warn(f"{capped} request(s) asked for more output than fits the server's max_model_len of "
+              f"{max_model_len} after the prompt: their max_tokens were lowered")
+    if too_long:
+        _warn(f"{too_long} prompt(s) alone fill the server's max_model_len of {max_model_len}; "
+              "the server will refuse them")
+    return prompts
+
+
+def _warn(message: str) -> None:
+    typer.echo(f"llmctl: warning: {message}", err=True)
+
+
+def _prompts(shape: _Shape, tok):
+    import numpy as np
+
+    from llmctl.bench import datasets
+
+    rng = np.random.default_rng([shape.seed, 0])
+    if shape.dataset is DatasetName.file:
+        return datasets.file_requests(shape.path, shape.count, shape.output_len, tok)
+    if shape.dataset is DatasetName.shared_prefix:
+        return datasets.shared_prefix_requests(shape.count, shape.num_prefixes, shape.prefix_len, shape.input_len,
+                                               shape.output_len, shape.range_ratio, rng, tok)
+    return datasets.random_requests(shape.count, shape.input_len, shape.output_len, shape.range_ratio, rng, tok)
 
 
 # ---- running ---------------------------------------------------------------------------------------

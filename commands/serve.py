@@ -73,7 +73,7 @@ def serve(
             raise UserError("pass --api-key (or LLMCTL_API_KEY) or --api-key-file, not both")
         api_key = _read_key_file(api_key_file)
     settings = ServerSettings(
-        served_model_name=served_model_name or (Path(model).resolve().name if model else "llmctl-default"),
+        served_model_name=served_model_name or (Path(model).resolve().name if model else eo.EMBEDDED_MODEL_ID),
         host=host, port=port, api_key=api_key, max_output_tokens=max_output_tokens, max_body_bytes=max_body_size,
         rate_limit=rate_limit, allowed_origins=list(allowed_origins or []), audit_log=audit_log,
         audit_log_prompts=audit_log_prompts, shutdown_timeout_s=shutdown_timeout, profile_dir=profile_dir,

@@ -12,6 +12,9 @@ from typing import Annotated, Any, Mapping, Optional
 import typer
 
 PANEL = "Engine"
+# The model id `llmctl serve` gives the embedded model; clients that ship with llmctl (bench serve)
+# find the same tokenizer locally by it.
+EMBEDDED_MODEL_ID = "llmctl-default"
 
 
 class Dtype(str, enum.Enum):

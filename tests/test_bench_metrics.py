@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llmctl.bench.arrivals import arrival_offsets
-from llmctl.bench.datasets import (WORDS, file_requests, random_requests, random_text, sample_lengths,
+from llmctl.bench.datasets import (WORDS, BenchRequest, added_tokens, fit_lengths, fit_requests, file_requests, random_requests, random_text, sample_lengths,
                                    shared_prefix_requests)
 from llmctl.bench.metrics import (RequestOutcome, check_slos, compute_metrics, error_samples, metric_keys,
                                   output_timeline, parse_goodput, parse_percentiles, parse_slo, percentile_key,
@@ -230,3 +230,34 @@ def test_file_requests_cycle_and_validate(tmp_path):
             file_requests(path, 1, 8)
     with pytest.raises(UserError, match="cannot read"):
         file_requests(tmp_path / "missing.jsonl", 1, 8)
+
+
+@pytest.mark.parametrize("lengths, ratio, context, prefix, expected", [
+    ((1024, 128), 0.0, 512, 0, (384, 128, 0)),     # output kept (under half the context), prompt gets the rest
+    ((1024, 128), 0.5, 512, 0, (213, 128, 0)),     # longest output 192 <= 256 kept; longest prompt 320
+    ((100, 400), 0.0, 256, 0, (100, 128, 0)),      # output over half: shrinks to half, prompt fits as asked
+    ((32, 16), 0.0, 512, 0, (32, 16, 0)),          # fits: unchanged
+    ((200, 50), 0.0, 250, 100, (133, 50, 66)),     # shared prefix and suffix shrink in proportion
+])
+def test_fit_lengths_keeps_the_longest_request_inside_the_context(lengths, ratio, context, prefix, expected):
+    import math
+
+    got = fit_lengths(*lengths, ratio, context, prefix)
+    assert got == expected
+    in_len, out_len, pre = got
+    assert pre + math.ceil(in_len * (1 + ratio)) + math.ceil(out_len * (1 + ratio)) <= context
+
+
+def test_fit_requests_caps_outputs_and_counts_prompts_that_cannot_fit():
+    reqs = [BenchRequest("a", 10, 5), BenchRequest("b", 28, 5), BenchRequest("c", 30, 5), BenchRequest("d", 40, 1)]
+    fitted, capped, too_long = fit_requests(reqs, 30)
+    assert [r.output_len for r in fitted] == [5, 2, 5, 1] and (capped, too_long) == (1, 2)
+
+
+def test_added_tokens_counts_the_chat_template(tiny_chat_model):
+    from llmctl.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(tiny_chat_model)
+    assert added_tokens(tok, chat=False) == 1  # the BOS of its post-processor
+    bare = len(tok.encode("hello", add_special_tokens=False))
+    assert added_tokens(tok, chat=True) == len(tok.encode_chat([{"role": "user", "content": "hello"}])) - bare > 1

@@ -31,8 +31,9 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "llmctl" / "default_model"
 class FakeOpenAI:
     """Behaviour knobs plus a log of the requests it saw; `app()` builds the FastAPI application."""
 
-    def __init__(self, ttft_s=0.03, itl_s=0.004, fail_every=0, usage=True, error_after=None):
+    def __init__(self, ttft_s=0.03, itl_s=0.004, fail_every=0, usage=True, error_after=None, max_model_len=None):
         self.ttft_s, self.itl_s, self.fail_every, self.usage = ttft_s, itl_s, fail_every, usage
+        self.max_model_len = max_model_len  # listed in /v1/models (as vLLM does) when set
         self.error_after = error_after  # tokens streamed before an in-stream error event
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
@@ -44,7 +45,10 @@ class FakeOpenAI:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": "fake-model", "object": "model"}, {"id": "other"}]}
+            first = {"id": "fake-model", "object": "model"}
+            if self.max_model_len:
+                first["max_model_len"] = self.max_model_len
+            return {"object": "list", "data": [first, {"id": "other"}]}
 
         async def handle(request: Request, chat: bool):
             body = await request.json()
@@ -401,6 +405,31 @@ def test_bench_serve_against_llmctl_serve(llmctl_server, capsys):
     doc = json.loads(out)
     assert doc["completed"] == 4 and doc["total_output_tokens"] == 16
     assert doc["slo"][0]["passed"] is False and "slo violated: p99_ttft_ms<0.001" in err
+
+
+def test_default_lengths_fit_llmctl_serve_defaults(llmctl_server, capsys):
+    """`llmctl serve` and `llmctl bench serve` with their defaults: 1024 + 128 tokens do not fit the
+    default model's 512; the client reads max_model_len from /v1/models, finds the embedded model's
+    tokenizer by its id, and sends exact 384-token prompts (before: 1024 words, every request a 400)."""
+    code, out, err = bench(capsys, "--base-url", llmctl_server, "--num-prompts", "2", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert (doc["completed"], doc["failed"]) == (2, 0), doc["error_samples"]
+    assert doc["max_model_len"] == 512 and doc["tokenizer"] == str(DEFAULT_MODEL)
+    assert (doc["total_input_tokens"], doc["total_output_tokens"]) == (2 * 384, 2 * 128)
+    assert ("llmctl: warning: --random-input-len 1024 + --random-output-len 128 do not fit the server's "
+            "max_model_len of 512: sending 384 prompt and 128 output tokens") in err
+
+
+def test_lengths_fit_the_context_a_server_lists(capsys):
+    behaviour = FakeOpenAI(max_model_len=64)
+    with ThreadServer(behaviour.app()) as url:
+        code, out, err = bench(capsys, "--base-url", url, "--num-prompts", "3", "--json")
+    assert code == 0, err
+    assert [len(b["prompt"].split()) for b in behaviour.bodies] == [32, 32, 32]
+    assert [b["max_tokens"] for b in behaviour.bodies] == [32, 32, 32]
+    assert "sending 32 prompt and 32 output words (no --tokenizer: they may tokenize longer)" in err
+    assert json.loads(out)["max_model_len"] == 64
 
 
 def test_config_file_env_and_flag_precedence(fake, capsys, tmp_path, monkeypatch):

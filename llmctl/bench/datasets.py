@@ -100,6 +100,60 @@ def random_text(rng: np.random.Generator, length: int, tokenizer: Optional[TextT
     return best_text
 
 
+def fit_lengths(input_len: int, output_len: int, range_ratio: float, context: int,
+                prefix_len: int = 0) -> tuple[int, int, int]:
+    """(input_len, output_len, prefix_len) whose longest request fits in `context` tokens.
+
+    Unchanged when they fit. Otherwise the output lengths stay when their longest takes at most half
+    the context (decode is what a serving benchmark measures), else they shrink to that half; the
+    prompt (shared prefix and random part in proportion) gets the rest.
+    """
+    def longest(n: int) -> int:
+        return math.ceil(n * (1 + range_ratio))
+
+    if prefix_len + longest(input_len) + longest(output_len) <= context:
+        return input_len, output_len, prefix_len
+    if context < 3 + (prefix_len > 0):
+        raise UserError(f"the server's context of {context} tokens is too small for a benchmark request")
+    if longest(output_len) > context // 2:
+        output_len = max(1, math.floor(context // 2 / (1 + range_ratio)))
+    budget = context - longest(output_len)
+    scale = min(1.0, budget / (prefix_len + longest(input_len)))
+    prefix_len = max(1, math.floor(prefix_len * scale)) if prefix_len else 0
+    input_len = max(1, math.floor(input_len * scale))
+    while prefix_len + longest(input_len) > budget and input_len > 1:
+        input_len -= 1
+    return input_len, output_len, prefix_len
+
+
+def fit_requests(requests: list[BenchRequest], context: int) -> tuple[list[BenchRequest], int, int]:
+    """Cap each request's output so prompt + output fit in `context` tokens.
+
+    Returns the requests, how many were capped, and how many have a prompt that alone fills the
+    context (they are sent as they are; the server refuses them and they count as failed)."""
+    fitted, capped, too_long = [], 0, 0
+    for request in requests:
+        room = context - request.prompt_len
+        if room < 1:
+            too_long += 1
+        elif request.output_len > room:
+            request, capped = BenchRequest(request.prompt, request.prompt_len, room, request.group), capped + 1
+        fitted.append(request)
+    return fitted, capped, too_long
+
+
+def added_tokens(tokenizer: TextTokenizer, chat: bool) -> int:
+    """Tokens a server adds around a prompt: special tokens (completions) or the chat template (chat)."""
+    probe = "hello"
+    bare = len(tokenizer.encode(probe, add_special_tokens=False))
+    if chat and hasattr(tokenizer, "encode_chat"):
+        try:
+            return len(tokenizer.encode_chat([{"role": "user", "content": probe}])) - bare
+        except Exception:  # noqa: BLE001 - no chat template: the server would refuse chat anyway
+            return 0
+    return len(tokenizer.encode(probe)) - bare
+
+
 def random_requests(num: int, input_len: int, output_len: int, range_ratio: float,
                     rng: np.random.Generator, tokenizer: Optional[TextTokenizer] = None) -> list[BenchRequest]:
     input_lens = sample_lengths(rng, num, input_len, range_ratio)

@@ -79,8 +79,14 @@ def _headers(api_key: Optional[str]) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def resolve_model(base_url: str, api_key: Optional[str], model: Optional[str], timeout_s: float = 10.0) -> str:
-    """Check the server answers (GET /v1/models) and return `model`, or the first model it lists."""
+@dataclass(frozen=True)
+class ServedModel:
+    id: str
+    max_model_len: Optional[int] = None  # vLLM's /v1/models field; None when the server does not say
+
+
+def served_model(base_url: str, api_key: Optional[str], model: Optional[str], timeout_s: float = 10.0) -> ServedModel:
+    """Check the server answers (GET /v1/models): `model`, or the first model it lists, and its context length."""
     import httpx
 
     url = base_url + "/v1/models"
@@ -89,15 +95,34 @@ def resolve_model(base_url: str, api_key: Optional[str], model: Optional[str], t
     except httpx.TransportError as exc:
         raise UserError(f"cannot reach the server at {base_url} ({type(exc).__name__}: {exc}); "
                         "is it running, and is --base-url right?") from None
-    if model:
-        return model  # some servers have no /v1/models; the requests themselves will tell
+    entries = _model_entries(response)
+    if model:  # some servers have no /v1/models; the requests themselves will tell
+        entry = next((e for e in entries if e.get("id") == model), {})
+        return ServedModel(model, _context_length(entry))
     if response.status_code != 200:
         raise UserError(f"GET {url} answered HTTP {response.status_code}: {_error_message(response.text)}; "
                         "pass --model")
+    if not entries or not isinstance(entries[0].get("id"), str):
+        raise UserError(f"GET {url} listed no models; pass --model")
+    return ServedModel(entries[0]["id"], _context_length(entries[0]))
+
+
+def resolve_model(base_url: str, api_key: Optional[str], model: Optional[str], timeout_s: float = 10.0) -> str:
+    """Check the server answers (GET /v1/models) and return `model`, or the first model it lists."""
+    return served_model(base_url, api_key, model, timeout_s).id
+
+
+def _model_entries(response) -> list[dict]:
     try:
-        return response.json()["data"][0]["id"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise UserError(f"GET {url} listed no models; pass --model") from None
+        data = response.json()["data"] if response.status_code == 200 else []
+    except (ValueError, KeyError, TypeError):
+        return []
+    return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+
+
+def _context_length(entry: dict) -> Optional[int]:
+    value = entry.get("max_model_len")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def request_body(target: Target, plan: LoadPlan, request: BenchRequest) -> dict[str, Any]:
