@@ -158,13 +158,26 @@ def test_full_waiting_queue_refuses_with_503_and_retry_after():
         srv.wait_idle()
 
 
-def test_request_timeout_aborts_and_answers_408():
+def test_request_timeout_aborts_and_answers_504_that_the_openai_sdk_does_not_retry():
+    import openai
+
     with running_server(request_timeout_s=0.2) as srv:
         started = time.monotonic()
         response = httpx.post(srv.base_url + "/v1/completions", timeout=30,
                               json={"prompt": "A tale", "max_tokens": 500, "ignore_eos": True})
-        assert response.status_code == 408 and time.monotonic() - started < 5
+        assert response.status_code == 504 and time.monotonic() - started < 5
+        assert response.headers["x-should-retry"] == "false"
         assert response.json()["error"]["code"] == "request_timeout"
+        srv.wait_idle()
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=2)
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.completions.create(model="llmctl-default", prompt="A tale", max_tokens=500,
+                                      extra_body={"ignore_eos": True})
+        assert raised.value.status_code == 504
+        assert srv.engine.get_stats()["num_requests"] == 0
+        served = [line for line in httpx.get(srv.base_url + "/metrics").text.splitlines()
+                  if line.startswith("llmctl:http_requests_total{") and 'status="504"' in line]
+        assert served and float(served[0].rsplit(" ", 1)[1]) == 2.0  # the httpx call and one SDK call: no retries
         srv.wait_idle()
         stream = httpx.post(srv.base_url + "/v1/completions", timeout=30,
                             json={"prompt": "A tale", "max_tokens": 500, "ignore_eos": True, "stream": True})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import platform
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,12 +143,19 @@ def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing, me
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
+    model_card = {"id": settings.served_model_name, "object": "model", "created": int(time.time()),
+                  "owned_by": "llmctl", "max_model_len": serving.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "llmctl", "max_model_len": serving.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)
+        return model_card
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if engine.dead_error is not None or not engine.is_healthy:
             return JSONResponse({"status": "unhealthy", "error": str(engine.dead_error or "engine thread stopped")},

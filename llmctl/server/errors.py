@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
+          504: "timeout_error"}
 
 
 class APIError(Exception):
@@ -55,7 +56,9 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, CapacityError):
         return APIError(503, str(exc), code="insufficient_capacity", headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, RequestTimeoutError):
-        return APIError(408, str(exc), code="request_timeout")
+        # 504, not 408, and told not to retry: the openai SDK retries 408 and every 5xx unless
+        # x-should-retry says false, which would run a request that already took too long three times.
+        return APIError(504, str(exc), code="request_timeout", headers={"x-should-retry": "false"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not serving: {exc}", code="engine_dead", headers={"Retry-After": "30"})
     if isinstance(exc, StepFailedError):
@@ -85,12 +88,21 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}",
                         code="invalid_json")
+    unknown = [_where(error) for error in errors if error.get("type") == "extra_forbidden"]
+    if unknown:  # OpenAI's words for a key it does not know
+        plural = "s" if len(unknown) > 1 else ""
+        return APIError(400, f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}",
+                        param=unknown[0], code="unknown_parameter")
     loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     where = ".".join(loc) or "body"
     message = f"invalid value for '{where}': {first.get('msg', 'invalid')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return APIError(400, message, param=loc[0] if loc else None, code="invalid_type")
+
+
+def _where(error: dict) -> str:
+    return ".".join(str(part) for part in error.get("loc", ()) if part != "body" and not _is_type_tag(part))
 
 
 def _is_type_tag(part: object) -> bool:

@@ -2,14 +2,17 @@
 
 Owns what a valid `/v1/completions` or `/v1/chat/completions` body is: OpenAI's fields, plus the
 sampling extras vLLM accepts (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, ...).
-Unknown fields are ignored, as vLLM does, so newer clients keep working.
+As in OpenAI's API, `null` in an optional field means its default (the spec types them nullable
+and SDKs send `None`), and a key the server does not know is refused ("Unrecognized request
+argument"). Fields OpenAI or vLLM define but this server does not implement are declared, so
+`null` passes, and any other value is refused with a 400 that names them (`check_unsupported`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmctl.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from llmctl.server.errors import APIError
@@ -19,11 +22,83 @@ MAX_STOP_SEQUENCES = 16
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Drop explicit nulls of optional fields, so they take their defaults (OpenAI's nullable fields)."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()}
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: Optional[Any] = None
+
+
+# Defined by OpenAI or vLLM, not implemented here: null or the value that means "off" passes
+# (OpenAI's own default), anything else is refused naming the field. field -> (what it is, accepted values)
+_UNSUPPORTED_COMMON = {
+    "use_beam_search": ("beam search", (False,)),
+    "length_penalty": ("beam search", (1.0, 1)),
+    "allowed_token_ids": ("vLLM's allowed_token_ids", ()),
+    "bad_words": ("vLLM's bad_words", ([],)),
+    "truncate_prompt_tokens": ("vLLM's prompt truncation", ()),
+    "spaces_between_special_tokens": ("vLLM's detokenizer option", (True,)),
+    "add_special_tokens": ("vLLM's tokenizer option", ()),
+    "guided_json": ("vLLM's guided decoding (structured output)", ()),
+    "guided_regex": ("vLLM's guided decoding (structured output)", ()),
+    "guided_choice": ("vLLM's guided decoding (structured output)", ()),
+    "guided_grammar": ("vLLM's guided decoding (structured output)", ()),
+    "guided_decoding_backend": ("vLLM's guided decoding (structured output)", ()),
+    "guided_whitespace_pattern": ("vLLM's guided decoding (structured output)", ()),
+    "structural_tag": ("vLLM's guided decoding (structured output)", ()),
+    "structured_outputs": ("vLLM's structured outputs", ()),
+    "logits_processors": ("vLLM's custom logits processors", ([],)),
+    "return_tokens_as_token_ids": ("vLLM's token-id logprobs", (False,)),
+    "return_token_ids": ("vLLM's token ids in responses", (False,)),
+    "request_id": ("vLLM's client-chosen request id (send the X-Request-Id header)", ()),
+    "cache_salt": ("vLLM's prefix-cache salt", ()),
+    "kv_transfer_params": ("vLLM's disaggregated KV transfer", ()),
+    "vllm_xargs": ("vLLM's extra arguments", ()),
+    "mm_processor_kwargs": ("multimodal input", ()),
+}
+_UNSUPPORTED_COMPLETION = {
+    **_UNSUPPORTED_COMMON,
+    "prompt_embeds": ("vLLM's prompt embeddings", ()),
+}
+_UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED_COMMON,
+    "audio": ("audio output", ()),
+    "modalities": ("output modalities other than text", (["text"],)),
+    "prediction": ("predicted outputs", ()),
+    "moderation": ("moderation", ()),
+    "web_search_options": ("web search", ()),
+    "reasoning_effort": ("reasoning effort (not a reasoning model server)", ()),
+    "verbosity": ("verbosity", ()),
+    "store": ("stored completions", (False,)),
+    "service_tier": ("service tiers", ("auto", "default")),
+    "prompt_cache_retention": ("prompt cache retention (the prefix cache is in memory only)", ("in_memory",)),
+    "prompt_cache_options": ("prompt cache options", ()),
+    "tool_choice": ("tool calling", ("none",)),
+    "parallel_tool_calls": ("tool calling", ()),
+    "functions": ("function calling", ([],)),
+    "function_call": ("function calling", ("none",)),
+    "echo": ("vLLM's chat echo", (False,)),
+    "continue_final_message": ("vLLM's continue_final_message", (False,)),
+    "documents": ("vLLM's RAG documents", ()),
+    "chat_template": ("a per-request chat template", ()),
+    "chat_template_kwargs": ("chat template arguments", ()),
+    "prompt_logprobs": ("prompt logprobs in chat (use /v1/completions)", ()),
+}
 
 
 class _SamplingFields(_Body):
@@ -39,6 +114,10 @@ class _SamplingFields(_Body):
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = Field(default=None, max_length=256)
+    # Identifiers and hints with no effect on the output (OpenAI's); accepted.
+    metadata: Optional[dict[str, str]] = None
+    safety_identifier: Optional[str] = Field(default=None, max_length=256)
+    prompt_cache_key: Optional[str] = None
     # Extras accepted as vLLM does.
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -49,15 +128,41 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    response_format: Optional[ResponseFormat] = None
+    # Declared so null passes; any other value is refused (see _UNSUPPORTED_*).
+    use_beam_search: Optional[Any] = None
+    length_penalty: Optional[Any] = None
+    allowed_token_ids: Optional[Any] = None
+    bad_words: Optional[Any] = None
+    truncate_prompt_tokens: Optional[Any] = None
+    spaces_between_special_tokens: Optional[Any] = None
+    add_special_tokens: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
+    guided_whitespace_pattern: Optional[Any] = None
+    structural_tag: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    return_tokens_as_token_ids: Optional[Any] = None
+    return_token_ids: Optional[Any] = None
+    request_id: Optional[Any] = None
+    cache_salt: Optional[Any] = None
+    kv_transfer_params: Optional[Any] = None
+    vllm_xargs: Optional[Any] = None
+    mm_processor_kwargs: Optional[Any] = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    prompt: Union[str, list[int], list[Union[str, list[int]]], None]  # null: start a new document
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    prompt_embeds: Optional[Any] = None
 
 
 class TextPart(_Body):
@@ -69,10 +174,13 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
-
-
-class ResponseFormat(_Body):
-    type: str
+    # What a client sends back when it replays an assistant message from a response.
+    refusal: Optional[str] = None
+    tool_calls: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    annotations: Optional[list[Any]] = None  # citations on a replayed response: no input to the model
+    tool_call_id: Optional[str] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -81,9 +189,29 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list[Any]] = None
     add_generation_prompt: bool = True
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
+    prediction: Optional[Any] = None
+    moderation: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    store: Optional[Any] = None
+    service_tier: Optional[Any] = None
+    prompt_cache_retention: Optional[Any] = None
+    prompt_cache_options: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    echo: Optional[Any] = None
+    continue_final_message: Optional[Any] = None
+    documents: Optional[Any] = None
+    chat_template: Optional[Any] = None
+    chat_template_kwargs: Optional[Any] = None
+    prompt_logprobs: Optional[Any] = None
 
     def plain_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them: role and text content."""
@@ -101,6 +229,20 @@ class ChatCompletionRequest(_SamplingFields):
 
 def check_unsupported(body: Union[CompletionRequest, ChatCompletionRequest]) -> None:
     """Refuse features we do not implement instead of silently ignoring them."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if body.stream_options is not None and body.stream_options.include_obfuscation:
+        raise APIError(400, "stream_options.include_obfuscation is not supported by this server",
+                       param="stream_options")
+    table = _UNSUPPORTED_COMPLETION if isinstance(body, CompletionRequest) else _UNSUPPORTED_CHAT
+    refused = [name for name, (_, accepted) in table.items()
+               if getattr(body, name) is not None and not _is_accepted(getattr(body, name), accepted)]
+    if refused:
+        what = "; ".join(f"{name} ({table[name][0]})" for name in refused)
+        raise APIError(400, f"not supported by this server: {what}", param=refused[0], code="unsupported_parameter")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, f"response_format {body.response_format.type!r} is not supported (only 'text')",
+                       param="response_format")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise APIError(400, "suffix (insertion) is not supported by this server", param="suffix")
@@ -109,10 +251,16 @@ def check_unsupported(body: Union[CompletionRequest, ChatCompletionRequest]) -> 
                            param="best_of")
     else:
         if body.tools:
-            raise APIError(400, "tool calling is not supported by this server", param="tools")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, f"response_format {body.response_format.type!r} is not supported (only 'text')",
-                           param="response_format")
+            raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
+        for index, message in enumerate(body.messages):
+            if message.tool_calls or message.function_call is not None or message.audio is not None:
+                raise APIError(400, "assistant messages with tool_calls, function_call or audio are not supported "
+                                    "by this server", param=f"messages.{index}")
+
+
+def _is_accepted(value: Any, accepted: tuple) -> bool:
+    """Whether `value` is one of the values that mean "off" (same type, so `1` is not `true`)."""
+    return any(type(value) is type(option) and value == option for option in accepted)
 
 
 def requested_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:

@@ -74,12 +74,12 @@ class OpenAIServing:
 
     # ---- entry points -----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
-        self._check_model(body.model)
+        self.check_model(body.model)
         check_unsupported(body)
         return await self._serve(body, request, await self.tokenize(body), chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._check_model(body.model)
+        self.check_model(body.model)
         check_unsupported(body)
         return await self._serve(body, request, await self.tokenize(body), chat=True)
 
@@ -97,7 +97,8 @@ class OpenAIServing:
         audit["completion_tokens"] = job.usage()["completion_tokens"]
         return JSONResponse(self._chat_body(job) if chat else self._completion_body(job))
 
-    def _check_model(self, model: Optional[str]) -> None:
+    def check_model(self, model: Optional[str]) -> None:
+        """404 (OpenAI's `model_not_found`) unless `model` is None or the served name."""
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
@@ -129,6 +130,8 @@ class OpenAIServing:
                                 f"{limit} characters)", param=param, code="context_length_exceeded")
     def _completion_prompts(self, body: CompletionRequest) -> list[_Prompt]:
         prompt = body.prompt
+        if prompt is None:
+            return [self._document_start()]
         if isinstance(prompt, str):
             items: list[Union[str, list[int]]] = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -140,6 +143,14 @@ class OpenAIServing:
         if len(items) > MAX_PROMPTS_PER_REQUEST:
             raise APIError(400, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", param="prompt")
         return [self._prompt(item) for item in items]
+
+    def _document_start(self) -> _Prompt:
+        """`prompt: null`: OpenAI generates "as if from the beginning of a new document", i.e. from BOS."""
+        bos = self.tokenizer.bos_token_id if self.tokenizer is not None else None
+        if bos is None:
+            raise APIError(400, "prompt is null (start of a document), but this model's tokenizer has no BOS "
+                                "token to start from: send a prompt", param="prompt")
+        return _Prompt("", [bos])
 
     def _prompt(self, item: Union[str, list[int]]) -> _Prompt:
         if isinstance(item, str):
@@ -249,7 +260,7 @@ class OpenAIServing:
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                 })
         return {"id": job.response_id, "object": "text_completion", "created": job.created,
-                "model": self.model_name, "choices": choices, "usage": job.usage()}
+                "model": self.model_name, "system_fingerprint": None, "choices": choices, "usage": job.usage()}
 
     def _chat_body(self, job: _Job) -> dict[str, Any]:
         body: ChatCompletionRequest = job.body  # type: ignore[assignment]
@@ -257,13 +268,13 @@ class OpenAIServing:
         for completion in job.finals[0].outputs:
             choices.append({
                 "index": completion.index,
-                "message": {"role": "assistant", "content": completion.text},
+                "message": {"role": "assistant", "content": completion.text, "refusal": None},
                 "logprobs": {"content": self._chat_logprobs(completion.token_ids, completion.logprobs,
                                                             body.top_logprobs or 0)} if body.logprobs else None,
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             })
         return {"id": job.response_id, "object": "chat.completion", "created": job.created,
-                "model": self.model_name, "choices": choices, "usage": job.usage()}
+                "model": self.model_name, "system_fingerprint": None, "choices": choices, "usage": job.usage()}
 
     # ---- streaming --------------------------------------------------------------------------------
     async def _sse(self, job: _Job, events: AsyncIterator[dict[str, Any]], audit: dict[str, Any]) -> AsyncIterator[str]:
@@ -275,7 +286,8 @@ class OpenAIServing:
                 yield _data(event)
             if include_usage:
                 yield _data({"id": job.response_id, "object": _chunk_object(job), "created": job.created,
-                             "model": self.model_name, "choices": [], "usage": job.usage()})
+                             "model": self.model_name, "system_fingerprint": None, "choices": [],
+                             "usage": job.usage()})
         except EngineError as exc:
             yield _data(from_exception(exc).body())
         finally:
@@ -312,12 +324,12 @@ class OpenAIServing:
                           if body.logprobs is not None else None,
                           "finish_reason": reason, "stop_reason": completion.stop_reason if reason else None}
                 yield {"id": job.response_id, "object": "text_completion", "created": job.created,
-                       "model": self.model_name, "choices": [choice]}
+                       "model": self.model_name, "system_fingerprint": None, "choices": [choice]}
 
     async def _chat_events(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         body: ChatCompletionRequest = job.body  # type: ignore[assignment]
         for index in range(body.n):
-            yield self._chat_chunk(job, index, {"role": "assistant", "content": ""}, None, None)
+            yield self._chat_chunk(job, index, {"role": "assistant", "content": "", "refusal": None}, None, None)
         async for _, output in self._outputs(job):
             for completion, delta, ids, lps, reason, _first in self._deltas(job, 0, output):
                 logprobs = {"content": self._chat_logprobs(ids, lps, body.top_logprobs or 0)} if body.logprobs else None
@@ -326,7 +338,7 @@ class OpenAIServing:
 
     def _chat_chunk(self, job: _Job, index: int, delta: dict, logprobs: Optional[dict], reason: Optional[str]) -> dict:
         return {"id": job.response_id, "object": "chat.completion.chunk", "created": job.created,
-                "model": self.model_name,
+                "model": self.model_name, "system_fingerprint": None,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
     # ---- logprobs ---------------------------------------------------------------------------------
