@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -73,10 +73,13 @@ def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> 
 
 @dataclass(frozen=True)
 class StepInfo:
-    """What the latest step ran: the server fails exactly these requests when a step raises."""
+    """What the latest step ran: the server fails exactly these requests when a step raises.
+    `inter_token_latencies` (seconds since each sampled sequence's previous token; first tokens
+    have none) is filled once the step's tokens are in, for the server's per-token histogram."""
     request_ids: tuple[str, ...]
     num_batched_tokens: int
     token_budget: int
+    inter_token_latencies: tuple[float, ...] = ()
 
     @property
     def batch_efficiency(self) -> float:
@@ -269,6 +272,7 @@ class LLMEngine:
     def _apply(self, out: SchedulerOutput, result) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        latencies: list[float] = []
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
@@ -277,8 +281,11 @@ class LLMEngine:
                 seq.prompt_logprobs[position] = entry
             if seq.seq_id in result.sampled:
                 request = self.requests[seq.request_id]
+                if seq.last_token_time is not None:
+                    latencies.append(now - seq.last_token_time)
                 self._append(request, seq, *result.sampled[seq.seq_id], now)
                 touched[request.request_id] = request
+        self.last_step = replace(self.last_step, inter_token_latencies=tuple(latencies))
         outputs = [self._output(r) for r in touched.values()]
         for request in touched.values():
             if request.finished:
@@ -322,6 +329,7 @@ class LLMEngine:
         seq.append_token(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
+        seq.last_token_time = now
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
@@ -395,5 +403,9 @@ class LLMEngine:
                              request.finished, metrics, prompt_logprobs)
 
     def get_stats(self) -> dict[str, float]:
-        return {**self.scheduler.stats(), "num_requests": len(self.requests),
+        stats = self.scheduler.stats()
+        # Requests, not sequences: every unfinished request with no sequence running is waiting
+        # (queued, preempted or held back by dynamic batching); O(1), unlike a pass over the queue.
+        stats["num_waiting_requests"] = len(self.requests) - stats["num_running_requests"]
+        return {**stats, "num_requests": len(self.requests),
                 "num_oom_retries": self.num_oom_retries, "num_capacity_errors": self.num_capacity_errors}

@@ -235,12 +235,16 @@ class Scheduler:
         queries = self.blocks.prefix_queries
         return {
             "num_running": len(self.running),
+            "num_running_requests": len({seq.request_id for seq in self.running}),  # n > 1: siblings count once
             "num_waiting": len(self.waiting),
             "kv_cache_usage": self.blocks.usage,
             "num_free_blocks": self.blocks.num_free_blocks,
             "num_total_blocks": self.blocks.num_blocks,
             "kv_cache_fragmentation": self._fragmentation(),
             "prefix_cache_hit_rate": self.blocks.prefix_hits / queries if queries else 0.0,
+            # In tokens like vLLM's counters; the cache works in whole blocks, so these are multiples of it.
+            "prefix_cache_queries": queries * self.blocks.block_size,
+            "prefix_cache_hits": self.blocks.prefix_hits * self.blocks.block_size,
             "num_preemptions": self.num_preemptions,
             "token_budget": self.token_budget,
             "max_num_seqs": self.max_num_seqs,

@@ -48,6 +48,7 @@ class Sequence:
     generator: Optional[torch.Generator] = None
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None  # for the inter-token latency of the next token
     finished_time: Optional[float] = None
 
     def __post_init__(self) -> None:

@@ -88,7 +88,7 @@ KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/he
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine: bool = True) -> FastAPI:
     """The ASGI app serving `engine`; the engine warms up on startup unless already started."""
     settings.validate()
-    metrics = ServerMetrics(settings.served_model_name, engine.get_stats)
+    metrics = ServerMetrics(settings.served_model_name, engine.get_stats, lambda: engine.is_healthy)
     engine.add_step_listener(metrics.observe_step)
     serving = OpenAIServing(engine, settings.served_model_name, settings.max_output_tokens, metrics)
     audit = AuditLog(settings.audit_log, settings.audit_log_prompts) if settings.audit_log else None

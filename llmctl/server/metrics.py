@@ -23,19 +23,34 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 
 RATIO_BUCKETS = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
+def _one_two_five(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while scale <= limit:
+        buckets.extend(b for b in (scale, 2 * scale, 5 * scale) if b <= limit)
+        scale *= 10
+    return tuple(float(b) for b in buckets)
+
+
+# Tokens per request and per engine step; 1-2-5 steps up to 1M tokens (longer than any context).
+TOKEN_COUNT_BUCKETS = _one_two_five(1_000_000)
+
+
 class _EngineStatsCollector(Collector):
     """Reads the engine's latest snapshot when Prometheus scrapes."""
 
-    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str):
+    def __init__(self, stats: Callable[[], dict[str, float]], healthy: Callable[[], bool], model_name: str):
         self._stats = stats
+        self._healthy = healthy
         self._model = model_name
 
     def collect(self) -> Iterator:
         stats = self._stats()
         gauges = [
-            ("llmctl:num_requests_running", "Sequences in the running batch.", stats.get("num_running", 0)),
-            ("llmctl:num_requests_waiting", "Sequences waiting to be scheduled (incl. not yet admitted).",
-             stats.get("num_waiting", 0) + stats.get("num_pending", 0)),
+            ("llmctl:num_requests_running", "Requests with a sequence in the running batch.",
+             stats.get("num_running_requests", 0)),
+            ("llmctl:num_requests_waiting", "Requests waiting to be scheduled (queued, preempted or not yet "
+             "admitted).", stats.get("num_waiting_requests", 0) + stats.get("num_pending", 0)),
             ("llmctl:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
              stats.get("kv_cache_usage", 0.0)),
             ("llmctl:kv_cache_fragmentation_perc", "Fraction of the running sequences' allocated KV slots "
@@ -45,6 +60,8 @@ class _EngineStatsCollector(Collector):
             ("llmctl:kv_cache_free_blocks", "Free KV-cache blocks.", stats.get("num_free_blocks", 0)),
             ("llmctl:step_token_budget", "Tokens a step may compute now (below --max-num-batched-tokens for "
              "a while after a step ran out of memory).", stats.get("token_budget", 0)),
+            ("llmctl:engine_healthy", "1 while the engine thread runs (warming up or serving), 0 once it died.",
+             1.0 if self._healthy() else 0.0),
         ]
         counters = [
             ("llmctl:num_preemptions", "Sequences preempted (KV cache full).", stats.get("num_preemptions", 0)),
@@ -52,6 +69,10 @@ class _EngineStatsCollector(Collector):
              stats.get("num_oom_retries", 0)),
             ("llmctl:num_capacity_errors", "Requests finished with a capacity error (503): out of memory "
              "even alone at the smallest chunk.", stats.get("num_capacity_errors", 0)),
+            ("llmctl:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (whole blocks).",
+             stats.get("prefix_cache_queries", 0)),
+            ("llmctl:prefix_cache_hits", "Prompt tokens found in the prefix cache (whole blocks).",
+             stats.get("prefix_cache_hits", 0)),
         ]
         for family_type, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in rows:
@@ -61,7 +82,8 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, engine_stats: Callable[[], dict[str, float]]):
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict[str, float]],
+                 engine_healthy: Callable[[], bool]):
         disable_created_metrics()  # the *_created samples double every series for no dashboard use
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
@@ -84,15 +106,30 @@ class ServerMetrics:
         self.batch_efficiency = Histogram("llmctl:batch_efficiency", "Tokens computed per engine step over the "
                                           "step's token budget.", labels, buckets=RATIO_BUCKETS, registry=r)
         self.step_tokens = Counter("llmctl:step_tokens", "Tokens computed by engine steps.", labels, registry=r)
-        r.register(_EngineStatsCollector(engine_stats, model_name))
+        self.iteration_tokens = Histogram("llmctl:iteration_tokens_total", "Tokens computed per engine step.",
+                                          labels, buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("llmctl:inter_token_latency_seconds", "Time between two "
+                                             "consecutive tokens of a sequence, per token.", labels,
+                                             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("llmctl:request_prompt_tokens", "Prompt tokens per finished "
+                                               "request.", labels, buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("llmctl:request_generation_tokens", "Tokens generated per "
+                                                   "finished request (all its choices).", labels,
+                                                   buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        r.register(_EngineStatsCollector(engine_stats, engine_healthy, model_name))
 
     def observe_http(self, endpoint: str, status: int) -> None:
         self.http_requests.labels(endpoint, str(status)).inc()
 
     def observe_step(self, step: StepInfo, _stats: dict[str, float]) -> None:
         """Engine-thread listener (prometheus_client is thread-safe)."""
-        self.batch_efficiency.labels(self.model_name).observe(step.batch_efficiency)
-        self.step_tokens.labels(self.model_name).inc(step.num_batched_tokens)
+        model = self.model_name
+        self.batch_efficiency.labels(model).observe(step.batch_efficiency)
+        self.step_tokens.labels(model).inc(step.num_batched_tokens)
+        self.iteration_tokens.labels(model).observe(step.num_batched_tokens)
+        inter_token = self.inter_token_latency.labels(model)
+        for latency in step.inter_token_latencies:
+            inter_token.observe(latency)
 
     def observe_finished(self, output: RequestOutput) -> None:
         model = self.model_name
@@ -100,6 +137,8 @@ class ServerMetrics:
         generated = sum(len(c.token_ids) for c in output.outputs)
         self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
         self.generation_tokens.labels(model).inc(generated)
+        self.request_prompt_tokens.labels(model).observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.labels(model).observe(generated)
         for completion in output.outputs:
             self.request_success.labels(model, completion.finish_reason or "unknown").inc()
         if metrics.time_to_first_token is not None:
