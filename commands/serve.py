@@ -31,6 +31,7 @@ def serve(
     auth_failure_limit: Annotated[str, _o("--auth-failure-limit", help="Failed authentications allowed per client, e.g. 10/minute; then 429.", panel=SECURITY)] = "10/minute",
     forwarded_allow_ips: Annotated[Optional[str], _o("--forwarded-allow-ips", help="Comma-separated proxy IPs (or *) whose X-Forwarded-For/-Proto are trusted (default: none).", panel=SECURITY)] = None,
     limit_concurrency: Annotated[Optional[int], _o("--limit-concurrency", help="Most open connections; more get 503.", panel=SECURITY)] = 1024,
+    max_seqs_per_request: Annotated[int, _o("--max-seqs-per-request", help="Most sequences (prompts x n) one request may ask for.", panel=SECURITY)] = 256,
     timeout_headers: Annotated[float, _o("--timeout-headers", help="Seconds a client has to send a request's headers.", panel=SECURITY)] = 10.0,
     timeout_body: Annotated[float, _o("--timeout-body", help="Seconds a client has to send a request's body (then 408).", panel=SECURITY)] = 60.0,
     timeout_keep_alive: Annotated[float, _o("--timeout-keep-alive", help="Seconds an idle keep-alive connection stays open.", panel=SECURITY)] = 5.0,
@@ -79,7 +80,7 @@ def serve(
         audit_log_prompts=audit_log_prompts, shutdown_timeout_s=shutdown_timeout, profile_dir=profile_dir,
         auth_failure_limit=auth_failure_limit, forwarded_allow_ips=forwarded_allow_ips,
         limit_concurrency=limit_concurrency, timeout_headers_s=timeout_headers, timeout_body_s=timeout_body,
-        timeout_keep_alive_s=timeout_keep_alive,
+        timeout_keep_alive_s=timeout_keep_alive, max_sequences_per_request=max_seqs_per_request,
     )
     try:
         settings.validate()

@@ -208,3 +208,86 @@ def test_a_maximal_text_prompt_is_refused_without_stalling_the_server():
             assert response.status_code == 400, response.text[:300]
             assert response.json()["error"]["code"] == "context_length_exceeded"
 
+
+
+def test_a_bug_is_one_logged_traceback_and_a_500_on_a_kept_connection(server, baseline, monkeypatch, caplog):
+    from llmctl.server.serving import OpenAIServing
+
+    async def broken(self, body):
+        raise RuntimeError("an injected bug")
+
+    monkeypatch.setattr(OpenAIServing, "tokenize", broken)
+    with caplog.at_level("WARNING"):
+        raw = raw_exchange(server.port, [_head("/v1/completions", f"Content-Length: {len(BODY)}") + BODY
+                                         + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"], timeout_s=3)
+    assert responses_in(raw) == [500, 200], raw[:400]  # the connection served the next request
+    assert json_body_of(raw)["error"]["code"] == "internal_error" and b"Traceback" not in raw
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
+    monkeypatch.undo()
+    server.assert_recovered(baseline)
+
+
+def test_tokens_streamed_before_a_disconnect_are_audited_and_counted(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    log = tmp_path / "audit.jsonl"
+    with running_server(audit_log=log) as srv:
+        before = rss_mib()
+        received = 0
+        body = {"prompt": "A tale", "max_tokens": 400, "ignore_eos": True, "stream": True, "logprobs": 0}
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    received += len(json.loads(line[6:])["choices"][0]["logprobs"]["tokens"])
+                if received >= 5:
+                    break  # leaving the block closes the connection mid-stream
+        srv.wait_idle()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not log.read_text().strip():
+            time.sleep(0.05)
+        [line] = [json.loads(x) for x in log.read_text().splitlines()]
+        assert received <= line["completion_tokens"] < 400, line
+        families = text_string_to_metric_families(httpx.get(srv.base_url + "/metrics").text)
+        generated = next(s.value for f in families for s in f.samples if s.name == "llmctl:generation_tokens_total")
+        assert generated == line["completion_tokens"]
+        srv.assert_recovered(before)
+
+
+def test_the_audit_line_is_written_whatever_the_text(tmp_path):
+    log = tmp_path / "audit.jsonl"
+    with running_server(audit_log=log, audit_log_prompts=True) as srv:
+        raw = (b'{"messages": [{"role": "user", "content": "hi", "name": "\\ud800"}], "max_tokens": 2}')
+        response = httpx.post(srv.base_url + "/v1/chat/completions", content=raw,
+                              headers={"Content-Type": "application/json"}, timeout=30)
+        assert response.status_code < 500, response.text
+    [line] = [json.loads(x) for x in log.read_text().splitlines()]
+    assert line["path"] == "/v1/chat/completions" and line["status"] == response.status_code
+
+
+def test_clients_sending_the_same_request_id_do_not_collide(server, baseline):
+    import threading
+
+    headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "same-id"}
+    first_chunk = threading.Event()
+    statuses: list[int] = []
+
+    def long_stream() -> None:
+        body = {"prompt": "A tale", "max_tokens": 16, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers,
+                          timeout=60) as response:
+            statuses.append(response.status_code)
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    first_chunk.set()
+                    time.sleep(0.05)
+
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    assert first_chunk.wait(30)
+    second = httpx.post(server.base_url + "/v1/completions", headers=headers, timeout=30,
+                        json={"prompt": "x", "max_tokens": 2})
+    reader.join(60)
+    assert second.status_code == 200, second.text
+    assert second.headers["x-request-id"] == "same-id" and statuses == [200]
+    server.assert_recovered(baseline)

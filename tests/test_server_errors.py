@@ -77,6 +77,21 @@ CASES = [
      "invalid_request_error", None),
     ("chunked body over the size limit", _post("/v1/completions", raw=iter([b'{"prompt": "', b"y" * 70_000, b'"}'])),
      413, "invalid_request_error", None),
+    # Issue 12 (hostile callers); the raw-socket attacks are in test_server_attacks.py.
+    ("logit_bias key '--1' (6)", _post("/v1/completions", {"prompt": "x", "logit_bias": {"--1": 1}}), 400,
+     "invalid_request_error", "logit_bias"),
+    ("logit_bias key superscript two (6)", _post("/v1/completions", {"prompt": "x", "logit_bias": {"\u00b2": 1}}),
+     400, "invalid_request_error", "logit_bias"),
+    ("NaN literal (10)", _post("/v1/completions", raw=b'{"prompt": "x", "temperature": NaN}'), 400,
+     "invalid_request_error", None),
+    ("Infinity literal (10)", _post("/v1/completions", raw=b'{"prompt": "x", "repetition_penalty": Infinity}'), 400,
+     "invalid_request_error", None),
+    ("temperature Infinity (10)", _post("/v1/completions", raw=b'{"prompt": "x", "temperature": Infinity}'), 400,
+     "invalid_request_error", None),
+    ("prompts x n over the cap (10)", _post("/v1/completions", {"prompt": ["x"] * 17, "n": 16, "max_tokens": 1}),
+     400, "invalid_request_error", "n"),
+    ("trailing slash is not redirected to the Host header (10)",
+     _post("/v1/models/", method="GET", headers={**AUTH, "Host": "evil.example"}), 404, "not_found_error", None),
 ]
 
 
@@ -89,6 +104,7 @@ def test_bad_request_gets_openai_error(server, name, request_spec, status, error
         else:
             response = http.request(method, path, json=body, headers=headers)
         assert response.status_code == status, response.text
+        assert "location" not in response.headers
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] == error_type and error["message"]

@@ -9,22 +9,24 @@ until it is ready, so a load balancer only routes to a warm server.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import platform
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 
 from llmctl.__about__ import __version__
 from llmctl.engine.async_engine import AsyncLLMEngine
 from llmctl.server.errors import APIError, install_error_handlers
 from llmctl.server.metrics import ServerMetrics, endpoint_label
-from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, RateLimit, RateLimiter, RequestContext,
+from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, InternalErrors, RateLimit, RateLimiter, RequestContext,
                                       audit_line, is_protected)
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -55,6 +57,8 @@ class ServerSettings:
     timeout_body_s: float = 60.0
     timeout_keep_alive_s: float = 5.0
     limit_concurrency: Optional[int] = 1024
+    # prompts x n per request: one request could otherwise fan out to 256 x 16 = 4,096 sequences.
+    max_sequences_per_request: int = 256
 
     def validate(self) -> None:
         checks = [
@@ -68,6 +72,7 @@ class ServerSettings:
             (self.timeout_body_s > 0, "--timeout-body must be > 0"),
             (self.timeout_keep_alive_s > 0, "--timeout-keep-alive must be > 0"),
             (self.limit_concurrency is None or self.limit_concurrency >= 1, "--limit-concurrency must be >= 1"),
+            (self.max_sequences_per_request >= 1, "--max-seqs-per-request must be >= 1"),
             (self.forwarded_allow_ips is None or bool(self.forwarded_allow_ips.strip()),
              "--forwarded-allow-ips must not be empty"),
         ]
@@ -90,7 +95,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     settings.validate()
     metrics = ServerMetrics(settings.served_model_name, engine.get_stats, lambda: engine.is_healthy)
     engine.add_step_listener(metrics.observe_step)
-    serving = OpenAIServing(engine, settings.served_model_name, settings.max_output_tokens, metrics)
+    serving = OpenAIServing(engine, settings.served_model_name, settings.max_output_tokens, metrics,
+                            settings.max_sequences_per_request)
     audit = AuditLog(settings.audit_log, settings.audit_log_prompts) if settings.audit_log else None
 
     @asynccontextmanager
@@ -105,8 +111,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
             if audit is not None:
                 audit.close()
 
+    # No trailing-slash redirects: Starlette builds their Location from the client's Host header.
     app = FastAPI(title="llmctl", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, redirect_slashes=False)
+    app.router.route_class = StrictJSONRoute
     install_error_handlers(app)
     _add_routes(app, engine, serving, metrics, settings)
 
@@ -118,6 +126,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     # Added innermost first: a request passes RequestContext, CORS, the rate limit, auth, then the
     # body guard. Nothing reads the body before the caller is counted and authenticated, and every
     # refusal passes back through CORS, so a browser can read why it failed.
+    app.add_middleware(InternalErrors)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.timeout_body_s)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key,
@@ -131,6 +140,29 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"])
     app.add_middleware(RequestContext, on_finished=on_finished)
     return app
+
+
+class _StrictJSONRequest(Request):
+    """A request whose JSON body may not use Python's extensions NaN, Infinity and -Infinity."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = json.loads(await self.body(), parse_constant=_refuse_constant)
+        return self._json
+
+
+def _refuse_constant(name: str) -> Any:
+    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
+
+
+class StrictJSONRoute(APIRoute):
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def strict_handler(request: Request) -> Response:
+            return await handler(_StrictJSONRequest(request.scope, request.receive))
+
+        return strict_handler
 
 
 def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing, metrics: ServerMetrics,

@@ -112,6 +112,7 @@ def _is_type_tag(part: object) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Handlers for the errors a request can cause; real bugs are `middleware.InternalErrors`' job."""
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _validation_error(exc).response()
@@ -131,6 +132,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
         return from_exception(exc).response()
 
-    @app.exception_handler(Exception)
-    async def _on_error(request: Request, exc: Exception) -> JSONResponse:
-        return from_exception(exc).response()

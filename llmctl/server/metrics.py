@@ -151,6 +151,11 @@ class ServerMetrics:
             if per_seq > 1 and metrics.first_token_time is not None:
                 self.tpot.labels(model).observe((metrics.finished_time - metrics.first_token_time) / (per_seq - 1))
 
+    def observe_cut_off(self, delivered_tokens: int) -> None:
+        """Tokens streamed for choices that never finished (the client left): generated all the same."""
+        if delivered_tokens > 0:
+            self.generation_tokens.labels(self.model_name).inc(delivered_tokens)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

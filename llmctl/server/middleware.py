@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 import threading
 import time
@@ -24,11 +25,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from llmctl.server.errors import APIError
+from llmctl.server.errors import APIError, from_exception
 
 ASGIApp = Callable[..., Any]
 PROTECTED_PREFIXES = ("/v1/", "/start_profile", "/stop_profile")
 AUDIT_KEY = "llmctl.audit"
+logger = logging.getLogger(__name__)
 
 
 def is_protected(path: str) -> bool:
@@ -58,7 +60,10 @@ class AuditLog:
     def __init__(self, path: Path, include_prompts: bool):
         self.include_prompts = include_prompts
         self._lock = threading.Lock()
-        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives as long as the server
+        # backslashreplace: a line is written whatever text a request carried (a lone surrogate in a
+        # chat `name` used to make the write raise, so a served request left no audit line).
+        self._file = open(path, "a", buffering=1, encoding="utf-8",  # noqa: SIM115 - lives as long as the server
+                          errors="backslashreplace")
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, ensure_ascii=False)
@@ -103,7 +108,10 @@ class RequestContext:
             await self.app(scope, receive, send_wrapper)
         finally:
             record["latency_ms"] = round((time.monotonic() - start) * 1000.0, 3)
-            self.on_finished(record)
+            try:
+                self.on_finished(record)
+            except Exception:  # noqa: BLE001 - a metrics/audit failure must not turn into a failed response
+                logger.exception("could not record request %s in the metrics or the audit log", request_id)
 
 
 def audit_line(record: dict[str, Any], include_prompts: bool) -> dict[str, Any]:
@@ -118,6 +126,34 @@ def _header(scope: dict, name: bytes) -> Optional[str]:
         if key.lower() == name:
             return value.decode("latin-1")
     return None
+
+
+# ---- unexpected errors ---------------------------------------------------------------------------
+class InternalErrors:
+    """Innermost: a bug in a handler becomes one logged traceback and an OpenAI-shaped 500, on a
+    connection that stays open. (Left to Starlette, the error is re-raised to uvicorn, which logs
+    it a second time and drops the keep-alive connection.)"""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_wrapper(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:  # noqa: BLE001 - this is the last place to turn it into an answer
+            error = from_exception(exc)  # logs the traceback once
+            if not started:
+                await send_error(send, error)
 
 
 # ---- body guard ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ argument"). Fields OpenAI or vLLM define but this server does not implement are 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -341,7 +342,8 @@ def _logit_bias(bias: dict[str, float], vocab_size: int):
 
     ids, values = [], []
     for key, value in bias.items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+        # ASCII digits only: "--1" and "²" pass str.isdigit() after lstrip("-") but int() refuses them.
+        if not re.fullmatch(r"[0-9]{1,12}", key) or not int(key) < vocab_size:
             raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", param="logit_bias")
         if not -100.0 <= value <= 100.0:
             raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")

@@ -55,6 +55,10 @@ class _Job:
         for stream in self.streams:
             stream.cancel()
 
+    def delivered_tokens(self) -> int:
+        """Completion tokens sent to the client so far (all of them once every choice finished)."""
+        return sum(self.sent_tokens.values())
+
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
@@ -62,8 +66,10 @@ class _Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_output_tokens: int, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_output_tokens: int, metrics: ServerMetrics,
+                 max_sequences_per_request: int = 256):
         self.engine = engine
+        self.max_sequences_per_request = max_sequences_per_request
         self.model_name = model_name
         self.max_output_tokens = max_output_tokens
         self.metrics = metrics
@@ -88,14 +94,24 @@ class OpenAIServing:
         audit.update(model=self.model_name, user=body.user, stream=body.stream,
                      prompt_tokens=sum(len(p.token_ids) for p in prompts),
                      prompt=[p.text for p in prompts] if not chat else body.plain_messages())
-        job = await self._submit(body, prompts, audit.get("request_id") or uuid.uuid4().hex, chat)
+        self._check_fan_out(body, prompts)
+        # The engine id is always ours: a client's X-Request-Id is for logs and may repeat across clients.
+        job = await self._submit(body, prompts, uuid.uuid4().hex, chat)
         if body.stream:
             events = self._chat_events(job) if chat else self._completion_events(job)
             return StreamingResponse(self._sse(job, events, audit), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        audit["completion_tokens"] = 0  # stays 0 if the client leaves before the body is sent
         await self._collect(job, request)
         audit["completion_tokens"] = job.usage()["completion_tokens"]
         return JSONResponse(self._chat_body(job) if chat else self._completion_body(job))
+
+    def _check_fan_out(self, body: AnyRequest, prompts: list[_Prompt]) -> None:
+        sequences = len(prompts) * body.n
+        if sequences > self.max_sequences_per_request:
+            raise APIError(400, f"the request asks for {sequences} sequences ({len(prompts)} prompts x n={body.n}); "
+                                f"this server allows at most {self.max_sequences_per_request} per request "
+                                "(--max-seqs-per-request)", param="n", code="too_many_sequences")
 
     def check_model(self, model: Optional[str]) -> None:
         """404 (OpenAI's `model_not_found`) unless `model` is None or the served name."""
@@ -292,7 +308,9 @@ class OpenAIServing:
             yield _data(from_exception(exc).body())
         finally:
             job.cancel()
-            audit["completion_tokens"] = job.usage()["completion_tokens"]
+            # Count what reached the client, also when it went away mid-stream.
+            audit["completion_tokens"] = job.delivered_tokens()
+            self.metrics.observe_cut_off(job.delivered_tokens() - job.usage()["completion_tokens"])
         yield "data: [DONE]\n\n"
 
     def _deltas(self, job: _Job, p_index: int, output: RequestOutput):
