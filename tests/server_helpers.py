@@ -44,8 +44,8 @@ def raw_exchange(port: int, chunks: list[bytes], *, pause_s: float = 0.0, timeou
                 data = sock.recv(65536)
             except socket.timeout:
                 break
-            except OSError:
-                break
+            except ConnectionResetError:  # closed with our unread bytes pending: the kernel resets
+                return received + b"<closed>"
             if not data:
                 return received + b"<closed>"
             received += data

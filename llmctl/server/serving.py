@@ -138,7 +138,7 @@ class OpenAIServing:
             texts, param = ["".join(m["content"] + m.get("name", "") for m in body.plain_messages())], "messages"
         else:
             prompt = body.prompt
-            texts, param = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)], "prompt"
+            texts, param = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)], "prompt"
         longest = max((len(t) for t in texts), default=0)
         if longest > limit:
             raise APIError(400, f"the {'messages have' if param == 'messages' else 'prompt has'} {longest} characters, "
