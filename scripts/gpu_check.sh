@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# GPU checks for a lent CUDA machine (an H200 here): `llmctl doctor --json`, `llmctl bench --gpu --json
-# --quick`, the CUDA-marked tests, the offline throughput benchmark on cuda and a short `llmctl serve` +
-# `llmctl bench serve` run. Each step has its own timeout and all share one 7.5-minute deadline; a step
-# that fails or times out is reported and the others still run; a summary table comes last. Installs
-# nothing from the network.
+# GPU checks for a lent CUDA machine (an H200 here): `llmctl doctor --json`, the engine on cuda:0 as users start
+# it (tests/test_cuda_engine.py under -W error::UserWarning: default start-up with every decode graph captured
+# within --gpu-memory-utilization, no empty graph, graph-vs-eager logits, prefill with a cached prefix and with a
+# sliding window against the CPU float32 reference with SDPA's math kernel off), `llmctl bench --gpu --json
+# --quick`, the other CUDA-marked tests, the offline throughput benchmark on cuda and a short `llmctl serve` +
+# `llmctl bench serve` run. Each step has its own timeout and all share one 7.5-minute deadline; a step that
+# fails or times out is reported and the others still run; a summary table comes last. Each step's verdict
+# (scripts/gpu_check_steps.sh) needs more than an exit status where one can lie: doctor must exit 0 or 1 with
+# its JSON report and no traceback, bench must write its JSON report. Installs nothing from the network.
 #
 #   bash scripts/gpu_check.sh --fetch-wheels   # HERE, once (needs PyPI): wheels the GPU image lacks -> .whl/
 #   bash scripts/gpu_check.sh                  # on the GPU host (device tool: carry [".whl"])
@@ -15,8 +19,8 @@
 # on PYTHONPATH, and PYTHONSAFEPATH=1 (Python >= 3.11) keeps `python -m` from putting the repository root,
 # whose own llmctl/ lacks those subpackages, in front of it.
 #
-# Files (at most 8, for the device tool) go to ${OUT:-/tmp}/gpu_check: gpu_check.log, pytest.log,
-# serve.log, doctor.json, bench_gpu.json, offline.json, bench_serve.json, summary.txt.
+# Files (at most 8, for the device tool) go to ${OUT:-/tmp}/gpu_check: gpu_check.log (everything, the summary
+# table last), engine.log, pytest.log, serve.log, doctor.json, bench_gpu.json, offline.json, bench_serve.json.
 # Exit status: 0 when every step passed (doctor may report failed host checks), else 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,13 +38,15 @@ for n in sys.argv[1:]: print(f"{n}=={version(n)}")' "${WHEELS[@]}") || exit 1
         -d .whl "${pins[@]}"
 fi
 
+source scripts/gpu_check_steps.sh
 deadline=$((SECONDS + 450))
 out="${OUT:-/tmp}/gpu_check"
 rm -rf "$out" && mkdir -p "$out"
 log="$out/gpu_check.log"
 steps=$(mktemp /tmp/gpu_check_steps.XXXXXX)
-exec > >(tee -a "$log") 2>&1
+errdir=$(mktemp -d /tmp/gpu_check_stderr.XXXXXX)
 
+main() {
 extra=""
 if compgen -G ".whl/*.whl" > /dev/null; then
     rm -rf /tmp/gpu_check_site
@@ -58,39 +64,21 @@ for d in engine commands checks; do ln -s "$PWD/$d" ".gpu_site/llmctl/$d"; done
 export PYTHONPATH="$PWD/.gpu_site${extra:+:$extra}${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 export NO_COLOR=1 GPU_CHECK_BENCH_JSON="$out/bench_gpu.json"
 
-# step NAME CAP STDOUT_FILE COMMAND...: run under min(CAP, time left) seconds; stdout to STDOUT_FILE
-# ("-": the log), stderr to the log; one row (name, status, seconds) in $steps. OK_CODES: exit codes that pass.
-step() {
-    local name=$1 cap=$2 dest=$3 ok=${OK_CODES:-0} left rc status start=$SECONDS
-    shift 3
-    left=$((deadline - SECONDS))
-    (( cap > left )) && cap=$left
-    if (( cap < 20 )); then
-        printf '%s\tskipped (time budget spent)\t0\n' "$name" >> "$steps"; echo "== $name: skipped"; return
-    fi
-    echo "== $name (timeout ${cap}s): $*"
-    if [[ $dest == - ]]; then timeout -k 10 "$cap" "$@"; else timeout -k 10 "$cap" "$@" > "$dest"; fi
-    rc=$?
-    case $rc in
-        124|137) status="timed out after ${cap}s" ;;
-        *) if [[ " $ok " == *" $rc "* ]]; then status="ok (exit $rc)"; else status="FAILED (exit $rc)"; fi ;;
-    esac
-    printf '%s\t%s\t%d\n' "$name" "$status" $((SECONDS - start)) >> "$steps"
-    echo "== $name: $status in $((SECONDS - start))s"
-}
-
 timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 timeout 60 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
 timeout 60 "$PY" -c "import llmctl.engine, llmctl.cli, typer; print('llmctl from', llmctl.__file__, '| typer', typer.__version__)"
 
-OK_CODES="0 1" step doctor 60 "$out/doctor.json" "$PY" -m llmctl.cli doctor --json
-step bench_gpu 150 "$out/bench_gpu.json" "$PY" -m llmctl.cli bench --gpu --json --quick
-mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py)
-step pytest 210 "$out/pytest.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m cuda \
+step doctor 60 verdict_doctor "$out/doctor.json" "$PY" -m llmctl.cli doctor --json
+step engine 100 verdict_pytest_ran "$out/engine.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -W error::UserWarning \
+    tests/test_cuda_engine.py
+tail -n 15 "$out/engine.log"
+step bench_gpu 150 verdict_bench_json "$out/bench_gpu.json" "$PY" -m llmctl.cli bench --gpu --json --quick
+mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py | grep -v test_cuda_engine.py)
+step pytest 210 verdict_pytest "$out/pytest.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m cuda \
     --continue-on-collection-errors "${cuda_tests[@]}"
 tail -n 15 "$out/pytest.log"
-step offline 100 - "$PY" benchmarks/offline_throughput.py --dtypes bfloat16 --device cuda --json "$out/offline.json"
+step offline 100 verdict_exit0 - "$PY" benchmarks/offline_throughput.py --dtypes bfloat16 --device cuda --json "$out/offline.json"
 
 cat > /tmp/gpu_check_serve.py <<'PY'
 """llmctl serve on cuda, GET /health until 200, llmctl bench serve against it, then SIGTERM (a graceful drain)."""
@@ -136,9 +124,9 @@ finally:
 print(f"llmctl serve exited with {server.returncode} after SIGTERM", flush=True)
 sys.exit(code or (server.returncode != 0))
 PY
-step serve 120 - "$PY" /tmp/gpu_check_serve.py "$out"
+step serve 120 verdict_exit0 - "$PY" /tmp/gpu_check_serve.py "$out"
 
-"$PY" - "$out" "$steps" <<'PY' | tee "$out/summary.txt"
+"$PY" - "$out" "$steps" <<'PY'
 """The summary: one row per step with its key figures, then the bench --gpu table and the H200 gates."""
 import json, sys
 from pathlib import Path
@@ -163,8 +151,8 @@ def figures(name):
         rows = [f"{r['name']} {r['median']:,.4g} {r['unit']}" + (f" ({r['pct_of_peak']}%)" if r["pct_of_peak"] else "")
                 for r in doc["results"] if r["device"] == "cuda:0" and r["name"] in keep]
         return "; ".join(rows) + (f"; {len(doc['errors'])} errors" if doc["errors"] else "")
-    if name == "pytest" and (out / "pytest.log").exists():
-        lines = [l for l in (out / "pytest.log").read_text().splitlines() if l.strip()]
+    if name in ("pytest", "engine") and (out / f"{name}.log").exists():
+        lines = [l for l in (out / f"{name}.log").read_text().splitlines() if l.strip()]
         return lines[-1].strip("= ") if lines else ""
     if name == "offline" and (rows := load("offline.json")):
         return "; ".join(f"{r['system']} {r['dtype']} {r['workload']} {r['tokens_per_s']:,.0f} tok/s" for r in rows)
@@ -194,6 +182,9 @@ if doc:
             print(f"  {r['device']} {r['name']}: {r['pct_of_peak']}% of peak (want >= {gate[r['name']]}%) {verdict}")
 sys.exit(0 if rows and all(status.startswith("ok") for _, status, _ in rows) else 1)
 PY
+}
+
+run_logged "$log" main
 status=$?
-rm -f "$steps"
+rm -rf "$steps" "$errdir"
 exit $status

@@ -249,8 +249,14 @@ def test_gpu_without_cuda_is_a_clear_error():
 def test_gpu_quick_json_has_every_figure_and_known_peaks():
     # scripts/gpu_check.sh runs `bench --gpu --json --quick` once and hands its output over (saves a minute).
     given = os.environ.get("GPU_CHECK_BENCH_JSON")
-    if given and os.path.exists(given):
-        doc, model, stderr = json.loads(open(given).read()), hardware.PLANS["quick"].gpu_shape, ""
+    if given:  # gpu_check.sh's bench step: its failure is reported as such, not as a JSON decoding error
+        text = open(given).read() if os.path.exists(given) else ""
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            pytest.fail(f"`llmctl bench --gpu --json --quick` (gpu_check.sh's bench_gpu step) wrote no JSON report "
+                        f"to {given} ({len(text)} bytes: {text[:200]!r}); see that step in gpu_check.log")
+        model, stderr = hardware.PLANS["quick"].gpu_shape, ""
     else:
         proc = llmctl("bench", "--gpu", "--json", "--quick", "--model", "qwen2.5-0.5b")
         doc, model, stderr = json.loads(proc.stdout), "qwen2.5-0.5b", proc.stderr
@@ -295,6 +301,26 @@ def test_gpu_quick_json_has_every_figure_and_known_peaks():
     flash = kernels._flash_attn() is not None and capability >= (8, 0)
     assert first["attention_prefill"]["params"]["backend"] == ("flash-attn" if flash else "torch-sdpa")
     assert first["attention_decode"]["params"]["paged"] is flash
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_step_graph_is_captured_on_every_gpu():
+    """Each device's decode-step graph records its kernels: captured in turn on cuda:0, cuda:1, ..., a capture
+    on the class-wide default stream would be empty on every GPU but the first one."""
+    import warnings
+
+    shape = ModelShape("tiny", 256, 512, 2, 4, 2, 64, 1000)
+    for index in range(torch.cuda.device_count()):
+        device = torch.device("cuda", index)
+        step = kernels._DecodeStep(shape, torch.float32, device)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*CUDA Graph is empty")
+            run, graphed = kernels._cuda_graph(step, device)
+        assert graphed, device
+        for _ in range(3):  # new inputs in place: each replay's token is the eager step's on them
+            step.x.normal_()
+            assert run(0).device == device and run(0).item() == step().item(), device
 
 
 # ---- GPU inventory with a fake NVML and fake device properties ---------------------------------

@@ -1,7 +1,7 @@
 """CUDA paths (run by scripts/gpu_check.sh on a GPU host; skipped without CUDA): the engine on the GPU
 against CPU float32 references (transformers and the engine itself), the torch attention fallback and,
-where flash-attn imports, the flash-attn backend against it; seeded sampling with CUDA generators; KV
-pool sizing from --gpu-memory-utilization; device placement on a second GPU."""
+where flash-attn imports, the flash-attn backend against it; seeded sampling with CUDA generators (start-up,
+decode graphs, masked prefill, the memory budget and the second GPU: test_cuda_engine.py)."""
 
 from __future__ import annotations
 
@@ -75,22 +75,6 @@ def test_cuda_float32_logits_match_cpu_reference_with_chunks_and_prefix_cache(ti
         expected = reference_logits(reference, prompt, out)
         assert (ours - expected).abs().max().item() < 2e-3, f"{len(prompt)}-token prompt"
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-
-
-def test_gpu_memory_utilization_bounds_the_pool_and_the_peak(tiny_models):
-    device = torch.device("cuda", 0)
-    total = torch.cuda.get_device_properties(device).total_memory
-    utilization = 0.3
-    torch.cuda.reset_peak_memory_stats(device)
-    start = torch.cuda.memory_allocated(device)
-    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
-              max_model_len=512, gpu_memory_utilization=utilization)
-    runner = llm.engine.runner
-    kept = 1.5 if isinstance(runner.attention, TorchAttention) else 1.0  # the kept decode K/V is reserved too
-    assert 0.1 * total < runner.kv_cache_bytes * kept <= utilization * total
-    long_batch = [list(range(1, 400)) for _ in range(16)]
-    llm.generate(long_batch, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    assert torch.cuda.max_memory_allocated(device) - start <= utilization * total
 
 
 def test_cuda_bfloat16_tracks_float32_reference_with_the_selected_backend(tiny_models):
@@ -170,41 +154,3 @@ def test_flash_attn_backend_matches_torch_backend(tiny_models, monkeypatch):
 def test_auto_device_picks_cuda(tiny_models):
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, max_model_len=256, num_kv_blocks=32)
     assert llm.engine.runner.device.type == "cuda"
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_second_gpu_keeps_everything_on_its_device(tiny_models):
-    before = torch.cuda.memory_allocated(0)
-    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cuda:1",
-              max_model_len=256, num_kv_blocks=32)
-    assert llm.engine.runner.device == torch.device("cuda", 1)
-    outputs = llm.generate([[1, 2, 3], list(range(100))],
-                           SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=3))
-    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
-    assert torch.cuda.memory_allocated(0) == before  # nothing was created on the default device
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_cuda_graphs_replay_the_eager_logits(tiny_models, dtype):
-    """Decode steps replay captured graphs (pieces around eager attention) and give eager's logits."""
-    prompts = make_prompts(512)[:5]
-    results = []
-    for enforce_eager in (True, False):
-        llm = LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype=dtype, device="cuda",
-                  max_model_len=400, max_num_seqs=8, enforce_eager=enforce_eager)
-        recorders = [LogitRecorder() for _ in prompts]
-        params = [SamplingParams(temperature=0.0, max_tokens=10 + 2 * i, ignore_eos=True, logits_processors=[r])
-                  for i, r in enumerate(recorders)]
-        outputs = llm.generate(prompts, params)
-        graphs = llm.engine.runner.graphs
-        assert (graphs is None) == enforce_eager
-        if graphs is not None:
-            assert graphs.num_captured >= 2  # batches shrink from 5 rows (bucket 8) as requests finish
-        results.append(([o.outputs[0].token_ids for o in outputs], [torch.stack(r.rows) for r in recorders]))
-        del llm
-    (eager_tokens, eager_logits), (graph_tokens, graph_logits) = results
-    tolerance = 1e-4 if dtype == "float32" else 5e-2
-    for ours, expected in zip(graph_logits, eager_logits):
-        assert torch.allclose(ours, expected, atol=tolerance, rtol=tolerance)
-    if dtype == "float32":
-        assert graph_tokens == eager_tokens

@@ -202,13 +202,20 @@ def cpu_runner_with_device_memory(monkeypatch, folder, total, used, peak, per_ro
     return llm, memory, capturer
 
 
-def test_startup_profiles_then_captures_graphs_within_the_budget_then_sizes_the_pool(tiny_models, monkeypatch):
+def test_startup_profiles_then_captures_graphs_within_the_budget_then_sizes_the_pool(tiny_models, monkeypatch,
+                                                                                     caplog):
     """The CUDA start-up order run on the CPU with fake memory numbers (the profile forward and the graph
     bookkeeping for real): profile, every graph bucket the budget allows, then the KV pool from what is left."""
-    llm, memory, capturer = cpu_runner_with_device_memory(
-        monkeypatch, tiny_models["qwen2"], total=100 * MIB, used=40 * MIB, peak=5 * MIB, per_row=MIB // 2,
-        max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.9)
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="llmctl.engine.cuda_graphs"):
+        llm, memory, capturer = cpu_runner_with_device_memory(
+            monkeypatch, tiny_models["qwen2"], total=100 * MIB, used=40 * MIB, peak=5 * MIB, per_row=MIB // 2,
+            max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.9)
     runner = llm.engine.runner
+    reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("captured decode graphs")]
+    assert len(reports) == 1 and reports[0].startswith("captured decode graphs for 3 batch sizes (1, 2, 4) in ")
+    assert reports[0].endswith(" s, 4 MiB")  # 3.5 MiB, rounded
     # 90 MiB allowed, 40 in use, 5 for the profile peak: 45 MiB for graphs + KV. Graphs get at most 10% (4.5 MiB):
     # buckets 1, 2, 4 take 0.5 + 1 + 2 MiB; 8 is expected to take 4 more, so it and larger buckets run eagerly.
     assert memory.events == ["profile", "capture 1", "capture 2", "capture 4"]
@@ -303,6 +310,34 @@ def test_masked_gqa_prefill_with_expanded_kv_heads_matches_enable_gqa(tmp_path, 
     assert [o.outputs[0].token_ids for o in base_out] == [o.outputs[0].token_ids for o in expanded_out]
     for a, b in zip(base_rows, expanded_rows):
         assert (a - b).abs().max().item() < 1e-5
+
+
+def test_cuda_memory_growth_is_a_local_measurement(monkeypatch):
+    """What a piece of work took, from the allocator's reserved bytes and the device's free bytes around it,
+    without resetting the process's peak-memory statistics (other code reads them); torch.cuda's queries faked."""
+    from llmctl.engine.device_memory import CudaMemory
+
+    state = {"reserved": 100 * MIB, "free": 1000 * MIB}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *args: pytest.fail("reset the peak stats"))
+    monkeypatch.setattr(torch.cuda, "reset_max_memory_allocated", lambda *args: pytest.fail("reset the peak stats"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], 2000 * MIB))
+    memory = CudaMemory(torch.device("cuda", 1))
+
+    def forward():  # 300 MiB through the allocator, 50 more by a library outside it
+        state["reserved"] += 300 * MIB
+        state["free"] -= 350 * MIB
+
+    def while_another_process_freed():
+        state["reserved"] += 200 * MIB
+        state["free"] += 500 * MIB
+
+    assert memory.growth(forward) == 350 * MIB
+    assert memory.growth(while_another_process_freed) == 200 * MIB
+    assert memory.growth(lambda: None) == 0
+    assert memory.free_and_total() == (state["free"], 2000 * MIB)
 
 
 def test_leak_sampler_sums_device_memory_over_every_gpu(monkeypatch):

@@ -108,7 +108,8 @@ class TorchAttention:
         self._kept_lens: dict[int, int] = {}  # seq id -> tokens its row holds
         self._shape = (0, 0)  # (rows, capacity) of the kept workspaces
         self.decode_kernel = None  # CpuKernels, set by the runner where it supports this model
-        # Masked GQA prefill (cached prefix or sliding window) with one K/V head per query head: None = on CUDA.
+        # GQA prefill that SDPA's flash kernel cannot take (a mask, or float32) with one K/V head per query
+        # head: None = on CUDA.
         self.expand_masked_gqa: Optional[bool] = None
 
     def validate_block_size(self, block_size: int) -> Optional[str]:
@@ -306,11 +307,11 @@ class TorchAttention:
                 mask &= k_pos > q_pos - self.window
         gqa = self.group > 1
         expand = self.expand_masked_gqa if self.expand_masked_gqa is not None else q.device.type == "cuda"
-        if mask is not None and gqa and expand:
-            # On CUDA the fused kernels that take a mask (memory-efficient, cuDNN) do not take enable_gqa, and
-            # flash takes no mask: a masked GQA call would fall back to the math kernel, which materialises the
-            # [heads, queries, keys] scores in float32 (8 GiB for 32 heads x 2k queries x 32k keys). Query head h
-            # reads K/V head h // group, so repeat_interleave gives each query head its own copy.
+        if gqa and expand and (mask is not None or q.dtype == torch.float32):
+            # On CUDA only SDPA's flash kernel takes enable_gqa, and it takes neither a mask nor float32; the
+            # memory-efficient kernel takes both but not enable_gqa. Such a GQA call would fall back to the math
+            # kernel, which materialises the [heads, queries, keys] scores in float32 (8 GiB for 32 heads x 2k
+            # queries x 32k keys). Query head h reads K/V head h // group: repeat_interleave gives each its own.
             k, v = k.repeat_interleave(self.group, dim=0), v.repeat_interleave(self.group, dim=0)
             gqa = False
         # A batch dimension of one: SDPA's fused kernels (CUDA flash/efficient/cuDNN, the CPU flash kernel)

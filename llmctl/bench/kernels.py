@@ -360,7 +360,9 @@ def decode_step(timer: Timer, device: torch.device, dtype: torch.dtype, shape: M
 
 
 def _cuda_graph(step: _DecodeStep, device: torch.device) -> tuple[Callable[[int], Any], bool]:
-    # torch.cuda.graph captures on a stream of the *current* device: make it the weights' device.
+    # Capture on a stream of the weights' device, passed explicitly: without `stream=`, torch.cuda.graph uses
+    # one class-wide stream made on whichever device was current at the first capture in the process, so a
+    # later capture for cuda:1 records nothing ("The CUDA Graph is empty") and replays time an empty graph.
     with torch.cuda.device(device):
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -370,11 +372,16 @@ def _cuda_graph(step: _DecodeStep, device: torch.device) -> tuple[Callable[[int]
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                step()
+            with torch.cuda.graph(graph, stream=side):
+                token = step()
         except RuntimeError:
             return step, False
-    return (lambda _i: graph.replay()), True
+
+    def replay(_i: int) -> torch.Tensor:
+        graph.replay()
+        return token  # the graph's output, refilled by each replay
+
+    return replay, True
 
 
 def _size(nbytes: int) -> str:
