@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmctl.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from llmctl.server.errors import APIError
@@ -23,7 +23,16 @@ MAX_STOP_SEQUENCES = 16
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # allow_inf_nan=False: 1e999 parses to inf, and `temperature: inf` used to be accepted.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _whole_unicode(cls, value: Any) -> Any:
+        """Refuse lone UTF-16 surrogates ("\\ud800" is legal JSON): no tokenizer, encoder or log accepts them."""
+        if _has_lone_surrogate(value):
+            raise ValueError("the text contains a lone UTF-16 surrogate, which is not valid Unicode")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -33,6 +42,22 @@ class _Body(BaseModel):
             return data
         return {key: value for key, value in data.items()
                 if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()}
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return bool(value) and not isinstance(value[0], int) and any(_has_lone_surrogate(v) for v in value)
+    return False  # numbers, and nested bodies (checked by their own validator)
 
 
 class StreamOptions(_Body):
