@@ -122,7 +122,8 @@ class DecodeGraphs:
     def capture_all(self, allowance: Optional[int], measure: Callable[[Callable[[], object]], int]) -> int:
         """Capture every bucket, smallest first, while the next one is expected to fit in `allowance`
         bytes (None: no limit); `measure(work)` returns the bytes `work` took. A bucket whose capture
-        fails runs eagerly; out of memory stops capturing. Returns the bytes the graphs took."""
+        fails runs eagerly; out of memory, or a capture that took more than was left, stops capturing
+        (that bucket is dropped). Returns the bytes the kept graphs took."""
         started, spent, last = time.monotonic(), 0, None  # last: (size, bytes) of the last capture
         for size in self.buckets:
             # A bucket's graphs hold its rows' static outputs, so their memory grows with the batch size.
@@ -142,6 +143,11 @@ class DecodeGraphs:
                 self._captured.pop(size, None)
                 logger.warning("decode graphs: capturing batch size %d failed, it runs eagerly: %s", size, exc)
                 continue
+            if allowance is not None and spent + cost > allowance:  # the first capture's cost is not known before
+                del self._captured[size]
+                logger.info("decode graphs: batch size %d took %.0f MiB, over the %.0f MiB allowed; batch sizes from "
+                            "%d run eagerly", size, cost / 2**20, allowance / 2**20, size)
+                break
             spent, last = spent + cost, (size, cost)
         logger.info("captured decode graphs for %d batch sizes (%s) in %.1f s, %.0f MiB", len(self._captured),
                     ", ".join(map(str, self.captured_sizes)) or "none", time.monotonic() - started, spent / 2**20)

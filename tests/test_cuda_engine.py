@@ -71,22 +71,28 @@ def test_default_start_up_on_cuda0_captures_every_bucket_once_before_serving(tin
     assert graphs.num_captured == captured  # nothing captured while serving
 
 
-def test_pool_and_graphs_stay_within_gpu_memory_utilization(tiny_models):
-    """A budget of ~1 GiB above what is in use: the pool takes what the profile step and the graphs leave,
+def test_pool_and_graphs_stay_within_gpu_memory_utilization(tmp_path):
+    """A budget of 1 GiB above what is in use: the pool takes what the profile step and the graphs leave,
     and a long batch afterwards still stays inside --gpu-memory-utilization."""
+    from conftest import make_tiny_model
+
+    # 2 layers x 2 K/V heads of 128: 2 KiB of bfloat16 K/V a token, so 1024 full 1024-token contexts (2 GiB)
+    # exceed the budget
+    folder = make_tiny_model(tmp_path / "wide", "mistral", head_dim=128)
     device = torch.device("cuda", 0)
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     utilization = (total - free + 1024 * MIB) / total
-    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cuda:0",
-              max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=1024, gpu_memory_utilization=utilization)
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cuda:0", max_model_len=1024,
+              max_num_seqs=1024, max_num_batched_tokens=1024, gpu_memory_utilization=utilization)
     runner = llm.engine.runner
-    assert runner.num_blocks < 256 * (1024 // runner.block_size + 1)  # the budget, not the cap, decided
+    assert runner.num_blocks < 1024 * (1024 // runner.block_size + 1)  # the budget, not the cap, decided
     kept = 0.5 if isinstance(runner.attention, TorchAttention) else 0.0  # the kept decode K/V is reserved too
     assert runner.kv_cache_bytes * (1 + kept) > 600 * MIB  # most of the budget went to the pool
     assert runner.graphs.num_captured >= 1
-    llm.generate([list(range(1, 900)) for _ in range(24)], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    long_batch = [[(7 * i + j) % 500 + 1 for i in range(900)] for j in range(24)]  # 900 of a 512-token vocabulary
+    llm.generate(long_batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     torch.cuda.synchronize(device)
     free_after, _ = torch.cuda.mem_get_info(device)  # the caching allocator still holds the step's peak
     workspaces = getattr(runner.attention, "_workspaces", {}).values()

@@ -129,6 +129,13 @@ def test_capture_all_stops_before_the_allowance_and_failed_buckets_run_eagerly(t
     assert graphs.captured_sizes == [1, 2, 4, 8, 16] and spent == 310 << 20
     graphs = graphs_with(CallingCapturer())
     assert graphs.capture_all(0, per_row_measure(10, graphs)) == 0 and graphs.captured_sizes == []
+    graphs = graphs_with(CallingCapturer())  # the first capture took more than allowed: dropped, all eager
+    assert graphs.capture_all(5 << 20, per_row_measure(10, graphs)) == 0 and graphs.captured_sizes == []
+    graphs = graphs_with(CallingCapturer())  # 1 and 2 expected to fit; 2 took 80 MiB, not the 20 expected
+    measure = per_row_measure(10, graphs)
+    sizes = iter([1, 4])
+    assert graphs.capture_all(45 << 20, lambda work: measure(work) * next(sizes)) == 10 << 20
+    assert graphs.captured_sizes == [1]
 
     # bucket 4 (third) fails to capture: 3 rows pad to 8 instead; out of memory at 16 (fifth) stops capturing
     capturer = CallingCapturer(fail={2: RuntimeError("operation not permitted when stream is capturing"),
