@@ -19,6 +19,19 @@
 # on PYTHONPATH, and PYTHONSAFEPATH=1 (Python >= 3.11) keeps `python -m` from putting the repository root,
 # whose own llmctl/ lacks those subpackages, in front of it.
 #
+# What only a GPU proves of the CUDA path (issue 13; the logic around it runs in CPU tests), by step and test:
+#   engine   test_default_start_up_on_cuda0_captures_every_bucket_once_before_serving: the default start-up
+#            (graphs on, pool from --gpu-memory-utilization) runs the profile forward on CUDA, captures every
+#            bucket before serving with one log line, and no graph is empty (UserWarnings are errors).
+#   engine   test_pool_and_graphs_stay_within_gpu_memory_utilization: CudaMemory's measurements (profile peak,
+#            graph captures) keep weights + graphs + pool + a long batch's peak inside the budget.
+#   engine   test_decode_graphs_replay_the_eager_logits: graphs captured on the engine's stream give eager's logits.
+#   engine   test_prefill_with_cached_prefix_and_sliding_window_matches_cpu_reference_without_math_sdpa: masked GQA
+#            prefill runs on a fused SDPA kernel (math disabled, so a fallback raises) and matches CPU float32.
+#   engine   test_second_gpu_engine_matches_the_cpu_reference_and_leaves_cuda0_alone (two GPUs only): graphs
+#            captured for cuda:1 replay real work; pytest: test_decode_step_graph_is_captured_on_every_gpu, the
+#            bench's graph, every GPU.
+#
 # Files (at most 8, for the device tool) go to ${OUT:-/tmp}/gpu_check: gpu_check.log (everything, the summary
 # table last), engine.log, pytest.log, serve.log, doctor.json, bench_gpu.json, offline.json, bench_serve.json.
 # Exit status: 0 when every step passed (doctor may report failed host checks), else 1.
