@@ -7,45 +7,17 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-RULES = ROOT / "deploy" / "prometheus" / "alerts.yaml"
-RULE_TESTS = ROOT / "deploy" / "prometheus" / "alerts_test.yaml"
-RUNBOOK = ROOT / "docs" / "operations.md"
-METRICS_DOC = ROOT / "docs" / "metrics.md"
-# Names PromQL resolves that are not llmctl's: Prometheus's own scrape health and DCGM's GPU gauge.
-FOREIGN_METRICS = {"up", "DCGM_FI_DEV_GPU_UTIL"}
+from tests.deploy_helpers import (FOREIGN_METRICS, ROOT, RULE_TESTS, RULES, alert_rules, base_name, documented_metrics,
+                                  metric_names, without_thresholds)
 
+RUNBOOK = ROOT / "docs" / "operations.md"
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian: apt-get install "
                                                              "prometheus; .ci/run installs it)")
-
-
-def alert_rules() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"] if "alert" in rule]
-
-
-def metric_names(expr: str) -> set[str]:
-    """Metric names in a PromQL expression: identifiers not followed by '(' and not label names,
-    keywords or durations (good enough for the rules' and dashboard's own style)."""
-    without_strings = re.sub(r'"[^"]*"', '""', expr)
-    without_groupings = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", without_strings)
-    without_ranges = re.sub(r"\[[^\]]*\]", "", without_groupings)
-    without_labels = re.sub(r"\{[^}]*\}", "", without_ranges)
-    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*(?![A-Za-z0-9_:]*\s*\()", without_labels))
-    return names - {"and", "or", "unless", "bool", "offset", "le", "Inf", "NaN", "inf", "nan"}
-
-
-def base_name(name: str) -> str:
-    return re.sub(r"_(bucket|sum|count)$", "", name)
-
-
-def documented_metrics() -> set[str]:
-    return set(re.findall(r"^\| `(llmctl:[a-z0-9_:]+)` \|", METRICS_DOC.read_text(), re.MULTILINE))
 
 
 def runbook_anchors() -> set[str]:
@@ -109,3 +81,5 @@ def test_metric_name_extraction_sees_through_promql():
     expr = ('sum by (job, le) (rate(llmctl:x_bucket{status=~"5.."}[5m])) / on (job) llmctl:y > 0.5 '
             'and up{job="llmctl"} == 0')
     assert metric_names(expr) == {"llmctl:x_bucket", "llmctl:y", "up"}
+    assert without_thresholds(expr) == ('sum by (job, le) (rate(llmctl:x_bucket{status=~"5.."}[5m])) / on (job) '
+                                        'llmctl:y and up{job="llmctl"}')
