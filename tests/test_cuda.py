@@ -14,7 +14,7 @@ from test_parity import LogitRecorder, make_prompts, reference_logits
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.layers.attention import FlashAttention, TorchAttention, select_backend
 
-pytestmark = [pytest.mark.cuda,
+pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("error:The CUDA Graph is empty"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
