@@ -33,7 +33,7 @@ WORKSPACE_FLOOR_BYTES = 1 << 30
 WORKSPACE_SHARE = 0.5  # the torch backend's kept decode K/V may reach this fraction of the pool's bytes
 # Decode graphs may take at most this share of the memory left for graphs + KV: an 8B model's graphs for
 # 256 sequences take ~3.1 GiB (0.85 GiB at 128), a few percent of an 80-141 GB card's budget; on a 24 GB card
-# the cap keeps the KV pool and graphs the larger batch sizes would need run eagerly instead.
+# the cap keeps most of the budget for the KV pool, and the larger batch sizes run eagerly.
 GRAPH_SHARE = 0.1
 
 

@@ -3,8 +3,9 @@
 The flash-attn backend's contract: the runner's varlen metadata (int32 cu_seqlens,
 int32 block tables, the [num_blocks, block_size, kv_heads, head_dim] pool) fed to a plain-torch model of
 `flash_attn_varlen_func` (bottom-right causal alignment, left window, paged keys) must give the torch
-backend's results; `select_backend` picks flash-attn only where its kernels can run. The KV pool sizing
-from --gpu-memory-utilization and the leak sampler's device memory, with torch.cuda's queries faked."""
+backend's results; `select_backend` picks flash-attn only where its kernels can run. The CUDA start-up
+(profile forward, decode graphs within the budget, KV pool from the rest) run on the CPU with fake device memory
+numbers; CudaMemory's local measurement and the leak sampler's device memory with torch.cuda's queries faked."""
 
 from __future__ import annotations
 
