@@ -281,3 +281,198 @@ def test_langchain_openai_chat_and_llm(server):
     assert "".join(chunk.content for chunk in chat.stream("Speak!")) == reply.content
     llm = langchain_openai.OpenAI(**common)
     assert isinstance(llm.invoke("ROMEO:"), str)
+
+
+# ---- point 1: echo + logprobs score the prompt; vLLM's prompt_logprobs; lm-eval's loglikelihood ----
+SCORED_TEXT = "ROMEO: But, soft! what light through yonder window breaks?"
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_chat_model):
+    with running_server(tiny_chat_model, engine_options={"dtype": "float32"}, served_model_name="tiny") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model):
+    """Token log-probabilities from transformers itself, in fp32: ids -> [None, lp(ids[1] | ids[:1]), ...]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+
+    def score(ids: list[int]) -> tuple[list, "torch.Tensor"]:
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        return [None] + [logprobs[i - 1, ids[i]].item() for i in range(1, len(ids))], logprobs
+
+    return score
+
+
+def _prompt_ids(tiny_server, text: str) -> list[int]:
+    return tiny_server.engine.engine.tokenizer.encode(text)
+
+
+def _assert_close(ours: list, expected: list, tol: float = 1e-4) -> None:
+    assert len(ours) == len(expected)
+    assert ours[0] is None and expected[0] is None
+    assert max(abs(a - b) for a, b in zip(ours[1:], expected[1:])) < tol
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(tiny_client, tiny_server, reference):
+    ids = _prompt_ids(tiny_server, SCORED_TEXT)
+    out = tiny_client.completions.create(model="tiny", prompt=SCORED_TEXT, echo=True, logprobs=2, max_tokens=0,
+                                         temperature=0)
+    choice = out.choices[0]
+    assert choice.text == SCORED_TEXT and choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 0
+    lp = choice.logprobs
+    expected, full = reference(ids)
+    _assert_close(lp.token_logprobs, expected)
+    assert lp.top_logprobs[0] is None and all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    best = full.argmax(dim=-1).tolist()
+    assert all(max(top.values()) == pytest.approx(full[i - 1, best[i - 1]].item(), abs=1e-4)
+               for i, top in enumerate(lp.top_logprobs) if i)
+    assert lp.tokens == [tiny_server.engine.engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    # text_offset indexes the echoed text: the BOS token has no text, each other token starts where its text does
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    pieces = [choice.text[a:b] for a, b in zip(lp.text_offset, lp.text_offset[1:] + [len(choice.text)])]
+    assert pieces[1:] == lp.tokens[1:] and pieces[0] == ""
+    tiny_server.wait_idle()
+
+
+def test_echo_then_generated_tokens_continue_the_lists(tiny_client, tiny_server, reference):
+    ids = _prompt_ids(tiny_server, SCORED_TEXT)
+    out = tiny_client.completions.create(model="tiny", prompt=SCORED_TEXT, echo=True, logprobs=1, max_tokens=4,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 4 and out.usage.completion_tokens == 4
+    _assert_close(lp.token_logprobs[: len(ids)], reference(ids)[0])
+    generated = out.choices[0].text[len(SCORED_TEXT):]
+    assert "".join(lp.tokens[len(ids):]) == generated
+    assert lp.text_offset[len(ids)] == len(SCORED_TEXT)
+    assert all(lp.token_logprobs[i] == max(lp.top_logprobs[i].values()) for i in range(len(ids), len(lp.tokens)))
+    streamed = list(tiny_client.completions.create(model="tiny", prompt=SCORED_TEXT, echo=True, logprobs=1,
+                                                   max_tokens=4, temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert [v for c in streamed for v in getattr(c.choices[0].logprobs, key)] == getattr(lp, key)
+    tiny_server.wait_idle()
+
+
+def test_token_id_prompts_and_n_get_echo_logprobs_per_choice(tiny_client, tiny_server, reference):
+    ids = [0, 17, 33, 101, 250, 7, 300]
+    out = tiny_client.completions.create(model="tiny", prompt=[ids, ids[:4]], echo=True, logprobs=0, max_tokens=0,
+                                         n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for choice, prompt in zip(out.choices, [ids, ids, ids[:4], ids[:4]]):
+        _assert_close(choice.logprobs.token_logprobs, reference(prompt)[0])
+
+
+def test_vllm_prompt_logprobs_with_exact_ranks(tiny_server, reference):
+    ids = _prompt_ids(tiny_server, SCORED_TEXT)
+    body = {"model": "tiny", "prompt": SCORED_TEXT, "max_tokens": 1, "prompt_logprobs": 3, "temperature": 0}
+    response = httpx.post(tiny_server.base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["logprobs"] is None and choice["text"] != SCORED_TEXT
+    scored = choice["prompt_logprobs"]
+    expected, full = reference(ids)
+    assert len(scored) == len(ids) and scored[0] is None
+    for i in range(1, len(ids)):
+        entry = scored[i]
+        assert abs(entry[str(ids[i])]["logprob"] - expected[i]) < 1e-4
+        order = full[i - 1].argsort(descending=True).tolist()
+        for token, item in entry.items():
+            true_rank = order.index(int(token)) + 1
+            assert item["rank"] == (true_rank if true_rank <= 3 else None)
+            assert abs(item["logprob"] - full[i - 1, int(token)].item()) < 1e-4
+        assert {int(t) for t in entry} == set(order[:3]) | {ids[i]}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": 99}, "prompt_logprobs"),
+])
+def test_scoring_requests_that_are_refused(tiny_server, body, param):
+    response = httpx.post(tiny_server.base_url + "/v1/completions", json={"prompt": "x", **body}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_lm_eval_loglikelihood_request_reproduced_exactly(tiny_client, tiny_server, reference):
+    """lm-eval 0.4's `local-completions` scoring call and parse (lm_eval/models/openai_completions.py):
+    token-id prompts, echo=True, logprobs=1, max_tokens=1, temperature=0, seed=1234, then
+    sum(token_logprobs[ctxlen:-1]) and greedy = every token equals its top candidate."""
+    tokenizer = tiny_server.engine.engine.tokenizer
+    context = tokenizer.encode("ROMEO: But, soft! what light")
+    continuations = [tokenizer.encode(text, add_special_tokens=False) for text in (" through", " is the")]
+    prompts = [context + c for c in continuations]
+    out = tiny_client.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=1, logprobs=1,
+                                         seed=1234, echo=True)
+    for choice, prompt, continuation in zip(sorted(out.choices, key=lambda c: c.index), prompts, continuations):
+        ctxlen = len(context)
+        logprob = sum(choice.logprobs.token_logprobs[ctxlen:-1])
+        expected, full = reference(prompt)
+        assert len(choice.logprobs.token_logprobs[ctxlen:-1]) == len(continuation)
+        assert abs(logprob - sum(expected[ctxlen:])) < 1e-4
+        greedy = all(tok == max(top.values()) for tok, top in zip(choice.logprobs.token_logprobs[ctxlen:-1],
+                                                                   choice.logprobs.top_logprobs[ctxlen:-1]))
+        assert greedy == all(full[i - 1].argmax().item() == prompt[i] for i in range(ctxlen, len(prompt)))
+
+
+MC_DOCS = [{"question": "To be, or not to be, that is the", "choices": ["question", "answer", "sun"], "answer": 0},
+           {"question": "ROMEO: But, soft! what light through yonder", "choices": ["window", "door"], "answer": 0},
+           {"question": "Juliet is the", "choices": ["sun", "moon", "east"], "answer": 2},
+           {"question": "The slings and arrows of outrageous", "choices": ["fortune", "troubles"], "answer": 0}]
+
+
+def _write_mc_task(folder) -> str:
+    """A multiple-choice task read from a local JSON-lines file (no hub), scored with `acc`."""
+    import json
+
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in MC_DOCS))
+    (folder / "tiny_mc.yaml").write_text(
+        "task: llmctl_tiny_mc\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n  cache_dir: {folder / 'hf-cache'}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    return "llmctl_tiny_mc"
+
+
+@pytest.mark.slow
+def test_lm_eval_multiple_choice_task_scores_like_transformers(tiny_server, tiny_chat_model, reference, tmp_path,
+                                                              monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the test extra; not installed here")
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    task = _write_mc_task(tmp_path)
+    lm = LocalCompletionsAPI(base_url=tiny_server.base_url + "/v1/completions", model="tiny",
+                             tokenizer_backend="huggingface", tokenizer=str(tiny_chat_model), num_concurrent=1,
+                             max_retries=1)
+    results = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=TaskManager(include_path=str(tmp_path)),
+                                      log_samples=True)
+    correct = 0
+    for sample in results["samples"][task]:
+        scores = [resp[0][0] for resp in sample["resps"]]
+        expected = []
+        for context, continuation in sample["arguments"]:
+            context_ids, continuation_ids = lm._encode_pair(context, continuation)
+            token_logprobs, _ = reference(context_ids + continuation_ids)
+            expected.append(sum(token_logprobs[len(context_ids):]))
+        assert scores == pytest.approx(expected, abs=1e-3), sample["arguments"]
+        assert all(score < 0 for score in scores)  # before the fix every choice scored exactly 0
+        correct += max(range(len(expected)), key=expected.__getitem__) == sample["target"]
+    assert results["results"][task]["acc,none"] == pytest.approx(correct / len(MC_DOCS))
+    tiny_server.wait_idle()

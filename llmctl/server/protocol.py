@@ -189,6 +189,12 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     prompt_embeds: Optional[Any] = None
+    prompt_logprobs: Optional[int] = None  # vLLM: top-N log-probabilities of each prompt token
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: score the prompt, generate nothing (as vLLM accepts)."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(_Body):
@@ -301,13 +307,16 @@ def resolve_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], pr
     asked = requested_max_tokens(body)
     room = max_model_len - prompt_len
     param = "max_completion_tokens" if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None else "max_tokens"
+    if isinstance(body, CompletionRequest) and body.scores_prompt_only:
+        return 0
     if asked is None:
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room to generate in this "
                                 f"model's context of {max_model_len} tokens", param="messages")
         return min(cap, room)
     if asked < 1:
-        raise APIError(400, f"{param} must be at least 1, got {asked}", param=param)
+        hint = " (0 only with echo: true, to score the prompt)" if asked == 0 and param == "max_tokens" else ""
+        raise APIError(400, f"{param} must be at least 1, got {asked}{hint}", param=param)
     if asked > cap:
         raise APIError(400, f"{param} {asked} exceeds this server's limit of {cap} tokens per request "
                             f"(--max-output-tokens)", param=param)
@@ -336,13 +345,14 @@ def sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_t
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,
-        max_tokens=max_tokens,
+        max_tokens=max(max_tokens, 1),  # scoring only: one token is sampled and dropped, as in vLLM
         min_tokens=body.min_tokens,
         stop=stops,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=_logprobs(body),
+        prompt_logprobs=prompt_logprobs_width(body),
         skip_special_tokens=body.skip_special_tokens,
         logits_processors=[_logit_bias(body.logit_bias, vocab_size)] if body.logit_bias else [],
     )
@@ -359,6 +369,21 @@ def _logprobs(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional
         if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
     return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def prompt_logprobs_width(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
+    """How many top candidates to score per prompt token: for `prompt_logprobs`, and for `echo` with
+    `logprobs` (the echoed prompt's tokens get logprobs too, as in OpenAI's API)."""
+    if not isinstance(body, CompletionRequest):
+        return None
+    if body.prompt_logprobs is not None:
+        if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", param="prompt_logprobs")
+        if body.stream:
+            raise APIError(400, "prompt_logprobs are not available when stream is true (as in vLLM); "
+                                "use echo with logprobs", param="prompt_logprobs")
+    wanted = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
+    return max(wanted) if wanted else None
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int):

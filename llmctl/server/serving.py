@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -22,11 +22,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from llmctl.engine.async_engine import AsyncLLMEngine, RequestStream
 from llmctl.engine.errors import EngineError
 from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.tokenizer import IncrementalDetokenizer
 from llmctl.server.errors import APIError, from_exception
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
 from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, check_unsupported,
-                                    resolve_max_tokens, sampling_params)
+                                    prompt_logprobs_width, resolve_max_tokens, sampling_params)
 
 MAX_PROMPTS_PER_REQUEST = 256
 AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
@@ -48,6 +49,7 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     sent_text: dict[tuple[int, int], int] = field(default_factory=dict)
     sent_tokens: dict[tuple[int, int], int] = field(default_factory=dict)
+    text_offsets: dict[tuple[int, int], int] = field(default_factory=dict)  # next token's text_offset
     done: set[tuple[int, int]] = field(default_factory=set)
     finals: dict[int, RequestOutput] = field(default_factory=dict)
 
@@ -240,8 +242,11 @@ class OpenAIServing:
 
     def _note_final(self, job: _Job, index: int, output: RequestOutput) -> RequestOutput:
         if output.finished:
-            job.finals[index] = output
             self.metrics.observe_finished(output)
+        if isinstance(job.body, CompletionRequest) and job.body.scores_prompt_only:
+            output = _without_generation(output)
+        if output.finished:
+            job.finals[index] = output
         return output
 
     async def _collect(self, job: _Job, request: Request) -> None:
@@ -267,14 +272,19 @@ class OpenAIServing:
         body: CompletionRequest = job.body  # type: ignore[assignment]
         choices = []
         for p_index, prompt in enumerate(job.prompts):
-            for completion in job.finals[p_index].outputs:
+            final = job.finals[p_index]
+            for completion in final.outputs:
                 prefix = self._echo_text(prompt) if body.echo else ""
-                choices.append({
+                choice = {
                     "index": p_index * body.n + completion.index, "text": prefix + completion.text,
-                    "logprobs": self._completion_logprobs(completion.token_ids, completion.logprobs, len(prefix))
-                    if body.logprobs is not None else None,
+                    "logprobs": self._choice_logprobs(body, prompt, final, completion.token_ids,
+                                                      completion.logprobs, body.echo, len(prefix)),
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                })
+                }
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt, final, body.prompt_logprobs,
+                                                                           prompt_logprobs_width(body))
+                choices.append(choice)
         return {"id": job.response_id, "object": "text_completion", "created": job.created,
                 "model": self.model_name, "system_fingerprint": None, "choices": choices, "usage": job.usage()}
 
@@ -319,6 +329,7 @@ class OpenAIServing:
             key = (p_index, completion.index)
             if key in job.done:
                 continue
+            first = key not in job.sent_tokens
             text_at, token_at = job.sent_text.get(key, 0), job.sent_tokens.get(key, 0)
             delta = completion.text[text_at:] if len(completion.text) > text_at else ""
             new_ids = completion.token_ids[token_at:]
@@ -330,16 +341,22 @@ class OpenAIServing:
             job.sent_tokens[key] = len(completion.token_ids)
             if finished:
                 job.done.add(key)
-            yield completion, delta, new_ids, new_lps, completion.finish_reason if finished else None, text_at == 0
+            yield completion, delta, new_ids, new_lps, completion.finish_reason if finished else None, first
 
     async def _completion_events(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         body: CompletionRequest = job.body  # type: ignore[assignment]
         async for p_index, output in self._outputs(job):
             for completion, delta, ids, lps, reason, first in self._deltas(job, p_index, output):
-                prefix = self._echo_text(job.prompts[p_index]) if body.echo and first else ""
-                choice = {"index": p_index * body.n + completion.index, "text": prefix + delta,
-                          "logprobs": self._completion_logprobs(ids, lps, len(prefix))
-                          if body.logprobs is not None else None,
+                prompt = job.prompts[p_index]
+                echo = self._echo_text(prompt) if body.echo else ""
+                # text_offset counts from the start of the choice's text, by token texts as in the
+                # non-streamed body (a delta can hold back bytes of a partial character)
+                key = (p_index, completion.index)
+                offset = job.text_offsets.get(key, len(echo))
+                job.text_offsets[key] = offset + sum(len(self._token_text(t)) for t in ids)
+                choice = {"index": p_index * body.n + completion.index, "text": (echo if first else "") + delta,
+                          "logprobs": self._choice_logprobs(body, prompt, output, ids, lps, body.echo and first,
+                                                            offset),
                           "finish_reason": reason, "stop_reason": completion.stop_reason if reason else None}
                 yield {"id": job.response_id, "object": "text_completion", "created": job.created,
                        "model": self.model_name, "system_fingerprint": None, "choices": [choice]}
@@ -370,6 +387,58 @@ class OpenAIServing:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
 
+    def _choice_logprobs(self, body: CompletionRequest, prompt: _Prompt, output: RequestOutput, token_ids: list[int],
+                         entries: Optional[list[dict[int, float]]], echo: bool, offset: int) -> Optional[dict]:
+        """A completion choice's `logprobs`: the echoed prompt's tokens first (the first `null`, as
+        OpenAI and vLLM send them), then the generated ones; `text_offset`s index the choice's text."""
+        if body.logprobs is None:
+            return None
+        generated = self._completion_logprobs(token_ids, entries, offset)
+        if not echo:
+            return generated
+        echoed = self._echo_logprobs(prompt, output.prompt_logprobs, body.logprobs)
+        return {key: echoed[key] + generated[key] for key in generated}
+
+    def _echo_logprobs(self, prompt: _Prompt, entries: Optional[list[Optional[dict[int, float]]]],
+                       top_n: int) -> dict[str, list]:
+        tokens, token_logprobs, top = [], [], []
+        for token_id, entry in zip(prompt.token_ids, entries or [None] * len(prompt.token_ids)):
+            tokens.append(self._token_text(token_id))
+            token_logprobs.append(None if entry is None else entry[token_id])
+            top.append(None if entry is None else {self._token_text(t): lp for t, lp in _top(entry, token_id, top_n)})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": self._prompt_offsets(prompt.token_ids)}
+
+    def _prompt_offsets(self, token_ids: list[int]) -> list[int]:
+        """Where each prompt token's text starts in the echoed text (a token that ends inside a
+        multi-byte character starts where that character does)."""
+        if self.tokenizer is None:
+            return [0] * len(token_ids)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, [], skip_special_tokens=True)
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(len(detokenizer.text))
+            detokenizer.add(token_id)
+        return offsets
+
+    def _vllm_prompt_logprobs(self, prompt: _Prompt, output: RequestOutput, top_n: int,
+                              width: int) -> list[Optional[dict]]:
+        """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} for
+        the top `top_n` and the prompt's own token. The engine scored the top `width` candidates, so
+        their ranks are exact; a prompt token outside them has `rank: null` (the rest is not ranked)."""
+        result: list[Optional[dict]] = []
+        for token_id, entry in zip(prompt.token_ids, output.prompt_logprobs or [None] * len(prompt.token_ids)):
+            if entry is None:
+                result.append(None)
+                continue
+            in_top = len(entry) <= width  # the entry is the top `width`, plus the prompt token when outside
+            ranked = sorted(((t, lp) for t, lp in entry.items() if in_top or t != token_id), key=lambda kv: -kv[1])
+            ranks = {t: i + 1 for i, (t, _) in enumerate(ranked)}
+            kept = {**dict(ranked[:top_n]), token_id: entry[token_id]}
+            result.append({str(t): {"logprob": lp, "rank": ranks.get(t), "decoded_token": self._token_text(t)}
+                           for t, lp in kept.items()})
+        return result
+
     def _completion_logprobs(self, token_ids: list[int], entries: Optional[list[dict[int, float]]],
                              offset: int) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []
@@ -393,6 +462,22 @@ class OpenAIServing:
     def _token_logprob(self, token_id: int, logprob: Optional[float]) -> dict[str, Any]:
         text = self._token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _top(entry: dict[int, float], keep: int, n: int) -> list[tuple[int, float]]:
+    """The `n` most likely candidates of a logprob entry, plus the token `keep` if it is not among them."""
+    ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+    if all(token != keep for token, _ in ranked):
+        ranked.append((keep, entry[keep]))
+    return ranked
+
+
+def _without_generation(output: RequestOutput) -> RequestOutput:
+    """The output of a scoring-only request (`echo` + `max_tokens: 0`): the one token the engine had
+    to sample is dropped, as vLLM does."""
+    hidden = [replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                      cumulative_logprob=None if c.cumulative_logprob is None else 0.0) for c in output.outputs]
+    return replace(output, outputs=hidden)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
