@@ -110,6 +110,29 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine):
     assert asyncio.run(main())
 
 
+def test_a_reader_that_stops_reading_holds_one_output(engine):
+    # A stalled SSE client stops taking outputs while the engine keeps stepping: the stream keeps
+    # only the newest (cumulative) one, and the reader then sees it complete.
+    engine.start()
+
+    async def main():
+        params = SamplingParams(max_tokens=60, n=4, logprobs=5, **GREEDY)
+        stream = await engine.add_request("stalled", engine.engine.tokenizer.encode("A tale"), params)
+        backlogs = []
+        while _free(engine):  # until the engine reports it running
+            await asyncio.sleep(0.005)
+        while not _free(engine):
+            backlogs.append(stream.backlog)
+            await asyncio.sleep(0.01)
+        outputs = [output async for output in stream]
+        return max(backlogs), outputs
+
+    worst, outputs = asyncio.run(main())
+    assert worst <= 2  # one output (+ the final one): it was one per step
+    assert len(outputs) == 1 and outputs[0].finished
+    assert [len(c.token_ids) for c in outputs[0].outputs] == [60] * 4
+
+
 def test_admission_control_refuses_beyond_the_waiting_limit():
     eng = AsyncLLMEngine.from_engine_args(EngineArgs(device="cpu", max_num_seqs=1), max_waiting_requests=1)
     eng.start()
