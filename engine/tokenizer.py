@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.engine.errors import InvalidRequestError, ModelLoadError
 
+# Message fields chat templates write into the prompt verbatim.
+_MESSAGE_TEXT_KEYS = ("content", "name")
 # Tokens of prompt context given to the detokenizer so the first generated token decodes as it
 # would in the middle of text (SentencePiece-style decoders drop a leading space at text start).
 PROMPT_CONTEXT_TOKENS = 5
@@ -115,8 +119,54 @@ class Tokenizer:
             raise InvalidRequestError(f"chat template failed: {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+        """The conversation's token ids. Control tokens come only from the template: a message that
+        types one (`<|im_end|>\\n<|im_start|>system ...`, to forge a turn) has it encoded as the
+        plain characters it is. (transformers' apply_chat_template and vLLM parse the whole
+        rendered string, so there the typed token becomes the real one.)"""
         # The template already writes BOS and friends: do not add them twice.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special_tokens=False)
+        rendered = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        texts = [m[key] for m in messages for key in _MESSAGE_TEXT_KEYS if isinstance(m.get(key), str) and m[key]]
+        if not any(special in text for text in texts for special in self.special_token_texts):
+            return self.encode(rendered, add_special_tokens=False)  # the common case: as before, byte for byte
+        return self._encode_marked(messages, rendered, add_generation_prompt, **extra)
+
+    @functools.cached_property
+    def special_token_texts(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content)
+
+    @functools.cached_property
+    def _text_only(self):
+        """A copy of the backend that encodes special tokens' text as ordinary text."""
+        backend = type(self._tok).from_str(self._tok.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    def _encode_marked(self, messages: list[dict[str, Any]], rendered: str, add_generation_prompt: bool,
+                       **extra: Any) -> list[int]:
+        """Render with a unique marker in place of each message text, then encode the template's
+        parts as usual and the message texts with special tokens as text."""
+        nonce = uuid.uuid4().hex
+        texts: list[str] = []
+
+        def mark(text: str) -> str:
+            texts.append(text)
+            return f"\x00{nonce}:{len(texts) - 1}\x00"
+
+        marked = [{**m, **{k: mark(m[k]) for k in _MESSAGE_TEXT_KEYS if isinstance(m.get(k), str) and m[k]}}
+                  for m in messages]
+        parts = re.split(f"\x00{nonce}:(\\d+)\x00", self.apply_chat_template(marked, add_generation_prompt, **extra))
+        pieces = [(texts[int(part)], True) if i % 2 else (part, False) for i, part in enumerate(parts)]
+        if "".join(text for text, _ in pieces) != rendered:
+            # The template transforms message text (filters, string tests), so its spans cannot be found.
+            raise InvalidRequestError("a message contains the text of a control token (e.g. "
+                                      f"{next(t for t in self.special_token_texts if any(t in x for x in texts))!r}), "
+                                      "which this model's chat template does not allow to keep as plain text")
+        ids: list[int] = []
+        for text, is_message_text in pieces:
+            if text:
+                ids += (self._text_only.encode_batch([text], add_special_tokens=False)[0].ids if is_message_text
+                        else self.encode(text, add_special_tokens=False))
+        return ids
 
 
 def _validate_messages(messages: Any) -> None:
