@@ -7,6 +7,7 @@ a field the spec adds or makes nullable shows up here without editing a list.
 
 from __future__ import annotations
 
+import json
 import typing
 
 import httpx
@@ -259,6 +260,26 @@ def test_openai_client_over_the_documented_chat_fields(client):
 
 
 # ---- other clients -------------------------------------------------------------------------------
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "ROMEO:", "max_tokens": 6}),
+    ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 6}),
+])
+def test_guidellm_streaming_body_with_continuous_usage(server, path, body):
+    """guidellm 0.8's OpenAI backend (backends/openai/request_handlers.py) streams with
+    stream_options {include_usage, continuous_usage_stats} (vLLM's) and stop: null, ignore_eos.
+    guidellm itself is not installed: it would downgrade click and multidict under the CLI."""
+    request = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+               "stop": None, "ignore_eos": True, **body}
+    with httpx.stream("POST", server.base_url + path, json=request, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    counts = [event["usage"]["completion_tokens"] for event in events]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(event["usage"]["prompt_tokens"] > 0 for event in events)
+    assert events[-1]["choices"] == [] and any(0 < n < 6 for n in counts)
+
+
 def test_litellm_completion_and_chat(server):
     litellm = pytest.importorskip("litellm", reason="litellm is in the test extra; not installed here")
     common = dict(api_base=server.base_url + "/v1", api_key="none", max_tokens=4, temperature=0)

@@ -62,6 +62,7 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk (guidellm sends it)
     include_obfuscation: Optional[bool] = None
 
 

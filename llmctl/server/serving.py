@@ -61,9 +61,11 @@ class _Job:
         """Completion tokens sent to the client so far (all of them once every choice finished)."""
         return sum(self.sent_tokens.values())
 
-    def usage(self) -> dict[str, int]:
+    def usage(self, completion: Optional[int] = None) -> dict[str, int]:
+        """Token counts of the finished job, or with `completion` tokens so far (a stream's usage)."""
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
+        if completion is None:
+            completion = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -304,11 +306,13 @@ class OpenAIServing:
 
     # ---- streaming --------------------------------------------------------------------------------
     async def _sse(self, job: _Job, events: AsyncIterator[dict[str, Any]], audit: dict[str, Any]) -> AsyncIterator[str]:
-        include_usage = bool(job.body.stream_options and job.body.stream_options.include_usage)
+        options = job.body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options.continuous_usage_stats)  # vLLM: usage in every chunk
         try:
             async for event in events:
                 if include_usage:
-                    event["usage"] = None
+                    event["usage"] = job.usage(job.delivered_tokens()) if continuous else None
                 yield _data(event)
             if include_usage:
                 yield _data({"id": job.response_id, "object": _chunk_object(job), "created": job.created,
