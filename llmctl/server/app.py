@@ -28,6 +28,7 @@ from llmctl.server.errors import APIError, install_error_handlers
 from llmctl.server.metrics import ServerMetrics, endpoint_label
 from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, InternalErrors, RateLimit, RateLimiter, RequestContext,
                                       audit_line, is_protected)
+from llmctl.server.openapi import install_openapi
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmctl.server.serving import OpenAIServing
@@ -113,9 +114,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
 
     # No trailing-slash redirects: Starlette builds their Location from the client's Host header.
     app = FastAPI(title="llmctl", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, redirect_slashes=False)
+                  openapi_url="/openapi.json", redirect_slashes=False)
     app.router.route_class = StrictJSONRoute
     install_error_handlers(app)
+    install_openapi(app)
     _add_routes(app, engine, serving, metrics, settings)
 
     def on_finished(record: dict[str, Any]) -> None:

@@ -1,0 +1,76 @@
+"""The served /openapi.json tells the truth, and bounded property-based fuzzing of its request
+schemas (hypothesis-jsonschema) finds no 5xx and no error body outside OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis_jsonschema import from_schema
+
+from server_helpers import rss_mib, running_server
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    # Small caps keep each generated request cheap: the fuzzing is about the answers, not the work.
+    with running_server(max_output_tokens=3, max_sequences_per_request=4, max_body_bytes=256 * 1024) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def document(server):
+    return httpx.get(server.base_url + "/openapi.json").json()
+
+
+def test_the_document_says_400_not_422_with_the_openai_error_schema(document):
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            assert "422" not in operation["responses"], (path, method)
+    post = document["paths"]["/v1/completions"]["post"]
+    assert post["responses"]["400"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorResponse"}
+    assert {"400", "401", "413", "429", "503"} <= set(post["responses"])
+    body_ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    completion = document["components"]["schemas"][body_ref.rsplit("/", 1)[1]]
+    assert completion["additionalProperties"] is False and "prompt" in completion["required"]
+    operation_ids = [op["operationId"] for ops in document["paths"].values() for op in ops.values()]
+    assert len(operation_ids) == len(set(operation_ids))
+
+
+def _request_schema(document: dict, path: str) -> dict:
+    ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return {**ref, "components": document["components"]}
+
+
+def _check_answer(response: httpx.Response) -> None:
+    assert response.status_code < 500, response.text[:500]
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == ERROR_KEYS and isinstance(error["message"], str) and error["message"]
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        for event in map(json.loads, events[:-1]):
+            assert "error" not in event or set(event["error"]) == ERROR_KEYS
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzzing_the_request_schemas_finds_no_5xx(server, document, path):
+    before = rss_mib()
+    schema = _request_schema(document, path)
+
+    @settings(max_examples=30, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @given(body=from_schema(schema))
+    def fuzz(body):
+        _check_answer(http.post(path, json=body))
+
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        fuzz()
+    server.assert_recovered(before)
