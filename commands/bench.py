@@ -133,6 +133,8 @@ def throughput(
     compare_hf: Annotated[bool, _w("--compare-hf", help="Also run transformers generate on the same workload and print the ratio.")] = False,
     hf_batch_size: Annotated[int, _w("--hf-batch-size", min=1, help="Prompts per padded transformers batch.")] = 16,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else).")] = False,
+    price_per_hour: Annotated[Optional[float], typer.Option("--price-per-hour", metavar="USD", help="Instance price: adds USD per 1M output/total tokens and per month (compute only).")] = None,
+    monthly_request_rate: Annotated[Optional[float], typer.Option("--monthly-request-rate", metavar="REQ_PER_S", help="Request rate the monthly cost is for (default: the measured one).")] = None,
     model: eo.Model = None,
     tokenizer: eo.Tokenizer = None,
     dtype: eo.DtypeOpt = eo.Dtype.auto,
@@ -153,11 +155,14 @@ def throughput(
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Offline throughput (vLLM's definition): one timed pass over N requests submitted at once."""
+    from llmctl.bench.cost import check_cost_flags
     from llmctl.bench.offline_runner import ThroughputJob, run_throughput_job
 
+    check_cost_flags(price_per_hour, monthly_request_rate)
     args = eo.engine_args_from(locals())
     run_throughput_job(args, ThroughputJob(num_prompts, input_len, output_len, range_ratio, dataset, repeats,
-                                           workload_seed, compare_hf, hf_batch_size, json_output))
+                                           workload_seed, compare_hf, hf_batch_size, json_output,
+                                           price_per_hour, monthly_request_rate))
 
 
 @bench_app.command("latency", cls=help_format.Command)

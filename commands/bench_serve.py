@@ -66,6 +66,8 @@ def serve(
     save_result: Annotated[Optional[Path], _o("--save-result", panel=REPORT, dir_okay=False, help="Also write the JSON result document to this file.")] = None,
     save_detailed: Annotated[bool, _o("--save-detailed", panel=REPORT, help="Add per-request lengths, times, texts and errors to the JSON.")] = False,
     plot: Annotated[Optional[Path], _o("--plot", panel=REPORT, dir_okay=False, help="Write latency histograms and throughput over time (.png, .svg, .pdf).")] = None,
+    price_per_hour: Annotated[Optional[float], _o("--price-per-hour", panel=REPORT, metavar="USD", help="Instance price: adds USD per 1M output/total tokens and per month (compute only).")] = None,
+    monthly_request_rate: Annotated[Optional[float], _o("--monthly-request-rate", panel=REPORT, metavar="REQ_PER_S", help="Request rate the monthly cost is for (default: the measured one).")] = None,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Benchmark an OpenAI-compatible server under load: TTFT, TPOT, ITL, E2E latency, throughput, goodput.
@@ -76,9 +78,11 @@ def serve(
     Example: llmctl bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8 --slo 'p99_ttft_ms<500'
     """
     from llmctl.bench import serve_load
+    from llmctl.bench.cost import check_cost_flags
     from llmctl.bench.metrics import check_slos
 
     report = _report_options(percentiles, goodput, slo, save_result, plot)
+    check_cost_flags(price_per_hour, monthly_request_rate)
     plan = _plan(request_rate, burstiness, max_concurrency, seed, ignore_eos, temperature)
     base = serve_load.normalize_base_url(base_url)
     _check_dataset_flags(dataset, dataset_path, random_range_ratio)
@@ -95,6 +99,8 @@ def serve(
     settings = _settings(target, plan, dataset.value, num_prompts, num_warmups, tokenizer, report)
     settings["max_model_len"] = served.max_model_len
     document = serve_load.result_document(settings, run, report["percentiles"], report["goodput"], save_detailed)
+    if price_per_hour is not None:
+        document["cost"] = _cost(document, price_per_hour, monthly_request_rate)
     if report["gates"]:
         document["slo"] = check_slos(report["gates"], document)
     _emit(document, report, json_output, run, target)
@@ -131,6 +137,15 @@ def _report_options(percentiles: str, goodput: Optional[list[str]], slo: Optiona
     if plot is not None:
         check_plot_path(plot)
     return {"percentiles": points, "goodput": slos or None, "gates": gates, "save_result": save_result, "plot": plot}
+
+
+def _cost(document: dict[str, Any], price_per_hour: float, monthly_request_rate: Optional[float]) -> dict[str, Any]:
+    from llmctl.bench.cost import cost_figures
+
+    return cost_figures(price_per_hour, requests_per_s=document["request_throughput"],
+                        output_tokens_per_s=document["output_throughput"],
+                        total_tokens_per_s=document["total_token_throughput"],
+                        monthly_request_rate=monthly_request_rate)
 
 
 def _plan(request_rate: float, burstiness: float, max_concurrency: Optional[int], seed: int,
@@ -338,6 +353,10 @@ def _print_summary(document: dict[str, Any], percentiles: list[float]) -> None:
     from llmctl.output import stdout_console
 
     rows = summary_rows(document, percentiles)
+    if "cost" in document:
+        from llmctl.bench.cost import cost_rows
+
+        rows += cost_rows(document["cost"])
     console = stdout_console()
     if console.is_terminal:
         from rich.table import Table

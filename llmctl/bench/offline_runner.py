@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.bench import offline
+from llmctl.bench.cost import cost_figures
 from llmctl.bench.report import progress_bar, render_latency, render_throughput, status
 from llmctl.errors import UserError
 from llmctl.output import print_json
@@ -26,6 +27,8 @@ class ThroughputJob:
     compare_hf: bool
     hf_batch_size: int
     json_output: bool
+    price_per_hour: Optional[float] = None
+    monthly_request_rate: Optional[float] = None
 
 
 @dataclass
@@ -56,6 +59,11 @@ def run_throughput_job(args: Any, job: ThroughputJob) -> None:
         doc["ratio_vs_transformers"] = {key: doc[key]["mean"] / doc["transformers"][key]["mean"]
                                         for key in ("output_tokens_per_second", "requests_per_second",
                                                     "total_tokens_per_second")}
+    if job.price_per_hour is not None:
+        doc["cost"] = cost_figures(job.price_per_hour, requests_per_s=doc["requests_per_second"]["mean"],
+                                   output_tokens_per_s=doc["output_tokens_per_second"]["mean"],
+                                   total_tokens_per_s=doc["total_tokens_per_second"]["mean"],
+                                   monthly_request_rate=job.monthly_request_rate)
     offline.release(engine)
     if job.json_output:
         print_json(doc)

@@ -93,6 +93,11 @@ def render_throughput(doc: dict[str, Any]) -> None:
         rows.append(_rate_row(f"transformers {doc['transformers']['version']}", doc["transformers"]))
     _table(["system", "requests/s", "output tok/s", "total tok/s", "elapsed s"], rows, {1, 2, 3, 4})
     _summary_line(doc)
+    if doc.get("cost"):
+        from llmctl.bench.cost import cost_rows
+
+        for label, value in cost_rows(doc["cost"]):
+            stdout_console().print(label if value is None else f"  {label}: {value}", markup=False, highlight=False)
 
 
 def _rate_row(name: str, doc: dict[str, Any]) -> list[str]:
