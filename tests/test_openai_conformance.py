@@ -133,6 +133,8 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "service_tier", "flex"),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
     ("/v1/chat/completions", "continue_final_message", True),
+    ("/v1/chat/completions", "add_special_tokens", True),
+    ("/v1/chat/completions", "truncate_prompt_tokens", 8),
 ]
 
 
@@ -497,3 +499,45 @@ def test_lm_eval_multiple_choice_task_scores_like_transformers(tiny_server, tiny
         correct += max(range(len(expected)), key=expected.__getitem__) == sample["target"]
     assert results["results"][task]["acc,none"] == pytest.approx(correct / len(MC_DOCS))
     tiny_server.wait_idle()
+
+
+# ---- vLLM extras that are implemented --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def thinking_model(tiny_chat_model, tmp_path_factory):
+    """The tiny chat model with a Qwen3-style template that reads `enable_thinking`."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(tiny_chat_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                               "<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+                               "<think></think>{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_model):
+    with running_server(thinking_model, served_model_name="t") as srv:
+        def prompt_tokens(**extra) -> int:
+            response = _post(srv, "/v1/chat/completions", {"messages": USER, "max_tokens": 1, **extra})
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["prompt_tokens"]
+
+        plain = prompt_tokens()
+        no_think = prompt_tokens(chat_template_kwargs={"enable_thinking": False})
+        expected = len(srv.engine.engine.tokenizer.encode("<think></think>", add_special_tokens=False))
+        assert no_think == plain + expected
+        assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+        for key in ("messages", "tools", "bos_token"):
+            refused = _post(srv, "/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {key: 1}})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_completions_add_special_tokens(tiny_server):
+    """The tiny tokenizer prepends BOS to text; vLLM's add_special_tokens: false leaves it out."""
+    body = {"prompt": "ROMEO:", "max_tokens": 0, "echo": True, "logprobs": 0}
+    with_bos = _post(tiny_server, "/v1/completions", body).json()["choices"][0]["logprobs"]["tokens"]
+    without = _post(tiny_server, "/v1/completions", {**body, "add_special_tokens": False}).json()
+    assert with_bos[0] == "<s>" and without["choices"][0]["logprobs"]["tokens"] == with_bos[1:]

@@ -80,7 +80,6 @@ _UNSUPPORTED_COMMON = {
     "bad_words": ("vLLM's bad_words", ([],)),
     "truncate_prompt_tokens": ("vLLM's prompt truncation", ()),
     "spaces_between_special_tokens": ("vLLM's detokenizer option", (True,)),
-    "add_special_tokens": ("vLLM's tokenizer option", ()),
     "guided_json": ("vLLM's guided decoding (structured output)", ()),
     "guided_regex": ("vLLM's guided decoding (structured output)", ()),
     "guided_choice": ("vLLM's guided decoding (structured output)", ()),
@@ -123,9 +122,14 @@ _UNSUPPORTED_CHAT = {
     "continue_final_message": ("vLLM's continue_final_message", (False,)),
     "documents": ("vLLM's RAG documents", ()),
     "chat_template": ("a per-request chat template", ()),
-    "chat_template_kwargs": ("chat template arguments", ()),
+    "add_special_tokens": ("vLLM's special tokens on top of the chat template", (False,)),
     "prompt_logprobs": ("prompt logprobs in chat (use /v1/completions)", ()),
 }
+
+
+# Template variables a request's chat_template_kwargs may not override (and any `*_token`, which
+# the tokenizer's config supplies).
+_TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "documents"}
 
 
 class _SamplingFields(_Body):
@@ -163,7 +167,6 @@ class _SamplingFields(_Body):
     bad_words: Optional[Any] = None
     truncate_prompt_tokens: Optional[Any] = None
     spaces_between_special_tokens: Optional[Any] = None
-    add_special_tokens: Optional[Any] = None
     guided_json: Optional[Any] = None
     guided_regex: Optional[Any] = None
     guided_choice: Optional[Any] = None
@@ -191,6 +194,7 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[str] = None
     prompt_embeds: Optional[Any] = None
     prompt_logprobs: Optional[int] = None  # vLLM: top-N log-probabilities of each prompt token
+    add_special_tokens: bool = True  # vLLM: BOS (and friends) added to text prompts
 
     @property
     def scores_prompt_only(self) -> bool:
@@ -243,7 +247,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: Optional[Any] = None
     documents: Optional[Any] = None
     chat_template: Optional[Any] = None
-    chat_template_kwargs: Optional[Any] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM: extra template variables (enable_thinking)
+    add_special_tokens: Optional[Any] = None
     prompt_logprobs: Optional[Any] = None
 
     def plain_messages(self) -> list[dict[str, str]]:
@@ -285,6 +290,10 @@ def check_unsupported(body: Union[CompletionRequest, ChatCompletionRequest]) -> 
     else:
         if body.tools:
             raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
+        taken = sorted(k for k in body.chat_template_kwargs or {} if k in _TEMPLATE_VARIABLES or k.endswith("_token"))
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (set by the request itself, "
+                                "or tool calling, which is not supported)", param="chat_template_kwargs")
         for index, message in enumerate(body.messages):
             if message.tool_calls or message.function_call is not None or message.audio is not None:
                 raise APIError(400, "assistant messages with tool_calls, function_call or audio are not supported "

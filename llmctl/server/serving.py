@@ -162,7 +162,7 @@ class OpenAIServing:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if len(items) > MAX_PROMPTS_PER_REQUEST:
             raise APIError(400, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", param="prompt")
-        return [self._prompt(item) for item in items]
+        return [self._prompt(item, body.add_special_tokens) for item in items]
 
     def _document_start(self) -> _Prompt:
         """`prompt: null`: OpenAI generates "as if from the beginning of a new document", i.e. from BOS."""
@@ -172,11 +172,11 @@ class OpenAIServing:
                                 "token to start from: send a prompt", param="prompt")
         return _Prompt("", [bos])
 
-    def _prompt(self, item: Union[str, list[int]]) -> _Prompt:
+    def _prompt(self, item: Union[str, list[int]], add_special_tokens: bool = True) -> _Prompt:
         if isinstance(item, str):
             if self.tokenizer is None:
                 raise APIError(400, "this server has no tokenizer: send prompts as token ids", param="prompt")
-            ids = self.tokenizer.encode(item)
+            ids = self.tokenizer.encode(item, add_special_tokens=add_special_tokens)
             if not ids:
                 raise APIError(400, "prompt must not be empty", param="prompt")
             return _Prompt(item, ids)
@@ -191,7 +191,7 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer, so it cannot render chat messages", param="messages")
         messages = body.plain_messages()
-        ids = self.tokenizer.encode_chat(messages, body.add_generation_prompt)
+        ids = self.tokenizer.encode_chat(messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
         return _Prompt(None, ids)
 
     # ---- submission -------------------------------------------------------------------------------
