@@ -70,6 +70,39 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero():
         httpx.get(base + "/health", timeout=2)
 
 
+def test_requests_still_running_when_the_drain_times_out_get_an_openai_ending():
+    proc, base = _start("--shutdown-timeout", "1")
+    events: list[str] = []
+    plain: list[httpx.Response] = []
+    first_chunk = threading.Event()
+    long = {"prompt": "A long tale", "max_tokens": 480, "ignore_eos": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", base + "/v1/completions", json={**long, "stream": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    first_chunk.set()
+
+    threads = [threading.Thread(target=stream),
+               threading.Thread(target=lambda: plain.append(httpx.post(base + "/v1/completions", json=long,
+                                                                       timeout=60)))]
+    for thread in threads:
+        thread.start()
+    assert first_chunk.wait(30)
+    time.sleep(0.3)  # the plain request is running too
+    proc.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(60)
+    assert proc.wait(60) == 0
+    stderr = proc.stderr.read()
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["code"] == "server_shutting_down"
+    [response] = plain
+    assert response.status_code == 503 and response.json()["error"]["code"] == "server_shutting_down"
+    assert "Traceback" not in stderr and stderr.count("cut off: still running when the drain ended") == 2
+
+
 def test_profile_endpoints_write_a_trace_and_need_the_key(tmp_path):
     proc, base = _start("--profile-dir", str(tmp_path / "traces"), env=_env(LLMCTL_API_KEY="sk-env"))
     try:

@@ -26,7 +26,7 @@ from llmctl.__about__ import __version__
 from llmctl.engine.async_engine import AsyncLLMEngine
 from llmctl.server.errors import APIError, install_error_handlers
 from llmctl.server.metrics import ServerMetrics, endpoint_label
-from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, InternalErrors, RateLimit, RateLimiter, RequestContext,
+from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, DrainCutoff, InternalErrors, RateLimit, RateLimiter, RequestContext,
                                       audit_line, is_protected)
 from llmctl.server.openapi import install_openapi
 from llmctl.server.profiler import TorchProfilerSession
@@ -125,9 +125,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
         if audit is not None and is_protected(record["path"]):
             audit.write(audit_line(record, settings.audit_log_prompts))
 
-    # Added innermost first: a request passes RequestContext, CORS, the rate limit, auth, then the
-    # body guard. Nothing reads the body before the caller is counted and authenticated, and every
-    # refusal passes back through CORS, so a browser can read why it failed.
+    # Added innermost first: a request passes RequestContext, CORS, the drain cut-off, the rate
+    # limit, auth, the body guard, then the catch of real bugs. Nothing reads the body before the
+    # caller is counted and authenticated, and every refusal passes back through CORS, so a
+    # browser can read why it failed.
     app.add_middleware(InternalErrors)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.timeout_body_s)
     if settings.api_key:
@@ -135,6 +136,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
                            failure_limit=RateLimit.parse(settings.auth_failure_limit))
     if settings.rate_limit:
         app.add_middleware(RateLimiter, limit=RateLimit.parse(settings.rate_limit))
+    app.add_middleware(DrainCutoff)
     if settings.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

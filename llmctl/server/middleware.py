@@ -114,6 +114,54 @@ class RequestContext:
                 logger.exception("could not record request %s in the metrics or the audit log", request_id)
 
 
+class DrainCutoff:
+    """Answers the requests uvicorn cancels when a drain outlasts `--shutdown-timeout`: an
+    OpenAI-shaped 503 if nothing was sent yet, an error event and `[DONE]` for a cut stream, and
+    one log line each. (Left alone, the cancellation reaches uvicorn, which logs a traceback,
+    answers text/plain 500 and cuts streams without an end.)"""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = {"start": False, "stream": False, "end": False}
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+                sent["stream"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                     for k, v in message.get("headers", []))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["end"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            # Only a cancellation from outside (uvicorn's, at the end of a drain) is answered; the
+            # CancelledError a handler raises itself for a client that left has nobody to answer.
+            if sent["end"] or task is None or not task.cancelling():
+                raise
+            task.uncancel()
+            await self._answer(scope, send, sent)
+
+    @staticmethod
+    async def _answer(scope: dict, send: Callable, sent: dict[str, bool]) -> None:
+        logger.warning("%s %s cut off: still running when the drain ended (--shutdown-timeout)",
+                       scope["method"], scope["path"])
+        error = APIError(503, "the server shut down before this request finished (--shutdown-timeout)",
+                         code="server_shutting_down", headers={"Retry-After": "1"})
+        if not sent["start"]:
+            await send_error(send, error, close=True)
+        elif sent["stream"]:
+            tail = f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
 def audit_line(record: dict[str, Any], include_prompts: bool) -> dict[str, Any]:
     line = {"time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), **record}
     if not include_prompts:
