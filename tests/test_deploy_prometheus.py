@@ -116,7 +116,10 @@ def wait_for(check, timeout_s: float, what: str):
 
 def test_dashboard_and_alert_queries_return_data_and_a_lowered_rule_fires(scraped_server, capsys):
     prometheus, base_url = scraped_server
-    wait_for(lambda: prometheus.query('up{job="llmctl"} == 1'), 20, "the first scrape")
+    # One request first, scraped before the load: Prometheus's rate() counts no increase into a
+    # series' first sample, so histograms born during a load shorter than a scrape would read 0.
+    httpx.post(base_url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2}, timeout=60)
+    wait_for(lambda: prometheus.query("llmctl:e2e_request_latency_seconds_count > 0"), 30, "the first scrape")
     code = run(["bench", "serve", "--base-url", base_url, "--num-prompts", "24", "--request-rate", "inf",
                 "--random-input-len", "48", "--random-output-len", "12", "--json"])
     assert code == 0, capsys.readouterr().err
@@ -124,7 +127,7 @@ def test_dashboard_and_alert_queries_return_data_and_a_lowered_rule_fires(scrape
     time.sleep(3)
 
     firing = wait_for(lambda: [a for a in prometheus.api("alerts")["alerts"]
-                               if a["labels"]["alertname"] == LOWERED and a["state"] == "firing"], 20,
+                               if a["labels"]["alertname"] == LOWERED and a["state"] == "firing"], 30,
                       f"{LOWERED} to fire")
     assert firing[0]["labels"]["model_name"] == "llmctl-default" and float(firing[0]["value"]) > 0
 
