@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
+
+@pytest.fixture(autouse=True)
+def _restore_llmctl_logger():
+    """In-process CLI runs call `configure_logging`, which gives the "llmctl" logger a handler on the
+    runner's (soon closed) stderr and stops propagation; without this, later tests' `caplog` sees no
+    engine records and logging prints "--- Logging error ---" for every line."""
+    logger = logging.getLogger("llmctl")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+
 
 ARCH_CONFIGS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False,
