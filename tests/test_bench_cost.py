@@ -54,9 +54,11 @@ def test_bench_serve_json_reports_cost_from_its_own_throughput(capsys):
     assert cost["instances_needed"] >= 1 and cost["monthly_usd"] == pytest.approx(cost["instances_needed"] * 2.5 * 730)
 
 
-def test_bench_throughput_json_reports_cost(capsys):
+def test_bench_throughput_json_reports_cost_with_the_price_from_yaml(capsys, tmp_path):
+    config = tmp_path / "bench.yaml"
+    config.write_text("price-per-hour: 1.2\n")
     code, doc, err = _json_run(capsys, "bench", "throughput", "--num-prompts", "4", "--input-len", "8",
-                               "--output-len", "4", "--device", "cpu", "--json", "--price-per-hour", "1.2")
+                               "--output-len", "4", "--device", "cpu", "--json", "--config", str(config))
     assert code == 0, err
     rate = doc["output_tokens_per_second"]["mean"]
     assert doc["cost"]["usd_per_1m_output_tokens"] == pytest.approx(1.2 / (rate * 3600) * 1e6)
