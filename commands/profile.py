@@ -217,9 +217,9 @@ def torch_profile(
     input_len: InputLen = 32,
     output_len: OutputLen = 16,
     steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Engine steps to run (default: wait + warmup + active).")] = None,
-    wait: Annotated[int, typer.Option("--wait", min=0, help="Schedule: steps run before the profiler starts.")] = 1,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Schedule: steps profiled but discarded.")] = 1,
-    active: Annotated[int, typer.Option("--active", min=1, help="Schedule: steps recorded into the trace.")] = 3,
+    wait: Annotated[Optional[int], typer.Option("--wait", min=0, help="Schedule: steps run before the profiler starts (default 1).")] = None,
+    warmup: Annotated[Optional[int], typer.Option("--warmup", min=0, help="Schedule: steps profiled but discarded (default 1).")] = None,
+    active: Annotated[Optional[int], typer.Option("--active", min=1, help="Schedule: steps recorded into the trace (default 3; defaults shrink to fit --steps).")] = None,
     sort_by: Annotated[SortKey, typer.Option("--sort-by", help="Operator table sort key.")] = SortKey.self_cpu_time_total,
     row_limit: Annotated[int, typer.Option("--row-limit", min=1, help="Rows of the operator table.")] = 20,
     record_shapes: Annotated[bool, typer.Option("--record-shapes/--no-record-shapes", help="Record operator input shapes.")] = True,
@@ -245,9 +245,13 @@ def torch_profile(
     from llmctl.profiling import torch_trace as tt
 
     args = eo.engine_args_from(locals())
-    plan = tt.TorchPlan(args, batch_size, input_len, output_len, wait, warmup, active, steps, sort_by.value,
-                        row_limit, record_shapes, seed)
+    sched, shrunk = tt.fit_schedule(steps, wait, warmup, active)
+    plan = tt.TorchPlan(args, batch_size, input_len, output_len, sched["wait"], sched["warmup"], sched["active"],
+                        steps, sort_by.value, row_limit, record_shapes, seed)
     plan.validate()
+    if shrunk:
+        typer.echo(f"llmctl: note: --steps {steps} is shorter than the default schedule; profiling "
+                   f"wait {plan.wait} + warmup {plan.warmup} + active {plan.active}", err=True)
     command = _reproduce(ctx)
     if dry_run:
         _print_dry_run(command, None, json_output)

@@ -87,6 +87,9 @@ def serve(
     except ValueError as exc:
         raise UserError(str(exc)) from None
     args = eo.engine_args_from(locals())
+    if (folder := eo.missing_tokenizer(args)) is not None:
+        raise UserError(f"no tokenizer.json in {folder}: the server turns text into tokens and back; pass --tokenizer "
+                        "FOLDER (with --load-format dummy, any tokenizer whose ids fit the config's vocab_size)")
     raise typer.Exit(run_server(args, settings, max_waiting_requests=max_waiting_requests,
                                 request_timeout_s=request_timeout))
 

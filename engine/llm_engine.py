@@ -47,7 +47,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
-        logger.warning("CUDA is not available; running on the CPU")
+        # INFO, not WARNING: on a CPU host with the default --device auto this is the expected case;
+        # a user who asks for a GPU (--device cuda) gets an error instead.
+        logger.info("CUDA is not available; running on the CPU")
         return torch.device("cpu")
     if name.startswith("cuda"):
         if not torch.cuda.is_available():

@@ -63,7 +63,7 @@ class Tokenizer:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
-            raise ModelLoadError(f"no tokenizer.json in {folder} (pass --tokenizer, or --skip-tokenizer-init for token-id prompts)")
+            raise ModelLoadError(f"no tokenizer.json in {folder} (give a tokenizer folder: --tokenizer, EngineArgs.tokenizer; token-id prompts alone run without one: skip_tokenizer_init=True)")
         try:
             backend = Backend.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception

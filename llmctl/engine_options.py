@@ -62,6 +62,17 @@ def engine_args_from(params: Mapping[str, Any]):
     return engine_args(**{name: params[name] for name in ENGINE_FLAG_NAMES if name in params})
 
 
+def missing_tokenizer(args) -> Optional[str]:
+    """The folder a tokenizer.json was expected in when there is none (a `--load-format dummy` folder
+    often holds only config.json), else None."""
+    from pathlib import Path
+
+    folder = args.tokenizer or args.model
+    if folder is None or not Path(folder).is_dir() or (Path(folder) / "tokenizer.json").is_file():
+        return None  # the embedded model has one; a missing folder is the loader's error to report
+    return str(folder)
+
+
 def engine_args(**values: Any):
     """Build `EngineArgs` from the parsed flags (enum values unwrapped)."""
     from llmctl.engine.args import EngineArgs

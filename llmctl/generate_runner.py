@@ -26,10 +26,12 @@ def run_generate(args, job: GenerateJob) -> None:
 
     err = stderr_console()
     params = [_sampling_params({**job.sampling, **spec.params}) for spec in job.specs]  # fail before loading
+    _run_without_tokenizer_if_possible(args, job, params)
     with _status(err, "Loading model"):
         llm = LLM.from_engine_args(args)
     prompts = [_prompt_input(llm, spec, job) for spec in job.specs]
-    streaming = len(prompts) == 1 and params[0].n == 1 and not job.json_output
+    # No tokenizer: no text to stream; the token ids are printed at the end.
+    streaming = len(prompts) == 1 and params[0].n == 1 and not job.json_output and llm.get_tokenizer() is not None
     if streaming:
         outputs = _run_streaming(llm, prompts, params)
     else:
@@ -45,6 +47,24 @@ def run_generate(args, job: GenerateJob) -> None:
     if failed:  # the others were printed; these did not fit in memory even alone
         index, error = failed[0]
         raise UserError(f"{len(failed)} of {len(outputs)} prompt(s) failed; prompt {index}: {error}", exit_code=1)
+
+
+def _run_without_tokenizer_if_possible(args, job: GenerateJob, params) -> None:
+    """A model folder without tokenizer.json (`--load-format dummy` from config.json alone) runs
+    token-id prompts; text, chat and stop strings need a tokenizer, and the error says so."""
+    from llmctl.engine_options import missing_tokenizer
+
+    folder = missing_tokenizer(args)
+    if folder is None:
+        return
+    needs = [what for what, present in (
+        ("text prompts", any(s.prompt_token_ids is None and s.messages is None for s in job.specs)),
+        ("chat prompts", job.chat or any(s.messages is not None for s in job.specs)),
+        ("stop strings", any(p.stop for p in params))) if present]
+    if needs:
+        raise UserError(f"no tokenizer.json in {folder}: {' and '.join(needs)} need a tokenizer; pass --tokenizer "
+                        "FOLDER, or give token-id prompts: -f FILE with lines like {\"prompt_token_ids\": [1, 2, 3]}")
+    args.skip_tokenizer_init = True
 
 
 def _prompt_input(llm, spec: PromptSpec, job: GenerateJob):
@@ -119,7 +139,9 @@ def _print_text(index: int, spec: PromptSpec, output, total: int) -> None:
             label = spec.prompt if spec.prompt is not None else f"{len(output.prompt_token_ids)} tokens"
             suffix = f" #{completion.index}" if len(output.outputs) > 1 else ""
             out.print(f"### [{index}{suffix}] {label[:60]!r}", markup=False, style="bold")
-        out.print(completion.text, markup=False, highlight=False)
+        # Without a tokenizer (token-id prompts on a config.json-only folder) there is no text.
+        shown = completion.text if completion.text or not completion.token_ids else " ".join(map(str, completion.token_ids))
+        out.print(shown, markup=False, highlight=False)
 
 
 def _request_timing(output) -> dict[str, Optional[float]]:

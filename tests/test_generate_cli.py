@@ -82,3 +82,34 @@ def test_bad_prompt_file_line_is_reported(tmp_path, tiny_chat_model):
     proc = run_cli("generate", "-f", str(prompts), "-m", str(tiny_chat_model))
     assert proc.returncode == 2
     assert "p.jsonl:1" in proc.stderr and "temprature" in proc.stderr
+
+
+def _config_only_folder(tiny_models, tmp_path):
+    """What `--load-format dummy` is for: a model folder holding config.json alone."""
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_models["llama"] / "config.json").read_text())
+    return folder
+
+
+def test_load_format_dummy_runs_token_id_prompts_from_config_json_alone(tiny_models, tmp_path):
+    folder = _config_only_folder(tiny_models, tmp_path)
+    prompts = '{"prompt_token_ids": [5, 6, 7], "max_tokens": 4}\n{"prompt_token_ids": [9], "max_tokens": 2}\n'
+    common = ("-m", str(folder), "--load-format", "dummy", "--temperature", "0", "--max-model-len", "64")
+    proc = run_cli("generate", "-f", "-", *common, "--json", stdin=prompts)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [len(o["outputs"][0]["token_ids"]) for o in lines] == [4, 2] and lines[0]["prompt_tokens"] == 3
+    one = run_cli("generate", "-f", "-", *common, stdin=prompts.splitlines()[0])
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.split() == [str(t) for t in lines[0]["outputs"][0]["token_ids"]]  # ids, as there is no text
+
+
+def test_load_format_dummy_with_text_prompt_says_what_is_needed(tiny_models, tmp_path):
+    folder = _config_only_folder(tiny_models, tmp_path)
+    proc = run_cli("generate", "ROMEO:", "-m", str(folder), "--load-format", "dummy")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"llmctl: error: no tokenizer.json in {folder}: text prompts need a tokenizer; pass --tokenizer FOLDER, "
+        'or give token-id prompts: -f FILE with lines like {"prompt_token_ids": [1, 2, 3]}')
+    assert "--skip-tokenizer-init" not in proc.stderr

@@ -288,3 +288,17 @@ def test_health_waits_for_a_warming_server_and_refuses_an_unhealthy_one(monkeypa
     with dead, pytest.raises(UserError, match="HTTP 503: engine thread stopped") as err:
         sp.check_health(dead, "http://srv")
     assert err.value.exit_code == 3
+
+
+def test_server_profiler_session_prints_no_kineto_lines(tmp_path):
+    """`/start_profile` and `/stop_profile` run this session in the server process; kineto's C++ side
+    used to print `USDT: ... profiler_start` / `profiler_stop` (and `ERROR:` on CPU hosts) on its stderr."""
+    code = ("import sys, torch; from llmctl.server.profiler import TorchProfilerSession as S; "
+            "s = S(sys.argv[1]); s.start(); torch.ones(64, 64).mm(torch.ones(64, 64)); print(s.stop())")
+    env = {k: v for k, v in _env().items() if k != "KINETO_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()).is_file()
+    noise = [line for line in proc.stderr.splitlines() if line.startswith(("USDT:", "STAGE:", "ERROR:"))]
+    assert not noise, noise

@@ -47,6 +47,27 @@ def test_json_rows_are_sorted_and_limited(tmp_path):
     assert manifest["result"]["device"] == "cpu" and manifest["result"]["steps"] == 3
 
 
+@pytest.mark.parametrize("steps, schedule", [(3, (0, 1, 2)), (2, (0, 1, 1)), (1, (0, 0, 1)), (5, (1, 1, 3)), (9, (1, 1, 3))])
+def test_steps_shrink_the_default_schedule(steps, schedule):
+    from llmctl.profiling.torch_trace import fit_schedule
+
+    sched, shrunk = fit_schedule(steps, None, None, None)
+    assert (sched["wait"], sched["warmup"], sched["active"]) == schedule and shrunk == (steps < 5)
+    assert fit_schedule(3, None, None, 3)[0] == {"wait": 0, "warmup": 0, "active": 3}  # a given part stays
+
+
+def test_three_steps_profile_with_a_shrunk_schedule_and_no_kineto_noise(tmp_path):
+    proc = llmctl("--steps", "3", "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--num-threads", "1",
+                  "--json", "-o", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)["result"]
+    assert result["steps"] == 3 and result["schedule"] == {"wait": 0, "warmup": 1, "active": 2}
+    assert "llmctl: note: --steps 3 is shorter than the default schedule; profiling wait 0 + warmup 1 + active 2" \
+        in proc.stderr
+    noise = [line for line in proc.stderr.splitlines() if line.startswith(("USDT:", "STAGE:", "ERROR:"))]
+    assert not noise, noise  # kineto's C++ log lines
+
+
 def test_bad_schedule_and_sort_key():
     short = llmctl("--steps", "2", "--wait", "1", "--warmup", "1", "--active", "2")
     assert short.returncode == 2 and "shorter than the schedule" in short.stderr

@@ -182,3 +182,40 @@ def test_port_in_use_is_a_one_line_error():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize("host, cause", [
+    ("127.0.0.1", "is already in use (another server?); pick another --port, or --port 0 for a free one"),
+    ("192.0.2.1", "--host 192.0.2.1 is not an address of this machine"),  # TEST-NET-1: never local
+    ("no-such-host.invalid", "--host no-such-host.invalid is not an address or a name this machine resolves"),
+])
+def test_bind_errors_are_one_llmctl_line_with_their_cause_before_the_model_loads(host, cause):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "llmctl.cli", "serve", "--host", host, "--port", str(port)],
+                              capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"llmctl: error: could not listen on {host}:{port}: "), proc.stderr
+    assert cause in lines[0]
+    assert "ERROR:" not in proc.stderr and "Errno" not in proc.stderr  # not uvicorn's raw line
+    assert time.monotonic() - started < 60  # the model never loaded (generous: shared CI cores)
+
+
+def test_cpu_fallback_of_device_auto_is_info_not_a_warning(caplog):
+    import logging
+
+    import torch
+
+    from llmctl.engine.llm_engine import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: --device auto picks it")
+    with caplog.at_level(logging.INFO, logger="llmctl"):
+        assert resolve_device("auto").type == "cpu"
+    [record] = [r for r in caplog.records if "CUDA is not available" in r.getMessage()]
+    assert record.levelno == logging.INFO

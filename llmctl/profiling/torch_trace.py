@@ -22,6 +22,26 @@ TABLE_NAME = "ops.txt"
 SORT_KEYS = ("self_cpu_time_total", "cpu_time_total", "self_device_time_total", "device_time_total", "count",
              "self_cpu_memory_usage", "cpu_memory_usage")
 
+DEFAULT_SCHEDULE = {"wait": 1, "warmup": 1, "active": 3}
+# Which default part gives way first when --steps is shorter than the default schedule: the steps
+# before profiling, then recorded steps (down to one), and the profiler's warm-up step last (the
+# first step it records after starting carries its set-up cost).
+SHRINK_ORDER = (("wait", 0), ("active", 1), ("warmup", 0))
+
+
+def fit_schedule(steps: Optional[int], wait: Optional[int], warmup: Optional[int],
+                 active: Optional[int]) -> tuple[dict[str, int], bool]:
+    """The schedule (wait, warmup, active) for `--steps`; parts not given take their defaults, and
+    those shrink until the schedule fits in `steps`. Returns it and whether a default was shrunk."""
+    given = {"wait": wait, "warmup": warmup, "active": active}
+    sched = {k: DEFAULT_SCHEDULE[k] if v is None else v for k, v in given.items()}
+    shrunk = False
+    for name, floor in SHRINK_ORDER:
+        while steps is not None and sum(sched.values()) > steps and given[name] is None and sched[name] > floor:
+            sched[name] -= 1
+            shrunk = True
+    return sched, shrunk
+
 
 @dataclass
 class TorchPlan:
@@ -60,7 +80,10 @@ def run_torch(plan: TorchPlan, manifest: Manifest) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    from llmctl.profiling import quiet_kineto
+
     plan.validate()
+    quiet_kineto()
     with ui.waiting("loading model"):
         engine = _engine(plan.engine_args)
     _check_lengths(plan, engine)

@@ -22,6 +22,10 @@ class TorchProfilerSession:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
+        from llmctl.profiling import quiet_kineto
+
+        quiet_kineto()
+
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
