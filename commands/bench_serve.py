@@ -385,9 +385,9 @@ def _print_problems(document: dict[str, Any]) -> None:
         status = "no response" if sample["status"] is None else f"HTTP {sample['status']}"
         sys.stderr.write(f"llmctl: {sample['count']} request(s) failed: {status}: {sample['message']}\n")
     for gate in document.get("slo", []):
-        if not gate["passed"]:
-            measured = "not measured" if gate["value"] is None else f"measured {gate['value']:.6g}"
-            sys.stderr.write(f"llmctl: slo violated: {gate['gate']} ({measured})\n")
+        measured = "not measured" if gate["value"] is None else f"measured {gate['value']:.6g}"
+        verdict = "passed" if gate["passed"] else "violated"
+        sys.stderr.write(f"llmctl: slo {verdict}: {gate['gate']} ({measured})\n")
     if document["completed"] == 0:
         sys.stderr.write(f"llmctl: error: all {document['failed']} requests failed\n")
 

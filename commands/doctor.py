@@ -22,12 +22,19 @@ def _thresholds(value: Any) -> Any:
         raise typer.BadParameter(str(exc), param_hint="--thresholds")
 
 
+def _complete_check_ids(incomplete: str) -> list[str]:
+    """Check ids for shell completion (the static scripts in completions/ list them all)."""
+    from llmctl.checks.registry import CHECKS
+
+    return [check.id for check in CHECKS if check.id.startswith(incomplete)]
+
+
 def doctor(
     config: Optional[Path] = ConfigOption,
-    only: Optional[str] = typer.Option(None, "--only", metavar="ID,...", help="Run only these checks (comma-separated ids)."),
-    skip: Optional[str] = typer.Option(None, "--skip", metavar="ID,...", help="Leave these checks out (comma-separated ids)."),
+    only: Optional[str] = typer.Option(None, "--only", metavar="ID,...", autocompletion=_complete_check_ids, help="Run only these checks (comma-separated ids)."),
+    skip: Optional[str] = typer.Option(None, "--skip", metavar="ID,...", autocompletion=_complete_check_ids, help="Leave these checks out (comma-separated ids)."),
     list_checks: bool = typer.Option(False, "--list", help="List the check ids with one-line descriptions and exit."),
-    explain: Optional[str] = typer.Option(None, "--explain", metavar="ID", help="Explain one check, its thresholds and exit."),
+    explain: Optional[str] = typer.Option(None, "--explain", metavar="ID", autocompletion=_complete_check_ids, help="Explain one check, its thresholds and exit."),
     json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout (nothing else)."),
     strict: bool = typer.Option(False, "--strict", help="Warnings fail too (exit 1)."),
     expect_gpus: Optional[int] = typer.Option(None, "--expect-gpus", min=1, help="This host must have at least N GPUs; no GPUs then fails."),

@@ -118,9 +118,9 @@ _llmctl() {
         "llmctl bench throughput --num-threads") return 0 ;;
         "llmctl bench throughput --config") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
         "llmctl doctor --config") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
-        "llmctl doctor --only") return 0 ;;
-        "llmctl doctor --skip") return 0 ;;
-        "llmctl doctor --explain") return 0 ;;
+        "llmctl doctor --only") COMPREPLY=($(compgen -W "gpu-visible gpu-persistence-mode gpu-clocks-consistent gpu-throttle-reasons gpu-thermal-power gpu-ecc gpu-memory-health gpu-memory-free gpu-mig-mode gpu-compute-mode pcie-link gpu-topology iommu-acs numa-balancing cpu-governor ulimits thp swap shm-size driver-version cuda-torch-compat disk-space-model cgroup-limits" -- "$cur")); return 0 ;;
+        "llmctl doctor --skip") COMPREPLY=($(compgen -W "gpu-visible gpu-persistence-mode gpu-clocks-consistent gpu-throttle-reasons gpu-thermal-power gpu-ecc gpu-memory-health gpu-memory-free gpu-mig-mode gpu-compute-mode pcie-link gpu-topology iommu-acs numa-balancing cpu-governor ulimits thp swap shm-size driver-version cuda-torch-compat disk-space-model cgroup-limits" -- "$cur")); return 0 ;;
+        "llmctl doctor --explain") COMPREPLY=($(compgen -W "gpu-visible gpu-persistence-mode gpu-clocks-consistent gpu-throttle-reasons gpu-thermal-power gpu-ecc gpu-memory-health gpu-memory-free gpu-mig-mode gpu-compute-mode pcie-link gpu-topology iommu-acs numa-balancing cpu-governor ulimits thp swap shm-size driver-version cuda-torch-compat disk-space-model cgroup-limits" -- "$cur")); return 0 ;;
         "llmctl doctor --expect-gpus") return 0 ;;
         "llmctl doctor --model") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
         "llmctl doctor --gpu-memory-utilization") return 0 ;;
@@ -186,7 +186,7 @@ _llmctl() {
         "llmctl profile mem --pid"|"llmctl profile mem -p") return 0 ;;
         "llmctl profile mem --port") return 0 ;;
         "llmctl profile mem --duration"|"llmctl profile mem -d") return 0 ;;
-        "llmctl profile mem --report"|"llmctl profile mem -r") return 0 ;;
+        "llmctl profile mem --report"|"llmctl profile mem -r") COMPREPLY=($(compgen -W "flamegraph table summary stats" -- "$cur")); return 0 ;;
         "llmctl profile mem --output-dir"|"llmctl profile mem -o") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
         "llmctl profile mem --config") COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;
         "llmctl profile server --base-url") return 0 ;;

@@ -210,11 +210,13 @@ def test_slo_gates_save_result_and_plot(fake, capsys, tmp_path):
     doc = json.loads(out)
     assert json.loads(saved.read_text()) == doc
     assert [(g["gate"], g["passed"]) for g in doc["slo"]] == [("p99_ttft_ms<0.001", False), ("completed>=6", True)]
-    assert "slo violated: p99_ttft_ms<0.001" in err and "completed" not in err
+    assert "llmctl: slo violated: p99_ttft_ms<0.001 (measured " in err
+    assert "llmctl: slo passed: completed>=6 (measured 6)\n" in err  # a gate that holds says so too
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
     code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "3", "--slo", "p99_ttft_ms<60000", *SMALL)
     assert code == 0 and json.loads(out)["slo"][0]["passed"]
+    assert "llmctl: slo passed: p99_ttft_ms<60000 (measured " in err and "violated" not in err
 
 
 def test_table_output_when_piped(fake, capsys):

@@ -214,3 +214,14 @@ def test_boolean_flags_take_no_value():
     proc = llmctl("generate", "hi", "--json", "true")
     assert proc.returncode == 2
     assert "unexpected extra argument" in proc.stderr
+
+
+def test_bash_completes_doctor_check_ids():
+    script = ROOT / "completions" / "llmctl.bash"
+    probe = f"""
+source {script}
+COMP_WORDS=(llmctl doctor --only gpu-m); COMP_CWORD=3; _llmctl; echo "${{COMPREPLY[@]}}"
+COMP_WORDS=(llmctl doctor --explain sh); COMP_CWORD=3; _llmctl; echo "${{COMPREPLY[@]}}"
+"""
+    proc = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=30)
+    assert proc.stdout.splitlines() == ["gpu-memory-health gpu-memory-free gpu-mig-mode", "shm-size"], proc.stderr

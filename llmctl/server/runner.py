@@ -72,23 +72,22 @@ def uvicorn_config(app, settings: ServerSettings, **overrides) -> uvicorn.Config
     return uvicorn.Config(app, **{**options, **overrides})
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """`host:port` bound (not yet listening) before the model loads: a bad address fails at once, with
-    its cause, instead of uvicorn's raw `ERROR: [Errno 98] ...` line after the load."""
+def check_bindable(host: str, port: int) -> None:
+    """Bind `host:port` once and let go, before the model loads: a bad address fails at once with its
+    cause, instead of uvicorn's raw `ERROR: [Errno 98] ...` line after the load. (uvicorn then binds
+    on its own: handing it this socket instead cut in-flight streams short on a graceful drain.)"""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
         raise UserError(f"could not listen on {host}:{port}: --host {host} is not an address or a name this "
                         f"machine resolves ({exc.strerror}); 127.0.0.1 is this machine only, 0.0.0.0 all") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT does not block
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise UserError(f"could not listen on {host}:{port}: {_bind_cause(host, port, exc)}") from None
-    return sock
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise UserError(f"could not listen on {host}:{port}: {_bind_cause(host, port, exc)}") from None
 
 
 def _bind_cause(host: str, port: int, exc: OSError) -> str:
@@ -104,7 +103,7 @@ def _bind_cause(host: str, port: int, exc: OSError) -> str:
 def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting_requests: int | None,
                request_timeout_s: float | None) -> int:
     settings.validate()
-    sock = bind_socket(settings.host, settings.port)
+    check_bindable(settings.host, settings.port)
     engine = AsyncLLMEngine.from_engine_args(engine_args, max_waiting_requests=max_waiting_requests,
                                              request_timeout_s=request_timeout_s)
     app = build_app(engine, settings)
@@ -112,11 +111,9 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting
     server = _GracefulServer(uvicorn_config(app, settings, log_level=max(level, logging.INFO),
                                             access_log=level <= logging.INFO))
     try:
-        server.run(sockets=[sock])
-    except SystemExit:  # uvicorn exits when it cannot listen
+        server.run()
+    except SystemExit:  # uvicorn exits when it cannot bind (taken since check_bindable)
         pass
-    finally:
-        sock.close()
     if not server.started:
         raise UserError(f"could not listen on {settings.host}:{settings.port} (port in use, or not permitted?)")
     return 0
