@@ -419,6 +419,16 @@ def test_vllm_prompt_logprobs_with_exact_ranks(tiny_server, reference):
         assert {int(t) for t in entry} == set(order[:3]) | {ids[i]}
 
 
+def test_chat_prompt_logprobs_score_the_rendered_conversation(tiny_server, reference):
+    body = {"model": "tiny", "messages": USER, "max_tokens": 1, "prompt_logprobs": 1}
+    response = httpx.post(tiny_server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    ids = tiny_server.engine.engine.tokenizer.encode_chat(USER, True)
+    scored = response.json()["prompt_logprobs"]
+    assert len(scored) == len(ids) == response.json()["usage"]["prompt_tokens"]
+    _assert_close([None if e is None else e[str(t)]["logprob"] for e, t in zip(scored, ids)], reference(ids)[0])
+
+
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),

@@ -123,7 +123,6 @@ _UNSUPPORTED_CHAT = {
     "documents": ("vLLM's RAG documents", ()),
     "chat_template": ("a per-request chat template", ()),
     "add_special_tokens": ("vLLM's special tokens on top of the chat template", (False,)),
-    "prompt_logprobs": ("prompt logprobs in chat (use /v1/completions)", ()),
 }
 
 
@@ -249,7 +248,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Optional[Any] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM: extra template variables (enable_thinking)
     add_special_tokens: Optional[Any] = None
-    prompt_logprobs: Optional[Any] = None
+    prompt_logprobs: Optional[int] = None  # vLLM: top-N log-probabilities of each rendered prompt token
 
     def plain_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them: role and text content."""
@@ -384,15 +383,14 @@ def _logprobs(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional
 def prompt_logprobs_width(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
     """How many top candidates to score per prompt token: for `prompt_logprobs`, and for `echo` with
     `logprobs` (the echoed prompt's tokens get logprobs too, as in OpenAI's API)."""
-    if not isinstance(body, CompletionRequest):
-        return None
     if body.prompt_logprobs is not None:
         if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", param="prompt_logprobs")
         if body.stream:
             raise APIError(400, "prompt_logprobs are not available when stream is true (as in vLLM); "
                                 "use echo with logprobs", param="prompt_logprobs")
-    wanted = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
+    echoed = body.logprobs if isinstance(body, CompletionRequest) and body.echo else None
+    wanted = [n for n in (body.prompt_logprobs, echoed) if n is not None]
     return max(wanted) if wanted else None
 
 

@@ -301,8 +301,12 @@ class OpenAIServing:
                                                             body.top_logprobs or 0)} if body.logprobs else None,
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             })
-        return {"id": job.response_id, "object": "chat.completion", "created": job.created,
-                "model": self.model_name, "system_fingerprint": None, "choices": choices, "usage": job.usage()}
+        response = {"id": job.response_id, "object": "chat.completion", "created": job.created,
+                    "model": self.model_name, "system_fingerprint": None, "choices": choices, "usage": job.usage()}
+        if body.prompt_logprobs is not None:  # vLLM puts them beside the choices in chat
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(job.prompts[0], job.finals[0],
+                                                                     body.prompt_logprobs, prompt_logprobs_width(body))
+        return response
 
     # ---- streaming --------------------------------------------------------------------------------
     async def _sse(self, job: _Job, events: AsyncIterator[dict[str, Any]], audit: dict[str, Any]) -> AsyncIterator[str]:
