@@ -18,7 +18,7 @@ class Status(str, Enum):
 # Folding several findings into one result keeps the most serious one.
 SEVERITY = {Status.SKIP: 0, Status.INFO: 1, Status.PASS: 2, Status.WARN: 3, Status.FAIL: 4}
 
-AREAS = ("GPU", "Interconnect", "CPU/OS", "Memory", "Software", "Storage/container")
+AREAS = ("GPU", "Interconnect", "CPU/OS", "Memory", "Software", "Storage/container", "Deployment")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""The 23 checks in report order; their ids are part of the command-line and JSON interface."""
+"""The 23 host checks in report order, and the deployment check `--server` adds; their ids are part of
+the command-line and JSON interface."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from llmctl.checks import gpu, gpu_health, interconnect, software, storage, system
+from llmctl.checks import deployment, gpu, gpu_health, interconnect, software, storage, system
 from llmctl.checks.model import Check
 from llmctl.errors import UserError
 
@@ -34,7 +35,13 @@ CHECKS: tuple[Check, ...] = (
     Check("cgroup-limits", "Storage/container", "cgroup memory/CPU quota and GPUs granted", storage.cgroup_limits),
 )
 
-BY_ID = {check.id: check for check in CHECKS}
+# Run only with `--server URL`: they look at a running server, not at this host.
+DEPLOYMENT_CHECKS: tuple[Check, ...] = (
+    Check("server-ready", "Deployment", "a running llmctl serve is healthy, exposes the alerted metrics, guards /v1",
+          deployment.server_ready),
+)
+
+BY_ID = {check.id: check for check in CHECKS + DEPLOYMENT_CHECKS}
 
 
 def parse_ids(text: str | None, flag: str) -> list[str]:
@@ -46,6 +53,11 @@ def parse_ids(text: str | None, flag: str) -> list[str]:
     return ids
 
 
-def select(only: Iterable[str], skip: Iterable[str]) -> list[Check]:
+def select(only: Iterable[str], skip: Iterable[str], server: bool = False) -> list[Check]:
+    """The host checks (and, with a server to check, the deployment checks) that --only/--skip leave."""
     only, skip = set(only), set(skip)
-    return [c for c in CHECKS if (not only or c.id in only) and c.id not in skip]
+    if not server and only & {c.id for c in DEPLOYMENT_CHECKS}:
+        raise UserError(f"--only {', '.join(sorted(only & {c.id for c in DEPLOYMENT_CHECKS}))} needs --server URL "
+                        "(the running llmctl serve to check)")
+    pool = CHECKS + DEPLOYMENT_CHECKS if server else CHECKS
+    return [c for c in pool if (not only or c.id in only) and c.id not in skip]

@@ -108,7 +108,8 @@ def report(
                     "duration_s": round(time.monotonic() - started, 2)},
         "results": [{**r.to_dict(), "area": areas[r.id], "title": titles[r.id]} for r in results],
         "plan": {"expect_gpus": plan.expect_gpus, "model": str(plan.model) if plan.model else None,
-                 "gpu_memory_utilization": plan.gpu_memory_utilization, "thresholds": plan.thresholds.to_dict()},
+                 "gpu_memory_utilization": plan.gpu_memory_utilization, "thresholds": plan.thresholds.to_dict(),
+                 "server": plan.server},
     }
 
 

@@ -44,6 +44,7 @@ class Plan:
     model: Optional[Path] = None
     gpu_memory_utilization: float = 0.9
     thresholds: Thresholds = field(default_factory=Thresholds)
+    server: Optional[str] = None  # a running llmctl serve to check (--server URL)
 
 
 def parse_thresholds(value: Any) -> Thresholds:

@@ -46,6 +46,7 @@ def doctor(
         None, "--thresholds", metavar="KEY=VALUE,...", parser=_thresholds,
         help="Override thresholds (YAML: a 'thresholds:' mapping); defaults in docs/doctor.md.",
     ),
+    server: Optional[str] = typer.Option(None, "--server", metavar="URL", help="Also check a running llmctl serve (server-ready): health, alerted metrics, /v1 auth."),
 ) -> None:
     """Check this host against the 23-item LLM inference preflight checklist (reads only, changes nothing).
 
@@ -53,20 +54,22 @@ def doctor(
 
     In CI: llmctl doctor --json > report.json || exit 1
     """
-    from llmctl.checks.registry import BY_ID, CHECKS, parse_ids, select
+    from llmctl.checks.registry import BY_ID, CHECKS, DEPLOYMENT_CHECKS, parse_ids, select
     from llmctl.checks.settings import Plan, Thresholds
     from llmctl.errors import UserError
 
     if list_checks:
-        _print_list(CHECKS, json)
+        _print_list(CHECKS + DEPLOYMENT_CHECKS, json)
         return
     if explain is not None:
         if explain not in BY_ID:
             raise UserError(f"--explain: unknown check id {explain!r} (see 'llmctl doctor --list')")
         _print_explain(BY_ID[explain], thresholds or Thresholds(), json)
         return
-    checks = select(parse_ids(only, "--only"), parse_ids(skip, "--skip"))
-    plan = Plan(expect_gpus, model, gpu_memory_utilization, thresholds or Thresholds())
+    if server is not None and not server.startswith(("http://", "https://")):
+        raise UserError(f"--server {server}: give the server's URL, e.g. http://10.0.0.5:8000")
+    checks = select(parse_ids(only, "--only"), parse_ids(skip, "--skip"), server=server is not None)
+    plan = Plan(expect_gpus, model, gpu_memory_utilization, thresholds or Thresholds(), server)
     report = _run(checks, plan, strict, with_facts=json)
     _render(report, json)
     raise typer.Exit(report["summary"]["exit_code"])

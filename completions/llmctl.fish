@@ -124,6 +124,7 @@ complete -c llmctl -n '__fish_seen_subcommand_from doctor' -l expect-gpus -r -d 
 complete -c llmctl -n '__fish_seen_subcommand_from doctor' -l model -r -F -d 'Model directory or file, for the disk-space-model check.'
 complete -c llmctl -n '__fish_seen_subcommand_from doctor' -l gpu-memory-utilization -r -d 'Planned fraction of each GPUs memory (gpu-memory-free).'
 complete -c llmctl -n '__fish_seen_subcommand_from doctor' -l thresholds -r -d 'Override thresholds (YAML - a thresholds - mapping); defaults in docs/doctor.md.'
+complete -c llmctl -n '__fish_seen_subcommand_from doctor' -l server -r -d 'Also check a running llmctl serve (server-ready) - health, alerted metrics, /v1 '
 complete -c llmctl -n '__fish_seen_subcommand_from doctor' -l help -s h -d 'Show help and exit.'
 complete -c llmctl -n '__fish_seen_subcommand_from generate' -l file -s f -r -F -d 'Prompts file - one per line, or JSON lines with per-prompt params; - reads stdin'
 complete -c llmctl -n '__fish_seen_subcommand_from generate' -l chat -d 'Apply the models chat template (the prompt is a user message).'

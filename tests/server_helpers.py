@@ -3,6 +3,7 @@ can reach both the HTTP API and the engine behind it (e.g. to check KV blocks ar
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -12,7 +13,8 @@ from typing import Any, Iterator, Optional
 import httpx
 import uvicorn
 
-from llmctl.engine import AsyncLLMEngine, EngineArgs
+from llmctl.engine import AsyncLLMEngine, EngineArgs, SamplingParams
+from llmctl.engine.errors import EngineDeadError
 from llmctl.server.app import ServerSettings, build_app
 from llmctl.server.runner import uvicorn_config
 
@@ -136,3 +138,22 @@ def running_server(model: Optional[str] = None, *, engine_options: Optional[dict
         yield server
     finally:
         server.stop()
+
+
+def kill_engine(server: RunningServer) -> None:
+    """Make the engine die as it does on a fatal CUDA error in a step, and return once it has."""
+    def fatal_step(*_args: Any) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    server.engine.engine.runner.execute = fatal_step
+
+    async def run_one() -> None:
+        stream = await server.engine.add_request("kill-engine", "x", SamplingParams(max_tokens=2))
+        try:
+            async for _ in stream:
+                pass
+        except EngineDeadError:
+            return
+        raise AssertionError("the engine survived a fatal step failure")
+
+    asyncio.run(run_one())

@@ -75,7 +75,7 @@ def test_table_output_when_piped_is_plain(capsys):
 def test_list_and_explain(capsys):
     assert run(["doctor", "--list"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split()[0] for line in lines] == IDS
+    assert [line.split()[0] for line in lines] == IDS + ["server-ready"]  # the deployment check (--server) last
     assert run(["doctor", "--explain", "numa-balancing", "--json"]) == 0
     explained = json.loads(capsys.readouterr().out)
     assert explained["id"] == "numa-balancing" and "NUMA" in explained["explain"]

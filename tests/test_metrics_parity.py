@@ -4,19 +4,15 @@ the names in docs/metrics.md matching what a real server exposes."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmctl.engine import EngineArgs, SamplingParams
-from llmctl.engine.errors import EngineDeadError
 from llmctl.engine.llm_engine import LLMEngine
-from tests.server_helpers import running_server
-from tests.test_async_engine import _poison_runner as poison_runner
+from tests.server_helpers import kill_engine, running_server
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
@@ -82,16 +78,8 @@ def test_vllm_parity_metrics_count_what_the_server_did():
 
 def test_engine_healthy_drops_to_zero_when_the_engine_dies():
     with running_server() as srv:
-        poison_runner(srv.engine, {"killer"}, message="CUDA error: an illegal memory access was encountered")
         assert _scrape(srv.base_url)["llmctl:engine_healthy"] == 1
-
-        async def kill() -> None:
-            stream = await srv.engine.add_request("killer", "x", SamplingParams(max_tokens=2))
-            with pytest.raises(EngineDeadError):
-                async for _ in stream:
-                    pass
-
-        asyncio.run(kill())
+        kill_engine(srv)
         assert _scrape(srv.base_url)["llmctl:engine_healthy"] == 0
 
 
