@@ -83,7 +83,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     command = build_cli()
     try:
         result = command.main(args=list(argv) if argv is not None else None, prog_name="llmctl", standalone_mode=False)
-    except click_errors.NoArgsIsHelpError:  # typer has already printed the help
+    except click_errors.NoArgsIsHelpError as exc:  # `llmctl`, `llmctl profile`: the help page, exit 0
+        sys.stdout.write(exc.format_message() + "\n")
         return 0
     except click_errors.UsageError as exc:
         hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""

@@ -31,6 +31,13 @@ def test_version_and_help_list_subcommands(capsys):
         assert name in out
 
 
+@pytest.mark.parametrize("args", [(), ("profile",)])
+def test_a_group_without_a_subcommand_prints_its_help(args, capsys):
+    assert run(list(args)) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Usage: llmctl {' '.join(args)}".rstrip() + " [OPTIONS] COMMAND") and "Commands:" in out
+
+
 def test_usage_error_is_one_line_exit_2():
     proc = llmctl("--no-such-flag")
     assert proc.returncode == 2
