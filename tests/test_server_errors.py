@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import running_server
+from server_helpers import rss_mib, running_server
 
 KEY = "sk-errors"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -23,6 +23,11 @@ JSON = {"Content-Type": "application/json"}
 def server():
     with running_server(api_key=KEY, max_output_tokens=64, max_body_bytes=64 * 1024) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def baseline(server):
+    return rss_mib()
 
 
 def _post(path, body=None, *, raw=None, headers=None, method="POST"):
@@ -108,7 +113,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name, request_spec, status, error_type, param", CASES, ids=[c[0] for c in CASES])
-def test_bad_request_gets_openai_error(server, name, request_spec, status, error_type, param):
+def test_bad_request_gets_openai_error(server, baseline, name, request_spec, status, error_type, param):
     method, path, body, raw, headers = request_spec
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         if raw is not None:
@@ -123,7 +128,7 @@ def test_bad_request_gets_openai_error(server, name, request_spec, status, error
         if param is not None:
             assert error["param"] == param, error
         assert "Traceback" not in response.text
-        assert http.get("/health").status_code == 200
+    server.assert_recovered(baseline)  # /health 200, every KV block free, RSS within the bound
 
 
 def test_server_still_serves_after_the_bad_requests(server):
