@@ -34,6 +34,7 @@ def serve(
     max_seqs_per_request: Annotated[int, _o("--max-seqs-per-request", help="Most sequences (prompts x n) one request may ask for.", panel=SECURITY)] = 256,
     timeout_headers: Annotated[float, _o("--timeout-headers", help="Seconds a client has to send a request's headers.", panel=SECURITY)] = 10.0,
     timeout_body: Annotated[float, _o("--timeout-body", help="Seconds a client has to send a request's body (then 408).", panel=SECURITY)] = 60.0,
+    timeout_stream_write: Annotated[float, _o("--timeout-stream-write", help="Seconds a stream may wait for its client to read; then it is cancelled and its request aborted.", panel=SECURITY)] = 60.0,
     timeout_keep_alive: Annotated[float, _o("--timeout-keep-alive", help="Seconds an idle keep-alive connection stays open.", panel=SECURITY)] = 5.0,
     max_output_tokens: Annotated[int, _o("--max-output-tokens", help="Largest max_tokens a request may ask for.", panel=SECURITY)] = 1024,
     rate_limit: Annotated[Optional[str], _o("--rate-limit", help="Per-client request rate, e.g. 100/minute (default: off).", panel=SECURITY)] = None,
@@ -81,6 +82,7 @@ def serve(
         auth_failure_limit=auth_failure_limit, forwarded_allow_ips=forwarded_allow_ips,
         limit_concurrency=limit_concurrency, timeout_headers_s=timeout_headers, timeout_body_s=timeout_body,
         timeout_keep_alive_s=timeout_keep_alive, max_sequences_per_request=max_seqs_per_request,
+        timeout_stream_write_s=timeout_stream_write,
     )
     try:
         settings.validate()

@@ -302,3 +302,50 @@ def test_a_forged_system_turn_in_user_content_stays_text(server, baseline):
     forged = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
     assert response.json()["usage"]["prompt_tokens"] > len(forged)  # typed "<|im_start|>" is 7 tokens, not 1
     server.assert_recovered(baseline)
+
+
+def test_a_stream_whose_reader_stopped_reading_is_cut_off(tmp_path):
+    # The reader's socket buffer fills and the server's writes wait: past --timeout-stream-write the
+    # stream is cancelled, its request aborted, and the connection closed (no [DONE]).
+    import socket
+
+    log = tmp_path / "audit.jsonl"
+    with running_server(timeout_stream_write_s=1.0, audit_log=log) as srv:
+        before = rss_mib()
+        body = json.dumps({"prompt": "A tale", "max_tokens": 200, "n": 2, "logprobs": 5, "ignore_eos": True,
+                           "stream": True}).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", srv.port))
+            _shrink_server_send_buffer(srv)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            while srv.engine.get_stats().get("num_requests", 0) == 0:
+                time.sleep(0.02)
+            srv.wait_idle(timeout=120)  # finished or aborted, while nobody reads
+            time.sleep(2.0)
+            sock.settimeout(10)
+            received = b""
+            try:
+                while chunk := sock.recv(65536):
+                    received += chunk
+            except (ConnectionResetError, socket.timeout):
+                pass
+        assert b"data: [DONE]" not in received and received.startswith(b"HTTP/1.1 200")
+        srv.assert_recovered(before)
+    [line] = [json.loads(x) for x in log.read_text().splitlines()]
+    assert line["completion_tokens"] < 2 * 200
+
+
+def _shrink_server_send_buffer(srv) -> None:
+    """Loopback autotunes the server's send buffer to ~1 MB, which would hold a whole small stream;
+    a 4 KiB one (on the real accepted socket) makes the server's writes wait as soon as the client
+    stops reading."""
+    import socket
+
+    deadline = time.monotonic() + 10
+    while not srv.server.server_state.connections:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for connection in srv.server.server_state.connections:
+        connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)

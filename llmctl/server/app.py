@@ -57,6 +57,7 @@ class ServerSettings:
     timeout_headers_s: float = 10.0
     timeout_body_s: float = 60.0
     timeout_keep_alive_s: float = 5.0
+    timeout_stream_write_s: float = 60.0
     limit_concurrency: Optional[int] = 1024
     # prompts x n per request: one request could otherwise fan out to 256 x 16 = 4,096 sequences.
     max_sequences_per_request: int = 256
@@ -72,6 +73,7 @@ class ServerSettings:
             (self.timeout_headers_s > 0, "--timeout-headers must be > 0"),
             (self.timeout_body_s > 0, "--timeout-body must be > 0"),
             (self.timeout_keep_alive_s > 0, "--timeout-keep-alive must be > 0"),
+            (self.timeout_stream_write_s > 0, "--timeout-stream-write must be > 0"),
             (self.limit_concurrency is None or self.limit_concurrency >= 1, "--limit-concurrency must be >= 1"),
             (self.max_sequences_per_request >= 1, "--max-seqs-per-request must be >= 1"),
             (self.forwarded_allow_ips is None or bool(self.forwarded_allow_ips.strip()),
@@ -97,7 +99,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     metrics = ServerMetrics(settings.served_model_name, engine.get_stats, lambda: engine.is_healthy)
     engine.add_step_listener(metrics.observe_step)
     serving = OpenAIServing(engine, settings.served_model_name, settings.max_output_tokens, metrics,
-                            settings.max_sequences_per_request)
+                            settings.max_sequences_per_request, settings.timeout_stream_write_s)
     audit = AuditLog(settings.audit_log, settings.audit_log_prompts) if settings.audit_log else None
 
     @asynccontextmanager

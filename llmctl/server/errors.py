@@ -45,6 +45,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class StreamStalledError(Exception):
+    """A stream's reader stopped reading: a write to it waited past `--timeout-stream-write`."""
+
+
 def from_exception(exc: BaseException) -> APIError:
     """The API error for an exception raised while serving a request."""
     if isinstance(exc, APIError):

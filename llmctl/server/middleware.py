@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from llmctl.server.errors import APIError, from_exception
+from llmctl.server.errors import APIError, StreamStalledError, from_exception
 
 ASGIApp = Callable[..., Any]
 PROTECTED_PREFIXES = ("/v1/", "/start_profile", "/stop_profile")
@@ -198,6 +198,9 @@ class InternalErrors:
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except StreamStalledError as exc:  # not a bug: a reader that stopped reading was cut off
+            logger.warning("%s %s: stream cancelled and its request aborted: %s (--timeout-stream-write)",
+                           scope["method"], scope["path"], exc)
         except Exception as exc:  # noqa: BLE001 - this is the last place to turn it into an answer
             error = from_exception(exc)  # logs the traceback once
             if not started:

@@ -23,7 +23,7 @@ from llmctl.engine.async_engine import AsyncLLMEngine, RequestStream
 from llmctl.engine.errors import EngineError
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.tokenizer import IncrementalDetokenizer
-from llmctl.server.errors import APIError, from_exception
+from llmctl.server.errors import APIError, StreamStalledError, from_exception
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
 from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, check_unsupported,
@@ -71,8 +71,9 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, max_output_tokens: int, metrics: ServerMetrics,
-                 max_sequences_per_request: int = 256):
+                 max_sequences_per_request: int = 256, stream_write_timeout_s: float = 60.0):
         self.engine = engine
+        self.stream_write_timeout_s = stream_write_timeout_s
         self.max_sequences_per_request = max_sequences_per_request
         self.model_name = model_name
         self.max_output_tokens = max_output_tokens
@@ -103,8 +104,9 @@ class OpenAIServing:
         job = await self._submit(body, prompts, uuid.uuid4().hex, chat)
         if body.stream:
             events = self._chat_events(job) if chat else self._completion_events(job)
-            return StreamingResponse(self._sse(job, events, audit), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _StallBoundedStream(self._sse(job, events, audit), self.stream_write_timeout_s,
+                                       media_type="text/event-stream",
+                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         audit["completion_tokens"] = 0  # stays 0 if the client leaves before the body is sent
         await self._collect(job, request)
         audit["completion_tokens"] = job.usage()["completion_tokens"]
@@ -486,6 +488,29 @@ def _without_generation(output: RequestOutput) -> RequestOutput:
     hidden = [replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
                       cumulative_logprob=None if c.cumulative_logprob is None else 0.0) for c in output.outputs]
     return replace(output, outputs=hidden)
+
+
+class _StallBoundedStream(StreamingResponse):
+    """SSE whose every write may wait at most `stall_s` for the client to read: a reader that
+    stopped reading has its stream cancelled and its requests aborted (their KV blocks freed),
+    instead of holding them for as long as it keeps the connection open."""
+
+    def __init__(self, content: AsyncIterator[str], stall_s: float, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.stall_s = stall_s
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        async def bounded_send(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_s)
+            except asyncio.TimeoutError:
+                raise StreamStalledError(f"the client read nothing for {self.stall_s:g} s") from None
+
+        try:
+            await super().__call__(scope, receive, bounded_send)
+        except StreamStalledError:
+            await self.body_iterator.aclose()  # its cleanup now, not at garbage collection: abort, audit
+            raise
 
 
 async def _wait_for_disconnect(request: Request) -> None:
