@@ -354,22 +354,25 @@ class OpenAIServing:
             yield completion, delta, new_ids, new_lps, completion.finish_reason if finished else None, first
 
     async def _completion_events(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
-        body: CompletionRequest = job.body  # type: ignore[assignment]
         async for p_index, output in self._outputs(job):
             for completion, delta, ids, lps, reason, first in self._deltas(job, p_index, output):
-                prompt = job.prompts[p_index]
-                echo = self._echo_text(prompt) if body.echo else ""
-                # text_offset counts from the start of the choice's text, by token texts as in the
-                # non-streamed body (a delta can hold back bytes of a partial character)
-                key = (p_index, completion.index)
-                offset = job.text_offsets.get(key, len(echo))
-                job.text_offsets[key] = offset + sum(len(self._token_text(t)) for t in ids)
-                choice = {"index": p_index * body.n + completion.index, "text": (echo if first else "") + delta,
-                          "logprobs": self._choice_logprobs(body, prompt, output, ids, lps, body.echo and first,
-                                                            offset),
-                          "finish_reason": reason, "stop_reason": completion.stop_reason if reason else None}
+                choice = self._completion_chunk_choice(job, p_index, output, completion.index, delta, ids, lps, first)
+                choice.update(finish_reason=reason, stop_reason=completion.stop_reason if reason else None)
                 yield {"id": job.response_id, "object": "text_completion", "created": job.created,
                        "model": self.model_name, "system_fingerprint": None, "choices": [choice]}
+
+    def _completion_chunk_choice(self, job: _Job, p_index: int, output: RequestOutput, c_index: int, delta: str,
+                                 ids: list[int], lps: Optional[list[dict[int, float]]], first: bool) -> dict:
+        body: CompletionRequest = job.body  # type: ignore[assignment]
+        prompt = job.prompts[p_index]
+        echo = self._echo_text(prompt) if body.echo and first else ""
+        # text_offset counts from the start of the choice's text, by token texts as in the
+        # non-streamed body (a delta can hold back bytes of a partial character)
+        key = (p_index, c_index)
+        offset = job.text_offsets.get(key, len(echo))
+        job.text_offsets[key] = offset + sum(len(self._token_text(t)) for t in ids)
+        return {"index": p_index * body.n + c_index, "text": echo + delta,
+                "logprobs": self._choice_logprobs(body, prompt, output, ids, lps, body.echo and first, offset)}
 
     async def _chat_events(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         body: ChatCompletionRequest = job.body  # type: ignore[assignment]
