@@ -317,7 +317,7 @@ def test_a_stream_whose_reader_stopped_reading_is_cut_off(tmp_path):
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", srv.port))
-            _shrink_server_send_buffer(srv)
+            _shrink_server_send_buffer(srv, sock.getsockname())
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             while srv.engine.get_stats().get("num_requests", 0) == 0:
@@ -337,15 +337,17 @@ def test_a_stream_whose_reader_stopped_reading_is_cut_off(tmp_path):
     assert line["completion_tokens"] < 2 * 200
 
 
-def _shrink_server_send_buffer(srv) -> None:
+def _shrink_server_send_buffer(srv, client: tuple) -> None:
     """Loopback autotunes the server's send buffer to ~1 MB, which would hold a whole small stream;
-    a 4 KiB one (on the real accepted socket) makes the server's writes wait as soon as the client
-    stops reading."""
+    a 4 KiB one (on the real accepted socket of `client`) makes the server's writes wait as soon as
+    the client stops reading."""
     import socket
 
     deadline = time.monotonic() + 10
-    while not srv.server.server_state.connections:
-        assert time.monotonic() < deadline
+    while True:
+        mine = [c for c in list(srv.server.server_state.connections) if c.client == client[:2]]
+        if mine:
+            break
+        assert time.monotonic() < deadline, "the server never accepted the connection"
         time.sleep(0.01)
-    for connection in srv.server.server_state.connections:
-        connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    mine[0].transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
