@@ -351,3 +351,26 @@ def _shrink_server_send_buffer(srv, client: tuple) -> None:
         assert time.monotonic() < deadline, "the server never accepted the connection"
         time.sleep(0.01)
     mine[0].transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+
+def test_a_maximal_token_id_prompt_is_refused_without_stalling_the_server():
+    # 8 MiB of token ids (4.2 M numbers): the C JSON parser and pydantic held the GIL ~0.7 s for it.
+    with running_server() as srv:
+        before = rss_mib()
+        count = (8 * 1024 * 1024 - len('{"prompt": [], "max_tokens": 1}') + 1) // 2
+        body = ('{"prompt": [' + ",".join(["1"] * count) + '], "max_tokens": 1}').encode()
+        assert len(body) == 8 * 1024 * 1024
+
+        def attack():
+            with httpx.Client(timeout=120) as http:
+                return [http.post(srv.base_url + "/v1/completions", content=body,
+                                  headers={"Content-Type": "application/json"}) for _ in range(2)]
+
+        latencies, responses = _health_latencies_while(srv.base_url, attack)
+        worst = max(latencies)
+        print(f"\n/health while an 8 MiB token-id prompt was refused: worst {worst * 1000:.0f} ms "
+              f"over {len(latencies)} polls")
+        assert worst < 0.3
+        for response in responses:
+            assert response.status_code == 400 and "JSON array of" in response.json()["error"]["message"]
+        srv.assert_recovered(before, rss_bound_mib=128)

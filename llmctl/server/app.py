@@ -9,29 +9,28 @@ until it is ready, so a load balancer only routes to a warm server.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import platform
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 
 from llmctl.__about__ import __version__
 from llmctl.engine.async_engine import AsyncLLMEngine
 from llmctl.server.errors import APIError, install_error_handlers
+from llmctl.server.json_body import ARRAY_LIMIT_KEY, StrictJSONRoute
 from llmctl.server.metrics import ServerMetrics, endpoint_label
 from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, DrainCutoff, InternalErrors, RateLimit, RateLimiter, RequestContext,
                                       audit_line, is_protected)
 from llmctl.server.openapi import install_openapi
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
-from llmctl.server.serving import OpenAIServing
+from llmctl.server.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +117,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     app = FastAPI(title="llmctl", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json", redirect_slashes=False)
     app.router.route_class = StrictJSONRoute
+    # A token prompt holds at most max_model_len ids, logit_bias at most a vocabulary's keys.
+    setattr(app.state, ARRAY_LIMIT_KEY, max(serving.max_model_len, serving.vocab_size, MAX_PROMPTS_PER_REQUEST))
     install_error_handlers(app)
     install_openapi(app)
     _add_routes(app, engine, serving, metrics, settings)
@@ -146,29 +147,6 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"])
     app.add_middleware(RequestContext, on_finished=on_finished)
     return app
-
-
-class _StrictJSONRequest(Request):
-    """A request whose JSON body may not use Python's extensions NaN, Infinity and -Infinity."""
-
-    async def json(self) -> Any:
-        if not hasattr(self, "_json"):
-            self._json = json.loads(await self.body(), parse_constant=_refuse_constant)
-        return self._json
-
-
-def _refuse_constant(name: str) -> Any:
-    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
-
-
-class StrictJSONRoute(APIRoute):
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def strict_handler(request: Request) -> Response:
-            return await handler(_StrictJSONRequest(request.scope, request.receive))
-
-        return strict_handler
 
 
 def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing, metrics: ServerMetrics,
