@@ -184,6 +184,19 @@ def _health_latencies_while(base_url: str, attack) -> tuple[list[float], object]
     return latencies, result["value"]
 
 
+def _worst_health_latency_while_refusing(srv, body: bytes, what: str, times: int = 2) -> tuple[float, list]:
+    """Post `body` `times` over while /health is polled; the worst /health latency and the answers."""
+    def attack():
+        with httpx.Client(timeout=120) as http:
+            return [http.post(srv.base_url + "/v1/completions", content=body,
+                              headers={"Content-Type": "application/json"}) for _ in range(times)]
+
+    latencies, responses = _health_latencies_while(srv.base_url, attack)
+    worst = max(latencies)
+    print(f"\n/health while {what} was refused: worst {worst * 1000:.0f} ms over {len(latencies)} polls")
+    return worst, responses
+
+
 def test_a_maximal_text_prompt_is_refused_without_stalling_the_server():
     # The largest body the default --max-body-size accepts (8 MiB), all of it one text prompt. It
     # used to be tokenised on the event loop (4-9 s with /health waiting, RSS +2 GB that stayed).
@@ -193,15 +206,7 @@ def test_a_maximal_text_prompt_is_refused_without_stalling_the_server():
         text = ("All the world's a stage, " * 340_000)[:room]
         body = json.dumps({"prompt": text, "max_tokens": 4}).encode()
         assert len(body) == 8 * 1024 * 1024
-
-        def attack():
-            with httpx.Client(timeout=60) as http:
-                return [http.post(srv.base_url + "/v1/completions", content=body,
-                                  headers={"Content-Type": "application/json"}) for _ in range(3)]
-
-        latencies, responses = _health_latencies_while(srv.base_url, attack)
-        worst = max(latencies)
-        print(f"\n/health while an 8 MiB prompt was refused: worst {worst * 1000:.0f} ms over {len(latencies)} polls")
+        worst, responses = _worst_health_latency_while_refusing(srv, body, "an 8 MiB text prompt", times=3)
         assert worst < 0.5  # 100 ms on an idle machine; generous for a shared, contended CI host
         srv.assert_recovered(before, rss_bound_mib=128)
         for response in responses:
@@ -360,16 +365,7 @@ def test_a_maximal_token_id_prompt_is_refused_without_stalling_the_server():
         count = (8 * 1024 * 1024 - len('{"prompt": [], "max_tokens": 1}') + 1) // 2
         body = ('{"prompt": [' + ",".join(["1"] * count) + '], "max_tokens": 1}').encode()
         assert len(body) == 8 * 1024 * 1024
-
-        def attack():
-            with httpx.Client(timeout=120) as http:
-                return [http.post(srv.base_url + "/v1/completions", content=body,
-                                  headers={"Content-Type": "application/json"}) for _ in range(2)]
-
-        latencies, responses = _health_latencies_while(srv.base_url, attack)
-        worst = max(latencies)
-        print(f"\n/health while an 8 MiB token-id prompt was refused: worst {worst * 1000:.0f} ms "
-              f"over {len(latencies)} polls")
+        worst, responses = _worst_health_latency_while_refusing(srv, body, "an 8 MiB token-id prompt")
         assert worst < 0.3
         for response in responses:
             assert response.status_code == 400 and "JSON array of" in response.json()["error"]["message"]
