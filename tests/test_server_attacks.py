@@ -1,6 +1,16 @@
 """Attacks on `llmctl serve` from hostile callers, over raw sockets where an HTTP client would
 normalise the attack away (request smuggling, slow headers and bodies). After each one the server
-must answer /health 200, hold no KV block and be back within an RSS bound (`assert_recovered`)."""
+must answer /health 200, hold no KV block and be back within an RSS bound (`assert_recovered`).
+
+Issue 12, point by point: 1 wrong keys throttled / count against the rate limit; 2 X-Forwarded-For;
+3 CORS on refusals; 4 maximal text and token-id prompts (with the /health figure); 5 smuggling and
+bytes counted as received; 6 one traceback per bug, kept connection (the 400s are in the table of
+test_server_errors.py); 7 audit lines and delivered tokens; 8 auth before the body, slow bodies,
+slowloris, silent connections, the connection cap, a stalled stream reader (and
+test_async_engine's one-output backlog); 9 drain past --shutdown-timeout (test_serve_cli.py);
+10 colliding X-Request-Id, forged chat turns (and test_tokenizer.py), the table's NaN/Infinity,
+fan-out and trailing-slash cases, /openapi.json (test_openapi_fuzz.py).
+"""
 
 from __future__ import annotations
 
