@@ -42,6 +42,13 @@ def _start(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Po
     raise AssertionError("server did not become healthy")
 
 
+def _requests_running(base: str) -> float:
+    for line in httpx.get(base + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("llmctl:num_requests_running"):
+            return float(line.split()[-1])
+    raise AssertionError("/metrics has no llmctl:num_requests_running")
+
+
 def test_sigterm_drains_in_flight_streams_then_exits_zero():
     proc, base = _start("--shutdown-timeout", "30")
     events: list[str] = []
@@ -71,11 +78,14 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero():
 
 
 def test_requests_still_running_when_the_drain_times_out_get_an_openai_ending():
-    proc, base = _start("--shutdown-timeout", "1")
+    # The work must outlast the drain on any machine: both requests together are 2 x 8 x 480 tokens
+    # (2.9 s on the CI machine, idle), the drain 0.2 s, and SIGTERM goes as soon as both run. (With
+    # one sequence each and a 1 s drain, an idle machine finished them in 0.9 s and nothing was cut.)
+    proc, base = _start("--shutdown-timeout", "0.2")
     events: list[str] = []
     plain: list[httpx.Response] = []
     first_chunk = threading.Event()
-    long = {"prompt": "A long tale", "max_tokens": 480, "ignore_eos": True}
+    long = {"prompt": "A long tale", "max_tokens": 480, "ignore_eos": True, "n": 8}
 
     def stream() -> None:
         with httpx.stream("POST", base + "/v1/completions", json={**long, "stream": True}, timeout=60) as response:
@@ -90,7 +100,10 @@ def test_requests_still_running_when_the_drain_times_out_get_an_openai_ending():
     for thread in threads:
         thread.start()
     assert first_chunk.wait(30)
-    time.sleep(0.3)  # the plain request is running too
+    deadline = time.monotonic() + 30
+    while _requests_running(base) < 2:  # the plain request is running too
+        assert time.monotonic() < deadline, "the plain request never started"
+        time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     for thread in threads:
         thread.join(60)
