@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch import nn
 
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.linear import LinearBase, LinearMethod, WeightShapeError, default_weight_loader
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from llmctl.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -126,12 +126,13 @@ def _pickled(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class WeightLoader:
-    """Copies checkpoint tensors into the model, tracking which parameter shards were filled."""
+    """Maps checkpoint names to (parameter, shard id) and hands each tensor to that parameter's
+    `weight_loader`; tracks the shards filled so a missing tensor is named, not left uninitialised."""
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
         self.params = dict(model.named_parameters())
-        self.filled: set[tuple[str, int]] = set()
+        self.filled: set[tuple[str, object]] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         if name.endswith(IGNORED_SUFFIXES):
@@ -143,59 +144,49 @@ class WeightLoader:
         if param is None:
             logger.debug("ignoring unexpected tensor %s", name)
             return
-        view = self._shard_view(param, target, shard)
-        if tuple(tensor.shape) != tuple(view.shape):
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}")
-        with torch.no_grad():
-            view.copy_(tensor)
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            weight_loader(param, tensor, shard)
+        except WeightShapeError as exc:
+            raise ModelLoadError(f"tensor {name!r} has shape {exc.got}, expected {exc.expected}") from None
         self.filled.add((target, shard))
 
-    def _target(self, name: str) -> tuple[str, int]:
-        for fragment, (fused, shard) in STACKED_PARAMS.items():
+    def _target(self, name: str) -> tuple[str, object]:
+        for fragment, (fused, shard) in self.model.stacked_params.items():
             if f".{fragment}." in name:
                 return name.replace(f".{fragment}.", f".{fused}."), shard
-        return name, -1
-
-    def _shard_view(self, param: nn.Parameter, target: str, shard: int) -> torch.Tensor:
-        if shard < 0:
-            return param.data
-        module = self.model.get_submodule(target.rsplit(".", 1)[0])
-        sizes = module.shard_sizes
-        start = sum(sizes[:shard])
-        return param.data.narrow(0, start, sizes[shard])
+        return name, None
 
     def check_complete(self) -> None:
         for name, param in self.params.items():
-            module = self.model.get_submodule(name.rsplit(".", 1)[0])
-            sizes = getattr(module, "shard_sizes", None)
-            expected = [(name, i) for i in range(len(sizes))] if sizes else [(name, -1)]
-            for key in expected:
-                if key not in self.filled:
-                    raise ModelLoadError(f"checkpoint is missing tensor {_hf_name(*key)!r} (shape {tuple(param.shape)})")
+            for shard in getattr(param, "shard_ids", (None,)):
+                if (name, shard) not in self.filled:
+                    raise ModelLoadError(f"checkpoint is missing tensor {self._hf_name(name, shard)!r} "
+                                         f"(shape {tuple(param.shape)})")
 
-
-def _hf_name(target: str, shard: int) -> str:
-    if shard < 0:
+    def _hf_name(self, target: str, shard: object) -> str:
+        for fragment, (fused, shard_id) in self.model.stacked_params.items():
+            if shard is not None and shard_id == shard and f".{fused}." in target:
+                return target.replace(f".{fused}.", f".{fragment}.")
         return target
-    for fragment, (fused, index) in STACKED_PARAMS.items():
-        if index == shard and f".{fused}." in target:
-            return target.replace(f".{fused}.", f".{fragment}.")
-    return target
 
 
 def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int, dtype: torch.dtype,
-                device: torch.device, load_format: str, seed: int, verify: bool = False) -> LlamaForCausalLM:
-    """Materialise the model on `device` and fill it (checkpoint or dummy); frees it on failure."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions).to(dtype)
-    model = model.to_empty(device=device)
-    model.tie_weights()
+                device: torch.device, load_format: str, seed: int, linear_method: LinearMethod, kernels=None,
+                verify: bool = False) -> LlamaForCausalLM:
+    """Build the model on `device` with its linear method and kernels, fill it (checkpoint or dummy) and
+    let each linear prepare its weights (packing); frees it on failure."""
+    with torch.device(device):
+        model = LlamaForCausalLM(config, max_positions, dtype=dtype, linear_method=linear_method, kernels=kernels)
     try:
         if load_format == "dummy":
             _fill_dummy(model, seed)
         else:
             _fill_from_checkpoint(model, folder, verify)
         model.model.rotary.build_tables()
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.process_weights_after_loading()
     except BaseException as exc:
         del model
         _release_frames(exc)

@@ -17,9 +17,9 @@ import torch
 from llmctl.engine.cuda_graphs import DecodeGraphs, maybe_decode_graphs
 from llmctl.engine.device_memory import device_memory
 from llmctl.engine.errors import EngineArgsError
-from llmctl.engine.kernels import load_cpu_kernels
+from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import AttentionMetadata, PrefillSpan, TorchAttention, select_backend
-from llmctl.engine.layers.linear import pack_linears
+from llmctl.engine.layers.linear import select_linear_method
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -107,10 +107,12 @@ class ModelRunner:
         problem = self.attention.validate_block_size(self.block_size)
         if problem:
             raise EngineArgsError(problem)
+        kernels = cpu_kernels_for(self.device, config.dtype)
+        linear_method = select_linear_method(self.device, config.dtype, kernels,
+                                             batch_hint=min(config.max_num_seqs, 64))
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
                                  device=self.device, load_format=config.load_format, seed=config.seed,
-                                 verify=config.verify)
-        pack_linears(self.model, self.device, config.dtype, batch_hint=min(config.max_num_seqs, 64))
+                                 linear_method=linear_method, kernels=kernels, verify=config.verify)
         # Start-up, in this order on every device: measure the worst-case forward (where a device memory
         # budget applies), capture the decode graphs within that budget, then size the KV pool from what is
         # left and allocate it. The profile peak and the graphs' memory both come out of
@@ -130,23 +132,16 @@ class ModelRunner:
         if self.device.type != "cuda":
             budget = max(budget, WORKSPACE_FLOOR_BYTES)
         self.attention.workspace_budget_tokens = budget // bytes_per_token
-        self._attach_cpu_kernels()
+        self._attach_decode_kernel(kernels)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s%s", self.num_blocks,
                     self.block_size, self.kv_cache_bytes / 2**20, self.attention.name,
                     " (native CPU decode kernel)" if getattr(self.attention, "decode_kernel", None) else "")
 
-    def _attach_cpu_kernels(self) -> None:
-        """On CPU, hand the native kernels (where they build) to the layers that have fused paths,
-        and to the attention backend where its decode kernel fits the model."""
-        if self.device.type != "cpu" or not isinstance(self.attention, TorchAttention):
+    def _attach_decode_kernel(self, kernels) -> None:
+        """Hand the native CPU kernels to the torch attention backend where its decode kernel fits the model."""
+        if kernels is None or not isinstance(self.attention, TorchAttention):
             return
-        kernels = load_cpu_kernels()
-        if kernels is None or self.config.dtype not in kernels.dtypes:
-            return
-        for module in self.model.modules():
-            if hasattr(module, "kernels"):
-                module.kernels = kernels
         mc = self.config.model_config
         if kernels.supports_decode(self.config.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim):
             self.attention.decode_kernel = kernels

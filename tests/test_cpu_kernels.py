@@ -307,10 +307,12 @@ def test_gemv_refuses_bad_arguments():
 
 @needs_gemv
 def test_single_row_linears_use_the_gemv_and_agree_with_the_batched_path():
-    from llmctl.engine.layers.linear import OneDNNLinear
+    from llmctl.engine.layers.linear import ColumnLinear, OneDNNLinearMethod
 
-    layer = OneDNNLinear(torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16(), batch_hint=16)
-    layer.kernels = KERNELS
+    layer = ColumnLinear(64, 96, True, OneDNNLinearMethod(batch_hint=16, kernels=KERNELS), torch.bfloat16)
+    layer.weight.weight_loader(layer.weight, torch.randn(96, 64).bfloat16(), None)
+    layer.bias.weight_loader(layer.bias, torch.randn(96).bfloat16(), None)
+    layer.process_weights_after_loading()
     x = torch.randn(1, 64).bfloat16()
     batched = layer(torch.cat([x, x]))[:1]  # two rows: oneDNN's packed GEMM
     assert torch.allclose(layer(x).float(), batched.float(), rtol=2 ** -7, atol=2e-2)

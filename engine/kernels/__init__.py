@@ -1,7 +1,8 @@
 """Native CPU kernels (`cpu_kernels.c`), built on first use with the host's C compiler.
 
-The engine runs without them (the torch paths stay correct everywhere); with them, CPU decode
-attention reads the paged KV pool directly instead of gathering it into padded tensors. The build
+The engine runs without them (the torch paths stay correct everywhere); with them (`cpu_kernels_for`,
+handed to the model and its linear method when they are built), CPU decode attention reads the
+paged KV pool directly instead of gathering it into padded tensors. The build
 takes about a second and is cached per source, compiler and CPU (it uses `-march=native`) under
 `$LLMCTL_CACHE_DIR` or `~/.cache/llmctl`. No compiler, a failed build, a CPU without AVX-512, or
 `LLMCTL_DISABLE_CPU_KERNELS=1` means `load_cpu_kernels()` returns None and the torch path is used.
@@ -247,3 +248,11 @@ def load_cpu_kernels() -> Optional[CpuKernels]:
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         logger.warning("CPU kernels unavailable (%s): using the torch path", exc)
         return None
+
+
+def cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> Optional[CpuKernels]:
+    """The kernels a model on `device` in `dtype` is built with: None off CPU or for a dtype they lack."""
+    if device.type != "cpu":
+        return None
+    kernels = load_cpu_kernels()
+    return kernels if kernels is not None and dtype in kernels.dtypes else None

@@ -1,81 +1,256 @@
-"""CPU fast paths for linear layers: weights prepacked once for the CPU's GEMM libraries.
+"""Linear layers built with their implementation: vLLM's LinearBase + LinearMethodBase, shorter.
 
-Plain `F.linear` reaches about a third of memory bandwidth at decode shapes on CPU. oneDNN
-(bfloat16) and MKL (float32) kernels on prepacked weights are 1.3-2x faster with the same
-results; `pack_linears` swaps them in after loading. CUDA and other dtypes keep `nn.Linear`.
+A layer is constructed with a `LinearMethod`, which owns everything about its weights:
+- `create_weights`: which parameters the layer has and how they are laid out. Every parameter
+  carries `weight_loader(param, tensor, shard_id)` (fills it from one checkpoint tensor) and
+  `shard_ids` (the shards a complete checkpoint must provide; the loader checks them all arrived);
+- `process_weights_after_loading`: the run-time form, once every tensor is in (CPU prepacking);
+- `apply`: the forward.
+Fused layers name their output shards (`QKVLinear`: "q", "k", "v"; `MergedColumnLinear`: 0, 1, ...);
+a shard id says where a checkpoint tensor lands. Column layers split outputs, row layers inputs: a
+tensor-parallel method would narrow each loaded tensor by rank along that dimension. A new method
+(int8, int4, GPTQ's qweight/scales/zeros, a tensor-parallel shard) is one new class; a model only
+chooses it (`select_linear_method` for the unquantised ones, from device and dtype).
+
+CPU: plain `F.linear` reaches about a third of memory bandwidth at decode shapes. oneDNN (bfloat16)
+and MKL (float32) kernels on prepacked weights are 1.3-2x faster with the same results
+(../shared/CPU-FACTS.md section 1); CUDA and other dtypes use `UnquantizedLinearMethod`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from llmctl.engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
+ShardId = Optional[Hashable]  # None: the whole (unfused) parameter
 
-class OneDNNLinear(nn.Module):
-    """bfloat16 linear: for single-row inputs (decode at batch 1) the native GEMV or `torch.mv` on
-    the plain weight, which stream it fastest here; a oneDNN-reordered copy for everything else."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], batch_hint: int):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = weight.detach().contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, max(batch_hint, 16))
-        self.bias = bias.detach() if bias is not None else None
-        self.kernels = None  # native CPU kernels (set by the runner): their GEMV serves single rows
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not fit the parameter (shard) it is loaded into."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and self.kernels is not None and self.kernels.has_gemv and x.is_contiguous():
-            return self.kernels.gemv(self.weight, x, self.bias)
+    def __init__(self, got: tuple[int, ...], expected: tuple[int, ...]):
+        super().__init__(f"shape {got}, expected {expected}")
+        self.got, self.expected = got, expected
+
+
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(loaded.shape) != tuple(target.shape):
+        raise WeightShapeError(tuple(loaded.shape), tuple(target.shape))
+    with torch.no_grad():
+        target.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    """Whole-tensor copy: embeddings, norms, and any parameter without a loader of its own."""
+    if shard_id is not None:
+        raise ValueError(f"an unfused parameter has no shard {shard_id!r}")
+    copy_checked(param.data, loaded)
+
+
+def new_parameter(layer: nn.Module, name: str, data: torch.Tensor, weight_loader, shard_ids: tuple,
+                  **attributes) -> nn.Parameter:
+    """Register `data` on `layer` as a frozen parameter carrying its loader, the shards a checkpoint
+    must fill, and whatever else that loader reads (`attributes`)."""
+    param = nn.Parameter(data, requires_grad=False)
+    param.weight_loader, param.shard_ids = weight_loader, shard_ids
+    for key, value in attributes.items():
+        setattr(param, key, value)
+    layer.register_parameter(name, param)
+    return param
+
+
+def register_weight_and_bias(layer: "LinearBase", weight: torch.Tensor, bias: bool, weight_loader) -> None:
+    """`weight` (in whatever layout the method keeps) and an [out] bias or None, each filled shard by
+    shard through `weight_loader`, which finds each shard's output rows in `param.output_offsets`."""
+    shards = dict(shard_ids=tuple(layer.output_offsets), output_offsets=layer.output_offsets)
+    new_parameter(layer, "weight", weight, weight_loader, **shards)
+    if bias:
+        new_parameter(layer, "bias", weight.new_empty(layer.out_features), weight_loader, **shards)
+    else:
+        layer.bias = None
+
+
+class LinearMethod:
+    """How one kind of linear stores, loads, prepares and applies its weights (subclass all four)."""
+
+    def create_weights(self, layer: "LinearBase", bias: bool, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: "LinearBase") -> None:
+        """Called once after every tensor is loaded (checkpoint or dummy weights)."""
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tie_weight(self, layer: "LinearBase", weight: nn.Parameter) -> None:
+        """Share `weight` [out, in] (tied embeddings) instead of a weight of the layer's own."""
+        raise ModelLoadError(f"{type(self).__name__} cannot share the embedding weight (tie_word_embeddings)")
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """A plain [out, in] weight (and bias) of the model's dtype, applied with `F.linear`."""
+
+    def create_weights(self, layer: "LinearBase", bias: bool, dtype: torch.dtype) -> None:
+        weight = torch.empty(layer.out_features, layer.in_features, dtype=dtype)
+        register_weight_and_bias(layer, weight, bias, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+        """One checkpoint tensor into its rows: the whole parameter, or shard `shard_id` of a fused one."""
+        start, size = param.output_offsets[shard_id]
+        copy_checked(param.data.narrow(0, start, size), loaded)
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def tie_weight(self, layer: "LinearBase", weight: nn.Parameter) -> None:
+        if tuple(weight.shape) != (layer.out_features, layer.in_features):
+            raise ModelLoadError(f"cannot tie a {tuple(weight.shape)} embedding to a "
+                                 f"{(layer.out_features, layer.in_features)} output projection")
+        layer.weight = weight
+
+
+class OneDNNLinearMethod(UnquantizedLinearMethod):
+    """bfloat16: for single-row inputs (decode at batch 1) the native GEMV (`kernels`) or `torch.mv` on the
+    plain weight, which stream it fastest here; a oneDNN-reordered copy, packed for `batch_hint` rows, for
+    everything else (CPU-FACTS: qkv at M=4 59 µs packed against 117 µs with F.linear)."""
+
+    def __init__(self, batch_hint: int, kernels=None):
+        self.batch_hint = max(batch_hint, 16)
+        self.gemv = kernels if kernels is not None and kernels.has_gemv else None
+
+    def create_weights(self, layer: "LinearBase", bias: bool, dtype: torch.dtype) -> None:
+        super().create_weights(layer, bias, dtype)
+        layer.packed = None
+
+    def process_weights_after_loading(self, layer: "LinearBase") -> None:
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.contiguous(), self.batch_hint)
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.gemv is not None and x.is_contiguous():
+            return self.gemv.gemv(layer.weight, x, layer.bias)
         if x.shape[0] == 1:
-            out = torch.mv(self.weight, x[0]).unsqueeze(0)
-            return out if self.bias is None else out + self.bias
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            out = torch.mv(layer.weight, x[0]).unsqueeze(0)
+            return out if layer.bias is None else out + layer.bias
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 
-class MKLLinear(nn.Module):
-    """float32 linear on an MKL-packed weight. MKL's packed GEMM serves only the row count it was
-    packed for, so it is packed for single-row decode (where plain F.linear is slowest)."""
+class MKLLinearMethod(UnquantizedLinearMethod):
+    """float32 on an MKL-packed weight. MKL's packed GEMM serves only the row count it was packed for,
+    so it is packed for single-row decode (where plain F.linear is slowest); other row counts use F.linear."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], batch_hint: int):
+    def create_weights(self, layer: "LinearBase", bias: bool, dtype: torch.dtype) -> None:
+        super().create_weights(layer, bias, dtype)
+        layer.packed = None
+
+    def process_weights_after_loading(self, layer: "LinearBase") -> None:
+        layer.packed = torch.ops.mkl._mkl_reorder_linear_weight(layer.weight, 1)
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 1:
+            return F.linear(x, layer.weight, layer.bias)
+        return torch.ops.mkl._mkl_linear(x, layer.packed, layer.weight, layer.bias, 1)
+
+
+def select_linear_method(device: torch.device, dtype: torch.dtype, kernels=None, batch_hint: int = 1) -> LinearMethod:
+    """The fastest unquantised method here: oneDNN for CPU bfloat16, MKL for CPU float32, else F.linear.
+    `kernels`: the native CPU kernels (or None), whose GEMV serves single bf16 rows."""
+    method: LinearMethod = UnquantizedLinearMethod()
+    if device.type == "cpu":
+        if (dtype is torch.bfloat16 and torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            method = OneDNNLinearMethod(batch_hint, kernels)
+        elif dtype is torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+            method = MKLLinearMethod()
+    logger.info("linear layers: %s (%s on %s)", type(method).__name__, dtype, device)
+    return method
+
+
+# ---- layers ---------------------------------------------------------------------------------------
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with `in_features` inputs and outputs made of named shards (`output_sizes`, in order)."""
+
+    def __init__(self, in_features: int, output_sizes: dict[ShardId, int], bias: bool, method: LinearMethod,
+                 dtype: torch.dtype):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = weight.detach()
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
-        self.bias = bias.detach() if bias is not None else None
+        self.in_features = in_features
+        self.out_features = sum(output_sizes.values())
+        self.output_offsets: dict[ShardId, tuple[int, int]] = {}  # shard -> (first output row, rows)
+        start = 0
+        for shard_id, size in output_sizes.items():
+            self.output_offsets[shard_id], start = (start, size), start + size
+        self.method = method
+        method.create_weights(self, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] != 1:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, 1)
+        return self.method.apply(self, x)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, method={type(self.method).__name__}"
 
 
-def _packer(dtype: torch.dtype):
-    if dtype is torch.bfloat16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return OneDNNLinear
-    if dtype is torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
-        return MKLLinear
-    return None
+class ColumnLinear(LinearBase):
+    """A linear whose outputs a tensor-parallel method would split (q/k/v, gate/up, lm_head)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod, dtype: torch.dtype):
+        super().__init__(in_features, {None: out_features}, bias, method, dtype)
 
 
-def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int) -> int:
-    """Replace every `nn.Linear` under `model` with its packed CPU version; returns how many."""
-    packer = _packer(dtype) if device.type == "cpu" else None
-    if packer is None:
-        return 0
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                replacement = packer(child.weight, child.bias, batch_hint)
-                for attribute in ("shard_sizes",):
-                    if hasattr(child, attribute):
-                        setattr(replacement, attribute, getattr(child, attribute))
-                setattr(parent, name, replacement)
-                count += 1
-    logger.info("packed %d linear layers for %s (%s)", count, dtype, packer.__name__)
-    return count
+class RowLinear(LinearBase):
+    """A linear whose inputs a tensor-parallel method would split (o_proj, down_proj)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod, dtype: torch.dtype):
+        super().__init__(in_features, {None: out_features}, bias, method, dtype)
+
+
+class MergedColumnLinear(LinearBase):
+    """Column linears side by side in one weight (gate and up); shard i is the i-th checkpoint tensor."""
+
+    def __init__(self, in_features: int, sizes: list[int], bias: bool, method: LinearMethod, dtype: torch.dtype):
+        super().__init__(in_features, dict(enumerate(sizes)), bias, method, dtype)
+
+
+class QKVLinear(LinearBase):
+    """Query, key and value projections in one weight, shards "q", "k", "v"."""
+
+    def __init__(self, in_features: int, q_size: int, kv_size: int, bias: bool, method: LinearMethod,
+                 dtype: torch.dtype):
+        super().__init__(in_features, {"q": q_size, "k": kv_size, "v": kv_size}, bias, method, dtype)
+
+
+class LinearFactory:
+    """Builds a model's linears with one method and dtype, so model code names shapes only."""
+
+    def __init__(self, method: LinearMethod, dtype: torch.dtype):
+        self.method, self.dtype = method, dtype
+
+    def column(self, in_features: int, out_features: int, bias: bool) -> ColumnLinear:
+        return ColumnLinear(in_features, out_features, bias, self.method, self.dtype)
+
+    def row(self, in_features: int, out_features: int, bias: bool) -> RowLinear:
+        return RowLinear(in_features, out_features, bias, self.method, self.dtype)
+
+    def merged(self, in_features: int, sizes: list[int], bias: bool) -> MergedColumnLinear:
+        return MergedColumnLinear(in_features, sizes, bias, self.method, self.dtype)
+
+    def qkv(self, in_features: int, q_size: int, kv_size: int, bias: bool) -> QKVLinear:
+        return QKVLinear(in_features, q_size, kv_size, bias, self.method, self.dtype)
+
+    def tied(self, weight: nn.Parameter) -> ColumnLinear:
+        """An output projection sharing `weight` [out, in] (tied embeddings): its own weights are built on
+        the meta device (no memory) and replaced by the method's `tie_weight`."""
+        with torch.device("meta"):
+            layer = ColumnLinear(weight.shape[1], weight.shape[0], False, self.method, self.dtype)
+        self.method.tie_weight(layer, weight)
+        return layer

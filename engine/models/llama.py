@@ -1,7 +1,10 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3) as one module tree driven by `ModelConfig` flags.
 
 Parameter names mirror Hugging Face's except for two fused projections: `qkv_proj` (q, k, v)
-and `gate_up_proj` (gate, up); `STACKED_PARAMS` tells the loader how HF tensors fill them.
+and `gate_up_proj` (gate, up); `LlamaForCausalLM.stacked_params` tells the loader which shard of
+them each HF tensor fills. Layers are built with their implementation: the linears through a
+`LinearFactory` (its `LinearMethod` decides storage, loading, packing and forward), the fused
+elementwise ops with the native CPU `kernels` (or None: torch ops).
 """
 
 from __future__ import annotations
@@ -13,28 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.layers.attention import AttentionMetadata
+from llmctl.engine.layers.linear import LinearFactory, LinearMethod
 from llmctl.engine.layers.rotary import RotaryEmbedding, apply_rotary, rotate
 from llmctl.engine.model_config import ModelConfig
-
-# HF name fragment -> (our fused parameter fragment, shard index)
-STACKED_PARAMS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 
 class RMSNorm(nn.Module):
     """RMSNorm; with `residual`, first adds x into the residual stream and normalises the sum,
-    returning (normed, residual). `kernels` (the native CPU kernels, set by the runner) fuse it all."""
+    returning (normed, residual). `kernels` (the native CPU kernels, or None) fuse it all."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, kernels=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.kernels = None
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if self.kernels is not None and x.is_contiguous():
@@ -47,19 +42,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, kernels=None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.qkv_proj = linears.qkv(config.hidden_size, self.q_size, self.kv_size, bias=config.qkv_bias)
+        self.o_proj = linears.row(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, kernels)
         self.qk_norm = config.qk_norm
-        self.kernels = None  # native CPU kernels: RoPE in place instead of 7 torch ops
+        self.kernels = kernels  # native CPU kernels: RoPE in place instead of 7 torch ops
 
     def project(self, rope, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden -> rotated q [tokens, heads, dim], k and v [tokens, kv_heads, dim] (views where possible)."""
@@ -89,14 +83,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, kernels=None):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=config.mlp_bias)
-        self.gate_up_proj.shard_sizes = (size, size)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = linears.merged(config.hidden_size, [size, size], bias=config.mlp_bias)
+        self.down_proj = linears.row(size, config.hidden_size, bias=config.mlp_bias)
         self.size = size
-        self.kernels = None  # native CPU kernels: silu(gate) * up in one pass
+        self.kernels = kernels  # native CPU kernels: silu(gate) * up in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -107,12 +100,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, kernels=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, kernels)
+        self.self_attn = Attention(config, linears, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, kernels)
+        self.mlp = MLP(config, linears, kernels)
 
     # The layer is split at attention, the one op whose shapes depend on each sequence's context:
     # CUDA graphs capture the halves around it (see engine/cuda_graphs.py) and attention runs eagerly.
@@ -132,28 +125,39 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, kernels=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # `_weight` given: no random init of a tensor the checkpoint overwrites (seconds for a 128k vocabulary)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size, dtype=linears.dtype), _freeze=True)
+        self.layers = nn.ModuleList(DecoderLayer(config, linears, kernels) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, kernels)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Forward over a flattened batch; logits only for the rows that will be sampled."""
+    """Forward over a flattened batch; logits only for the rows that will be sampled. Built on the current
+    device (`with torch.device(...)`) with parameters of `dtype`, uninitialised until loaded."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    # HF name fragment -> (our fused parameter fragment, shard id in that layer)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, max_positions: int, *, dtype: torch.dtype, linear_method: LinearMethod,
+                 kernels=None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the output projection (materialising a module unties them)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        linears = LinearFactory(linear_method, dtype)
+        self.model = LlamaModel(config, max_positions, linears, kernels)
+        if config.tie_word_embeddings:
+            self.lm_head = linears.tied(self.model.embed_tokens.weight)
+        else:
+            self.lm_head = linears.column(config.hidden_size, config.vocab_size, bias=False)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings and this step's RoPE cos/sin rows."""

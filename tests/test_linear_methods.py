@@ -1,0 +1,218 @@
+"""Linear layers and their methods: fused-shard weight loaders, shape and missing-shard errors, the CPU
+packed methods against F.linear, and a new method added in this file alone (a weight stored transposed)
+running the engine in parity with transformers: a new method is one class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from test_parity import LogitRecorder, make_prompts, reference_logits
+
+from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.kernels import load_cpu_kernels
+from llmctl.engine.layers.linear import (
+    LinearBase,
+    LinearMethod,
+    MergedColumnLinear,
+    MKLLinearMethod,
+    OneDNNLinearMethod,
+    QKVLinear,
+    UnquantizedLinearMethod,
+    WeightShapeError,
+    register_weight_and_bias,
+    select_linear_method,
+)
+from llmctl.engine.loader import WeightLoader
+from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.models.llama import LlamaForCausalLM
+
+
+def load_shards(layer: LinearBase, tensors: dict) -> None:
+    for name, param in layer.named_parameters():
+        for shard, tensor in tensors[name].items():
+            param.weight_loader(param, tensor, shard)
+
+
+def test_qkv_shards_land_in_their_rows_and_the_forward_is_the_three_projections():
+    layer = QKVLinear(8, q_size=12, kv_size=4, bias=True, method=UnquantizedLinearMethod(), dtype=torch.float32)
+    weights = {s: torch.randn(n, 8) for s, n in (("q", 12), ("k", 4), ("v", 4))}
+    biases = {s: torch.randn(w.shape[0]) for s, w in weights.items()}
+    load_shards(layer, {"weight": weights, "bias": biases})
+    assert layer.weight.shard_ids == ("q", "k", "v")
+    assert torch.equal(layer.weight, torch.cat([weights["q"], weights["k"], weights["v"]]))
+    x = torch.randn(3, 8)
+    expected = torch.cat([F.linear(x, weights[s], biases[s]) for s in "qkv"], dim=-1)
+    assert torch.allclose(layer(x), expected, atol=1e-6)
+
+
+def test_merged_shards_in_any_order():
+    layer = MergedColumnLinear(6, [5, 5], bias=False, method=UnquantizedLinearMethod(), dtype=torch.float32)
+    gate, up = torch.randn(5, 6), torch.randn(5, 6)
+    layer.weight.weight_loader(layer.weight, up, 1)  # checkpoints may list up before gate
+    layer.weight.weight_loader(layer.weight, gate, 0)
+    assert layer.weight.shard_ids == (0, 1)
+    assert torch.equal(layer.weight[:5], gate) and torch.equal(layer.weight[5:], up)
+
+
+def test_a_misshaped_shard_is_refused_with_both_shapes():
+    layer = QKVLinear(8, q_size=12, kv_size=4, bias=False, method=UnquantizedLinearMethod(), dtype=torch.float32)
+    layer.weight.data.zero_()
+    with pytest.raises(WeightShapeError) as info:
+        layer.weight.weight_loader(layer.weight, torch.ones(5, 8), "k")
+    assert (info.value.got, info.value.expected) == ((5, 8), (4, 8))
+    assert not layer.weight.any()  # nothing half-copied
+
+
+@pytest.fixture(scope="module")
+def llama_state(tiny_models):
+    return ModelConfig.from_pretrained(tiny_models["llama"]), load_file(tiny_models["llama"] / "model.safetensors")
+
+
+def build(config: ModelConfig) -> LlamaForCausalLM:
+    return LlamaForCausalLM(config, 64, dtype=torch.float32, linear_method=UnquantizedLinearMethod())
+
+
+@pytest.mark.parametrize("dropped, named", [("model.layers.1.mlp.up_proj.weight", "up_proj"),
+                                            ("model.layers.0.self_attn.v_proj.weight", "v_proj"),
+                                            ("model.layers.0.input_layernorm.weight", "input_layernorm")])
+def test_the_loader_names_a_missing_shard(llama_state, dropped, named):
+    config, state = llama_state
+    loader = WeightLoader(build(config))
+    for name, tensor in state.items():
+        if name != dropped:
+            loader.load(name, tensor)
+    with pytest.raises(ModelLoadError, match="missing tensor") as info:
+        loader.check_complete()
+    assert repr(dropped) in str(info.value) and named in str(info.value)
+
+
+def test_the_loader_fills_every_shard_of_a_complete_checkpoint(llama_state):
+    config, state = llama_state
+    model = build(config)
+    loader = WeightLoader(model)
+    for name, tensor in state.items():
+        loader.load(name, tensor)
+    loader.check_complete()
+    qkv = model.model.layers[1].self_attn.qkv_proj.weight
+    q, k, v = (state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert torch.equal(qkv, torch.cat([q, k, v]))
+
+
+def test_the_loader_names_a_misshaped_tensor(llama_state):
+    config, state = llama_state
+    loader = WeightLoader(build(config))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(3, 64\), "
+                                             r"expected \(128, 64\)"):
+        loader.load("model.layers.0.mlp.gate_proj.weight", torch.zeros(3, 64))
+
+
+# ---- the CPU methods: the same products as F.linear -----------------------------------------------
+
+def packed_and_plain(method: LinearMethod, dtype: torch.dtype):
+    weights = {s: torch.randn(n, 64).to(dtype) for s, n in (("q", 48), ("k", 16), ("v", 16))}
+    biases = {s: torch.randn(w.shape[0]).to(dtype) for s, w in weights.items()}
+    layers = []
+    for m in (method, UnquantizedLinearMethod()):
+        layer = QKVLinear(64, 48, 16, bias=True, method=m, dtype=dtype)
+        load_shards(layer, {"weight": weights, "bias": biases})
+        layer.process_weights_after_loading()
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_mkl_method_matches_f_linear(rows):
+    if not isinstance(select_linear_method(torch.device("cpu"), torch.float32), MKLLinearMethod):
+        pytest.skip("no MKL packed GEMM in this torch build")
+    packed, plain = packed_and_plain(MKLLinearMethod(), torch.float32)
+    x = torch.randn(rows, 64)
+    assert torch.allclose(packed(x), plain(x), atol=1e-4)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_onednn_method_matches_f_linear(rows, native):
+    if not isinstance(select_linear_method(torch.device("cpu"), torch.bfloat16), OneDNNLinearMethod):
+        pytest.skip("no oneDNN bf16 on this CPU")
+    kernels = load_cpu_kernels() if native else None
+    if native and (kernels is None or not kernels.has_gemv):
+        pytest.skip("no native GEMV here")
+    method = OneDNNLinearMethod(batch_hint=16, kernels=kernels)
+    assert (method.gemv is not None) == native
+    packed, plain = packed_and_plain(method, torch.bfloat16)
+    x = torch.randn(rows, 64).bfloat16()
+    assert torch.allclose(packed(x).float(), plain(x).float(), rtol=2 ** -6, atol=0.1)
+
+
+def test_cuda_and_other_dtypes_use_f_linear():
+    assert type(select_linear_method(torch.device("cpu"), torch.float16)) is UnquantizedLinearMethod
+    assert type(select_linear_method(torch.device("cuda"), torch.bfloat16)) is UnquantizedLinearMethod
+
+
+# ---- a new method, defined here alone ------------------------------------------------------------
+
+class TransposedLinearMethod(LinearMethod):
+    """Stores the weight as [in, out] (fused shards side by side in columns) and applies x @ W."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def create_weights(self, layer, bias, dtype):
+        weight = torch.empty(layer.in_features, layer.out_features, dtype=dtype)
+        register_weight_and_bias(layer, weight, bias, self.weight_loader)
+
+    def weight_loader(self, param, loaded, shard_id):
+        start, size = param.output_offsets[shard_id]
+        if param.dim() == 1:
+            param.data[start:start + size].copy_(loaded)
+        else:
+            param.data[:, start:start + size].copy_(loaded.t())
+
+    def apply(self, layer, x):
+        self.calls += 1
+        out = x @ layer.weight
+        return out if layer.bias is None else out + layer.bias
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_new_method_in_one_class_runs_in_parity_with_transformers(tiny_models, arch, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from llmctl.engine import model_runner
+
+    method = TransposedLinearMethod()
+    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: method)
+    folder = tiny_models[arch]
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
+              max_num_batched_tokens=96)
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 4 * model.config.num_layers + 1 and all(m.method is method for m in linears)
+    assert model.lm_head.weight.shape == (model.config.hidden_size, model.config.vocab_size)  # stored transposed
+
+    prompts = make_prompts(llm.engine.vocab_size)[:5]
+    recorders = [LogitRecorder() for _ in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logits_processors=[r])
+              for r in recorders]
+    outputs = llm.generate(prompts, params)
+    assert method.calls > 0
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, out, rec in zip(prompts, outputs, recorders):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                                          do_sample=False)[0, len(prompt):]
+        assert tokens == expected.tolist()
+        diff = (torch.stack(rec.rows) - reference_logits(reference, prompt, tokens)).abs().max().item()
+        assert diff < 1e-3
+
+
+def test_a_method_that_cannot_share_the_embedding_refuses_tied_checkpoints(tiny_models, monkeypatch):
+    from llmctl.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: TransposedLinearMethod())
+    with pytest.raises(ModelLoadError, match="TransposedLinearMethod cannot share the embedding"):
+        LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=64)
