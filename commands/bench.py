@@ -122,6 +122,7 @@ def _w(*names: str, help: str, **extra: Any) -> Any:
 
 
 @bench_app.command("throughput", cls=help_format.Command)
+@eo.with_engine_flags(enable_prefix_caching=False)
 def throughput(
     num_prompts: Annotated[Optional[int], _w("--num-prompts", min=1, help="Requests in the pass (default: 100 random; a dataset's all).")] = None,
     input_len: Annotated[int, _w("--input-len", help="Prompt tokens per random request.")] = 128,
@@ -135,23 +136,7 @@ def throughput(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else).")] = False,
     price_per_hour: Annotated[Optional[float], typer.Option("--price-per-hour", metavar="USD", help="Instance price: adds USD per 1M output/total tokens and per month (compute only).")] = None,
     monthly_request_rate: Annotated[Optional[float], typer.Option("--monthly-request-rate", metavar="REQ_PER_S", help="Request rate the monthly cost is for (default: the measured one).")] = None,
-    model: eo.Model = None,
-    tokenizer: eo.Tokenizer = None,
-    dtype: eo.DtypeOpt = eo.Dtype.auto,
-    device: eo.Device = "auto",
-    seed: eo.Seed = 0,
-    block_size: eo.BlockSize = None,
-    max_model_len: eo.MaxModelLen = None,
-    max_num_seqs: eo.MaxNumSeqs = 128,
-    max_num_batched_tokens: eo.MaxBatchedTokens = None,
-    enable_prefix_caching: eo.PrefixCaching = False,
-    gpu_memory_utilization: eo.GpuMemUtil = 0.9,
-    kv_cache_memory: eo.KvCacheMemory = None,
-    num_kv_blocks: eo.NumKvBlocks = None,
-    load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
-    num_threads: eo.NumThreads = None,
-    verify: eo.Verify = False,
-    enforce_eager: eo.EnforceEager = False,
+    engine_args: eo.EngineArgs = eo.FLAGS,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Offline throughput (vLLM's definition): one timed pass over N requests submitted at once."""
@@ -159,13 +144,13 @@ def throughput(
     from llmctl.bench.offline_runner import ThroughputJob, run_throughput_job
 
     check_cost_flags(price_per_hour, monthly_request_rate)
-    args = eo.engine_args_from(locals())
-    run_throughput_job(args, ThroughputJob(num_prompts, input_len, output_len, range_ratio, dataset, repeats,
+    run_throughput_job(engine_args, ThroughputJob(num_prompts, input_len, output_len, range_ratio, dataset, repeats,
                                            workload_seed, compare_hf, hf_batch_size, json_output,
                                            price_per_hour, monthly_request_rate))
 
 
 @bench_app.command("latency", cls=help_format.Command)
+@eo.with_engine_flags(enable_prefix_caching=False)
 def latency(
     batch_size: Annotated[int, _w("--batch-size", min=1, help="Prompts in the batch.")] = 8,
     input_len: Annotated[int, _w("--input-len", help="Prompt tokens per request.")] = 32,
@@ -175,30 +160,13 @@ def latency(
     workload_seed: Annotated[int, _w("--workload-seed", help="Seed of the random prompts.")] = 0,
     compare_hf: Annotated[bool, _w("--compare-hf", help="Also time transformers generate on the same batch and print the ratio.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else).")] = False,
-    model: eo.Model = None,
-    tokenizer: eo.Tokenizer = None,
-    dtype: eo.DtypeOpt = eo.Dtype.auto,
-    device: eo.Device = "auto",
-    seed: eo.Seed = 0,
-    block_size: eo.BlockSize = None,
-    max_model_len: eo.MaxModelLen = None,
-    max_num_seqs: eo.MaxNumSeqs = 128,
-    max_num_batched_tokens: eo.MaxBatchedTokens = None,
-    enable_prefix_caching: eo.PrefixCaching = False,
-    gpu_memory_utilization: eo.GpuMemUtil = 0.9,
-    kv_cache_memory: eo.KvCacheMemory = None,
-    num_kv_blocks: eo.NumKvBlocks = None,
-    load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
-    num_threads: eo.NumThreads = None,
-    verify: eo.Verify = False,
-    enforce_eager: eo.EnforceEager = False,
+    engine_args: eo.EngineArgs = eo.FLAGS,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Offline latency (vLLM's definition): one fixed batch end to end, warm-up then timed passes."""
     from llmctl.bench.offline_runner import LatencyJob, run_latency_job
 
-    args = eo.engine_args_from(locals())
-    run_latency_job(args, LatencyJob(batch_size, input_len, output_len, num_iters_warmup, num_iters, workload_seed,
+    run_latency_job(engine_args, LatencyJob(batch_size, input_len, output_len, num_iters_warmup, num_iters, workload_seed,
                                      compare_hf, json_output))
 
 

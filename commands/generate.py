@@ -19,6 +19,7 @@ def _s(*names: str, help: str):
     return typer.Option(*names, help=help, rich_help_panel=SAMPLING)
 
 
+@eo.with_engine_flags()
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="Prompt text (omit with --file).")] = None,
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Prompts file: one per line, or JSON lines with per-prompt params; '-' reads stdin.", allow_dash=True)] = None,
@@ -40,23 +41,7 @@ def generate(
     n: Annotated[int, _s("--n", "-n", help="Samples per prompt.")] = 1,
     logprobs: Annotated[Optional[int], _s("--logprobs", help="Top log-probs per token in --json output.")] = None,
     sampling_seed: Annotated[Optional[int], _s("--sampling-seed", help="Per-request seed (reproducible sampling).")] = None,
-    model: eo.Model = None,
-    tokenizer: eo.Tokenizer = None,
-    dtype: eo.DtypeOpt = eo.Dtype.auto,
-    device: eo.Device = "auto",
-    seed: eo.Seed = 0,
-    block_size: eo.BlockSize = None,
-    max_model_len: eo.MaxModelLen = None,
-    max_num_seqs: eo.MaxNumSeqs = 128,
-    max_num_batched_tokens: eo.MaxBatchedTokens = None,
-    enable_prefix_caching: eo.PrefixCaching = True,
-    gpu_memory_utilization: eo.GpuMemUtil = 0.9,
-    kv_cache_memory: eo.KvCacheMemory = None,
-    num_kv_blocks: eo.NumKvBlocks = None,
-    load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
-    num_threads: eo.NumThreads = None,
-    verify: eo.Verify = False,
-    enforce_eager: eo.EnforceEager = False,
+    engine_args: eo.EngineArgs = eo.FLAGS,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Generate text with the built-in engine (the embedded model unless --model is given)."""
@@ -77,9 +62,8 @@ def generate(
         frequency_penalty=frequency_penalty, stop=list(stop or []), stop_token_ids=list(stop_token_ids or []),
         ignore_eos=ignore_eos, n=n, logprobs=logprobs, seed=sampling_seed,
     )
-    args = eo.engine_args_from(locals())
     job = GenerateJob(specs=specs, sampling=sampling, chat=chat, system=system, json_output=json_output)
-    run_generate(args, job)
+    run_generate(engine_args, job)
 
 
 def _open(path: Path):

@@ -210,9 +210,9 @@ def mem(
 
 
 @profile_app.command("torch", cls=help_format.Command)
+@eo.with_engine_flags()
 def torch_profile(
     ctx: typer.Context,
-    model: eo.Model = None,
     batch_size: BatchSize = 4,
     input_len: InputLen = 32,
     output_len: OutputLen = 16,
@@ -223,19 +223,7 @@ def torch_profile(
     sort_by: Annotated[SortKey, typer.Option("--sort-by", help="Operator table sort key.")] = SortKey.self_cpu_time_total,
     row_limit: Annotated[int, typer.Option("--row-limit", min=1, help="Rows of the operator table.")] = 20,
     record_shapes: Annotated[bool, typer.Option("--record-shapes/--no-record-shapes", help="Record operator input shapes.")] = True,
-    dtype: eo.DtypeOpt = eo.Dtype.auto,
-    device: eo.Device = "auto",
-    seed: eo.Seed = 0,
-    block_size: eo.BlockSize = None,
-    max_model_len: eo.MaxModelLen = None,
-    max_num_seqs: eo.MaxNumSeqs = 128,
-    max_num_batched_tokens: eo.MaxBatchedTokens = None,
-    enable_prefix_caching: eo.PrefixCaching = True,
-    gpu_memory_utilization: eo.GpuMemUtil = 0.9,
-    kv_cache_memory: eo.KvCacheMemory = None,
-    num_kv_blocks: eo.NumKvBlocks = None,
-    load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
-    num_threads: eo.NumThreads = None,
+    engine_args: eo.EngineArgs = eo.FLAGS,
     output_dir: OutputDir = None,
     json_output: JsonOut = False,
     dry_run: DryRun = False,
@@ -244,10 +232,9 @@ def torch_profile(
     """Run engine steps under torch.profiler: Chrome/Perfetto trace (.json.gz) and the operator table."""
     from llmctl.profiling import torch_trace as tt
 
-    args = eo.engine_args_from(locals())
     sched, shrunk = tt.fit_schedule(steps, wait, warmup, active)
-    plan = tt.TorchPlan(args, batch_size, input_len, output_len, sched["wait"], sched["warmup"], sched["active"],
-                        steps, sort_by.value, row_limit, record_shapes, seed)
+    plan = tt.TorchPlan(engine_args, batch_size, input_len, output_len, sched["wait"], sched["warmup"], sched["active"],
+                        steps, sort_by.value, row_limit, record_shapes, engine_args.seed)
     plan.validate()
     if shrunk:
         typer.echo(f"llmctl: note: --steps {steps} is shorter than the default schedule; profiling "
@@ -267,6 +254,7 @@ def torch_profile(
 
 
 @profile_app.command("leak", cls=help_format.Command)
+@eo.with_engine_flags()
 def leak(
     ctx: typer.Context,
     workload: Annotated[Optional[str], typer.Argument(metavar="[MODULE:FUNCTION | FILE.py:FUNCTION]", show_default=False,
@@ -277,21 +265,10 @@ def leak(
     threshold_kb_per_iter: Annotated[float, typer.Option("--threshold-kb-per-iter", help="Growth per iteration that counts as a leak.")] = 32.0,
     capture: Annotated[bool, typer.Option("--capture/--no-capture", help="On growth, track one more iteration with memray.")] = True,
     sites: Annotated[int, typer.Option("--sites", min=1, help="Allocation sites to show on growth.")] = 10,
-    model: eo.Model = None,
     batch_size: BatchSize = 4,
     input_len: InputLen = 32,
     output_len: OutputLen = 16,
-    dtype: eo.DtypeOpt = eo.Dtype.auto,
-    device: eo.Device = "auto",
-    seed: eo.Seed = 0,
-    max_model_len: eo.MaxModelLen = None,
-    max_num_seqs: eo.MaxNumSeqs = 128,
-    enable_prefix_caching: eo.PrefixCaching = True,
-    gpu_memory_utilization: eo.GpuMemUtil = 0.9,
-    kv_cache_memory: eo.KvCacheMemory = None,
-    num_kv_blocks: eo.NumKvBlocks = None,
-    load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
-    num_threads: eo.NumThreads = None,
+    engine_args: eo.EngineArgs = eo.FLAGS,
     output_dir: OutputDir = None,
     json_output: JsonOut = False,
     dry_run: DryRun = False,
@@ -314,8 +291,7 @@ def leak(
         _print_dry_run(command, None, json_output)
         return
     if engine:
-        args = eo.engine_args_from(locals())
-        job = lk.engine_workload(args, batch_size, input_len, output_len, seed)
+        job = lk.engine_workload(engine_args, batch_size, input_len, output_len, engine_args.seed)
     else:
         job = lk.load_callable(workload)
     manifest = _manifest("leak", "llmctl-leak", __version__, output_dir, command=command)

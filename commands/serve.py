@@ -18,6 +18,7 @@ def _o(*names: str, help: str, panel: str = SERVER, **kw):
     return typer.Option(*names, help=help, rich_help_panel=panel, **kw)
 
 
+@eo.with_engine_flags()
 def serve(
     host: Annotated[str, _o("--host", help="Address to bind (127.0.0.1: this machine only; 0.0.0.0: all).")] = "127.0.0.1",
     port: Annotated[int, _o("--port", "-p", help="TCP port (0: pick a free one).")] = 8000,
@@ -42,23 +43,7 @@ def serve(
     allowed_origins: Annotated[Optional[list[str]], _o("--allowed-origins", help="Enable CORS for this origin (repeatable; default: CORS off).", panel=SECURITY)] = None,
     audit_log: Annotated[Optional[Path], _o("--audit-log", help="Append one JSON line per API request to this file.", panel=SECURITY)] = None,
     audit_log_prompts: Annotated[bool, _o("--audit-log-prompts", help="Also record prompt text in the audit log.", panel=SECURITY)] = False,
-    model: eo.Model = None,
-    tokenizer: eo.Tokenizer = None,
-    dtype: eo.DtypeOpt = eo.Dtype.auto,
-    device: eo.Device = "auto",
-    seed: eo.Seed = 0,
-    block_size: eo.BlockSize = None,
-    max_model_len: eo.MaxModelLen = None,
-    max_num_seqs: eo.MaxNumSeqs = 128,
-    max_num_batched_tokens: eo.MaxBatchedTokens = None,
-    enable_prefix_caching: eo.PrefixCaching = True,
-    gpu_memory_utilization: eo.GpuMemUtil = 0.9,
-    kv_cache_memory: eo.KvCacheMemory = None,
-    num_kv_blocks: eo.NumKvBlocks = None,
-    load_format: eo.LoadFormatOpt = eo.LoadFormat.auto,
-    num_threads: eo.NumThreads = None,
-    verify: eo.Verify = False,
-    enforce_eager: eo.EnforceEager = False,
+    engine_args: eo.EngineArgs = eo.FLAGS,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics, /health)."""
@@ -75,7 +60,7 @@ def serve(
             raise UserError("pass --api-key (or LLMCTL_API_KEY) or --api-key-file, not both")
         api_key = _read_key_file(api_key_file)
     settings = ServerSettings(
-        served_model_name=served_model_name or (Path(model).resolve().name if model else eo.EMBEDDED_MODEL_ID),
+        served_model_name=served_model_name or (Path(engine_args.model).resolve().name if engine_args.model else eo.EMBEDDED_MODEL_ID),
         host=host, port=port, api_key=api_key, max_output_tokens=max_output_tokens, max_body_bytes=max_body_size,
         rate_limit=rate_limit, allowed_origins=list(allowed_origins or []), audit_log=audit_log,
         audit_log_prompts=audit_log_prompts, shutdown_timeout_s=shutdown_timeout, profile_dir=profile_dir,
@@ -88,11 +73,10 @@ def serve(
         settings.validate()
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    args = eo.engine_args_from(locals())
-    if (folder := eo.missing_tokenizer(args)) is not None:
+    if (folder := eo.missing_tokenizer(engine_args)) is not None:
         raise UserError(f"no tokenizer.json in {folder}: the server turns text into tokens and back; pass --tokenizer "
                         "FOLDER (with --load-format dummy, any tokenizer whose ids fit the config's vocab_size)")
-    raise typer.Exit(run_server(args, settings, max_waiting_requests=max_waiting_requests,
+    raise typer.Exit(run_server(engine_args, settings, max_waiting_requests=max_waiting_requests,
                                 request_timeout_s=request_timeout))
 
 

@@ -6,7 +6,7 @@ and YAML keys (`max-model-len` or `max_model_len`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,29 +17,43 @@ LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+def _arg(default: Any, help: str, **cli: Any) -> Any:
+    """A field that is also a CLI flag: `help` is its help text, `short` an optional short name,
+    `choices` the allowed values. `llmctl/engine_options.py` builds every command's engine flags
+    from these; a field without `help` (skip_tokenizer_init) is Python-only."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineArgs:
-    model: Optional[str] = None  # None: the embedded default model
-    tokenizer: Optional[str] = None  # None: the model folder
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    block_size: Optional[int] = None  # None: the attention backend's preferred size
-    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 128
-    max_num_batched_tokens: Optional[int] = None  # None: max(2048, block_size)
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: Optional[int] = None  # bytes, CPU; None: enough for max_num_seqs full contexts, capped at 4 GiB
-    num_kv_blocks: Optional[int] = None  # explicit pool size, overrides both memory settings
-    load_format: str = "auto"
-    skip_tokenizer_init: bool = False
-    batch_wait_timeout_ms: float = 0.0
-    long_prompt_penalty: float = 0.0  # admission delay, in seconds per 1000 prompt tokens
-    scheduling_policy: str = "fcfs"
-    verify: bool = False  # check weight files against a sha256 manifest before loading
-    num_threads: Optional[int] = None  # CPU threads for torch; None: torch's default
-    enforce_eager: bool = False  # CUDA: never capture decode steps into CUDA graphs
+    model: Optional[str] = _arg(None, "Hugging Face model folder (default: the embedded model).", short="-m")
+    tokenizer: Optional[str] = _arg(None, "Tokenizer folder (default: the model folder).")
+    dtype: str = _arg("auto", "Weight and activation dtype (auto: the checkpoint's).", choices=DTYPES)
+    device: str = _arg("auto", "auto, cpu, cuda or cuda:N.")
+    seed: int = _arg(0, "Engine random seed (unseeded sampling).")
+    block_size: Optional[int] = _arg(None, "Tokens per KV block (default: the attention backend's).")
+    max_model_len: Optional[int] = _arg(None, "Context length (default: the model's).")
+    max_num_seqs: int = _arg(128, "Most sequences in one batch.")
+    # None: max(2048, block_size)
+    max_num_batched_tokens: Optional[int] = _arg(None, "Token budget of one step.")
+    enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of shared prompt prefixes.")
+    gpu_memory_utilization: float = _arg(0.9, "Fraction of GPU memory the engine may use (CUDA).")
+    # None: enough for max_num_seqs full contexts, capped at 4 GiB
+    kv_cache_memory: Optional[int] = _arg(None, "KV cache size in bytes (CPU).")
+    num_kv_blocks: Optional[int] = _arg(None, "Explicit KV pool size in blocks (overrides the memory settings).")
+    load_format: str = _arg("auto", "auto: read the checkpoint; dummy: random weights of its shapes.",
+                            choices=LOAD_FORMATS)
+    skip_tokenizer_init: bool = False  # Python-only (LLM(..., skip_tokenizer_init=True)): no flag
+    batch_wait_timeout_ms: float = _arg(0.0, "With nothing running, hold an under-filled batch up to this many "
+                                             "ms for more requests (0: off).")
+    long_prompt_penalty: float = _arg(0.0, "Admission delay in seconds per 1000 prompt tokens, so short prompts "
+                                           "overtake long ones (0: off).")
+    scheduling_policy: str = _arg("fcfs", "fcfs: arrival order; priority: lower request priority values run "
+                                          "first (ties by arrival) and are preempted last.",
+                                  choices=SCHEDULING_POLICIES)
+    verify: bool = _arg(False, "Check weight files against the folder's SHA256SUMS first.")
+    num_threads: Optional[int] = _arg(None, "CPU threads for torch.")
+    enforce_eager: bool = _arg(False, "Never capture CUDA graphs for decode steps (CUDA).")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -68,6 +68,31 @@ def collect(command: Any, path: list[str] | None = None) -> list[CommandSpec]:
     return specs
 
 
+def _option_key(opt: OptionSpec) -> tuple:
+    return (tuple(opt.names), opt.help, opt.takes_value, tuple(opt.choices), opt.is_path)
+
+
+def shared_groups(specs: list[CommandSpec]) -> list[tuple[list[CommandSpec], list[OptionSpec]]]:
+    """Options written the same in several commands (the engine flags, --config, --help), grouped by
+    the commands that share them: each group is written once, not once per command."""
+    owners: dict[tuple, list[int]] = {}
+    first: dict[tuple, OptionSpec] = {}
+    for index, spec in enumerate(specs):
+        for opt in spec.options:
+            owners.setdefault(_option_key(opt), []).append(index)
+            first.setdefault(_option_key(opt), opt)
+    groups: dict[tuple[int, ...], list[OptionSpec]] = {}
+    for key, indices in owners.items():
+        if len(indices) > 1:
+            groups.setdefault(tuple(indices), []).append(first[key])
+    return [([specs[i] for i in indices], options) for indices, options in groups.items()]
+
+
+def _own_options(spec: CommandSpec, shared: list[tuple[list[CommandSpec], list[OptionSpec]]]) -> list[OptionSpec]:
+    keys = {_option_key(o) for members, options in shared if any(m is spec for m in members) for o in options}
+    return [o for o in spec.options if _option_key(o) not in keys]
+
+
 def render(shell: str, command: Any) -> str:
     specs = collect(command)
     if shell == "bash":
@@ -102,24 +127,29 @@ def _render_bash(specs: list[CommandSpec]) -> str:
             pattern = "|".join(f'"{" ".join(spec.path)} {n}"' for n in valued)
             lines.append(f"            {pattern}) skip=1 ;;")
     lines += ["        esac", "    done", '    case "$path $prev" in']
+    # One case per option and action, listing every command that has it (the engine flags once).
+    patterns: dict[tuple, list[str]] = {}
     for spec in specs:
         for opt in spec.options:
-            if not opt.takes_value:
-                continue
-            pattern = "|".join(f'"{" ".join(spec.path)} {n}"' for n in opt.names)
-            if opt.choices:
-                action = f'COMPREPLY=($(compgen -W "{" ".join(opt.choices)}" -- "$cur")); return 0 ;;'
-            elif opt.is_path:
-                action = 'COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;'
-            else:
-                action = "return 0 ;;"
-            lines.append(f"        {pattern}) {action}")
+            if opt.takes_value:
+                patterns.setdefault((tuple(opt.names), _bash_action(opt)), []).extend(
+                    f'"{" ".join(spec.path)} {n}"' for n in opt.names)
+    for (_, action), alternatives in patterns.items():
+        lines.append(f"        {'|'.join(alternatives)}) {action}")
     lines += ["    esac", '    local words=""', '    case "$path" in']
     for spec in specs:
         words = list(spec.subcommands) + [n for o in spec.options for n in o.names if n.startswith("--")]
         lines.append(f'        "{" ".join(spec.path)}") words="{" ".join(words)}" ;;')
     lines += ["    esac", '    COMPREPLY=($(compgen -W "$words" -- "$cur"))', "}", "complete -o default -F _llmctl llmctl", ""]
     return "\n".join(lines)
+
+
+def _bash_action(opt: OptionSpec) -> str:
+    if opt.choices:
+        return f'COMPREPLY=($(compgen -W "{" ".join(opt.choices)}" -- "$cur")); return 0 ;;'
+    if opt.is_path:
+        return 'COMPREPLY=($(compgen -f -- "$cur")); return 0 ;;'
+    return "return 0 ;;"
 
 
 def _zsh_option(opt: OptionSpec) -> str:
@@ -140,9 +170,18 @@ def _zsh_option(opt: OptionSpec) -> str:
 
 def _render_zsh(specs: list[CommandSpec]) -> str:
     lines = ["#compdef llmctl", f"# zsh completion for llmctl, {HEADER.format(shell='zsh')}", ""]
+    shared = shared_groups(specs)
+    names = {}
+    for number, (members, options) in enumerate(shared, 1):
+        names[number] = f"_llmctl_shared_{number}"
+        lines.append(f"# options of: {_members(members)}")
+        lines.append(f"{names[number]}=(")
+        lines += [f"    {_zsh_option(o)}" for o in options]
+        lines += [")", ""]
     for spec in specs:
         lines.append(f"{_key(spec)}() {{")
-        args = [_zsh_option(o) for o in spec.options]
+        args = [f'"${{{names[n]}[@]}}"' for n, (members, _) in enumerate(shared, 1) if any(m is spec for m in members)]
+        args += [_zsh_option(o) for o in _own_options(spec, shared)]
         if spec.subcommands:
             lines.append("    local -a subcommands")
             lines.append("    subcommands=(")
@@ -171,29 +210,47 @@ def _render_zsh(specs: list[CommandSpec]) -> str:
     return "\n".join(lines)
 
 
+def _members(members: list[CommandSpec]) -> str:
+    return ", ".join(" ".join(m.path) for m in members)
+
+
+def _fish_condition(spec: CommandSpec, specs: list[CommandSpec]) -> str:
+    if len(spec.path) == 1:
+        return "__fish_use_subcommand"
+    cond = "; and ".join(f"__fish_seen_subcommand_from {p}" for p in spec.path[1:])
+    # `serve` is also `bench serve`: a top-level command is not one seen after a group of that name.
+    groups = sorted({s.path[1] for s in specs if len(s.path) == 3 and s.path[2] == spec.path[-1]})
+    if len(spec.path) == 2 and groups:
+        cond += f"; and not __fish_seen_subcommand_from {' '.join(groups)}"
+    if spec.subcommands:
+        cond += f"; and not __fish_seen_subcommand_from {' '.join(spec.subcommands)}"
+    return cond
+
+
+def _fish_option(cond: str, opt: OptionSpec) -> str:
+    flags = " ".join(f"-l {n[2:]}" if n.startswith("--") else f"-s {n[1:]}" for n in opt.names)
+    extra = ""
+    if opt.takes_value:
+        extra = " -r"
+        if opt.choices:
+            extra += f" -a '{' '.join(opt.choices)}'"
+        elif opt.is_path:
+            extra += " -F"
+    return f"complete -c llmctl -n '{cond}' {flags}{extra} -d '{opt.help}'"
+
+
 def _render_fish(specs: list[CommandSpec]) -> str:
+    # One condition function per command; options several commands share are written once, for
+    # all of them (`-n '__llmctl_generate; or __llmctl_serve; ...'`).
     lines = [f"# fish completion for llmctl, {HEADER.format(shell='fish')}", "complete -c llmctl -f"]
+    lines += [f"function _{_key(spec)}; {_fish_condition(spec, specs)}; end" for spec in specs]
+    shared = shared_groups(specs)
     for spec in specs:
-        depth = len(spec.path) - 1
-        if depth == 0:
-            cond = "__fish_use_subcommand"
-        else:
-            cond = "; and ".join(f"__fish_seen_subcommand_from {p}" for p in spec.path[1:])
-            if spec.subcommands:
-                cond += f"; and not __fish_seen_subcommand_from {' '.join(spec.subcommands)}"
         for name, help_text in spec.subcommands.items():
-            lines.append(f"complete -c llmctl -n '{cond}' -a {name} -d '{help_text}'")
-        for opt in spec.options:
-            flags = []
-            for n in opt.names:
-                flags.append(f"-l {n[2:]}" if n.startswith("--") else f"-s {n[1:]}")
-            extra = ""
-            if opt.takes_value:
-                extra = " -r"
-                if opt.choices:
-                    extra += f" -a '{' '.join(opt.choices)}'"
-                elif opt.is_path:
-                    extra += " -F"
-            lines.append(f"complete -c llmctl -n '{cond}' {' '.join(flags)}{extra} -d '{opt.help}'")
+            lines.append(f"complete -c llmctl -n '_{_key(spec)}' -a {name} -d '{help_text}'")
+        lines += [_fish_option(f"_{_key(spec)}", o) for o in _own_options(spec, shared)]
+    for members, options in shared:
+        cond = "; or ".join(f"_{_key(m)}" for m in members)
+        lines += [_fish_option(cond, o) for o in options]
     lines.append("")
     return "\n".join(lines)

@@ -1,15 +1,26 @@
-"""Engine flags shared by every command that runs the engine (`generate`, `serve`, `bench`, ...).
+"""Engine flags, declared once: built from the `EngineArgs` fields (name, type, default, help) for
+every command that runs the engine (`generate`, `serve`, `bench throughput`, `bench latency`,
+`profile torch`, `profile leak`).
 
-Flag names are `EngineArgs` field names with dashes, as in `vllm serve`; `engine_args()` turns the
-parsed values back into a validated `EngineArgs`.
+Flag names are the field names with dashes, as in `vllm serve` (`max_model_len` ->
+`--max-model-len`); the help text and choices are the field's metadata (`engine/args.py`). A
+command takes them with `@with_engine_flags(...)` and one parameter whose default is `FLAGS`: the
+flags stand in the help page where that parameter stands, and the command receives the validated
+`EngineArgs` in it. Keyword arguments of the decorator change a flag's default for that command
+(`bench` measures without prefix caching unless asked).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Mapping, Optional
+import functools
+import inspect
+from dataclasses import fields
+from typing import Annotated, Any, Callable, Optional, get_type_hints
 
 import typer
+
+from llmctl.engine.args import EngineArgs
 
 PANEL = "Engine"
 # The model id `llmctl serve` gives the embedded model; clients that ship with llmctl (bench serve)
@@ -17,49 +28,76 @@ PANEL = "Engine"
 EMBEDDED_MODEL_ID = "llmctl-default"
 
 
-class Dtype(str, enum.Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+class _Slot:
+    def __repr__(self) -> str:
+        return "FLAGS"
 
 
-class LoadFormat(str, enum.Enum):
-    auto = "auto"
-    dummy = "dummy"
+# The default of the one parameter that receives the `EngineArgs` (see the module docstring).
+FLAGS: Any = _Slot()
 
 
-def _opt(*names: str, help: str) -> Any:
-    return typer.Option(*names, help=help, rich_help_panel=PANEL)
+def _choices_enum(name: str, choices: tuple[str, ...]) -> type[enum.Enum]:
+    """A str enum of the allowed values: Typer shows them (`<auto|float32|...>`) and completes them."""
+    return enum.Enum("".join(part.title() for part in name.split("_")), {c: c for c in choices}, type=str)
 
 
-Model = Annotated[Optional[str], _opt("--model", "-m", help="Hugging Face model folder (default: the embedded model).")]
-Tokenizer = Annotated[Optional[str], _opt("--tokenizer", help="Tokenizer folder (default: the model folder).")]
-DtypeOpt = Annotated[Dtype, _opt("--dtype", help="Weight and activation dtype (auto: the checkpoint's).")]
-Device = Annotated[str, _opt("--device", help="auto, cpu, cuda or cuda:N.")]
-Seed = Annotated[int, _opt("--seed", help="Engine random seed (unseeded sampling).")]
-BlockSize = Annotated[Optional[int], _opt("--block-size", help="Tokens per KV block (default: the attention backend's).")]
-MaxModelLen = Annotated[Optional[int], _opt("--max-model-len", help="Context length (default: the model's).")]
-MaxNumSeqs = Annotated[int, _opt("--max-num-seqs", help="Most sequences in one batch.")]
-MaxBatchedTokens = Annotated[Optional[int], _opt("--max-num-batched-tokens", help="Token budget of one step.")]
-PrefixCaching = Annotated[bool, _opt("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.")]
-GpuMemUtil = Annotated[float, _opt("--gpu-memory-utilization", help="Fraction of GPU memory the engine may use (CUDA).")]
-KvCacheMemory = Annotated[Optional[int], _opt("--kv-cache-memory", help="KV cache size in bytes (CPU).")]
-NumKvBlocks = Annotated[Optional[int], _opt("--num-kv-blocks", help="Explicit KV pool size in blocks (overrides the memory settings).")]
-LoadFormatOpt = Annotated[LoadFormat, _opt("--load-format", help="auto: read the checkpoint; dummy: random weights of its shapes.")]
-NumThreads = Annotated[Optional[int], _opt("--num-threads", help="CPU threads for torch.")]
-Verify = Annotated[bool, _opt("--verify", help="Check weight files against the folder's SHA256SUMS first.")]
-EnforceEager = Annotated[bool, _opt("--enforce-eager", help="Never capture CUDA graphs for decode steps (CUDA).")]
+def _flag_names(field_name: str, default: Any, short: Optional[str]) -> list[str]:
+    flag = "--" + field_name.replace("_", "-")
+    if default is True:  # on by default: the flag needs its off switch
+        flag = f"{flag}/--no-{flag[2:]}"
+    return [flag, short] if short else [flag]
 
 
-ENGINE_FLAG_NAMES = ("model", "tokenizer", "dtype", "device", "seed", "block_size", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_memory",
-                     "num_kv_blocks", "load_format", "num_threads", "verify", "enforce_eager")
+def _flag_parameter(f: Any, annotation: Any, default: Any) -> inspect.Parameter:
+    meta = f.metadata
+    if "choices" in meta:
+        annotation = _choices_enum(f.name, meta["choices"])
+        default = annotation(default)
+    option = typer.Option(*_flag_names(f.name, f.default, meta.get("short")), help=meta["help"],
+                          rich_help_panel=PANEL)
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[annotation, option])
 
 
-def engine_args_from(params: Mapping[str, Any]):
-    """`EngineArgs` from a command's parsed parameters (its `locals()`): the engine flags among them."""
-    return engine_args(**{name: params[name] for name in ENGINE_FLAG_NAMES if name in params})
+def flag_fields() -> list[Any]:
+    """The `EngineArgs` fields that are CLI flags (those with help text), in declaration order."""
+    return [f for f in fields(EngineArgs) if "help" in f.metadata]
+
+
+def flag_parameters(**defaults: Any) -> list[inspect.Parameter]:
+    """One keyword parameter per engine flag, with `defaults` replacing the fields' defaults."""
+    flagged = flag_fields()
+    unknown = sorted(set(defaults) - {f.name for f in flagged})
+    if unknown:
+        raise TypeError(f"not engine flags: {', '.join(unknown)}")
+    hints = get_type_hints(EngineArgs)
+    return [_flag_parameter(f, hints[f.name], defaults.get(f.name, f.default)) for f in flagged]
+
+
+def with_engine_flags(**defaults: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command the engine flags in place of its `FLAGS` parameter, which receives `EngineArgs`."""
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(func, eval_str=True)
+        slot = next((name for name, p in signature.parameters.items() if p.default is FLAGS), None)
+        if slot is None:
+            raise TypeError(f"{func.__qualname__} has no parameter defaulting to engine_options.FLAGS")
+        kind = signature.parameters[slot].kind  # the flags take the slot's place, so its kind too
+        flags = [p.replace(kind=kind) for p in flag_parameters(**defaults)]
+        names = [p.name for p in flags]
+        params = [q for p in signature.parameters.values() for q in (flags if p.name == slot else [p])]
+
+        @functools.wraps(func)
+        def command(**values: Any) -> Any:
+            values[slot] = engine_args(**{name: values.pop(name) for name in names})
+            return func(**values)
+
+        command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
 
 
 def missing_tokenizer(args) -> Optional[str]:
@@ -73,9 +111,7 @@ def missing_tokenizer(args) -> Optional[str]:
     return str(folder)
 
 
-def engine_args(**values: Any):
+def engine_args(**values: Any) -> EngineArgs:
     """Build `EngineArgs` from the parsed flags (enum values unwrapped)."""
-    from llmctl.engine.args import EngineArgs
-
     cleaned = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in values.items()}
     return EngineArgs.from_dict(cleaned)
