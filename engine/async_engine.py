@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError,
                                   RequestTimeoutError, StepFailedError, is_out_of_memory)
-from llmctl.engine.llm_engine import LLMEngine, StepInfo
+from llmctl.engine.llm_engine import LLMEngine, ModelInfo, StepInfo
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import SamplingParams
 
@@ -165,6 +165,14 @@ class AsyncLLMEngine:
         async_engine = cls(None, **options)
         async_engine._launch(lambda: LLMEngine(args))
         return async_engine
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The served model's facts (name, context length, vocabulary, tokenizer, EOS ids): what
+        callers on the event loop read instead of the `LLMEngine`, which belongs to the engine thread."""
+        if self.engine is None:
+            raise EngineDeadError("the engine is not loaded")
+        return self.engine.model_info
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def _launch(self, build: Callable[[], LLMEngine]) -> None:

@@ -3,6 +3,8 @@ shows one line and the server maps it to a 400-class response."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class EngineError(Exception):
     user_error = False
@@ -21,9 +23,15 @@ class ModelLoadError(EngineError):
 
 
 class InvalidRequestError(EngineError, ValueError):
-    """A request cannot be served as asked (prompt too long, token id out of range, ...)."""
+    """A request cannot be served as asked (prompt too long, token id out of range, ...). `param`
+    names the request field at fault (`SamplingParams`' names, "prompt", "messages"), so the server
+    answers with it instead of guessing it from the message."""
 
     user_error = True
+
+    def __init__(self, message: str, *, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineOverloadedError(EngineError):

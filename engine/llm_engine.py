@@ -88,6 +88,17 @@ class StepInfo:
         return self.num_batched_tokens / self.token_budget if self.token_budget else 0.0
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model's facts, for readers outside the engine (the server): read-only."""
+    model: str  # the model folder
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Optional[Tokenizer]  # None with skip_tokenizer_init
+    eos_token_ids: frozenset[int]
+    bos_token_id: Optional[int]
+
+
 @dataclass
 class Request:
     request_id: str
@@ -142,6 +153,8 @@ class LLMEngine:
         self.num_oom_retries = 0  # steps retried smaller after running out of memory
         self.num_capacity_errors = 0  # requests finished because they did not fit even alone
         self.eos_token_ids = self._eos_ids()
+        self.model_info = ModelInfo(str(folder), self.max_model_len, self.vocab_size, self.tokenizer,
+                                    self.eos_token_ids, self.tokenizer.bos_token_id if self.tokenizer else None)
 
     # ---- configuration ------------------------------------------------------------------------
     def _resolve_max_model_len(self, args: EngineArgs) -> int:
@@ -185,23 +198,26 @@ class LLMEngine:
     def _tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+                raise InvalidRequestError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)",
+                                          param="prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
-        raise InvalidRequestError("a prompt is a string or a list of token ids")
+        raise InvalidRequestError("a prompt is a string or a list of token ids", param="prompt")
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                      param="prompt")
         if len(token_ids) > self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens, but max_model_len is "
-                                      f"{self.max_model_len}")
+                                      f"{self.max_model_len}", param="prompt")
         if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+            raise InvalidRequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)",
+                                      param="stop")
 
     def _make_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float,
                         priority: int, salt: bytes) -> list[Sequence]:

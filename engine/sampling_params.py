@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -43,35 +44,41 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        try:
-            self._check_values()
-        except TypeError as exc:  # e.g. temperature="hot" from a JSON body: a bad request, not a crash
-            raise InvalidRequestError(f"a sampling parameter has the wrong type: {exc}") from None
+        """Every value check of a request's sampling, in one place; errors name the field."""
+        for param, ok, message in self._checks():
+            try:
+                valid = ok()
+            except TypeError as exc:  # e.g. temperature="hot" from a JSON body: a bad request, not a crash
+                raise InvalidRequestError(f"{param} has the wrong type: {exc}", param=param) from None
+            if not valid:
+                raise InvalidRequestError(message, param=param)
 
-    def _check_values(self) -> None:
-        checks = [
-            (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
-            (self.temperature >= 0.0, "temperature must be >= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be 0 or -1 (all) or a positive integer"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+    def _checks(self) -> list[tuple[str, Callable[[], bool], str]]:
+        return [
+            ("n", lambda: isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
+            ("temperature", lambda: self.temperature >= 0.0, "temperature must be >= 0"),
+            ("top_p", lambda: 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            ("top_k", lambda: isinstance(self.top_k, int) and self.top_k >= 0,
+             "top_k must be 0 or -1 (all) or a positive integer"),
+            ("min_p", lambda: 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            ("repetition_penalty", lambda: self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
+            ("presence_penalty", lambda: -2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            ("frequency_penalty", lambda: -2.0 <= self.frequency_penalty <= 2.0,
+             "frequency_penalty must be in [-2, 2]"),
+            ("max_tokens", lambda: self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
              "max_tokens must be an integer >= 1"),
-            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            ("min_tokens", lambda: isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0"),
+            ("min_tokens", lambda: self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "min_tokens must be <= max_tokens"),
+            ("logprobs", lambda: self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", lambda: self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
-            (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            ("stop", lambda: all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            ("stop_token_ids", lambda: all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be token ids"),
+            ("seed", lambda: self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise InvalidRequestError(message)
 
     @property
     def greedy(self) -> bool:
@@ -82,7 +89,8 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def clone_for_sample(self) -> "SamplingParams":
-        """A copy for one of n parallel samples (each sample then has n == 1)."""
-        from dataclasses import replace
-
-        return replace(self, n=1)
+        """A copy for one of n parallel samples (each sample then has n == 1). A shallow copy, not
+        `dataclasses.replace`: the values were validated once, at construction."""
+        clone = copy.copy(self)
+        clone.n = 1
+        return clone

@@ -106,9 +106,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **extra: Any) -> str:
         if not self.chat_template:
-            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead", param="messages")
         _validate_messages(messages)
-        template = _compile_template(self.chat_template)
+        template = self._chat_template
         special = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -116,7 +116,12 @@ class Tokenizer:
         except InvalidRequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - template errors come in many types
-            raise InvalidRequestError(f"chat template failed: {exc}") from None
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from None
+
+    @functools.cached_property
+    def _chat_template(self):
+        """The chat template compiled once (a failed compile raises again on the next request)."""
+        return _compile_template(self.chat_template)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
         """The conversation's token ids. Control tokens come only from the template: a message that
@@ -160,7 +165,8 @@ class Tokenizer:
             # The template transforms message text (filters, string tests), so its spans cannot be found.
             raise InvalidRequestError("a message contains the text of a control token (e.g. "
                                       f"{next(t for t in self.special_token_texts if any(t in x for x in texts))!r}), "
-                                      "which this model's chat template does not allow to keep as plain text")
+                                      "which this model's chat template does not allow to keep as plain text",
+                                      param="messages")
         ids: list[int] = []
         for text, is_message_text in pieces:
             if text:
@@ -171,14 +177,14 @@ class Tokenizer:
 
 def _validate_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list")
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
-            raise InvalidRequestError("each message must be an object with a 'role'")
+            raise InvalidRequestError("each message must be an object with a 'role'", param="messages")
 
 
 def _raise_from_template(message: str) -> None:
-    raise InvalidRequestError(f"chat template rejected the conversation: {message}")
+    raise InvalidRequestError(f"chat template rejected the conversation: {message}", param="messages")
 
 
 def _compile_template(source: str):

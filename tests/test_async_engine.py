@@ -79,6 +79,18 @@ def test_not_ready_until_warmed_up_then_serves(engine):
     assert _wait_free(engine)
 
 
+def test_model_info_is_read_only_and_names_the_models_facts(engine):
+    import dataclasses
+
+    info = engine.model_info
+    assert info.max_model_len == engine.engine.max_model_len and info.vocab_size == engine.engine.vocab_size
+    assert info.tokenizer is engine.engine.tokenizer and info.bos_token_id == info.tokenizer.bos_token_id
+    assert info.eos_token_ids == engine.engine.eos_token_ids and info.eos_token_ids
+    assert info.model.endswith("default_model")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.max_model_len = 1
+
+
 def test_invalid_request_raises_at_submission(engine):
     engine.start()
 
@@ -117,7 +129,7 @@ def test_a_reader_that_stops_reading_holds_one_output(engine):
 
     async def main():
         params = SamplingParams(max_tokens=60, n=4, logprobs=5, **GREEDY)
-        stream = await engine.add_request("stalled", engine.engine.tokenizer.encode("A tale"), params)
+        stream = await engine.add_request("stalled", engine.model_info.tokenizer.encode("A tale"), params)
         backlogs = []
         while _free(engine):  # until the engine reports it running
             await asyncio.sleep(0.005)

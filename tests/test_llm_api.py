@@ -122,8 +122,9 @@ def test_abort_frees_blocks(llm):
 ])
 def test_invalid_prompts_are_refused_and_leave_nothing_behind(llm, prompt, message):
     good = ids(30)
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(InvalidRequestError, match=message) as refused:
         llm.generate([good, prompt], SamplingParams(max_tokens=2))
+    assert refused.value.param == "prompt"
     assert all_free(llm)
 
 
@@ -133,15 +134,29 @@ def test_prompt_of_exactly_max_model_len_yields_one_token(llm):
     assert all_free(llm)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2.0), dict(n=0),
-    dict(max_tokens=0), dict(min_tokens=5, max_tokens=2), dict(logprobs=50), dict(stop=[""]),
-    dict(repetition_penalty=0.0), dict(presence_penalty=3.0), dict(frequency_penalty=-2.5),
-    dict(stop_token_ids=[-1]), dict(temperature="hot"), dict(top_p=None), dict(max_tokens="16"),
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=50), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(stop=[""]), "stop"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(temperature="hot"), "temperature"), (dict(top_p=None), "top_p"), (dict(max_tokens="16"), "max_tokens"),
 ])
-def test_bad_sampling_params_are_invalid_requests(kwargs):
-    with pytest.raises(InvalidRequestError):
+def test_bad_sampling_params_are_invalid_requests_naming_the_field(kwargs, param):
+    with pytest.raises(InvalidRequestError) as refused:
         SamplingParams(**kwargs)
+    assert refused.value.param == param, refused.value
+
+
+def test_sampling_params_are_validated_once_not_per_sample(llm, monkeypatch):
+    params = SamplingParams(n=4, max_tokens=2, **GREEDY)
+    checked = []
+    monkeypatch.setattr(SamplingParams, "_validate", lambda self: checked.append(self))
+    out = llm.generate([ids(5)], params)[0]
+    assert len(out.outputs) == 4 and all(c.token_ids for c in out.outputs)
+    assert checked == []  # the n per-sample copies are not validated again
+    assert all_free(llm)
 
 
 def test_duplicate_request_id_is_refused(llm):

@@ -338,7 +338,7 @@ def reference(tiny_chat_model):
 
 
 def _prompt_ids(tiny_server, text: str) -> list[int]:
-    return tiny_server.engine.engine.tokenizer.encode(text)
+    return tiny_server.engine.model_info.tokenizer.encode(text)
 
 
 def _assert_close(ours: list, expected: list, tol: float = 1e-4) -> None:
@@ -361,7 +361,7 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_alone(tiny_client, tiny_ser
     best = full.argmax(dim=-1).tolist()
     assert all(max(top.values()) == pytest.approx(full[i - 1, best[i - 1]].item(), abs=1e-4)
                for i, top in enumerate(lp.top_logprobs) if i)
-    assert lp.tokens == [tiny_server.engine.engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.tokens == [tiny_server.engine.model_info.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
     # text_offset indexes the echoed text: the BOS token has no text, each other token starts where its text does
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     pieces = [choice.text[a:b] for a, b in zip(lp.text_offset, lp.text_offset[1:] + [len(choice.text)])]
@@ -423,7 +423,7 @@ def test_chat_prompt_logprobs_score_the_rendered_conversation(tiny_server, refer
     body = {"model": "tiny", "messages": USER, "max_tokens": 1, "prompt_logprobs": 1}
     response = httpx.post(tiny_server.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
-    ids = tiny_server.engine.engine.tokenizer.encode_chat(USER, True)
+    ids = tiny_server.engine.model_info.tokenizer.encode_chat(USER, True)
     scored = response.json()["prompt_logprobs"]
     assert len(scored) == len(ids) == response.json()["usage"]["prompt_tokens"]
     _assert_close([None if e is None else e[str(t)]["logprob"] for e, t in zip(scored, ids)], reference(ids)[0])
@@ -443,7 +443,7 @@ def test_lm_eval_loglikelihood_request_reproduced_exactly(tiny_client, tiny_serv
     """lm-eval 0.4's `local-completions` scoring call and parse (lm_eval/models/openai_completions.py):
     token-id prompts, echo=True, logprobs=1, max_tokens=1, temperature=0, seed=1234, then
     sum(token_logprobs[ctxlen:-1]) and greedy = every token equals its top candidate."""
-    tokenizer = tiny_server.engine.engine.tokenizer
+    tokenizer = tiny_server.engine.model_info.tokenizer
     context = tokenizer.encode("ROMEO: But, soft! what light")
     continuations = [tokenizer.encode(text, add_special_tokens=False) for text in (" through", " is the")]
     prompts = [context + c for c in continuations]
@@ -537,7 +537,7 @@ def test_chat_template_kwargs_reach_the_template(thinking_model):
 
         plain = prompt_tokens()
         no_think = prompt_tokens(chat_template_kwargs={"enable_thinking": False})
-        expected = len(srv.engine.engine.tokenizer.encode("<think></think>", add_special_tokens=False))
+        expected = len(srv.engine.model_info.tokenizer.encode("<think></think>", add_special_tokens=False))
         assert no_think == plain + expected
         assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
         for key in ("messages", "tools", "bos_token"):

@@ -57,6 +57,20 @@ CASES = [
     ("n too large", _post("/v1/completions", {"prompt": "x", "n": 1000}), 400, "invalid_request_error", "n"),
     ("logprobs too large", _post("/v1/completions", {"prompt": "x", "logprobs": 99}), 400,
      "invalid_request_error", "logprobs"),
+    # Values SamplingParams refuses: the engine's InvalidRequestError names the field (no message parsing).
+    ("n zero", _post("/v1/completions", {"prompt": "x", "n": 0}), 400, "invalid_request_error", "n"),
+    ("negative stop token id", _post("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}), 400,
+     "invalid_request_error", "stop_token_ids"),
+    ("min_tokens over max_tokens", _post("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}), 400,
+     "invalid_request_error", "min_tokens"),
+    ("negative prompt_logprobs with echo", _post("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1,
+                                                                      "prompt_logprobs": -1}),
+     400, "invalid_request_error", "prompt_logprobs"),
+    ("top_logprobs too large", _post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                              "logprobs": True, "top_logprobs": 99}),
+     400, "invalid_request_error", "top_logprobs"),
+    ("an empty prompt of token ids", _post("/v1/completions", {"prompt": [[]]}), 400, "invalid_request_error",
+     "prompt"),
     ("bad logit_bias key", _post("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}), 400,
      "invalid_request_error", "logit_bias"),
     ("too many stop strings", _post("/v1/completions", {"prompt": "x", "stop": ["a"] * 40}), 400,
@@ -129,6 +143,16 @@ def test_bad_request_gets_openai_error(server, baseline, name, request_spec, sta
             assert error["param"] == param, error
         assert "Traceback" not in response.text
     server.assert_recovered(baseline)  # /health 200, every KV block free, RSS within the bound
+
+
+def test_an_invalid_request_is_answered_with_the_param_it_names():
+    from llmctl.engine.errors import InvalidRequestError
+    from llmctl.server.errors import from_exception
+
+    # The message starts with another field's name: the param comes from the error, not its words.
+    error = from_exception(InvalidRequestError("stop strings need a tokenizer", param="stop")).body()["error"]
+    assert error["param"] == "stop" and error["code"] == "invalid_value"
+    assert from_exception(InvalidRequestError("prompt-free failure")).body()["error"]["param"] is None
 
 
 def test_server_still_serves_after_the_bad_requests(server):

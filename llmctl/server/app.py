@@ -118,7 +118,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
                   openapi_url="/openapi.json", redirect_slashes=False)
     app.router.route_class = StrictJSONRoute
     # A token prompt holds at most max_model_len ids, logit_bias at most a vocabulary's keys.
-    setattr(app.state, ARRAY_LIMIT_KEY, max(serving.max_model_len, serving.vocab_size, MAX_PROMPTS_PER_REQUEST))
+    setattr(app.state, ARRAY_LIMIT_KEY, max(engine.model_info.max_model_len, engine.model_info.vocab_size, MAX_PROMPTS_PER_REQUEST))
     install_error_handlers(app)
     install_openapi(app)
     _add_routes(app, engine, serving, metrics, settings)

@@ -54,7 +54,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=_param_of(str(exc)), code="invalid_value")
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, str(exc), code="server_overloaded", headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, CapacityError):
@@ -69,21 +69,6 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(500, str(exc), code="engine_step_failed")
     logger.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"internal server error ({type(exc).__name__}); see the server log", code="internal_error")
-
-
-_KNOWN_PARAMS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
-                 "seed", "stop", "min_tokens", "logit_bias", "messages", "prompt", "token id", "model")
-
-
-def _param_of(message: str) -> Optional[str]:
-    """Name the offending parameter when the engine's message starts with it."""
-    for name in _KNOWN_PARAMS:
-        if message.startswith(name):
-            return "prompt" if name == "token id" else name
-    if "prompt" in message:
-        return "prompt"
-    return None
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:

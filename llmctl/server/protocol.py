@@ -15,7 +15,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmctl.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from llmctl.engine.errors import InvalidRequestError
+from llmctl.engine.sampling_params import SamplingParams
 from llmctl.server.errors import APIError
 
 MAX_N = 16
@@ -339,11 +340,21 @@ def resolve_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], pr
 def sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
                     vocab_size: int) -> SamplingParams:
     """The engine's `SamplingParams` for a request (value errors raise `InvalidRequestError`)."""
-    if not 1 <= body.n <= MAX_N:
+    if body.n > MAX_N:  # the server's cap; n >= 1 is SamplingParams' check
         raise APIError(400, f"n must be between 1 and {MAX_N}, got {body.n}", param="n")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOP_SEQUENCES:
         raise APIError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", param="stop")
+    try:
+        return _sampling_params(body, max_tokens, vocab_size, stops)
+    except InvalidRequestError as exc:  # SamplingParams checks the values; chat names logprobs otherwise
+        if isinstance(body, ChatCompletionRequest) and exc.param == "logprobs":
+            raise InvalidRequestError(f"top_logprobs {body.top_logprobs}: {exc}", param="top_logprobs") from None
+        raise
+
+
+def _sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int, vocab_size: int,
+                     stops: list[str]) -> SamplingParams:
     return SamplingParams(
         n=body.n,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -369,29 +380,24 @@ def sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_t
 
 def _logprobs(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
     if isinstance(body, CompletionRequest):
-        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
         return body.logprobs
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def prompt_logprobs_width(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
     """How many top candidates to score per prompt token: for `prompt_logprobs`, and for `echo` with
     `logprobs` (the echoed prompt's tokens get logprobs too, as in OpenAI's API)."""
-    if body.prompt_logprobs is not None:
-        if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", param="prompt_logprobs")
-        if body.stream:
-            raise APIError(400, "prompt_logprobs are not available when stream is true (as in vLLM); "
-                                "use echo with logprobs", param="prompt_logprobs")
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(400, "prompt_logprobs are not available when stream is true (as in vLLM); "
+                            "use echo with logprobs", param="prompt_logprobs")
     echoed = body.logprobs if isinstance(body, CompletionRequest) and body.echo else None
     wanted = [n for n in (body.prompt_logprobs, echoed) if n is not None]
-    return max(wanted) if wanted else None
+    if not wanted:
+        return None
+    # The larger, so both are served; a negative one as it is, for SamplingParams to refuse.
+    return min(wanted) if min(wanted) < 0 else max(wanted)
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int):

@@ -78,9 +78,9 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_output_tokens = max_output_tokens
         self.metrics = metrics
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.vocab_size = engine.engine.vocab_size
+        self.model_info = engine.model_info
+        self.tokenizer = self.model_info.tokenizer
+        self.max_model_len = self.model_info.max_model_len
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
 
     # ---- entry points -----------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class OpenAIServing:
 
     def _document_start(self) -> _Prompt:
         """`prompt: null`: OpenAI generates "as if from the beginning of a new document", i.e. from BOS."""
-        bos = self.tokenizer.bos_token_id if self.tokenizer is not None else None
+        bos = self.model_info.bos_token_id
         if bos is None:
             raise APIError(400, "prompt is null (start of a document), but this model's tokenizer has no BOS "
                                 "token to start from: send a prompt", param="prompt")
@@ -178,16 +178,8 @@ class OpenAIServing:
         if isinstance(item, str):
             if self.tokenizer is None:
                 raise APIError(400, "this server has no tokenizer: send prompts as token ids", param="prompt")
-            ids = self.tokenizer.encode(item, add_special_tokens=add_special_tokens)
-            if not ids:
-                raise APIError(400, "prompt must not be empty", param="prompt")
-            return _Prompt(item, ids)
-        if not item:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        bad = next((t for t in item if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
-        return _Prompt(None, list(item))
+            return _Prompt(item, self.tokenizer.encode(item, add_special_tokens=add_special_tokens))
+        return _Prompt(None, list(item))  # empty prompts and ids outside the vocabulary: the engine refuses them
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> _Prompt:
         if self.tokenizer is None:
@@ -201,7 +193,7 @@ class OpenAIServing:
         params = []
         for prompt in prompts:
             max_tokens = resolve_max_tokens(body, len(prompt.token_ids), self.max_model_len, self.max_output_tokens)
-            params.append(sampling_params(body, max_tokens, self.vocab_size))
+            params.append(sampling_params(body, max_tokens, self.model_info.vocab_size))
         job = _Job(("chatcmpl-" if chat else "cmpl-") + base_id, body, prompts, [])
         try:
             for index, (prompt, sp) in enumerate(zip(prompts, params)):
