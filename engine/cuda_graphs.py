@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from llmctl.engine.layers.attention import AttentionMetadata
+from llmctl.engine.layers.attention import CommonAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +85,11 @@ class DecodeGraphs:
         self._capturer = capturer if capturer is not None else CudaCapturer(device)
         self._captured: dict[int, _Bucket] = {}
 
-    def can_run(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Decode-only batches (every row one new token, no prefill) that fit a captured bucket."""
-        return (not meta.prefills and meta.num_single == num_tokens and 0 < num_tokens
-                and self._bucket_for(num_tokens) is not None)
+    def can_run(self, batch: CommonAttentionMetadata) -> bool:
+        """Decode-only batches (every row one query token) that fit a captured bucket. A batch with any row of
+        several query tokens (a prefill chunk, a k+1-token verify row) runs eagerly: the graphs' static
+        tensors are sized in rows of one token each."""
+        return batch.decode_only and self._bucket_for(batch.num_rows) is not None
 
     @property
     def num_captured(self) -> int:
@@ -102,7 +103,8 @@ class DecodeGraphs:
         return next((size for size in sorted(self._captured) if size >= rows), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+            meta: Any, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Replay a batch `can_run` took; `meta` is the backend's metadata for it."""
         rows = input_ids.shape[0]
         bucket = self._captured[self._bucket_for(rows)]
         bucket.input_ids[:rows].copy_(input_ids)

@@ -18,7 +18,7 @@ from llmctl.engine.cuda_graphs import DecodeGraphs, maybe_decode_graphs
 from llmctl.engine.device_memory import device_memory
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.kernels import cpu_kernels_for
-from llmctl.engine.layers.attention import AttentionMetadata, PrefillSpan, TorchAttention, select_backend
+from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
 from llmctl.engine.layers.linear import select_linear_method
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
@@ -29,8 +29,8 @@ from llmctl.engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
+# On CPU the kept decode K/V (the backend's workspace_share of the pool) may take at least this much.
 WORKSPACE_FLOOR_BYTES = 1 << 30
-WORKSPACE_SHARE = 0.5  # the torch backend's kept decode K/V may reach this fraction of the pool's bytes
 # Decode graphs may take at most this share of the memory left for graphs + KV: an 8B model's graphs for
 # 256 sequences take ~3.1 GiB (0.85 GiB at 128), a few percent of an 80-141 GB card's budget; on a 24 GB card
 # the cap keeps most of the budget for the KV pool, and the larger batch sizes run eagerly.
@@ -101,13 +101,14 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         mc = config.model_config
+        kernels = cpu_kernels_for(self.device, config.dtype)
         backend_cls = select_backend(self.device, config.dtype, mc.head_dim)
-        self.attention = backend_cls(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.sliding_window)
+        self.attention = backend_cls(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.sliding_window,
+                                     dtype=config.dtype, kernels=kernels)
         self.block_size = config.block_size or backend_cls.preferred_block_size
         problem = self.attention.validate_block_size(self.block_size)
         if problem:
             raise EngineArgsError(problem)
-        kernels = cpu_kernels_for(self.device, config.dtype)
         linear_method = select_linear_method(self.device, config.dtype, kernels,
                                              batch_hint=min(config.max_num_seqs, 64))
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
@@ -125,26 +126,17 @@ class ModelRunner:
             self._capture_graphs(self.graphs, peak)
         self.num_blocks = self._plan_num_blocks(peak)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        # Decode workspaces (torch backend) may hold half the pool's size again (on CPU at least 1 GiB;
-        # on CUDA that half is reserved out of --gpu-memory-utilization by _plan_num_blocks).
+        # Kept decode K/V may hold the backend's workspace_share of the pool's size again (on CPU at least
+        # 1 GiB; on CUDA that share is reserved out of --gpu-memory-utilization by _plan_num_blocks).
         bytes_per_token = self.bytes_per_block // self.block_size
-        budget = int(self.kv_cache_bytes * WORKSPACE_SHARE)
+        budget = int(self.kv_cache_bytes * self.attention.workspace_share)
         if self.device.type != "cuda":
             budget = max(budget, WORKSPACE_FLOOR_BYTES)
-        self.attention.workspace_budget_tokens = budget // bytes_per_token
-        self._attach_decode_kernel(kernels)
+        self.attention.set_workspace_budget(budget // bytes_per_token)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s%s", self.num_blocks,
-                    self.block_size, self.kv_cache_bytes / 2**20, self.attention.name,
-                    " (native CPU decode kernel)" if getattr(self.attention, "decode_kernel", None) else "")
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,
+                    self.block_size, self.kv_cache_bytes / 2**20, self.attention.label)
 
-    def _attach_decode_kernel(self, kernels) -> None:
-        """Hand the native CPU kernels to the torch attention backend where its decode kernel fits the model."""
-        if kernels is None or not isinstance(self.attention, TorchAttention):
-            return
-        mc = self.config.model_config
-        if kernels.supports_decode(self.config.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim):
-            self.attention.decode_kernel = kernels
 
     # ---- KV pool ------------------------------------------------------------------------------
     @property
@@ -159,9 +151,8 @@ class ModelRunner:
 
     @property
     def _reserved_bytes_per_block(self) -> int:
-        """A block's bytes plus the torch backend's kept decode K/V for it (up to WORKSPACE_SHARE of the pool)."""
-        share = WORKSPACE_SHARE if isinstance(self.attention, TorchAttention) else 0.0
-        return int(self.bytes_per_block * (1.0 + share))
+        """A block's bytes plus the backend's kept decode K/V for it (its workspace_share of the pool)."""
+        return int(self.bytes_per_block * (1.0 + self.attention.workspace_share))
 
     def _plan_num_blocks(self, peak: int) -> int:
         cfg = self.config
@@ -246,23 +237,24 @@ class ModelRunner:
 
     def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]):
         order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
-        input_ids, positions, meta, logits_indices, prompt_rows = self._prepare(order)
-        if graphs is not None and graphs.can_run(len(order), meta):
+        input_ids, positions, batch, logits_indices, prompt_rows = self._prepare(order)
+        meta = self.attention.build_metadata(batch)
+        if graphs is not None and graphs.can_run(batch):
             logits = graphs.run(input_ids, positions, kv_caches, meta, logits_indices)
         else:
             logits = self.model(input_ids, positions, kv_caches, meta, self.attention, logits_indices)
         return order, logits, prompt_rows
 
     def _prepare(self, order: list[ScheduledSeq]):
+        """Token ids, positions, slot mapping and logits indices of the batch, and its rows described
+        for the attention backend."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
-        spans: list[PrefillSpan] = []
-        single_tables: list[list[int]] = []
-        single_ids: list[int] = []
-        single_lens: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
         prompt_rows: list[PromptRow] = []
         for item in order:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -272,12 +264,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if item.num_new_tokens == 1:
-                single_ids.append(seq.seq_id)
-                single_tables.append(table)
-                single_lens.append(end)
-            else:
-                spans.append(PrefillSpan(row, item.num_new_tokens, end, self._tensor(table)))
+            query_lens.append(item.num_new_tokens)
+            context_lens.append(end)
             if item.samples:
                 logits_indices.append(len(ids) - 1)
             wanted = seq.params.prompt_logprobs if seq.params is not None else None
@@ -286,32 +274,10 @@ class ModelRunner:
                 prompt_rows.extend(PromptRow(seq.seq_id, row + p - start, p + 1, seq.token_ids[p + 1], wanted)
                                    for p in range(start, last))
         logits_indices.extend(r.row for r in prompt_rows)
-        width = max((len(t) for t in single_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in single_tables]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_single=len(single_tables),
-            single_block_tables=self._tensor(padded).view(len(padded), width),
-            single_context_lens=self._tensor(single_lens),
-            single_max_context=max(single_lens, default=0),
-            prefills=spans,
-            single_seq_ids=tuple(single_ids),
-        )
-        if self.attention.name == "flash-attn":
-            self._add_flash_metadata(meta, order)
-        self.attention.prepare(meta, self.block_size)
-        return self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), prompt_rows
-
-    def _add_flash_metadata(self, meta: AttentionMetadata, order: list[ScheduledSeq]) -> None:
-        q_lens = [s.num_new_tokens for s in order]
-        k_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in order]
-        width = max(len(s.seq.block_table) for s in order)
-        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in order]
-        as_int32 = dict(dtype=torch.int32, device=self.device)
-        meta.cu_seqlens_q = torch.tensor([0] + q_lens, **as_int32).cumsum(0, dtype=torch.int32)
-        meta.cu_seqlens_k = torch.tensor([0] + k_lens, **as_int32).cumsum(0, dtype=torch.int32)
-        meta.block_tables = torch.tensor(tables, **as_int32)
-        meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
+        batch = CommonAttentionMetadata(seq_ids=[s.seq.seq_id for s in order], query_lens=query_lens,
+                                        context_lens=context_lens, block_tables=[s.seq.block_table for s in order],
+                                        slot_mapping=self._tensor(slots), block_size=bs)
+        return self._tensor(ids), self._tensor(positions), batch, self._tensor(logits_indices), prompt_rows
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

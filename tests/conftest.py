@@ -19,6 +19,41 @@ def _restore_llmctl_logger():
     logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
 
 
+def cpu_kernels_while(monkeypatch, enabled: bool):
+    """Set LLMCTL_DISABLE_CPU_KERNELS for the engines this test builds; returns the cache clear to call at the end."""
+    from llmctl.engine.kernels import DISABLE_ENV, load_cpu_kernels
+
+    if enabled:
+        monkeypatch.delenv(DISABLE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DISABLE_ENV, "1")
+    load_cpu_kernels.cache_clear()  # the loader caches its answer per process
+    return load_cpu_kernels.cache_clear
+
+
+@pytest.fixture
+def cpu_kernels_off(monkeypatch):
+    """Engines built in this test run without the native CPU kernels (LLMCTL_DISABLE_CPU_KERNELS=1): CPU
+    decode attention takes the torch path over the kept decode K/V."""
+    clear = cpu_kernels_while(monkeypatch, False)
+    yield
+    clear()
+
+
+@pytest.fixture(params=["native", "torch"])
+def cpu_decode_path(request, monkeypatch):
+    """Each test twice: with the native CPU kernels (a test skips itself where they do not serve its model)
+    and with LLMCTL_DISABLE_CPU_KERNELS=1 (the torch decode path)."""
+    clear = cpu_kernels_while(monkeypatch, request.param == "native")
+    yield request.param
+    clear()
+
+
+def skip_unless_native_decode(llm) -> None:
+    if llm.engine.runner.attention.label == "torch":
+        pytest.skip("the native CPU decode kernel does not serve this model here (compiler, AVX-512 or head_dim)")
+
+
 ARCH_CONFIGS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False,
                                   rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,

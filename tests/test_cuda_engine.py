@@ -88,15 +88,14 @@ def test_pool_and_graphs_stay_within_gpu_memory_utilization(tmp_path):
               max_num_seqs=1024, max_num_batched_tokens=1024, gpu_memory_utilization=utilization)
     runner = llm.engine.runner
     assert runner.num_blocks < 1024 * (1024 // runner.block_size + 1)  # the budget, not the cap, decided
-    kept = 0.5 if isinstance(runner.attention, TorchAttention) else 0.0  # the kept decode K/V is reserved too
+    kept = runner.attention.workspace_share  # the kept decode K/V is reserved too
     assert runner.kv_cache_bytes * (1 + kept) > 600 * MIB  # most of the budget went to the pool
     assert runner.graphs.num_captured >= 1
     long_batch = [[(7 * i + j) % 500 + 1 for i in range(900)] for j in range(24)]  # 900 of a 512-token vocabulary
     llm.generate(long_batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     torch.cuda.synchronize(device)
     free_after, _ = torch.cuda.mem_get_info(device)  # the caching allocator still holds the step's peak
-    workspaces = getattr(runner.attention, "_workspaces", {}).values()
-    kept_now = sum(t.numel() * t.element_size() for pair in workspaces for t in pair)
+    kept_now = runner.attention.workspace.kept_bytes if isinstance(runner.attention, TorchAttention) else 0
     still_reserved = max(runner.kv_cache_bytes * kept - kept_now, 0)  # the kept K/V may still grow this much
     assert total - free_after + still_reserved <= utilization * total + 64 * MIB
 

@@ -153,3 +153,42 @@ def test_capture_all_stops_before_the_allowance_and_failed_buckets_run_eagerly(t
     replays = capturer.counter["replays"]
     recorded_logits(llm, [[1, 2, 3]] * 9, max_tokens=3)  # 9 rows: no captured bucket holds them, eager
     assert capturer.counter["replays"] == replays
+
+
+def test_a_batch_with_a_verify_row_runs_eagerly_and_decode_rows_replay(tiny_models):
+    """Graphs replay only batches of 1-token rows; a batch mixing them with a 4-token verify row on an existing
+    context runs eagerly (the same logits as with no graphs at all)."""
+    from llmctl.engine.scheduler import ScheduledSeq
+    from llmctl.engine.sequence import Sequence
+
+    llm = LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=256,
+              max_num_seqs=8, num_kv_blocks=32)
+    runner = llm.engine.runner
+    capturer = CallingCapturer()
+    graphs = DecodeGraphs(runner.model, runner.attention, 8, runner.device, torch.float32, capturer=capturer)
+    graphs.capture_all(None, unmeasured)
+    seqs = []
+    for i, length in enumerate((27, 38, 60)):  # each row below computes its sequence's last tokens: all sample
+        seq = Sequence(i, f"r{i}", 0, [(5 * j + i) % 500 for j in range(length)], params=SamplingParams())
+        seq.block_table = list(range(8 * i, 8 * i + 8))
+        seqs.append(seq)
+
+    def forward(rows, with_graphs):
+        """`rows` (sequence, computed, new tokens) from the same pool state: sampled rows' logits, replays."""
+        for seq, computed, _ in rows:
+            seq.num_computed_tokens = computed
+        before = capturer.counter["replays"]
+        with torch.inference_mode():
+            _, logits, _ = runner._forward([ScheduledSeq(seq, n) for seq, _, n in rows], runner.kv_caches,
+                                           graphs if with_graphs else None)
+        return logits, capturer.counter["replays"] - before
+
+    mixed = [(seqs[0], 26, 1), (seqs[1], 37, 1), (seqs[2], 56, 4)]  # two decode rows and a 4-token verify row
+    forward([(seq, 0, computed) for seq, computed, _ in mixed], False)  # the contexts the rows extend
+    eager, _ = forward(mixed, False)
+    ours, replays = forward(mixed, True)
+    assert ours.shape[0] == 3 and replays == 0 and torch.equal(ours, eager)
+    decodes = mixed[:2]
+    eager, _ = forward(decodes, False)
+    ours, replays = forward(decodes, True)
+    assert ours.shape[0] == 2 and replays > 0 and torch.allclose(ours, eager, atol=1e-5)

@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from conftest import skip_unless_native_decode
+
 from llmctl.engine import LLM, SamplingParams
 
 NEW_TOKENS = 32
@@ -44,24 +46,22 @@ def reference_logits(model, prompt: list[int], output: list[int]) -> torch.Tenso
 
 
 def use_decode_path(llm: LLM, path: str) -> None:
-    """Pin the CPU decode attention to the native kernel or the torch workspace path."""
-    attention = llm.engine.runner.attention
-    if path == "native" and attention.decode_kernel is None:
-        pytest.skip("the native CPU decode kernel does not serve this model here (compiler, AVX-512 or head_dim)")
-    if path == "torch":
-        attention.decode_kernel = None
+    """The engine was built for `path` (the cpu_decode_path fixture): skip where the native kernel cannot serve."""
+    if path == "native":
+        skip_unless_native_decode(llm)
+    else:
+        assert llm.engine.runner.attention.label == "torch"
 
 
-@pytest.mark.parametrize("decode", ["native", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_greedy_tokens_and_logits_match_transformers(tiny_models, arch, decode):
+def test_greedy_tokens_and_logits_match_transformers(tiny_models, arch, cpu_decode_path):
     from transformers import AutoModelForCausalLM
 
     folder = tiny_models[arch]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu",
               max_num_batched_tokens=96, num_kv_blocks=40, block_size=16, max_num_seqs=8,
               max_model_len=400)
-    use_decode_path(llm, decode)
+    use_decode_path(llm, cpu_decode_path)
     prompts = make_prompts(llm.engine.vocab_size)
     recorders = [LogitRecorder() for _ in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logits_processors=[rec])
@@ -104,7 +104,7 @@ def test_prompt_logprobs_match_transformers_across_chunks(tiny_models):
         assert len(entry) >= 3
 
 
-def test_decode_workspace_changes_nothing(tiny_models):
+def test_decode_workspace_changes_nothing(tiny_models, cpu_kernels_off):
     """Kept decode K/V (append/rebuild) and per-step gathers give the same logits."""
     prompts = make_prompts(512)[:6]
     results = []
@@ -113,7 +113,7 @@ def test_decode_workspace_changes_nothing(tiny_models):
                   max_model_len=400, max_num_batched_tokens=128)
         use_decode_path(llm, "torch")
         if budget is not None:
-            llm.engine.runner.attention.workspace_budget_tokens = budget
+            llm.engine.runner.attention.set_workspace_budget(budget)
         recorders = [LogitRecorder() for _ in prompts]
         params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True, logits_processors=[r])
                   for i, r in enumerate(recorders)]
@@ -123,15 +123,14 @@ def test_decode_workspace_changes_nothing(tiny_models):
         assert torch.equal(kept, gathered)
 
 
-@pytest.mark.parametrize("decode", ["native", "torch"])
-def test_bfloat16_cpu_path_tracks_float32_reference(tiny_models, decode):
+def test_bfloat16_cpu_path_tracks_float32_reference(tiny_models, cpu_decode_path):
     """The bf16 CPU kernels (oneDNN-packed batches, mv for single rows, decode attention) stay close
     to fp32 logits."""
     from transformers import AutoModelForCausalLM
 
     folder = tiny_models["qwen2"]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400)
-    use_decode_path(llm, decode)
+    use_decode_path(llm, cpu_decode_path)
     prompts = make_prompts(512)[:4]
     recorders = [LogitRecorder() for _ in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logits_processors=[r]) for r in recorders]
@@ -144,7 +143,7 @@ def test_bfloat16_cpu_path_tracks_float32_reference(tiny_models, decode):
         assert (ours - expected).abs().max().item() < 0.05 * scale + 0.05
 
 
-def test_idle_engine_drops_kept_decode_kv(tiny_models):
+def test_idle_engine_drops_kept_decode_kv(tiny_models, cpu_kernels_off):
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400)
     use_decode_path(llm, "torch")
     seen = []

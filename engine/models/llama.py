@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.engine.layers.attention import AttentionMetadata
+from llmctl.engine.layers.attention import AttentionBackend
 from llmctl.engine.layers.linear import LinearFactory, LinearMethod
 from llmctl.engine.layers.rotary import RotaryEmbedding, apply_rotary, rotate
 from llmctl.engine.model_config import ModelConfig
@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, backend, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden, rope = self.embed(input_ids, positions)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):

@@ -1,0 +1,96 @@
+"""What every attention backend shares: the batch description the runner hands over, and the protocol.
+
+The runner flattens a scheduled batch into token ids, positions, slot mapping and logits indices, and
+describes its rows once (`CommonAttentionMetadata`); each backend's `build_metadata` turns that into
+its own metadata (vLLM v1's CommonAttentionMetadata -> AttentionMetadataBuilder split), built once per
+step and read by every layer's `forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """One step's batch, rows in batch order (the runner puts rows of one query token first).
+
+    A row is one sequence's query tokens this step: `query_lens[i]` new tokens on top of
+    `context_lens[i] - query_lens[i]` already in the pool, so row i attends to `context_lens[i]` keys.
+    A row of several query tokens on an existing context (a prefill chunk after a cached prefix, or a
+    speculative verify row of k+1 tokens) takes the prefill-with-context path of every backend; the
+    decode fast paths (native decode kernel, kept decode K/V, CUDA graphs) serve only 1-token rows.
+    """
+
+    seq_ids: list[int]
+    query_lens: list[int]
+    context_lens: list[int]  # keys each row attends to: tokens already computed + its query tokens
+    block_tables: list[list[int]]  # each row's KV blocks (may hold more blocks than its context needs)
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes in the pool
+    block_size: int
+    num_single: int = field(init=False)  # the leading rows of one query token
+
+    def __post_init__(self) -> None:
+        single = 0
+        for length in self.query_lens:
+            if length != 1:
+                break
+            single += 1
+        self.num_single = single
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mapping.device
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row is one query token (what CUDA decode graphs replay)."""
+        return 0 < self.num_single == self.num_rows
+
+
+class AttentionBackend(Protocol):
+    """Paged attention behind one interface; the runner never asks which backend it holds.
+
+    Built with `(num_heads, num_kv_heads, head_dim, sliding_window, dtype=..., kernels=...)`:
+    `kernels` are the native CPU kernels or None; a backend uses what of them fits the model.
+    """
+
+    name: str
+    preferred_block_size: int
+    # Kept decode K/V the backend may hold between steps, as a share of the pool's bytes (reserved
+    # next to the pool when a device memory budget applies).
+    workspace_share: float
+
+    @property
+    def label(self) -> str:
+        """The backend as the start-up log names it (with the decode path it uses)."""
+
+    def validate_block_size(self, block_size: int) -> Optional[str]:
+        """Why this block size cannot work, or None."""
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The shape of one layer's K (and of its V) pool: the KV layout."""
+
+    def set_workspace_budget(self, tokens: int) -> None:
+        """Cap the kept decode K/V at `tokens` tokens (all rows and layers together)."""
+
+    def build_metadata(self, batch: CommonAttentionMetadata) -> Any:
+        """This backend's metadata for the step, shared by every layer."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Write the step's K/V into the pool, then attend: [tokens, heads, head_dim] out."""
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Only the first `num_tokens` of the sequence's K/V still hold (rejected tokens rolled back):
+        forget whatever the backend kept past them."""
+
+    def release(self) -> None:
+        """Drop everything kept between steps (idle engine, a failed or out-of-memory step)."""

@@ -1,0 +1,86 @@
+"""flash-attn 2's paged kernels (CUDA only): one varlen call over the whole mixed batch.
+
+The kernel takes every row shape alike (bottom-right aligned causal masks): 1-token decodes, prefill
+chunks after a cached prefix and k+1-token verify rows go through the same call. Nothing is kept
+between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from llmctl.engine.layers.attention.common import CommonAttentionMetadata
+from llmctl.engine.layers.attention.paged import write_token_major
+
+
+@dataclass
+class FlashAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    cu_seqlens_q: torch.Tensor  # [rows + 1] int32: where each row's queries start
+    cu_seqlens_k: torch.Tensor  # [rows + 1] int32: where each row's keys would start, packed
+    block_tables: torch.Tensor  # [rows, widest table] int32 (padded with 0)
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class FlashAttention:
+    """flash-attn 2 paged kernels on a token-major pool, [num_blocks, block_size, kv_heads, head_dim]."""
+
+    name = "flash-attn"
+    preferred_block_size = 256
+    workspace_share = 0.0
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
+                 dtype: torch.dtype, kernels=None):
+        from flash_attn import flash_attn_varlen_func
+
+        self._varlen = flash_attn_varlen_func
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def validate_block_size(self, block_size: int) -> Optional[str]:
+        if block_size % 256:
+            return f"flash-attn's paged KV cache needs a block size that is a multiple of 256, got {block_size}"
+        return None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def set_workspace_budget(self, tokens: int) -> None:
+        """Nothing is kept between steps."""
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Nothing is kept between steps."""
+
+    def release(self) -> None:
+        """Nothing is kept between steps."""
+
+    def build_metadata(self, batch: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        q_lens, k_lens = batch.query_lens, batch.context_lens
+        width = max(len(table) for table in batch.block_tables)
+        tables = [table + [0] * (width - len(table)) for table in batch.block_tables]
+        as_int32 = dict(dtype=torch.int32, device=batch.device)
+        return FlashAttentionMetadata(
+            slot_mapping=batch.slot_mapping,
+            cu_seqlens_q=torch.tensor([0] + q_lens, **as_int32).cumsum(0, dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0] + k_lens, **as_int32).cumsum(0, dtype=torch.int32),
+            block_tables=torch.tensor(tables, **as_int32),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: FlashAttentionMetadata) -> torch.Tensor:
+        write_token_major(k_cache, v_cache, k, v, meta.slot_mapping)
+        return self._varlen(
+            q, k_cache, v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+            softmax_scale=self.scale, causal=True, window_size=self.window, block_table=meta.block_tables,
+        )

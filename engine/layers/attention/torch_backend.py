@@ -1,0 +1,204 @@
+"""Paged attention in plain torch (CPU, and the CUDA fallback): head-major pool, kept decode K/V.
+
+Rows of one query token (decodes, a 1-token prefill chunk) run batched: through the native CPU decode
+kernel where it serves the model (it reads each sequence's K/V where it lies in the pool), else over the
+kept decode K/V of `DecodeWorkspace`. Every other row (a prefill chunk, with or without a cached prefix,
+or a speculative verify row of k+1 tokens on an existing context) runs through SDPA on its own, its
+context gathered from the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from llmctl.engine.layers.attention.common import CommonAttentionMetadata
+from llmctl.engine.layers.attention.decode_workspace import WORKSPACE_SHARE, DecodeWorkspace, WorkspacePlan
+from llmctl.engine.layers.attention.paged import gather_head_major, write_head_major
+
+
+@dataclass
+class PrefillSpan:
+    """A row of several query tokens: rows [start, start+length) of the batch, attending to `context_len` keys."""
+
+    start: int
+    length: int
+    context_len: int
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_single: int  # the first rows are single-token queries
+    single_block_tables: torch.Tensor  # [num_single, blocks of the longest context] int64 (padded with 0)
+    single_context_lens: torch.Tensor  # [num_single] int64
+    prefills: list[PrefillSpan]
+    single_bias: Optional[torch.Tensor] = None  # [1, num_single, 1, padded context] float32: 0 or -inf
+    workspace: Optional[WorkspacePlan] = None  # None with the native decode kernel
+
+
+class TorchAttention:
+    """Grouped-query attention in plain torch (softmax in float32).
+
+    The pool is head-major, [kv_heads, num_blocks, block_size, head_dim], so gathering a batch's
+    blocks with one `index_select` yields [kv_heads, batch, context, head_dim], a layout the batched
+    matmuls read without another copy (a token-major gather needs a transposing copy that costs
+    several times the gather itself on CPU).
+    """
+
+    name = "torch"
+    preferred_block_size = 16
+    workspace_share = WORKSPACE_SHARE
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
+                 dtype: torch.dtype, kernels=None):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+        self.window = sliding_window
+        self.workspace = DecodeWorkspace(num_kv_heads, head_dim)
+        # The native CPU kernels, where their decode attention serves this model.
+        fits = kernels is not None and kernels.supports_decode(dtype, num_heads, num_kv_heads, head_dim)
+        self.decode_kernel = kernels if fits else None
+        # GQA prefill that SDPA's flash kernel cannot take (a mask, or float32) with one K/V head per query
+        # head: None = on CUDA.
+        self.expand_masked_gqa: Optional[bool] = None
+
+    @property
+    def label(self) -> str:
+        return "torch (native CPU decode kernel)" if self.decode_kernel is not None else "torch"
+
+    def validate_block_size(self, block_size: int) -> Optional[str]:
+        return None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+
+    def set_workspace_budget(self, tokens: int) -> None:
+        self.workspace.budget_tokens = tokens
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        self.workspace.truncate(seq_id, num_tokens)
+
+    def release(self) -> None:
+        """Drop the kept decode K/V (the engine calls this when it goes idle)."""
+        self.workspace.release()
+
+    @property
+    def kept_layers(self) -> int:
+        return self.workspace.kept_layers
+
+    # ---- per step ---------------------------------------------------------------------------------
+    def build_metadata(self, batch: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        """Shared by all layers: the 1-token rows' block tables (trimmed to the longest context), the
+        workspace plan and the mask; one span per other row."""
+        device, n = batch.device, batch.num_single
+        spans, row = [], n
+        for length, context, table in zip(batch.query_lens[n:], batch.context_lens[n:], batch.block_tables[n:]):
+            spans.append(PrefillSpan(row, length, context, torch.tensor(table, dtype=torch.long, device=device)))
+            row += length
+        lens = batch.context_lens[:n]
+        num_blocks = -(-max(lens, default=0) // batch.block_size)
+        tables = [table[:num_blocks] + [0] * (num_blocks - len(table[:num_blocks])) for table in batch.block_tables[:n]]
+        meta = TorchAttentionMetadata(
+            slot_mapping=batch.slot_mapping, num_single=n, prefills=spans,
+            single_block_tables=torch.tensor(tables, dtype=torch.long, device=device).view(n, num_blocks),
+            single_context_lens=torch.tensor(lens, dtype=torch.long, device=device))
+        if n and self.decode_kernel is None:
+            meta.workspace = self.workspace.plan(batch.seq_ids[:n], lens, meta.single_context_lens,
+                                                 meta.single_block_tables, batch.block_size)
+            meta.single_bias = self._decode_bias(meta.single_context_lens, meta.workspace)
+        return meta
+
+    def _decode_bias(self, lens: torch.Tensor, plan: WorkspacePlan) -> torch.Tensor:
+        """0 where a 1-token row may attend, -inf elsewhere (past its context, outside the window)."""
+        if plan.mode == "slots":  # rows without a sequence this step see one (masked-in) slot
+            row_lens = torch.ones(plan.used_rows, dtype=torch.long, device=lens.device)
+            row_lens[plan.rows] = lens
+        else:
+            row_lens = lens
+        positions = torch.arange(plan.capacity, device=lens.device)
+        hidden = positions >= row_lens.unsqueeze(1)
+        if self.window is not None:
+            hidden |= positions <= row_lens.unsqueeze(1) - 1 - self.window
+        bias = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
+        # an add is several times cheaper than masked_fill here; scores are [rows, Hkv, G, L] in
+        # "slots" mode and [Hkv, rows, G, L] in "none" mode
+        return bias[:, None, None, :] if plan.mode == "slots" else bias[None, :, None, :]
+
+    # ---- per layer --------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+        if self.decode_kernel is not None:
+            self.decode_kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_head_major(k_cache, k, meta.slot_mapping)
+            write_head_major(v_cache, v, meta.slot_mapping)
+        if not meta.prefills:
+            return self._single(q, k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        if meta.num_single:
+            single = slice(0, meta.num_single)
+            out[single] = self._single(q[single], k[single], v[single], k_cache, v_cache, meta)
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.length)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
+        return out
+
+    def _single(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+        if self.decode_kernel is not None:
+            return self.decode_kernel.paged_decode_attention(q, k_cache, v_cache, meta.single_block_tables,
+                                                             meta.single_context_lens, self.scale, self.window)
+        batch = q.shape[0]
+        plan = meta.workspace
+        keys, values = self.workspace.keys_and_values(k, v, k_cache, v_cache, plan)
+        qg = (q * self.scale).view(batch, self.num_kv_heads, self.group, self.head_dim)
+        if plan.mode == "slots":  # place each query at its sequence's workspace row: [rows, Hkv, G, D]
+            placed = qg.new_zeros(plan.used_rows, self.num_kv_heads, self.group, self.head_dim)
+            qg = placed.index_copy_(0, plan.rows, qg)
+        else:  # [Hkv, rows, G, D], the layout of a gather from the head-major pool
+            qg = qg.transpose(0, 1).contiguous()
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) + meta.single_bias  # float32
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)
+        out = out.index_select(0, plan.rows) if plan.mode == "slots" else out.transpose(0, 1)
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+        cached = span.context_len - span.length
+        if cached:
+            table = span.block_table[: -(-span.context_len // k_cache.shape[2])].unsqueeze(0)
+            k = gather_head_major(k_cache, table)[:, 0, : span.context_len]  # [Hkv, L, D]
+            v = gather_head_major(v_cache, table)[:, 0, : span.context_len]
+        else:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        mask = None
+        if cached or self.window is not None:
+            q_pos = torch.arange(cached, span.context_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(span.context_len, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if self.window is not None:
+                mask &= k_pos > q_pos - self.window
+        gqa = self.group > 1
+        expand = self.expand_masked_gqa if self.expand_masked_gqa is not None else q.device.type == "cuda"
+        if gqa and expand and (mask is not None or q.dtype == torch.float32):
+            # On CUDA only SDPA's flash kernel takes enable_gqa, and it takes neither a mask nor float32; the
+            # memory-efficient kernel takes both but not enable_gqa. Such a GQA call would fall back to the math
+            # kernel, which materialises the [heads, queries, keys] scores in float32 (8 GiB for 32 heads x 2k
+            # queries x 32k keys). Query head h reads K/V head h // group: repeat_interleave gives each its own.
+            k, v = k.repeat_interleave(self.group, dim=0), v.repeat_interleave(self.group, dim=0)
+            gqa = False
+        # A batch dimension of one: SDPA's fused kernels (CUDA flash/efficient/cuDNN, the CPU flash kernel)
+        # take 4-D inputs only; 3-D ones fall back to the math kernel, which materialises the full
+        # [heads, queries, keys] score matrix in float32 and is several times slower.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+            scale=self.scale, enable_gqa=gqa,
+        )
+        return out[0].transpose(0, 1)
