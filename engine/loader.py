@@ -176,9 +176,11 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
                 verify: bool = False) -> LlamaForCausalLM:
     """Build the model on `device` with its linear method and kernels, fill it (checkpoint or dummy) and
     let each linear prepare its weights (packing); frees it on failure."""
-    with torch.device(device):
-        model = LlamaForCausalLM(config, max_positions, dtype=dtype, linear_method=linear_method, kernels=kernels)
+    model = None
     try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config, max_positions, dtype=dtype, linear_method=linear_method,
+                                     kernels=kernels)
         if load_format == "dummy":
             _fill_dummy(model, seed)
         else:
@@ -188,7 +190,7 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
             if isinstance(module, LinearBase):
                 module.process_weights_after_loading()
     except BaseException as exc:
-        del model
+        model = None
         _release_frames(exc)
         gc.collect()
         raise

@@ -1,8 +1,12 @@
 """Linear layers and their methods: fused-shard weight loaders, shape and missing-shard errors, the CPU
-packed methods against F.linear, and a new method added in this file alone (a weight stored transposed)
-running the engine in parity with transformers: a new method is one class."""
+packed methods against F.linear, and new methods defined in this file alone: a weight stored transposed
+running the engine in parity with transformers (a new method is one class), weight-only int8 with
+parameters and loaders of its own, and one rank's tensor-parallel shard."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -20,8 +24,11 @@ from llmctl.engine.layers.linear import (
     MKLLinearMethod,
     OneDNNLinearMethod,
     QKVLinear,
+    RowLinear,
     UnquantizedLinearMethod,
     WeightShapeError,
+    copy_checked,
+    new_parameter,
     register_weight_and_bias,
     select_linear_method,
 )
@@ -210,9 +217,112 @@ def test_a_new_method_in_one_class_runs_in_parity_with_transformers(tiny_models,
         assert diff < 1e-3
 
 
+class TrackedTransposedLinearMethod(TransposedLinearMethod):
+    def __init__(self):
+        super().__init__()
+        self.layers: list[weakref.ref] = []
+
+    def create_weights(self, layer, bias, dtype):
+        super().create_weights(layer, bias, dtype)
+        self.layers.append(weakref.ref(layer))
+
+
 def test_a_method_that_cannot_share_the_embedding_refuses_tied_checkpoints(tiny_models, monkeypatch):
     from llmctl.engine import model_runner
 
-    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: TransposedLinearMethod())
-    with pytest.raises(ModelLoadError, match="TransposedLinearMethod cannot share the embedding"):
+    method = TrackedTransposedLinearMethod()
+    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: method)
+    with pytest.raises(ModelLoadError, match="TransposedLinearMethod cannot share the embedding") as info:
         LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=64)
+    assert method.layers and info.value  # the error is still held, as a server logging it would
+    gc.collect()
+    assert all(ref() is None for ref in method.layers), "the half-built model outlives its ModelLoadError"
+
+
+# ---- the interface holds the next methods: extra parameters with their own loaders, rank shards --------
+
+class Int8LinearMethod(LinearMethod):
+    """Weight-only int8, symmetric per output channel: `qweight` int8 [out, in] and `scales` [out], each
+    loaded shard by shard from its own checkpoint tensor (`*.qweight`, `*.scales`)."""
+
+    def create_weights(self, layer, bias, dtype):
+        shards = dict(shard_ids=tuple(layer.output_offsets), output_offsets=layer.output_offsets)
+        new_parameter(layer, "qweight", torch.empty(layer.out_features, layer.in_features, dtype=torch.int8),
+                      self.weight_loader, **shards)
+        new_parameter(layer, "scales", torch.empty(layer.out_features, dtype=dtype), self.weight_loader, **shards)
+        layer.bias = None
+
+    def weight_loader(self, param, loaded, shard_id):
+        start, size = param.output_offsets[shard_id]
+        copy_checked(param.data.narrow(0, start, size), loaded)
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.qweight.to(x.dtype)) * layer.scales
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = weight.abs().amax(dim=1) / 127
+    return torch.round(weight / scales[:, None]).to(torch.int8), scales
+
+
+def test_a_quantised_method_registers_its_own_parameters_and_the_loader_checks_them(llama_state):
+    config, state = llama_state
+    model = LlamaForCausalLM(config, 64, dtype=torch.float32, linear_method=Int8LinearMethod())
+    loader = WeightLoader(model)
+    quantised = {}
+    for name, tensor in state.items():
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
+            base = name[: -len(".weight")]
+            quantised[f"{base}.qweight"], quantised[f"{base}.scales"] = quantize(tensor)
+        else:
+            quantised[name] = tensor
+    for name, tensor in quantised.items():
+        if name != "model.layers.0.self_attn.k_proj.scales":
+            loader.load(name, tensor)
+    with pytest.raises(ModelLoadError, match="'model.layers.0.self_attn.k_proj.scales'"):
+        loader.check_complete()
+    loader.load("model.layers.0.self_attn.k_proj.scales", quantised["model.layers.0.self_attn.k_proj.scales"])
+    loader.check_complete()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    x = torch.randn(3, config.hidden_size)
+    full = torch.cat([state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert (qkv(x) - F.linear(x, full)).abs().max() < 0.02 * F.linear(x, full).abs().max()
+
+
+class RankShardMethod(UnquantizedLinearMethod):
+    """Tensor parallelism's weights for one rank of `world`: column layers keep 1/world of every output
+    shard, row layers 1/world of the inputs; the loader narrows each full checkpoint tensor by rank."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def create_weights(self, layer, bias, dtype):
+        row = isinstance(layer, RowLinear)
+        offsets, start = {}, 0
+        for shard_id, (_, size) in layer.output_offsets.items():
+            part = size if row else size // self.world
+            offsets[shard_id], start = (start, part), start + part
+        in_features = layer.in_features // self.world if row else layer.in_features
+        shards = dict(shard_ids=tuple(offsets), output_offsets=offsets, split_dim=1 if row else 0)
+        new_parameter(layer, "weight", torch.empty(start, in_features, dtype=dtype), self.weight_loader, **shards)
+        layer.bias = None
+
+    def weight_loader(self, param, loaded, shard_id):
+        dim = param.split_dim
+        part = loaded.shape[dim] // self.world
+        super().weight_loader(param, loaded.narrow(dim, self.rank * part, part), shard_id)
+
+
+def test_a_rank_shard_method_narrows_each_loaded_tensor_by_rank():
+    q, k, v = torch.randn(8, 6), torch.randn(4, 6), torch.randn(4, 6)
+    down = torch.randn(6, 10)
+    for rank in (0, 1):
+        method = RankShardMethod(rank, world=2)
+        qkv = QKVLinear(6, 8, 4, bias=False, method=method, dtype=torch.float32)
+        for shard, tensor in zip("qkv", (q, k, v)):
+            qkv.weight.weight_loader(qkv.weight, tensor, shard)
+        halves = [t.chunk(2)[rank] for t in (q, k, v)]
+        assert torch.equal(qkv.weight, torch.cat(halves))
+        row = RowLinear(10, 6, bias=False, method=method, dtype=torch.float32)
+        row.weight.weight_loader(row.weight, down, None)
+        assert torch.equal(row.weight, down.chunk(2, dim=1)[rank])
