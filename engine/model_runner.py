@@ -137,7 +137,6 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,
                     self.block_size, self.kv_cache_bytes / 2**20, self.attention.label)
 
-
     # ---- KV pool ------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
