@@ -53,67 +53,16 @@ def bench(
         raise UserError("give --gpu or --cpu, not both")
     if quick and full:
         raise UserError("give --quick or --full, not both")
-    _hardware(gpu, cpu, "quick" if quick else "full" if full else "default", model, num_threads, json_output,
-              fail_below)
+    from llmctl.bench.hardware_runner import HardwareJob, run_hardware_job
+
+    mode = "quick" if quick else "full" if full else "default"
+    raise typer.Exit(run_hardware_job(HardwareJob(gpu, cpu, mode, model, num_threads, json_output, fail_below)))
 
 
 def _from_cli(ctx: typer.Context, name: str) -> bool:
     from typer._click.core import ParameterSource
 
     return ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
-
-
-def _hardware(gpu: bool, cpu: bool, mode: str, model: Optional[str], num_threads: Optional[int],
-              json_output: bool, fail_below: Optional[float]) -> None:
-    import torch
-
-    from llmctl.bench import hardware
-    from llmctl.bench.report import progress_bar, render_hardware
-    from llmctl.bench.shapes import resolve_shape
-    from llmctl.errors import UserError
-    from llmctl.output import print_json
-
-    if gpu and not torch.cuda.is_available():
-        raise UserError(f"--gpu: no CUDA device is available (torch {torch.__version__}, "
-                        f"CUDA build {torch.version.cuda or 'none'}); use --cpu")
-    shape = resolve_shape(model) if model else None
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    use_gpu = gpu or (not cpu and torch.cuda.is_available())
-    plan = hardware.PLANS[mode]
-    with progress_bar(True) as update:
-        report = hardware.run_gpu(plan, shape, update) if use_gpu else hardware.run_cpu(plan, shape, update)
-    if not gpu and not cpu and not use_gpu:
-        report.notes.insert(0, f"no CUDA device (torch {torch.__version__}): benchmarked the CPU instead; "
-                               "pass --cpu to ask for it explicitly")
-    doc = report.to_dict()
-    if json_output:
-        print_json(doc)
-    else:
-        render_hardware(doc)
-    raise typer.Exit(_verdict(report, fail_below))
-
-
-def _verdict(report: Any, fail_below: Optional[float]) -> int:
-    """Print notes, warnings and failures on stderr; 1 when a benchmark failed or a figure is under --fail-below."""
-    from llmctl.bench.hardware import fail_below as below
-
-    for note in report.notes:
-        typer.echo(f"llmctl: note: {note}", err=True)
-    for warning in report.warnings:
-        typer.echo(f"llmctl: warning: {warning}", err=True)
-    for error in report.errors:
-        typer.echo(f"llmctl: error: {error['benchmark']} on {error['device']} failed: {error['error']}", err=True)
-    code = 1 if report.errors else 0
-    if fail_below is not None:
-        if not any(r.peak for r in report.results):
-            typer.echo(f"llmctl: note: --fail-below {fail_below:g}: no figure has a datasheet peak on this "
-                       "device; nothing to compare", err=True)
-        for r in below(report.results, fail_below):
-            typer.echo(f"llmctl: below {fail_below:g}% of peak: {r.name} on {r.device}: {r.median:g} {r.unit} "
-                       f"= {r.pct_of_peak:.1f}% of {r.peak:g}", err=True)
-            code = 1
-    return code
 
 
 # ---- offline: throughput and latency ------------------------------------------------------------

@@ -14,6 +14,7 @@ says what each name read by several commands with different help texts means; th
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -51,6 +52,12 @@ SHARED_ENV_MEANINGS = {
     "LLMCTL_TOKENIZER": "tokenizer folder",
     "LLMCTL_WARMUP": "leading steps or iterations left out of a measurement",
 }
+
+
+def choice_type(name: str, choices: tuple[str, ...]) -> type[enum.Enum]:
+    """A flag type taking one of `choices`: a str Enum, so the help shows them (`<fcfs|priority>`), the
+    parser refuses others and the completions offer them."""
+    return enum.Enum(name, {choice: choice for choice in choices}, type=str)
 
 
 def long_flag(param: Any) -> str:

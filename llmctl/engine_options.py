@@ -20,6 +20,7 @@ from typing import Annotated, Any, Callable, Optional, get_type_hints
 
 import typer
 
+from llmctl.config import choice_type
 from llmctl.engine.args import EngineArgs
 
 PANEL = "Engine"
@@ -37,11 +38,6 @@ class _Slot:
 FLAGS: Any = _Slot()
 
 
-def _choices_enum(name: str, choices: tuple[str, ...]) -> type[enum.Enum]:
-    """A str enum of the allowed values: Typer shows them (`<auto|float32|...>`) and completes them."""
-    return enum.Enum("".join(part.title() for part in name.split("_")), {c: c for c in choices}, type=str)
-
-
 def _flag_names(field_name: str, default: Any, short: Optional[str]) -> list[str]:
     flag = "--" + field_name.replace("_", "-")
     if default is True:  # on by default: the flag needs its off switch
@@ -52,7 +48,7 @@ def _flag_names(field_name: str, default: Any, short: Optional[str]) -> list[str
 def _flag_parameter(f: Any, annotation: Any, default: Any) -> inspect.Parameter:
     meta = f.metadata
     if "choices" in meta:
-        annotation = _choices_enum(f.name, meta["choices"])
+        annotation = choice_type("".join(part.title() for part in f.name.split("_")), meta["choices"])
         default = annotation(default)
     option = typer.Option(*_flag_names(f.name, f.default, meta.get("short")), help=meta["help"],
                           rich_help_panel=PANEL)

@@ -58,3 +58,18 @@ def configure_logging(level: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(num_bytes: float) -> str:
+    """A size for people, in binary units: `512 B`, `12.3 MiB`, `256 MiB`, `1.5 GiB` (one decimal,
+    dropped when it is 0)."""
+    value = float(num_bytes)
+    for unit in BYTE_UNITS:
+        if abs(value) < 1024 or unit == BYTE_UNITS[-1]:
+            break
+        value /= 1024
+    text = f"{value:.1f}"
+    return f"{text[:-2] if text.endswith('.0') else text} {unit}"

@@ -128,7 +128,7 @@ def test_spread_warning_over_five_percent_between_same_model_gpus():
 
 
 def test_verdict_exit_codes_and_messages(capsys):
-    from llmctl.commands.bench import _verdict
+    from llmctl.bench.hardware_runner import verdict as _verdict
 
     report = Report("cuda", "quick", [], results=[_result("gemm_bf16", "cuda:0", 700, 70.7, 989.4)])
     assert _verdict(report, 75.0) == 1

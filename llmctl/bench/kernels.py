@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from llmctl.bench.shapes import ModelShape
+from llmctl.output import format_bytes
 
 GEMM_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -177,7 +178,7 @@ def memory_copy(timer: Timer, device: torch.device, nbytes: int, peak_key: Optio
     src = [_random((n,), torch.float32, device) for _ in range(2)]
     dst = [torch.empty_like(s) for s in src]
     seconds = timer.time(lambda i: dst[i % 2].copy_(src[i % 2]))
-    return Measured("memory_copy", f"memory copy {_size(nbytes)}", "GB/s", [2 * n * 4 / s / 1e9 for s in seconds],
+    return Measured("memory_copy", f"memory copy {format_bytes(nbytes)}", "GB/s", [2 * n * 4 / s / 1e9 for s in seconds],
                     {"bytes": n * 4, "counted": "read + written"}, peak_key=peak_key)
 
 
@@ -186,7 +187,7 @@ def memory_read(timer: Timer, device: torch.device, nbytes: int, peak_key: Optio
     n = nbytes // 4
     src = [_random((n,), torch.float32, device) for _ in range(2)]
     seconds = timer.time(lambda i: src[i % 2].sum())
-    return Measured("memory_read", f"memory read {_size(nbytes)}", "GB/s", [n * 4 / s / 1e9 for s in seconds],
+    return Measured("memory_read", f"memory read {format_bytes(nbytes)}", "GB/s", [n * 4 / s / 1e9 for s in seconds],
                     {"bytes": n * 4, "counted": "read"}, peak_key=peak_key)
 
 
@@ -200,7 +201,7 @@ def host_transfer(timer: Timer, device: torch.device, nbytes: int, direction: st
     else:
         seconds = timer.time(lambda i: host[i % 2].copy_(dev[i % 2], non_blocking=True))
     label = "host→device" if direction == "h2d" else "device→host"
-    return Measured(direction, f"{label} pinned {_size(nbytes)}", "GB/s", [n * 4 / s / 1e9 for s in seconds],
+    return Measured(direction, f"{label} pinned {format_bytes(nbytes)}", "GB/s", [n * 4 / s / 1e9 for s in seconds],
                     {"bytes": n * 4, "pinned": True}, peak_key="pcie")
 
 
@@ -383,6 +384,3 @@ def _cuda_graph(step: _DecodeStep, device: torch.device) -> tuple[Callable[[int]
 
     return replay, True
 
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2 ** 30:.3g} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.0f} MiB"

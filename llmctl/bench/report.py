@@ -1,12 +1,13 @@
-"""Terminal rendering for `llmctl bench` (hardware, throughput, latency): a Rich table and live
-progress on a TTY, plain aligned text when piped. JSON output is printed by the command itself."""
+"""Terminal rendering for `llmctl bench` (hardware, throughput, latency, serve): a Rich table and
+live progress on a TTY, plain aligned text when piped. JSON output is printed by the runners."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+import sys
+from typing import Any, Callable, Iterator, Optional
 
-from llmctl.output import is_interactive, stderr_console, stdout_console
+from llmctl.output import format_bytes, is_interactive, stderr_console, stdout_console
 
 DASH = "—"
 
@@ -79,7 +80,7 @@ def render_hardware(doc: dict[str, Any]) -> None:
             pcie = (f", PCIe gen{link.get('current_gen')} x{link.get('current_width')} "
                     f"(max gen{link.get('max_gen')} x{link.get('max_width')})") if link else ""
             out.print(f"{d['label']}: {d['name']} ({d['product'] or 'not in the datasheet table'}), "
-                      f"{d['memory_bytes'] / 2 ** 30:.0f} GiB, sm_{d['compute_capability'].replace('.', '')}, "
+                      f"{format_bytes(d['memory_bytes'])}, sm_{d['compute_capability'].replace('.', '')}, "
                       f"driver {d.get('driver_version') or '?'}, CUDA {d.get('cuda_version')}{pcie}",
                       markup=False, highlight=False)
     rows = [[r["device"], r["label"], fmt(r["median"]), fmt(r["min"]), fmt(r["max"]), r["unit"], fmt(r["peak"]),
@@ -129,3 +130,79 @@ def _summary_line(doc: dict[str, Any]) -> None:
         key, value = next(iter(ratio.items()))
         text += f"; llmctl / transformers = {value:.2f}x ({key.replace('_', ' ')})"
     stdout_console().print(text, markup=False, highlight=False)
+
+
+# ---- bench serve -----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def load_progress(target: Any, plan: Any, num_requests: int, num_warmups: int) -> Iterator[Optional[Callable]]:
+    """Yields the `observe(phase, outcome)` of a live bar per phase (warm-up, benchmark) with failure
+    counts on a TTY, None when stderr is piped."""
+    err = stderr_console()
+    if not is_interactive(err):
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    failed = {"warmup": 0, "bench": 0}
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn())
+    rate = "all at once" if plan.request_rate == float("inf") else f"{plan.request_rate:g} req/s"
+    err.print(f"[bold]{target.model}[/bold] @ {target.url}: {num_requests} requests, {rate}", markup=True)
+    with Progress(*columns, console=err, transient=True) as progress:
+        tasks = {}
+        if num_warmups:
+            tasks["warmup"] = progress.add_task("warm-up", total=num_warmups, failed=0)
+        tasks["bench"] = progress.add_task("benchmark", total=num_requests, failed=0)
+
+        def observe(phase: str, outcome) -> None:
+            failed[phase] += not outcome.success
+            progress.update(tasks[phase], advance=1, failed=failed[phase])
+
+        yield observe
+
+
+def render_serve(document: dict[str, Any], percentiles: list[float]) -> None:
+    """vLLM's "Serving Benchmark Result" block: a Rich table on a TTY, its plain-text layout when piped."""
+    from llmctl.bench.metrics import summary_rows
+
+    rows = summary_rows(document, percentiles)
+    if "cost" in document:
+        from llmctl.bench.cost import cost_rows
+
+        rows += cost_rows(document["cost"])
+    console = stdout_console()
+    if console.is_terminal:
+        from rich.table import Table
+
+        table = Table(title="Serving Benchmark Result", show_header=False)
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for label, value in rows:
+            if value is None:
+                table.add_section()
+                table.add_row(f"[bold]{label}[/bold]", "")
+            else:
+                table.add_row(label, value)
+        console.print(table)
+        return
+    lines = ["{s:=^50}".format(s=" Serving Benchmark Result ")]
+    lines += ["{s:-^50}".format(s=label) if value is None else f"{label + ':':<40}{value}" for label, value in rows]
+    sys.stdout.write("\n".join(lines + ["=" * 50]) + "\n")
+
+
+def print_load_errors(samples: list[dict[str, Any]]) -> None:
+    """One stderr line per kind of failed request (`bench serve`, `profile server`)."""
+    for sample in samples:
+        status = "no response" if sample["status"] is None else f"HTTP {sample['status']}"
+        sys.stderr.write(f"llmctl: {sample['count']} request(s) failed: {status}: {sample['message']}\n")
+
+
+def print_serve_problems(document: dict[str, Any]) -> None:
+    print_load_errors(document["error_samples"])
+    for gate in document.get("slo", []):
+        measured = "not measured" if gate["value"] is None else f"measured {gate['value']:.6g}"
+        verdict = "passed" if gate["passed"] else "violated"
+        sys.stderr.write(f"llmctl: slo {verdict}: {gate['gate']} ({measured})\n")
+    if document["completed"] == 0:
+        sys.stderr.write(f"llmctl: error: all {document['failed']} requests failed\n")

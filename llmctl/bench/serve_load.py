@@ -19,11 +19,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from llmctl.bench.arrivals import arrival_offsets
+from llmctl.bench.client import ENDPOINT_PATHS, auth_headers
 from llmctl.bench.datasets import BenchRequest, TextTokenizer
 from llmctl.bench.metrics import RequestOutcome
 from llmctl.errors import UserError
 
-ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MAX_ERROR_CHARS = 300
 
 
@@ -75,10 +75,6 @@ def normalize_base_url(url: str) -> str:
     return text[: -len("/v1")] if text.endswith("/v1") else text
 
 
-def _headers(api_key: Optional[str]) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
 @dataclass(frozen=True)
 class ServedModel:
     id: str
@@ -91,7 +87,7 @@ def served_model(base_url: str, api_key: Optional[str], model: Optional[str], ti
 
     url = base_url + "/v1/models"
     try:
-        response = httpx.get(url, headers=_headers(api_key), timeout=timeout_s)
+        response = httpx.get(url, headers=auth_headers(api_key), timeout=timeout_s)
     except httpx.TransportError as exc:
         raise UserError(f"cannot reach the server at {base_url} ({type(exc).__name__}: {exc}); "
                         "is it running, and is --base-url right?") from None
@@ -296,7 +292,7 @@ async def _drive(target: Target, plan: LoadPlan, requests: list[BenchRequest], w
     timeout = httpx.Timeout(target.timeout_s, connect=min(target.timeout_s, 30.0))
     # httpx pools 100 connections by default: without a limit, queueing there would add to TTFT.
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=_headers(target.api_key)) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(target.api_key)) as client:
         in_flight = _InFlight()
 
         async def one(phase: str, request: BenchRequest, t0: float) -> RequestOutcome:

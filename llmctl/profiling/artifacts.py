@@ -93,3 +93,37 @@ class Manifest:
         tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
         os.replace(tmp, target)
         return target
+
+
+def new_manifest(kind: str, tool: str, version: Optional[str], output_dir: Optional[Path],
+                 command: Optional[list[str]] = None) -> Manifest:
+    """The manifest of a run starting now, in its prepared artifact folder."""
+    return Manifest(kind=kind, tool=tool, tool_version=version, command=command or [],
+                    output_dir=prepare_output_dir(output_dir, kind))
+
+
+def resolved_command(ctx: Any, leave_out: tuple[str, ...] = ("config", "dry_run", "json_output")) -> list[str]:
+    """The fully resolved llmctl command line of an in-process profile (flags from env/config spelled
+    out), from the click context of the command that runs it."""
+    import enum
+
+    argv = ctx.command_path.split()
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in leave_out or value is None or value == []:
+            continue
+        if param.param_type_name == "argument":
+            argv.append(str(value))
+        elif param.is_flag:
+            if param.secondary_opts:
+                argv.append(param.opts[0] if value else param.secondary_opts[0])
+            elif value:
+                argv.append(param.opts[0])
+        else:
+            argv += [param.opts[0], str(value.value if isinstance(value, enum.Enum) else value)]
+    return argv
+
+
+def redacted(argv: list[str], flag: str) -> list[str]:
+    """`argv` with the value after `flag` replaced by *** (a key must not land in the manifest)."""
+    return [("***" if i and argv[i - 1] == flag else arg) for i, arg in enumerate(argv)]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import UserError
+from llmctl.output import format_bytes
 from llmctl.profiling import ui
 from llmctl.profiling.artifacts import Manifest
 
@@ -204,7 +205,7 @@ def run_leak(workload: Workload, plan: LeakPlan, manifest: Manifest) -> dict[str
             started = time.perf_counter()
             _call(workload, iteration, manifest, samples)
             samples.append(sample(iteration, time.perf_counter() - started))
-            bar.advance(detail=f"RSS {samples[-1].rss_bytes / 2**20:.1f} MiB")
+            bar.advance(detail=f"RSS {format_bytes(samples[-1].rss_bytes)}")
     result = verdict(samples[1:], plan)
     manifest.result.update(workload=workload.name, **workload.details, iterations=plan.iterations,
                            warmup=plan.warmup, samples=[vars(s) for s in samples], **result)

@@ -235,3 +235,24 @@ def _pids_holding(inodes: set[str], proc: Path) -> set[int]:
             except OSError:
                 continue
     return pids
+
+
+def attach_target(pid: Optional[int], port: Optional[int], workload: Optional[list[str]], *,
+                  allow_workload: bool = True) -> Optional[int]:
+    """Exactly one of --pid, --port or a workload; returns the PID to attach to (None: a workload)."""
+    given = [name for name, value in (("--pid", pid), ("--port", port), ("a workload", workload)) if value]
+    if len(given) != 1:
+        what = "--pid, --port or a workload after --" if allow_workload else "--pid or --port"
+        raise UserError(f"give one of {what} (got {', '.join(given) or 'none'})")
+    if workload and not allow_workload:
+        raise UserError("this mode attaches to a running process: give --pid or --port")
+    if workload:
+        return None
+    target = pid_for_port(port) if port is not None else pid
+    require_attach(target)
+    return target
+
+
+def require_command(workload: list[str]) -> None:
+    if not (shutil.which(workload[0]) or (os.sep in workload[0] and os.path.exists(workload[0]))):
+        raise UserError(f"workload command not found: {workload[0]}")

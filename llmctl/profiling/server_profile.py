@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import httpx
 
+from llmctl.bench.client import API_KEY_ENV, ENDPOINT_PATHS, auth_headers
 from llmctl.errors import UserError
 from llmctl.profiling import preflight, ui
 from llmctl.profiling.artifacts import Manifest, prepare_output_dir
@@ -68,8 +69,6 @@ class ServerProfilePlan:
         return argv
 
     def http_calls(self) -> list[str]:
-        from llmctl.bench.serve_load import ENDPOINT_PATHS
-
         base = self.base_url
         return [f"GET {base}/health", f"POST {base}/start_profile", f"GET {base}/v1/models",
                 f"POST {base}{ENDPOINT_PATHS[self.endpoint]} x {self.num_prompts} (streamed)",
@@ -94,10 +93,6 @@ def dry_run_plan(plan: ServerProfilePlan) -> dict[str, Any]:
 
 
 # ---- talking to the server --------------------------------------------------------------------------
-
-def _headers(api_key: Optional[str]) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
 
 def _unreachable(base: str, exc: Exception) -> UserError:
     return UserError(f"cannot reach the server at {base} ({type(exc).__name__}: {exc}); "
@@ -141,7 +136,7 @@ def start_profile(client, plan: ServerProfilePlan) -> dict[str, Any]:
     """POST /start_profile; every refusal becomes an actionable one-line error (exit 3)."""
     url = plan.base_url + "/start_profile"
     try:
-        response = client.post(url, headers=_headers(plan.api_key), timeout=CONTROL_TIMEOUT_S)
+        response = client.post(url, headers=auth_headers(plan.api_key), timeout=CONTROL_TIMEOUT_S)
     except httpx.TransportError as exc:
         raise _unreachable(plan.base_url, exc) from None
     status = response.status_code
@@ -151,8 +146,8 @@ def start_profile(client, plan: ServerProfilePlan) -> dict[str, Any]:
         raise preflight.fail(f"{url} does not exist (HTTP {status}): start the server with --profile-dir DIR "
                              "(llmctl serve --profile-dir ./traces ...) to enable profiling")
     if status in (401, 403):
-        hint = ("the server rejected the API key: check --api-key or $OPENAI_API_KEY" if plan.api_key else
-                "the server requires an API key: pass --api-key KEY (or set OPENAI_API_KEY)")
+        hint = (f"the server rejected the API key: check --api-key or ${API_KEY_ENV}" if plan.api_key else
+                f"the server requires an API key: pass --api-key KEY (or set {API_KEY_ENV})")
         raise preflight.fail(f"POST {url} answered HTTP {status}: {hint}")
     if status == 409:
         raise preflight.fail(f"the server is already recording a profile (HTTP 409; another 'llmctl profile server'?); "
@@ -165,7 +160,7 @@ def stop_profile(client, plan: ServerProfilePlan) -> tuple[Optional[list[str]], 
     url = plan.base_url + "/stop_profile"
     try:
         with ui.waiting("stopping the profiler (the server writes the trace)"):
-            response = client.post(url, headers=_headers(plan.api_key), timeout=STOP_TIMEOUT_S)
+            response = client.post(url, headers=auth_headers(plan.api_key), timeout=STOP_TIMEOUT_S)
     except httpx.TransportError as exc:
         return None, (f"POST {url} failed ({type(exc).__name__}: {exc}); the server may still be recording: "
                       f"curl -X POST {url}")
