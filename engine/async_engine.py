@@ -386,15 +386,14 @@ class AsyncLLMEngine:
 
     def _step(self) -> Optional[StepInfo]:
         """One engine step; returns what it ran (None when it failed or scheduled nothing)."""
-        before = self.engine.last_step
         try:
-            outputs = self.engine.step()
+            step = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             self._recover(exc)
             return None
         self._consecutive_failures = 0
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
-        for output in outputs:
+        for output in step.outputs:
             if output.error is not None:  # finished by the engine: it does not fit in memory even alone
                 self._finish(output.request_id, output.error)
                 continue
@@ -405,8 +404,7 @@ class AsyncLLMEngine:
                 self._forget(output.request_id)
         for loop, batch in deliveries.items():  # one wake-up of the event loop per step, not per request
             _call_soon(loop, _deliver, batch)
-        step = self.engine.last_step
-        if step is before:  # nothing was scheduled (e.g. dynamic batching holds a small batch)
+        if not step.ran:  # nothing was scheduled (e.g. dynamic batching holds a small batch)
             with self._lock:
                 self._wakeup.wait(0.002)
             return None

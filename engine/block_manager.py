@@ -110,12 +110,15 @@ class BlockManager:
             parent = block.block_hash
 
     # ---- allocation -----------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Optional[list[int]] = None) -> bool:
-        """Give `seq` blocks for its next `num_new_tokens`; all or nothing. `cached_blocks`
-        (from `find_cached_prefix`) are shared first and count as computed."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Optional[list[int]] = None,
+                 num_lookahead_tokens: int = 0) -> bool:
+        """Give `seq` blocks for its next `num_new_tokens` plus `num_lookahead_tokens` slots past its
+        known tokens (the draft tokens of a verify row); all or nothing. `cached_blocks` (from
+        `find_cached_prefix`) are shared first and count as computed."""
         cached_blocks = cached_blocks or []
         computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
-        needed = self.blocks_needed(computed + num_new_tokens) - len(seq.block_table) - len(cached_blocks)
+        needed = (self.blocks_needed(computed + num_new_tokens + num_lookahead_tokens)
+                  - len(seq.block_table) - len(cached_blocks))
         reusable_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - reusable_free:
             return False
@@ -140,6 +143,22 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         seq.block_table = []
+
+    def free_lookahead(self, seq: Sequence) -> int:
+        """Return the tail blocks past the sequence's known tokens: lookahead slots whose draft tokens
+        were rejected. They were never published (only computed tokens' full blocks are), so they go
+        to the front of the free list. Returns how many blocks came back."""
+        keep = self.blocks_needed(seq.num_tokens)
+        freed = 0
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            if block.ref_count != 1 or block.block_hash is not None:
+                raise BlockAccountingError(f"lookahead block {block.block_id} is shared or published")
+            block.ref_count = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+            freed += 1
+        return freed
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; only possible when no block is in use."""

@@ -73,7 +73,7 @@ class LLM:
         position = {request_id: i for i, request_id in enumerate(ids)}
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
-            for output in self.engine.step():
+            for output in self.engine.step().outputs:
                 if on_output is not None:
                     on_output(position[output.request_id], output)
                 if output.finished:

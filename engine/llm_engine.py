@@ -1,8 +1,9 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time.
 
-Owns the request table and per-token bookkeeping (detokenization, stop conditions, finish
-reasons); delegates batching to the scheduler, memory to the block manager and compute to the
-model runner.
+Owns the request table and the text side of each token (detokenization, stop strings, outputs).
+Each step is schedule -> execute -> update: the scheduler picks the batch, the executor runs it, and
+`Scheduler.update_from_output` applies the results (computed tokens, prefix-cache blocks, appended
+tokens, token stops, finishing); the engine then detokenizes what was appended.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -23,11 +24,12 @@ from llmctl.engine.errors import (CapacityError, EngineArgsError, InvalidRequest
                                   is_out_of_memory)
 from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.model_runner import ModelRunner, RunnerConfig
+from llmctl.engine.executor import Executor, UniProcExecutor
+from llmctl.engine.model_runner import RunnerConfig
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmctl.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -75,13 +77,19 @@ def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> 
 
 @dataclass(frozen=True)
 class StepInfo:
-    """What the latest step ran: the server fails exactly these requests when a step raises.
-    `inter_token_latencies` (seconds since each sampled sequence's previous token; first tokens
-    have none) is filled once the step's tokens are in, for the server's per-token histogram."""
+    """What a step ran (no `request_ids`: nothing was scheduled) and the outputs it produced. The
+    server fails exactly these requests when a step raises. `inter_token_latencies` (seconds since
+    each sampled sequence's previous token; first tokens have none) is filled once the step's tokens
+    are in, for the server's per-token histogram."""
     request_ids: tuple[str, ...]
     num_batched_tokens: int
     token_budget: int
     inter_token_latencies: tuple[float, ...] = ()
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def ran(self) -> bool:
+        return bool(self.request_ids)
 
     @property
     def batch_efficiency(self) -> float:
@@ -133,7 +141,7 @@ class LLMEngine:
         if device.type == "cpu":
             tune_cpu_allocator()
         self.max_model_len = self._resolve_max_model_len(args)
-        self.runner = ModelRunner(RunnerConfig(
+        self.executor: Executor = UniProcExecutor(RunnerConfig(
             model_config=self.model_config, model_folder=folder, device=device,
             dtype=resolve_dtype(args.dtype, self.model_config, device), block_size=args.block_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -141,10 +149,12 @@ class LLMEngine:
             gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
             load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
         ))
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, args.enable_prefix_caching)
+        self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
+                                          args.enable_prefix_caching)
+        self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=self._max_batched_tokens(args),
-            max_model_len=self.max_model_len, policy=args.scheduling_policy,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, policy=args.scheduling_policy,
             batch_wait_timeout_s=args.batch_wait_timeout_ms / 1000.0, long_prompt_penalty=args.long_prompt_penalty,
         ), self.block_manager)
         self.requests: dict[str, Request] = {}
@@ -152,7 +162,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_oom_retries = 0  # steps retried smaller after running out of memory
         self.num_capacity_errors = 0  # requests finished because they did not fit even alone
-        self.eos_token_ids = self._eos_ids()
         self.model_info = ModelInfo(str(folder), self.max_model_len, self.vocab_size, self.tokenizer,
                                     self.eos_token_ids, self.tokenizer.bos_token_id if self.tokenizer else None)
 
@@ -230,7 +239,7 @@ class LLMEngine:
                            arrival_time=arrival, priority=priority, cache_salt=salt,
                            parent=seqs[0] if seqs else None, shares_with_siblings=private)
             if params.seed is not None:
-                seq.generator = self.runner.make_generator(hash((params.seed, index)) & (2**63 - 1))
+                seq.generator = self.executor.make_generator(hash((params.seed, index)) & (2**63 - 1))
             seqs.append(seq)
         return seqs
 
@@ -256,26 +265,27 @@ class LLMEngine:
         failed = [rid for rid in self.last_step.request_ids if rid in self.requests]
         for request_id in failed:
             self.abort_request(request_id)
-        self.runner.attention.release()
+        self.executor.release_kept_state()
         return failed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- stepping -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule and run one batch. A batch that runs out of memory is undone and retried
-        smaller (see `Scheduler.shrink_after_oom`); a request that does not fit even alone is
-        finished with a `CapacityError` (its output's `error`) and the others run on."""
+    def step(self) -> StepInfo:
+        """Schedule, execute and apply one batch; returns what ran and its outputs. A batch that runs
+        out of memory is undone and retried smaller (see `Scheduler.shrink_after_oom`); a request that
+        does not fit even alone is finished with a `CapacityError` (its output's `error`) and the
+        others run on."""
         while True:
             out = self.scheduler.schedule()
             if out.is_empty:
-                return []
+                return StepInfo((), 0, self.scheduler.token_budget)
             self.last_step = StepInfo(tuple(dict.fromkeys(s.seq.request_id for s in out.scheduled)),
                                       out.num_batched_tokens, self.scheduler.token_budget)
-            rows = {s.seq.seq_id: self._sampling_row(s.seq) for s in out.scheduled if s.samples}
+            rows = [self._sampling_row(s.seq) if s.samples else None for s in out.scheduled]
             try:
-                result = self.runner.execute(out.scheduled, rows)
+                result = self.executor.execute(out.scheduled, rows)
             except Exception as exc:  # noqa: BLE001 - only allocation failures are handled here
                 if not is_out_of_memory(exc):
                     raise
@@ -285,32 +295,30 @@ class LLMEngine:
             # Outside the except block, so the traceback (and the activations its frames hold) is gone.
             failed = self._after_out_of_memory(out, cause)
             if failed is not None:
-                return [failed]
+                return replace(self.last_step, outputs=[failed])
 
-    def _apply(self, out: SchedulerOutput, result) -> list[RequestOutput]:
+    def _apply(self, out: SchedulerOutput, result: ModelRunnerOutput) -> StepInfo:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         latencies: list[float] = []
-        for item in out.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_blocks(seq)
-            for position, entry in result.prompt_logprobs.get(seq.seq_id, ()):
-                seq.prompt_logprobs[position] = entry
-            if seq.seq_id in result.sampled:
-                request = self.requests[seq.request_id]
-                if seq.last_token_time is not None:
-                    latencies.append(now - seq.last_token_time)
-                self._append(request, seq, *result.sampled[seq.seq_id], now)
-                touched[request.request_id] = request
-        self.last_step = replace(self.last_step, inter_token_latencies=tuple(latencies))
+        for update in self.scheduler.update_from_output(out, result, now):
+            seq = update.seq
+            request = self.requests[seq.request_id]
+            if seq.last_token_time is not None:
+                latencies.append(now - seq.last_token_time)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            self._detokenize(request, update, now)
+            touched[request.request_id] = request
         outputs = [self._output(r) for r in touched.values()]
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
         if not self.scheduler.has_unfinished:
-            self.runner.attention.release()
-        return outputs
+            self.executor.release_kept_state()
+        self.last_step = replace(self.last_step, inter_token_latencies=tuple(latencies), outputs=outputs)
+        return self.last_step
 
     def _after_out_of_memory(self, out: SchedulerOutput, cause: str) -> Optional[RequestOutput]:
         """Undo the failed batch and lower the budgets; when it was one sequence at the smallest
@@ -319,9 +327,7 @@ class LLMEngine:
         first = out.scheduled[0]
         context = first.seq.num_computed_tokens + first.num_new_tokens  # before undo() resets it
         self.scheduler.undo(out)
-        self.runner.attention.release()  # the kept decode K/V may be half-updated
-        if self.runner.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the failed forward's cached blocks back before the retry
+        self.executor.release_after_out_of_memory()  # the kept decode K/V may be half-updated
         if self.scheduler.shrink_after_oom(out):
             self.num_oom_retries += 1
             logger.warning("out of memory in a step of %d sequence(s), %d token(s) (%s); retrying with at most "
@@ -343,39 +349,30 @@ class LLMEngine:
         return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
                            stops + tuple(seq.params.stop_token_ids))
 
-    def _append(self, request: Request, seq: Sequence, token: int, logprobs: Optional[dict], now: float) -> None:
-        seq.append_token(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        if logprobs is not None:
-            seq.output_logprobs.append(logprobs)
-            seq.cumulative_logprob += logprobs[token]
+    def _detokenize(self, request: Request, update: SeqUpdate, now: float) -> None:
+        """Add the row's new tokens to the text, one at a time; the first stop string ends the
+        sequence there (the tokens after it are taken back). A token stop on the last token was
+        checked first (it wins); a length stop on it loses to a stop string the token completed."""
+        seq, tokens = update.seq, update.new_token_ids
         detok = request.detokenizers[seq.index]
-        previous_len = len(request.texts[seq.index])
-        if detok is not None:
-            request.texts[seq.index] += detok.add(token)
-        reason, stop_reason = self._stop_check(request, seq, token, previous_len)
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason, seq.finished_time = reason, stop_reason, now
-            self.scheduler.finish(seq)
-
-    def _stop_check(self, request: Request, seq: Sequence, token: int, previous_len: int) -> tuple[Optional[str], Any]:
-        params = seq.params
-        produced = len(seq.output_token_ids)
-        if produced >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return "stop", token
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
+        first_produced = len(seq.output_token_ids) - len(tokens)
+        for j, token in enumerate(tokens):
+            previous_len = len(request.texts[seq.index])
+            if detok is not None:
+                request.texts[seq.index] += detok.add(token)
+            is_last = j == len(tokens) - 1
+            if is_last and seq.finish_reason == "stop":
+                return
+            if first_produced + j + 1 < seq.params.min_tokens:
+                continue
             hit = self._find_stop_string(request, seq, previous_len)
             if hit is not None:
-                return "stop", hit
-        if params.max_tokens is not None and produced >= params.max_tokens:
-            return "length", None
-        if seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
+                seq.drop_last_outputs(len(tokens) - 1 - j)
+                seq.finish_reason, seq.stop_reason = "stop", hit
+                if not seq.is_finished:
+                    seq.finished_time = now
+                    self.scheduler.finish(seq)
+                return
 
     def _find_stop_string(self, request: Request, seq: Sequence, previous_len: int) -> Optional[str]:
         """Find the earliest stop string that the newest text completed, and cut the text there."""

@@ -8,7 +8,7 @@ tokens.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -22,8 +22,8 @@ from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backe
 from llmctl.engine.layers.linear import select_linear_method
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from llmctl.engine.scheduler import ScheduledSeq
+from llmctl.engine.sampler import Sampler, SamplingRow
+from llmctl.engine.scheduler import ModelRunnerOutput, ScheduledSeq
 from llmctl.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -46,12 +46,6 @@ class PromptRow:
     position: int  # position of the scored token
     target: int
     top: int
-
-
-@dataclass
-class StepResult:
-    sampled: dict[int, tuple[int, Optional[dict[int, float]]]]  # seq_id -> (token, logprobs)
-    prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]]  # seq_id -> [(position, {token: logprob})]
 
 
 def _prompt_logprobs(logits: torch.Tensor, rows: list[PromptRow]) -> dict[int, list[tuple[int, dict[int, float]]]]:
@@ -222,16 +216,32 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], rows: dict[int, SamplingRow]) -> StepResult:
-        """Run the batch: sample the sequences that finished their known tokens, and score prompt
-        tokens for the sequences that asked for prompt log-probs."""
+    def execute(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
+        """Run the batch: sample every row that finished its known tokens (`rows[i]` says how; a verify
+        row is sampled after each of its last k + 1 inputs), and score prompt tokens for the rows that
+        asked for prompt log-probs. The output's lists are aligned with `scheduled`."""
         order, logits, prompt_rows = self._forward(scheduled, self.kv_caches, self.graphs)
-        sampling = [s.seq for s in order if s.samples]
-        result = StepResult({}, _prompt_logprobs(logits[len(sampling):], prompt_rows))
-        if sampling:
-            sampled: SamplerOutput = self.sampler(logits[: len(sampling)], [rows[seq.seq_id] for seq in sampling])
-            logprobs = sampled.logprobs or [None] * len(sampling)
-            result.sampled = {seq.seq_id: (t, lp) for seq, t, lp in zip(sampling, sampled.token_ids, logprobs)}
+        batch_index = {id(item): i for i, item in enumerate(scheduled)}
+        positions: list[SamplingRow] = []
+        owners: list[int] = []  # the batch row of each sampled position
+        for item in order:
+            for j in range(item.num_samples):
+                row = rows[batch_index[id(item)]]
+                # Each draft position is sampled as if the drafts before it had been decoded (penalties,
+                # min_tokens and logits processors see them).
+                positions.append(row if j == 0 else replace(
+                    row, output_token_ids=row.output_token_ids + item.spec_token_ids[:j]))
+                owners.append(batch_index[id(item)])
+        result = ModelRunnerOutput([[] for _ in scheduled], [[] for _ in scheduled], [[] for _ in scheduled])
+        if positions:
+            sampled = self.sampler(logits[: len(positions)], positions)
+            logprobs = sampled.logprobs or [None] * len(positions)
+            for owner, token, entry in zip(owners, sampled.token_ids, logprobs):
+                result.sampled_token_ids[owner].append(token)
+                result.logprobs[owner].append(entry)
+        scored = _prompt_logprobs(logits[len(positions):], prompt_rows)
+        for i, item in enumerate(scheduled):
+            result.prompt_logprobs[i] = scored.get(item.seq.seq_id, [])
         return result
 
     def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]):
@@ -259,14 +269,13 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             row = len(ids)
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(item.input_token_ids)
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
-            if item.samples:
-                logits_indices.append(len(ids) - 1)
+            logits_indices.extend(range(len(ids) - item.num_samples, len(ids)))
             wanted = seq.params.prompt_logprobs if seq.params is not None else None
             if wanted is not None:
                 last = min(end, seq.num_prompt_tokens - 1)
@@ -280,6 +289,10 @@ class ModelRunner:
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def release_kept_state(self) -> None:
+        """Drop what the attention backend keeps between steps (the torch backend's decode K/V)."""
+        self.attention.release()
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

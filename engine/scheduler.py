@@ -32,6 +32,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    eos_token_ids: frozenset[int] = frozenset()  # token stops unless a request sets ignore_eos
     policy: str = "fcfs"
     batch_wait_timeout_s: float = 0.0
     long_prompt_penalty: float = 0.0  # seconds of admission delay per 1000 prompt tokens
@@ -39,13 +40,60 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledSeq:
+    """One row of a step: `num_new_tokens` tokens from the sequence's first uncomputed one. A verify
+    row ends with `spec_token_ids`, draft tokens past the known ones (they count in `num_new_tokens`)."""
+
     seq: Sequence
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """This step computes the sequence's last known token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens sampled from this row: one per draft plus one after them (k + 1), or none."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The row's input ids: its known uncomputed tokens, then the drafts to verify."""
+        start = self.seq.num_computed_tokens
+        known = self.seq.token_ids[start:start + self.num_new_tokens - len(self.spec_token_ids)]
+        return known + self.spec_token_ids if self.spec_token_ids else known
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step computed, as lists aligned with `SchedulerOutput.scheduled` (plain data, so it can
+    come back from another process). A row that does not sample has no tokens; a verify row has k + 1
+    (the model's choice after each of its last k + 1 inputs)."""
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[Optional[dict[int, float]]]]  # per row, one entry per sampled token (None: not asked)
+    prompt_logprobs: list[list[tuple[int, dict[int, float]]]]  # per row: (position, {token: logprob})
+
+
+@dataclass
+class SeqUpdate:
+    """A row that produced tokens this step: the accepted ones, already appended to `seq` (which is
+    finished when a token stop or a length limit ended it)."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+
+
+def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
+    """Drafts the model agrees with, then its own next token: `sampled[j]` is the model's choice after
+    the row's input before `drafts[j]`, so each draft equal to it is what decoding one token at a time
+    would have produced (for greedy and seeded or unseeded sampling alike), and the first mismatch
+    ends the accepted run."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+        accepted += 1
+    return sampled[: accepted + 1]
 
 
 @dataclass
@@ -115,11 +163,78 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    # ---- after the step ran ---------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
+                           now: Optional[float] = None) -> list[SeqUpdate]:
+        """Apply a step's results, row by row: count the computed tokens (a verify row's rejected
+        drafts rolled back first), publish the now-full blocks, append the accepted tokens, apply
+        token stops and length limits (finishing and freeing those sequences), and return the
+        lookahead blocks a rollback left unused. Returns the rows that produced tokens."""
+        now = self.clock() if now is None else now
+        updates: list[SeqUpdate] = []
+        for item, sampled, logprobs, prompt in zip(out.scheduled, result.sampled_token_ids, result.logprobs,
+                                                   result.prompt_logprobs):
+            seq = item.seq
+            for position, entry in prompt:
+                seq.prompt_logprobs[position] = entry
+            drafts = item.spec_token_ids
+            known = item.num_new_tokens - len(drafts)
+            if not item.samples:
+                seq.num_computed_tokens += known
+                self.blocks.register_full_blocks(seq)
+                continue
+            accepted = accepted_tokens(drafts, sampled)
+            kept, stopped = self._append_until_stop(seq, accepted, logprobs, now)
+            # Rejected drafts' K/V lie past this count (their slots are written again later), and it is set
+            # before any block is published: a block holding a rejected token is never registered.
+            seq.num_computed_tokens += known + min(len(accepted) - 1, kept)
+            seq.spec_token_ids = []
+            self.blocks.register_full_blocks(seq)
+            if stopped:
+                self.finish(seq)
+            elif drafts:
+                self.blocks.free_lookahead(seq)
+            updates.append(SeqUpdate(seq, seq.output_token_ids[len(seq.output_token_ids) - kept:]))
+        return updates
+
+    def _append_until_stop(self, seq: Sequence, tokens: list[int], logprobs: list,
+                           now: float) -> tuple[int, bool]:
+        """Append `tokens` up to the first that ends the sequence (its finish reason set); returns how
+        many were appended and whether one ended it."""
+        for count, (token, entry) in enumerate(zip(tokens, logprobs), start=1):
+            seq.append_token(token, entry)
+            stop = self._token_stop(seq, token)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = stop
+                seq.finished_time = now
+                return count, True
+        return len(tokens), False
+
+    def _token_stop(self, seq: Sequence, token: int) -> Optional[tuple[str, object]]:
+        """Token stops (stop_token_ids, EOS; after min_tokens) then length limits; stop strings need the
+        text and are the engine's (it checks them before a length stop of the same token wins)."""
+        params = seq.params
+        produced = len(seq.output_token_ids)
+        if produced >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop", token
+            if not params.ignore_eos and token in self.config.eos_token_ids:
+                return "stop", None
+        if params.max_tokens is not None and produced >= params.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None
+
     # ---- out of memory --------------------------------------------------------------------
     def undo(self, out: SchedulerOutput) -> None:
         """Take back `schedule()` after its step failed before any of it was applied: sequences it
         admitted return to waiting with their blocks freed (a cached prefix stays in the cache);
-        running ones keep their blocks, and a retry writes the same KV slots again."""
+        running ones keep their blocks, and a retry writes the same KV slots again. Lookahead blocks
+        go back (the retry may verify fewer drafts, or none)."""
+        for item in out.scheduled:
+            if item.spec_token_ids and item.seq not in out.admitted:
+                self.blocks.free_lookahead(item.seq)
         for seq in out.admitted:
             self.running.remove(seq)
             self.blocks.free(seq)
@@ -158,6 +273,14 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            drafts = self._drafts_to_verify(seq, budget)
+            if drafts:
+                if self.blocks.allocate(seq, num_new, num_lookahead_tokens=len(drafts)):
+                    out.scheduled.append(ScheduledSeq(seq, num_new + len(drafts), drafts))
+                    budget -= num_new + len(drafts)
+                    index += 1
+                    continue
+                seq.spec_token_ids = []  # no room for the lookahead: decode one token, never preempt for drafts
             while not self.blocks.allocate(seq, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < index:
@@ -170,6 +293,16 @@ class Scheduler:
                 budget -= num_new
                 index += 1
         return budget
+
+    def _drafts_to_verify(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft tokens a decode of `seq` verifies this step: within the token budget, the model's
+        positions (max_model_len) and the request's max_tokens (the token after the drafts is the last)."""
+        if not seq.spec_token_ids or seq.num_uncomputed_tokens != 1:
+            return []
+        room = min(budget - 1, self.config.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        return seq.spec_token_ids[: max(room, 0)]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if self._should_wait_for_more():

@@ -40,6 +40,9 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Draft tokens proposed for the next step (speculative decoding): the scheduler makes the next decode
+    # a verify row of 1 + len(spec_token_ids) tokens, and the step's update keeps the accepted prefix.
+    spec_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None
@@ -75,13 +78,26 @@ class Sequence:
     def prompt_computed(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprobs: Optional[dict[int, float]] = None) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id]
+
+    def drop_last_outputs(self, count: int) -> None:
+        """Take back the newest `count` output tokens (a stop string ended the text before them)."""
+        for _ in range(count):
+            token = self.output_token_ids.pop()
+            self.token_ids.pop()
+            if len(self.output_logprobs) > len(self.output_token_ids):
+                self.cumulative_logprob -= self.output_logprobs.pop()[token]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def reset_for_recompute(self) -> None:
         """After preemption: blocks are gone, so everything (prompt and output) is computed again."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.spec_token_ids = []
         self.num_preemptions += 1
         self.status = SequenceStatus.WAITING

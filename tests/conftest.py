@@ -50,7 +50,7 @@ def cpu_decode_path(request, monkeypatch):
 
 
 def skip_unless_native_decode(llm) -> None:
-    if llm.engine.runner.attention.label == "torch":
+    if llm.engine.executor.runner.attention.label == "torch":
         pytest.skip("the native CPU decode kernel does not serve this model here (compiler, AVX-512 or head_dim)")
 
 

@@ -145,7 +145,7 @@ def kill_engine(server: RunningServer) -> None:
     def fatal_step(*_args: Any) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    server.engine.engine.runner.execute = fatal_step
+    server.engine.engine.executor.runner.execute = fatal_step
 
     async def run_one() -> None:
         stream = await server.engine.add_request("kill-engine", "x", SamplingParams(max_tokens=2))

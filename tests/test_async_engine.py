@@ -50,7 +50,7 @@ async def _run(eng: AsyncLLMEngine, request_id: str, max_tokens: int = 8, prompt
 
 def _poison_runner(eng: AsyncLLMEngine, poisoned: set[str], message: str = "boom"):
     """Make every step that runs a poisoned request raise, as an OOM or kernel failure would."""
-    runner = eng.engine.runner
+    runner = eng.engine.executor.runner
     original = runner.execute
 
     def execute(scheduled, rows):

@@ -30,7 +30,7 @@ def backend(request, monkeypatch, tmp_path):
         install_fake_flash(monkeypatch)
         engine = dict(num_kv_blocks=6, block_size=256)
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=256, **engine)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     if request.param == "native" and runner.attention.label != "torch (native CPU decode kernel)":
         pytest.skip("the native CPU decode kernel cannot run here (compiler or AVX-512)")
     assert runner.attention.name == ("flash-attn" if request.param == "flash-attn" else "torch")
@@ -42,7 +42,7 @@ class Driver:
     """Runs hand-made batches through the runner; records every query token's logits with the tokens they saw."""
 
     def __init__(self, llm: LLM):
-        self.runner = llm.engine.runner
+        self.runner = llm.engine.executor.runner
         self.seqs: list[Sequence] = []
         self.records: list[tuple[torch.Tensor, list[int]]] = []  # (logits [n, vocab], the tokens up to the last)
         self.last_meta = None

@@ -1,7 +1,8 @@
 """The paged KV cache's bookkeeping: unit tests, plus a hypothesis state machine that drives random
-add / step / abort / finish sequences through the real Scheduler + BlockManager and checks, after
-every step, ref counts, the free list, the simulated KV contents of shared blocks, and (at the end)
-that every block came back."""
+add / step / abort / out-of-memory sequences, with verify rows (draft tokens) accepted in part and
+rolled back, through the real Scheduler + BlockManager (`update_from_output` included) and checks,
+after every step, ref counts, the free list, the simulated KV contents of shared and published
+blocks, that no lookahead block outlives its step, and (at the end) that every block came back."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from llmctl.engine.block_manager import BlockAccountingError, BlockManager
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import Scheduler, SchedulerConfig
+from llmctl.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig
 from llmctl.engine.sequence import Sequence, SequenceStatus
 
 _ids = itertools.count()
@@ -232,6 +233,7 @@ def test_reset_prefix_cache_only_when_idle():
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8  # 32 token slots: small enough that preemption happens often
 MAX_PROMPT, MAX_OUTPUT = 18, 8  # every sequence fits the pool on its own (no livelock)
+STOP = 3  # the stop token; prompts and drafts use 0..2
 
 
 class SchedulerBlockMachine(RuleBasedStateMachine):
@@ -243,16 +245,16 @@ class SchedulerBlockMachine(RuleBasedStateMachine):
             SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=32),
             self.bm, clock=lambda: self.now)
         self.live: list[Sequence] = []
-        self.max_output: dict[int, int] = {}
         # Simulated KV contents: which token each slot of each block holds.
         self.kv: dict[int, list] = {b: [None] * BLOCK_SIZE for b in range(NUM_BLOCKS)}
         self.preemptions = 0
         self.hits_seen = 0
+        self.verify_rows = self.rejected_drafts = self.ooms = 0
 
     def _new_seq(self, prompt, max_output, parent=None) -> Sequence:
         self.now += 0.001
-        seq = Sequence(next(_ids), "req", 0, list(prompt), SamplingParams(), arrival_time=self.now, parent=parent)
-        self.max_output[seq.seq_id] = max_output
+        params = SamplingParams(max_tokens=max_output, stop_token_ids=[STOP], ignore_eos=True)
+        seq = Sequence(next(_ids), "req", 0, list(prompt), params, arrival_time=self.now, parent=parent)
         self.scheduler.add(seq)
         self.live.append(seq)
         return seq
@@ -271,34 +273,72 @@ class SchedulerBlockMachine(RuleBasedStateMachine):
             self._step(data)
             self.blocks_are_consistent()
 
+    def _propose(self, data) -> None:
+        """A stand-in proposer: some decoding sequences get 1-4 draft tokens for the next step."""
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens == 1 and data.draw(st.booleans(), label="propose"):
+                seq.spec_token_ids = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=4), label="drafts")
+
+    def _forward(self, out) -> None:
+        """The "forward pass": write each row's input tokens (drafts too) into its K/V slots."""
+        for item in out.scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens >= 1
+            assert end <= seq.num_tokens + len(item.spec_token_ids)
+            assert len(seq.block_table) * BLOCK_SIZE >= end, "slots for the step's tokens (and drafts) are allocated"
+            for p, token in zip(range(start, end), item.input_token_ids):
+                self.kv[seq.block_table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = token
+
+    def _sample(self, data, item) -> list[int]:
+        """The model's k + 1 choices for a row: each draft agreed with or not, any token (STOP included)."""
+        tokens = []
+        for j in range(item.num_samples):
+            if j < len(item.spec_token_ids) and data.draw(st.booleans(), label="agrees"):
+                tokens.append(item.spec_token_ids[j])
+            else:
+                tokens.append(data.draw(st.sampled_from([0, 1, 2] * 3 + [STOP]), label="sampled"))
+        return tokens
+
     def _step(self, data):
+        self._propose(data)
         was_unfinished = self.scheduler.has_unfinished
         out = self.scheduler.schedule()
         self.preemptions += len(out.preempted)
         if was_unfinished:
             assert out.scheduled or out.preempted, "work is waiting but nothing was scheduled"
-        assert out.num_batched_tokens <= self.scheduler.config.max_num_batched_tokens
+        assert out.num_batched_tokens <= self.scheduler.token_budget  # drafts count in the budget
         assert len(self.scheduler.running) <= self.scheduler.config.max_num_seqs
         scheduled_ids = [s.seq.seq_id for s in out.scheduled]
         assert len(scheduled_ids) == len(set(scheduled_ids))
+        self._forward(out)
+        sampled = [self._sample(data, item) for item in out.scheduled]
+        for item, tokens in zip(out.scheduled, sampled):
+            if item.spec_token_ids:
+                self.verify_rows += 1
+                self.rejected_drafts += item.spec_token_ids != tokens[: len(item.spec_token_ids)]
+        self.scheduler.update_from_output(out, ModelRunnerOutput(
+            sampled, [[None] * len(tokens) for tokens in sampled], [[] for _ in sampled]), now=self.now)
         for item in out.scheduled:
-            seq = item.seq
-            assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens >= 1
-            start = seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            assert end <= seq.num_tokens
-            assert len(seq.block_table) * BLOCK_SIZE >= end, "slots for the step's tokens are allocated"
-            samples = item.samples
-            for p in range(start, end):  # the "forward pass" writes K/V for these positions
-                self.kv[seq.block_table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = seq.token_ids[p]
-            seq.num_computed_tokens = end
-            self.bm.register_full_blocks(seq)
-            if samples:
-                seq.append_token(data.draw(st.integers(0, 2), label="sampled"))
-                done = len(seq.output_token_ids) >= self.max_output[seq.seq_id]
-                if done or data.draw(st.integers(0, 7), label="stop token") == 0:
-                    self._finish(seq)
+            if item.seq.is_finished:
+                self.live.remove(item.seq)
         self.hits_seen = self.bm.prefix_hits
+
+    @precondition(lambda self: self.scheduler.has_unfinished)
+    @rule(data=st.data())
+    def step_runs_out_of_memory(self, data):
+        """A step whose forward wrote its K/V slots and then ran out of memory: undone, budgets lowered."""
+        self._propose(data)
+        out = self.scheduler.schedule()
+        self.preemptions += len(out.preempted)
+        if out.is_empty:
+            return
+        self._forward(out)
+        self.ooms += 1
+        self.scheduler.undo(out)
+        self.scheduler.shrink_after_oom(out)
+        self.blocks_are_consistent()
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -316,7 +356,12 @@ class SchedulerBlockMachine(RuleBasedStateMachine):
         for seq in self.scheduler.waiting:
             assert seq.block_table == [] and seq.num_computed_tokens == 0
         assert set(map(id, self.scheduler.waiting + self.scheduler.running)) == set(map(id, self.live))
+        for block in self.bm.blocks:
+            if block.block_hash is not None:  # published: its K/V are exactly its tokens' (never a rejected draft's)
+                assert self.kv[block.block_id] == list(block.token_ids), f"block {block.block_id} published wrong"
         for seq in self.scheduler.running:
+            # No lookahead slot outlives its step: a table covers the known tokens and no more.
+            assert len(seq.block_table) <= self.bm.blocks_needed(seq.num_tokens), f"seq {seq.seq_id} kept lookahead"
             # Every computed position's slot still holds that token: shared prefix blocks were never
             # overwritten, and no block was handed to someone else while still referenced.
             for p in range(seq.num_computed_tokens):
@@ -331,9 +376,12 @@ class SchedulerBlockMachine(RuleBasedStateMachine):
         assert not self.scheduler.has_unfinished
         STATS["preemptions"] += self.preemptions
         STATS["prefix_hits"] += self.hits_seen
+        STATS["verify_rows"] += self.verify_rows
+        STATS["rejected_drafts"] += self.rejected_drafts
+        STATS["ooms"] += self.ooms
 
 
-STATS = {"preemptions": 0, "prefix_hits": 0}
+STATS = {"preemptions": 0, "prefix_hits": 0, "verify_rows": 0, "rejected_drafts": 0, "ooms": 0}
 
 SchedulerBlockMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None, derandomize=True,
@@ -341,8 +389,9 @@ SchedulerBlockMachine.TestCase.settings = settings(
 TestSchedulerBlockMachine = SchedulerBlockMachine.TestCase
 
 
-def test_property_run_exercised_preemption_and_prefix_hits():
-    """The machine above is only meaningful if its workloads preempt and share prefixes."""
+def test_property_run_exercised_preemption_prefix_hits_verify_rows_and_rollbacks():
+    """The machine above is only meaningful if its workloads preempt, share prefixes, verify drafts
+    (some rejected, so rolled back) and run out of memory."""
     if STATS["preemptions"] == 0 and STATS["prefix_hits"] == 0:
         # Run on its own (e.g. `-k`): drive the machine once here.
         from hypothesis.stateful import run_state_machine_as_test
@@ -351,3 +400,4 @@ def test_property_run_exercised_preemption_and_prefix_hits():
             max_examples=30, stateful_step_count=40, deadline=None, derandomize=True))
     assert STATS["preemptions"] > 0
     assert STATS["prefix_hits"] > 0
+    assert STATS["verify_rows"] > 0 and STATS["rejected_drafts"] > 0 and STATS["ooms"] > 0

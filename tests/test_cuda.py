@@ -80,7 +80,7 @@ def test_cuda_float32_logits_match_cpu_reference_with_chunks_and_prefix_cache(ti
 def test_cuda_bfloat16_tracks_float32_reference_with_the_selected_backend(tiny_models):
     folder = tiny_models["llama"]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_model_len=512)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.device.type == "cuda" and runner.kv_caches[0].device == runner.device
     assert runner.num_blocks > 0 and runner.kv_cache_bytes > 0
     assert runner.attention.name == select_backend(runner.device, torch.bfloat16, 16).name
@@ -111,7 +111,7 @@ def test_cuda_prompt_logprobs_match_cpu_engine(tiny_models):
 def test_cuda_seeded_sampling_is_reproducible_and_uses_cuda_generators(tiny_models):
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cuda",
               max_model_len=256, num_kv_blocks=64)
-    generator = llm.engine.runner.make_generator(5)
+    generator = llm.engine.executor.runner.make_generator(5)
     assert generator.device.type == "cuda"
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
 
@@ -136,12 +136,12 @@ def test_flash_attn_backend_matches_torch_backend(tiny_models, monkeypatch):
     kwargs = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_model_len=512,
                   max_num_batched_tokens=96, enable_prefix_caching=True, num_kv_blocks=16)
     flash = LLM(str(folder), **kwargs)
-    assert flash.engine.runner.attention.name == "flash-attn" and flash.engine.runner.block_size == 256
+    assert flash.engine.executor.runner.attention.name == "flash-attn" and flash.engine.executor.runner.block_size == 256
     flash_tokens, flash_rows = _generate_recording(flash, prompts)
     del flash
     monkeypatch.setattr("llmctl.engine.model_runner.select_backend", lambda *args: TorchAttention)
     plain = LLM(str(folder), **{**kwargs, "block_size": 16, "num_kv_blocks": 256})
-    assert plain.engine.runner.attention.name == "torch"
+    assert plain.engine.executor.runner.attention.name == "torch"
     _, torch_rows = _generate_recording(plain, prompts)  # teacher-forced below, so tokens may differ in bf16
     reference = _cpu_reference(folder)
     for prompt, out, ours, theirs in zip(prompts, flash_tokens, flash_rows, torch_rows):
@@ -153,4 +153,4 @@ def test_flash_attn_backend_matches_torch_backend(tiny_models, monkeypatch):
 
 def test_auto_device_picks_cuda(tiny_models):
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, max_model_len=256, num_kv_blocks=32)
-    assert llm.engine.runner.device.type == "cuda"
+    assert llm.engine.executor.runner.device.type == "cuda"

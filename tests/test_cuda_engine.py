@@ -57,7 +57,7 @@ def test_default_start_up_on_cuda0_captures_every_bucket_once_before_serving(tin
     with caplog.at_level(logging.INFO, logger="llmctl.engine.cuda_graphs"):
         llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, device="cuda:0", max_model_len=512,
                   max_num_seqs=64)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     graphs = runner.graphs
     assert runner.device == torch.device("cuda", 0) and graphs is not None
     assert graphs.captured_sizes == graphs.buckets == [1, 2, 4, 8, 16, 32, 48, 64]
@@ -86,7 +86,7 @@ def test_pool_and_graphs_stay_within_gpu_memory_utilization(tmp_path):
     utilization = (total - free + 1024 * MIB) / total
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cuda:0", max_model_len=1024,
               max_num_seqs=1024, max_num_batched_tokens=1024, gpu_memory_utilization=utilization)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.num_blocks < 1024 * (1024 // runner.block_size + 1)  # the budget, not the cap, decided
     kept = runner.attention.workspace_share  # the kept decode K/V is reserved too
     assert runner.kv_cache_bytes * (1 + kept) > 600 * MIB  # most of the budget went to the pool
@@ -108,7 +108,7 @@ def test_decode_graphs_replay_the_eager_logits(tiny_models, dtype):
     for enforce_eager in (True, False):
         llm = LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype=dtype, device="cuda:0",
                   max_model_len=400, max_num_seqs=8, enforce_eager=enforce_eager)
-        graphs = llm.engine.runner.graphs
+        graphs = llm.engine.executor.runner.graphs
         assert (graphs is None) == enforce_eager
         if graphs is not None:
             assert graphs.captured_sizes == [1, 2, 4, 8]
@@ -153,7 +153,7 @@ def test_second_gpu_engine_matches_the_cpu_reference_and_leaves_cuda0_alone(tiny
     before = torch.cuda.memory_allocated(0)
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cuda:1",
               max_model_len=512, max_num_seqs=8)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.device == torch.device("cuda", 1) and runner.graphs.captured_sizes == [1, 2, 4, 8]
     prompts = [[1, 2, 3], list(range(100)), make_prompts(512)[6]]
     tokens, rows = _generate_recording(llm, prompts)

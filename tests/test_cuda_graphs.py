@@ -74,7 +74,7 @@ def test_piecewise_replay_gives_the_eager_logits(tiny_models):
     eager_tokens, eager_logits = recorded_logits(LLM(str(tiny_models["qwen2"]), **kwargs), prompts)
 
     llm = LLM(str(tiny_models["qwen2"]), **kwargs)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     capturer = CallingCapturer()
     runner.graphs = DecodeGraphs(runner.model, runner.attention, 8, runner.device, torch.float32, capturer=capturer)
     runner.graphs.capture_all(None, unmeasured)
@@ -94,7 +94,7 @@ def test_piecewise_replay_gives_the_eager_logits(tiny_models):
 
 def test_prefill_steps_stay_eager(tiny_models):
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=128)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     capturer = CallingCapturer()
     runner.graphs = DecodeGraphs(runner.model, runner.attention, 4, runner.device, torch.float32, capturer=capturer)
     runner.graphs.capture_all(None, unmeasured)
@@ -117,7 +117,7 @@ def per_row_measure(mib_per_row, graphs):
 def test_capture_all_stops_before_the_allowance_and_failed_buckets_run_eagerly(tiny_models):
     kwargs = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=256, max_num_seqs=64)
     llm = LLM(str(tiny_models["qwen2"]), **kwargs)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
 
     def graphs_with(capturer):
         return DecodeGraphs(runner.model, runner.attention, 64, runner.device, torch.float32, capturer=capturer)
@@ -163,7 +163,7 @@ def test_a_batch_with_a_verify_row_runs_eagerly_and_decode_rows_replay(tiny_mode
 
     llm = LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=256,
               max_num_seqs=8, num_kv_blocks=32)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     capturer = CallingCapturer()
     graphs = DecodeGraphs(runner.model, runner.attention, 8, runner.device, torch.float32, capturer=capturer)
     graphs.capture_all(None, unmeasured)

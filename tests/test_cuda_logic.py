@@ -102,14 +102,14 @@ def test_flash_metadata_matches_the_torch_backend(tmp_path, monkeypatch, arch, o
     folder = make_tiny_model(tmp_path / arch, arch, **overrides)
     install_fake_flash(monkeypatch)
     flash_llm, flash_out, flash_rows = _run(folder, num_kv_blocks=16)
-    runner = flash_llm.engine.runner
+    runner = flash_llm.engine.executor.runner
     assert runner.attention.name == "flash-attn" and runner.block_size == 256
     assert runner.kv_caches[0].shape[1:] == (16, 256, 2, flash_llm.engine.model_config.head_dim)
     assert flash_llm.engine.get_stats()["prefix_cache_hit_rate"] > 0
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("llmctl.engine.model_runner.select_backend", lambda *args: TorchAttention)
         torch_llm, torch_out, torch_rows = _run(folder, num_kv_blocks=256, block_size=16)
-    assert torch_llm.engine.runner.attention.name == "torch"
+    assert torch_llm.engine.executor.runner.attention.name == "torch"
     for a, b, rows_a, rows_b in zip(flash_out, torch_out, flash_rows, torch_rows):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert (rows_a - rows_b).abs().max().item() < 1e-4
@@ -213,7 +213,7 @@ def test_startup_profiles_then_captures_graphs_within_the_budget_then_sizes_the_
         llm, memory, capturer = cpu_runner_with_device_memory(
             monkeypatch, tiny_models["qwen2"], total=100 * MIB, used=40 * MIB, peak=5 * MIB, per_row=MIB // 2,
             max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.9)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("captured decode graphs")]
     assert len(reports) == 1 and reports[0].startswith("captured decode graphs for 3 batch sizes (1, 2, 4) in ")
     assert reports[0].endswith(" s, 4 MiB")  # 3.5 MiB, rounded
@@ -269,7 +269,7 @@ def test_pool_on_a_huge_device_is_capped_at_what_max_num_seqs_can_use(tiny_model
         monkeypatch, tiny_models["llama"], total=141 * GIB, used=GIB, peak=GIB, per_row=MIB, max_model_len=256,
         max_num_seqs=8)
     # 8 full 256-token contexts, one block of slack each; uncapped the budget would give ~10 million blocks
-    assert llm.engine.runner.num_blocks == 8 * (256 // 16 + 1)
+    assert llm.engine.executor.runner.num_blocks == 8 * (256 // 16 + 1)
     assert llm.engine.block_manager.num_blocks == 8 * 17
 
 
@@ -277,7 +277,7 @@ def test_pool_sizing_reserves_the_kept_decode_kv_and_never_goes_negative(tiny_mo
     llm, memory, _ = cpu_runner_with_device_memory(
         monkeypatch, tiny_models["llama"], total=40 * GIB, used=10 * GIB, peak=GIB, per_row=0, max_model_len=256,
         max_num_seqs=8, gpu_memory_utilization=0.5, enforce_eager=True)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     runner.config.max_num_seqs = 10**9  # no cap: the budget decides
     memory.used = 21 * GIB // 2
     budget = 20 * GIB - 21 * GIB // 2 - GIB  # 50% of 40 GiB, less the 10.5 GiB in use, less the profile peak
@@ -302,7 +302,7 @@ def test_masked_gqa_prefill_with_expanded_kv_heads_matches_enable_gqa(tmp_path, 
     results = []
     for expand in (False, True):
         def configure(llm, expand=expand):
-            llm.engine.runner.attention.expand_masked_gqa = expand
+            llm.engine.executor.runner.attention.expand_masked_gqa = expand
 
         llm, outputs, rows = _run(folder, configure, num_kv_blocks=256, block_size=16)
         assert llm.engine.get_stats()["prefix_cache_hit_rate"] > 0

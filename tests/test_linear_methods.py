@@ -195,7 +195,7 @@ def test_a_new_method_in_one_class_runs_in_parity_with_transformers(tiny_models,
     folder = tiny_models[arch]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
               max_num_batched_tokens=96)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert len(linears) == 4 * model.config.num_layers + 1 and all(m.method is method for m in linears)
     assert model.lm_head.weight.shape == (model.config.hidden_size, model.config.vocab_size)  # stored transposed

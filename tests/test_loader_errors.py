@@ -258,7 +258,7 @@ def test_cli_bad_checkpoint_exits_2_with_one_line(ckpt, tiny_chat_model, capsys)
 # ---- dtype, dummy weights, device ------------------------------------------------------------------
 
 def model_dtype(llm: LLM) -> torch.dtype:
-    return next(llm.engine.runner.model.parameters()).dtype
+    return next(llm.engine.executor.runner.model.parameters()).dtype
 
 
 def test_dtypes(ckpt, reference_tokens):
@@ -266,7 +266,7 @@ def test_dtypes(ckpt, reference_tokens):
     assert model_dtype(load(ckpt, dtype="float32")) is torch.float32
     bf16 = load(ckpt, dtype="bfloat16")
     assert model_dtype(bf16) is torch.bfloat16
-    assert bf16.engine.runner.kv_caches[0].dtype is torch.bfloat16
+    assert bf16.engine.executor.runner.kv_caches[0].dtype is torch.bfloat16
     assert len(bf16.generate([PROMPT], GREEDY)[0].outputs[0].token_ids) == 4
     edit_config(ckpt, torch_dtype="bfloat16", dtype="bfloat16")
     assert model_dtype(load(ckpt, dtype="auto")) is torch.bfloat16
@@ -282,7 +282,7 @@ def test_dummy_weights_need_only_config_json(ckpt):
     llm = load(ckpt, load_format="dummy")
     out = llm.generate([PROMPT], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 4
-    names = dict(llm.engine.runner.model.named_parameters())
+    names = dict(llm.engine.executor.runner.model.named_parameters())
     assert all(torch.isfinite(p).all() for p in names.values())
     # Real shapes from config.json, and the same seed gives the same weights.
     again = load(ckpt, load_format="dummy")

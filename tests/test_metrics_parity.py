@@ -48,8 +48,7 @@ def test_step_info_carries_one_inter_token_latency_per_non_first_token(tiny_mode
     engine.add_request("a", list(range(5, 13)), SamplingParams(n=2, max_tokens=3, ignore_eos=True))
     latencies = []
     while engine.has_unfinished_requests():
-        engine.step()
-        latencies.extend(engine.last_step.inter_token_latencies)
+        latencies.extend(engine.step().inter_token_latencies)
     assert len(latencies) == 2 * (3 - 1) and all(latency > 0 for latency in latencies)
 
 

@@ -116,7 +116,7 @@ def test_bystanders_of_an_oom_batch_finish_with_the_reference_tokens(engine, req
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     retries_before = llm.engine.num_oom_retries
 
-    oom = InjectedOOM(llm.engine.runner, max_tokens=40)
+    oom = InjectedOOM(llm.engine.executor.runner, max_tokens=40)
     caplog.set_level(logging.WARNING, logger="llmctl.engine.llm_engine")
     try:
         outputs = llm.generate(prompts, params)
@@ -140,7 +140,7 @@ def test_a_prefill_chunk_that_runs_out_of_memory_succeeds_after_shrinking(llm):
     prompt, params = ids(100, 7), SamplingParams(max_tokens=6, **GREEDY)
     reference = llm.generate([prompt], params)[0].outputs[0].token_ids
 
-    oom = InjectedOOM(llm.engine.runner, max_tokens=30, kind="cpu")
+    oom = InjectedOOM(llm.engine.executor.runner, max_tokens=30, kind="cpu")
     try:
         output = llm.generate([prompt], params)[0]
     finally:
@@ -158,7 +158,7 @@ def test_a_request_too_large_even_alone_fails_with_a_capacity_error_and_the_rest
     params = SamplingParams(max_tokens=10, **GREEDY)
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], params)]
 
-    oom = InjectedOOM(llm.engine.runner, max_context=100)  # attention over >100 tokens does not fit
+    oom = InjectedOOM(llm.engine.executor.runner, max_context=100)  # attention over >100 tokens does not fit
     try:
         outputs = llm.generate(prompts, params)
     finally:
@@ -184,7 +184,7 @@ def test_running_sequences_over_a_lowered_cap_are_preempted_and_recomputed(llm):
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     preemptions_before = llm.engine.scheduler.num_preemptions
 
-    oom = InjectedOOM(llm.engine.runner)
+    oom = InjectedOOM(llm.engine.executor.runner)
 
     def tighten_once_decoding(_index, output):  # all 8 prefilled together; then only 3 rows fit
         if len(output.outputs[0].token_ids) >= 2:
@@ -287,7 +287,7 @@ def test_server_answers_503_with_retry_after_for_the_request_that_cannot_fit_and
                 return await asyncio.gather(*jobs)
 
         reference = [r.json()["choices"][0]["text"] for r in asyncio.run(run_all(False))]
-        oom = InjectedOOM(srv.engine.engine.runner, max_context=200)
+        oom = InjectedOOM(srv.engine.engine.executor.runner, max_context=200)
         try:
             responses = asyncio.run(run_all(True))
         finally:
@@ -333,7 +333,7 @@ def test_generate_prints_the_prompts_that_fit_and_fails_in_one_line_for_the_one_
 
     def with_injected_oom(args):  # the real engine on a device whose memory ends at a 64-token context
         llm = real(args)
-        InjectedOOM(llm.engine.runner, max_context=64)
+        InjectedOOM(llm.engine.executor.runner, max_context=64)
         return llm
 
     monkeypatch.setattr(LLM, "from_engine_args", with_injected_oom)

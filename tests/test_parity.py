@@ -50,7 +50,7 @@ def use_decode_path(llm: LLM, path: str) -> None:
     if path == "native":
         skip_unless_native_decode(llm)
     else:
-        assert llm.engine.runner.attention.label == "torch"
+        assert llm.engine.executor.runner.attention.label == "torch"
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
@@ -113,7 +113,7 @@ def test_decode_workspace_changes_nothing(tiny_models, cpu_kernels_off):
                   max_model_len=400, max_num_batched_tokens=128)
         use_decode_path(llm, "torch")
         if budget is not None:
-            llm.engine.runner.attention.set_workspace_budget(budget)
+            llm.engine.executor.runner.attention.set_workspace_budget(budget)
         recorders = [LogitRecorder() for _ in prompts]
         params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True, logits_processors=[r])
                   for i, r in enumerate(recorders)]
@@ -148,7 +148,7 @@ def test_idle_engine_drops_kept_decode_kv(tiny_models, cpu_kernels_off):
     use_decode_path(llm, "torch")
     seen = []
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                            logits_processors=[lambda ids, row: seen.append(llm.engine.runner.attention.kept_layers) or row])
+                            logits_processors=[lambda ids, row: seen.append(llm.engine.executor.runner.attention.kept_layers) or row])
     llm.generate([[1, 2, 3], list(range(40))], params)
     assert max(seen) > 0, "a steady decode batch should keep its K/V"
-    assert llm.engine.runner.attention.kept_layers == 0
+    assert llm.engine.executor.runner.attention.kept_layers == 0

@@ -1,5 +1,6 @@
 """Scheduler unit tests: one token budget per step (running first, then waiting), chunked prefill,
-limits, preemption by recompute, priority, dynamic batching knobs and n > 1 children."""
+limits, preemption by recompute, priority, dynamic batching knobs, n > 1 children, and verify rows
+(draft tokens: budget, lookahead blocks, acceptance, rollback) through `update_from_output`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import Scheduler, SchedulerConfig
+from llmctl.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, accepted_tokens
 from llmctl.engine.sequence import Sequence, SequenceStatus
 
 _ids = itertools.count()
@@ -278,3 +279,100 @@ def test_finish_frees_blocks_from_running_and_waiting():
     assert not sched.has_unfinished
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
     assert a.status is SequenceStatus.FINISHED and b.status is SequenceStatus.FINISHED
+
+
+# ---- verify rows ----------------------------------------------------------------------------------
+
+def results(out, sampled: dict[int, list[int]]) -> ModelRunnerOutput:
+    """The runner's output for `out`: `sampled[seq_id]` for the rows that sample."""
+    tokens = [sampled.get(s.seq.seq_id, []) if s.samples else [] for s in out.scheduled]
+    return ModelRunnerOutput(tokens, [[None] * len(t) for t in tokens], [[] for _ in tokens])
+
+
+def decoding(sched: Scheduler, length: int, **params) -> Sequence:
+    """A running sequence of `length` prompt tokens whose first output token is sampled."""
+    seq = Sequence(next(_ids), "r", 0, list(range(length)), SamplingParams(ignore_eos=True, **params))
+    sched.add(seq)
+    out = sched.schedule()
+    sched.update_from_output(out, results(out, {seq.seq_id: [100]}))
+    return seq
+
+
+def test_accepted_tokens_are_the_agreeing_drafts_then_the_models_next_token():
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accepted_tokens([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert accepted_tokens([], [4]) == [4]
+
+
+def test_a_verify_row_counts_its_drafts_in_the_budget_and_reserves_lookahead_blocks():
+    sched = make(budget=6, block_size=4)
+    seq = decoding(sched, 6)  # 7 tokens, 6 computed: blocks 0-1
+    seq.spec_token_ids = [1, 2, 3, 4, 5, 6, 7]
+    other = seq_of(8, arrival=1.0, first_token=50)
+    sched.add(other)
+    out = sched.schedule()
+    (row,) = [s for s in out.scheduled if s.seq is seq]
+    # budget 6: the last token + 5 drafts; nothing is left for the waiting prompt.
+    assert (row.num_new_tokens, row.spec_token_ids, row.num_samples) == (6, [1, 2, 3, 4, 5], 6)
+    assert row.input_token_ids == [100, 1, 2, 3, 4, 5] and plan(out) == {seq.seq_id: 6}
+    assert len(seq.block_table) == 3  # positions 6..11: a lookahead block for the drafts
+    sched.update_from_output(out, results(out, {seq.seq_id: [1, 2, 9, 0, 0, 0]}))
+    assert seq.output_token_ids == [100, 1, 2, 9]
+    assert seq.num_computed_tokens == 9 and seq.spec_token_ids == []
+    assert len(seq.block_table) == 3  # 10 known tokens still need 3 blocks
+    sched.blocks.check_invariants([seq])
+
+
+def test_a_rejected_verify_row_returns_its_lookahead_blocks_and_publishes_no_draft():
+    sched = make(budget=16, block_size=4)
+    seq = decoding(sched, 3)  # 4 tokens, 3 computed
+    seq.spec_token_ids = [7, 7, 7, 7, 7]
+    out = sched.schedule()
+    assert len(seq.block_table) == 3  # positions 3..8
+    free_before = sched.blocks.num_free_blocks
+    sched.update_from_output(out, results(out, {seq.seq_id: [8, 0, 0, 0, 0, 0]}))
+    assert seq.output_token_ids == [100, 8] and seq.num_computed_tokens == 4
+    assert len(seq.block_table) == 2 and sched.blocks.num_free_blocks == free_before + 1
+    # Block 0 (positions 0..3) is full of computed tokens and published; block 1 held drafts only.
+    published = [b.block_id for b in sched.blocks.blocks if b.block_hash is not None]
+    assert published == [seq.block_table[0]]
+
+
+def test_drafts_stop_at_max_tokens_and_max_model_len():
+    sched = make(budget=32, block_size=4)
+    seq = decoding(sched, 6, max_tokens=4)  # one produced: 3 to go, the last after the drafts
+    seq.spec_token_ids = [1, 2, 3, 4, 5]
+    (row,) = sched.schedule().scheduled
+    assert row.spec_token_ids == [1, 2]
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=10),
+                      BlockManager(16, 4))
+    seq = decoding(sched, 6, max_tokens=None)  # 7 tokens: positions 7..9 are the last ones
+    seq.spec_token_ids = [1, 2, 3, 4, 5]
+    out = sched.schedule()
+    assert out.scheduled[0].spec_token_ids == [1, 2, 3]
+    sched.update_from_output(out, results(out, {seq.seq_id: [1, 2, 3, 4]}))
+    assert seq.num_tokens == 10 and seq.finish_reason == "length" and seq.is_finished
+    assert sched.blocks.num_free_blocks == 16
+
+
+def test_no_room_for_lookahead_decodes_one_token_instead_of_preempting():
+    sched = make(num_blocks=3, budget=16, block_size=4)
+    a = decoding(sched, 3)  # 4 tokens: block 0 (position 3 next)
+    b = decoding(sched, 6)  # 7 tokens: blocks 1-2
+    assert sched.blocks.num_free_blocks == 0
+    a.spec_token_ids = [1, 2, 3]  # needs a block for positions 4..6
+    out = sched.schedule()
+    assert plan(out) == {a.seq_id: 1, b.seq_id: 1} and not out.preempted
+    assert out.scheduled[0].spec_token_ids == [] and a.spec_token_ids == []
+
+
+def test_undo_returns_the_lookahead_blocks_of_a_verify_row():
+    sched = make(budget=16, block_size=4)
+    seq = decoding(sched, 3)
+    seq.spec_token_ids = [1, 2, 3, 4, 5]
+    out = sched.schedule()
+    assert len(seq.block_table) == 3
+    sched.undo(out)
+    assert len(seq.block_table) == 1 and seq.spec_token_ids == [1, 2, 3, 4, 5]  # the retry verifies again
+    sched.blocks.check_invariants([seq])

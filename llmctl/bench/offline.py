@@ -194,8 +194,8 @@ def load_engine(args: Any) -> EngineRun:
     args.skip_tokenizer_init = True
     started = time.perf_counter()
     llm = LLM.from_engine_args(args)
-    runner = llm.engine.runner
-    return EngineRun(llm, str(runner.device), str(runner.config.dtype).replace("torch.", ""),
+    executor = llm.engine.executor
+    return EngineRun(llm, str(executor.device), str(executor.dtype).replace("torch.", ""),
                      time.perf_counter() - started)
 
 

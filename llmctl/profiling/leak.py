@@ -126,7 +126,7 @@ def engine_workload(args, batch_size: int, input_len: int, output_len: int, seed
 
     return Workload("engine generate", generate_once,
                     {"batch_size": batch_size, "input_len": input_len, "output_len": output_len,
-                     "device": str(engine.runner.device)})
+                     "device": str(engine.executor.device)})
 
 
 # ---- measuring ----------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def run_torch(plan: TorchPlan, manifest: Manifest) -> str:
     with ui.waiting("loading model"):
         engine = _engine(plan.engine_args)
     _check_lengths(plan, engine)
-    device = engine.runner.device
+    device = engine.executor.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     trace = manifest.output_dir / TRACE_NAME
     feeder = _Feeder(engine, plan)
@@ -108,7 +108,7 @@ def run_torch(plan: TorchPlan, manifest: Manifest) -> str:
     manifest.add_file(trace)
     manifest.add_file(manifest.output_dir / TABLE_NAME)
     manifest.result.update(
-        device=str(device), dtype=str(engine.runner.config.dtype).replace("torch.", ""), steps=plan.total_steps,
+        device=str(device), dtype=str(engine.executor.dtype).replace("torch.", ""), steps=plan.total_steps,
         schedule={"wait": plan.wait, "warmup": plan.warmup, "active": plan.active},
         batch_size=plan.batch_size, input_len=plan.input_len, output_len=plan.output_len,
         requests_started=feeder.count, trace=TRACE_NAME if trace.exists() else None,

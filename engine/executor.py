@@ -1,0 +1,75 @@
+"""The executor: the one object `LLMEngine` runs model steps through.
+
+The engine hands it a scheduled batch and, per row that samples, a `SamplingRow`; it gets back a
+`ModelRunnerOutput` of plain lists aligned with the batch (tokens, log-probs). Besides that it
+answers sizes (KV blocks, block size, bytes), makes per-request generators on the device, and
+drops state kept between steps (after a failed or out-of-memory step, or when the engine goes
+idle). Nothing else of the runner is the engine's business.
+
+`UniProcExecutor` runs the one `ModelRunner` in this process. A multi-rank executor (tensor
+parallel) keeps this method set: every rank runs the forward on the batch's ids, positions and
+block tables, and the driver rank (in this process) samples, so the `SamplingRow`s, which hold what
+cannot cross a process boundary (a request's `torch.Generator`, logits-processor closures), never
+leave the engine's process.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from llmctl.engine.model_runner import ModelRunner, RunnerConfig
+from llmctl.engine.sampler import SamplingRow
+from llmctl.engine.scheduler import ModelRunnerOutput, ScheduledSeq
+
+
+class Executor(Protocol):
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def kv_cache_bytes(self) -> int: ...
+
+    def execute(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput: ...
+
+    def make_generator(self, seed: int) -> torch.Generator: ...
+
+    def release_kept_state(self) -> None: ...
+
+    def release_after_out_of_memory(self) -> None: ...
+
+
+class UniProcExecutor:
+    """The runner in this process (the only executor today)."""
+
+    def __init__(self, config: RunnerConfig):
+        self.runner = ModelRunner(config)
+        self.num_blocks = self.runner.num_blocks
+        self.block_size = self.runner.block_size
+        self.device = self.runner.device
+        self.dtype = config.dtype
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache_bytes
+
+    def execute(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
+        return self.runner.execute(scheduled, rows)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return self.runner.make_generator(seed)
+
+    def release_kept_state(self) -> None:
+        """Drop what the runner keeps between steps (the torch backend's decode K/V): the engine went
+        idle, or a step failed and may have left it half-written."""
+        self.runner.release_kept_state()
+
+    def release_after_out_of_memory(self) -> None:
+        """Before a smaller retry: drop the kept state and hand the failed forward's cached device
+        blocks back."""
+        self.runner.release_kept_state()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
