@@ -3,8 +3,8 @@
 The engine hands it a scheduled batch and, per row that samples, a `SamplingRow`; it gets back a
 `ModelRunnerOutput` of plain lists aligned with the batch (tokens, log-probs). Besides that it
 answers sizes (KV blocks, block size, bytes), makes per-request generators on the device, and
-drops state kept between steps (after a failed or out-of-memory step, or when the engine goes
-idle). Nothing else of the runner is the engine's business.
+drops state kept between steps (past a rollback, after a failed or out-of-memory step, or when the
+engine goes idle). Nothing else of the runner is the engine's business.
 
 `UniProcExecutor` runs the one `ModelRunner` in this process. A multi-rank executor (tensor
 parallel) keeps this method set: every rank runs the forward on the batch's ids, positions and
@@ -37,6 +37,8 @@ class Executor(Protocol):
 
     def make_generator(self, seed: int) -> torch.Generator: ...
 
+    def truncate_kept_state(self, seq_id: int, num_tokens: int) -> None: ...
+
     def release_kept_state(self) -> None: ...
 
     def release_after_out_of_memory(self) -> None: ...
@@ -61,6 +63,11 @@ class UniProcExecutor:
 
     def make_generator(self, seed: int) -> torch.Generator:
         return self.runner.make_generator(seed)
+
+    def truncate_kept_state(self, seq_id: int, num_tokens: int) -> None:
+        """A verify row's rejected drafts were rolled back: only the sequence's first `num_tokens` K/V
+        still hold."""
+        self.runner.truncate_kept_state(seq_id, num_tokens)
 
     def release_kept_state(self) -> None:
         """Drop what the runner keeps between steps (the torch backend's decode K/V): the engine went

@@ -304,6 +304,8 @@ class LLMEngine:
         for update in self.scheduler.update_from_output(out, result, now):
             seq = update.seq
             request = self.requests[seq.request_id]
+            if update.num_rejected and not seq.is_finished:
+                self.executor.truncate_kept_state(seq.seq_id, seq.num_computed_tokens)
             if seq.last_token_time is not None:
                 latencies.append(now - seq.last_token_time)
             if seq.first_token_time is None:

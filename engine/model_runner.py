@@ -290,6 +290,10 @@ class ModelRunner:
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
+    def truncate_kept_state(self, seq_id: int, num_tokens: int) -> None:
+        """Only the sequence's first `num_tokens` K/V still hold (rejected drafts rolled back)."""
+        self.attention.truncate(seq_id, num_tokens)
+
     def release_kept_state(self) -> None:
         """Drop what the attention backend keeps between steps (the torch backend's decode K/V)."""
         self.attention.release()

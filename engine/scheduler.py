@@ -79,10 +79,12 @@ class ModelRunnerOutput:
 @dataclass
 class SeqUpdate:
     """A row that produced tokens this step: the accepted ones, already appended to `seq` (which is
-    finished when a token stop or a length limit ended it)."""
+    finished when a token stop or a length limit ended it), and how many of its drafts were rejected
+    (their K/V, past `seq.num_computed_tokens`, no longer hold)."""
 
     seq: Sequence
     new_token_ids: list[int]
+    num_rejected: int = 0
 
 
 def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
@@ -194,14 +196,15 @@ class Scheduler:
                 self.finish(seq)
             elif drafts:
                 self.blocks.free_lookahead(seq)
-            updates.append(SeqUpdate(seq, seq.output_token_ids[len(seq.output_token_ids) - kept:]))
+            updates.append(SeqUpdate(seq, seq.output_token_ids[len(seq.output_token_ids) - kept:],
+                                     len(drafts) - (len(accepted) - 1)))
         return updates
 
     def _append_until_stop(self, seq: Sequence, tokens: list[int], logprobs: list,
                            now: float) -> tuple[int, bool]:
         """Append `tokens` up to the first that ends the sequence (its finish reason set); returns how
         many were appended and whether one ended it."""
-        for count, (token, entry) in enumerate(zip(tokens, logprobs), start=1):
+        for count, (token, entry) in enumerate(zip(tokens, logprobs or [None] * len(tokens)), start=1):
             seq.append_token(token, entry)
             stop = self._token_stop(seq, token)
             if stop is not None:
