@@ -245,6 +245,7 @@ class ModelRunner:
         return result
 
     def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]):
+        # 1-token rows first: the decode fast paths take the leading ones (CommonAttentionMetadata.num_single)
         order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
         input_ids, positions, batch, logits_indices, prompt_rows = self._prepare(order)
         meta = self.attention.build_metadata(batch)

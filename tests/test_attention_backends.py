@@ -142,3 +142,76 @@ def test_the_common_batch_description_marks_the_decode_fast_path_rows(tiny_model
     assert verify_first.num_single == 0 and not verify_first.decode_only
     decodes = CommonAttentionMetadata([1, 2], [1, 1], [10, 20], [[0], [1, 2]], slots[:2], 16)
     assert decodes.num_single == 2 and decodes.decode_only
+
+
+class ReferenceAttention:
+    """A new backend written in this file alone (the proof that one is one class): a token-major pool and one
+    plain masked softmax per row, whatever its query length."""
+
+    name = "reference"
+    preferred_block_size = 8
+    workspace_share = 0.0
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window, dtype, kernels=None):
+        self.num_kv_heads, self.head_dim, self.group = num_kv_heads, head_dim, num_heads // num_kv_heads
+        self.window = sliding_window
+        self.label = self.name
+
+    def validate_block_size(self, block_size):
+        return None
+
+    def kv_cache_shape(self, num_blocks, block_size):
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def set_workspace_budget(self, tokens):
+        pass  # keeps nothing between steps
+
+    def truncate(self, seq_id, num_tokens):
+        pass
+
+    def release(self):
+        pass
+
+    def build_metadata(self, batch: CommonAttentionMetadata):
+        rows, start = [], 0
+        for length, context, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+            rows.append((start, length, context, torch.tensor(table[: -(-context // batch.block_size)])))
+            start += length
+        return batch.slot_mapping, rows
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        from llmctl.engine.layers.attention.paged import write_token_major
+
+        slot_mapping, rows = meta
+        write_token_major(k_cache, v_cache, k, v, slot_mapping)
+        out = torch.empty_like(q)
+        for start, length, context, table in rows:
+            keys, values = (cache[table].reshape(-1, self.num_kv_heads, self.head_dim)[:context]
+                            .repeat_interleave(self.group, dim=1).float() for cache in (k_cache, v_cache))
+            scores = torch.einsum("qhd,khd->hqk", q[start:start + length].float(), keys) * self.head_dim ** -0.5
+            q_pos = (context - length + torch.arange(length)).unsqueeze(1)
+            k_pos = torch.arange(context).unsqueeze(0)
+            allowed = k_pos <= q_pos
+            if self.window is not None:
+                allowed &= k_pos > q_pos - self.window
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            out[start:start + length] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+        return out
+
+
+def test_a_backend_defined_in_a_test_file_runs_the_engine(tmp_path, monkeypatch):
+    """The runner needs nothing backend-specific: a backend of this file alone gives the torch backend's tokens
+    and logits through chunked prefill, prefix-cache hits, prompt log-probs and a sliding window."""
+    from test_cuda_logic import _run
+
+    folder = make_tiny_model(tmp_path / "mistral", "mistral", sliding_window=48)
+    with monkeypatch.context() as patch:
+        patch.setattr("llmctl.engine.model_runner.select_backend", lambda *args: ReferenceAttention)
+        ours_llm, ours, ours_rows = _run(folder, num_kv_blocks=512)
+    assert ours_llm.engine.runner.attention.name == "reference" and ours_llm.engine.runner.block_size == 8
+    assert ours_llm.engine.get_stats()["prefix_cache_hit_rate"] > 0
+    torch_llm, expected, expected_rows = _run(folder, num_kv_blocks=256, block_size=16)
+    assert torch_llm.engine.runner.attention.name == "torch"
+    for a, b, rows_a, rows_b in zip(ours, expected, ours_rows, expected_rows):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert (rows_a - rows_b).abs().max().item() < 1e-4
