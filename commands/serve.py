@@ -12,6 +12,7 @@ from llmctl.config import ConfigOption
 
 SERVER = "Server"
 SECURITY = "Security and limits"
+ACCESS = "Access and filtering"
 
 
 def _o(*names: str, help: str, panel: str = SERVER, **kw):
@@ -43,6 +44,9 @@ def serve(
     allowed_origins: Annotated[Optional[list[str]], _o("--allowed-origins", help="Enable CORS for this origin (repeatable; default: CORS off).", panel=SECURITY)] = None,
     audit_log: Annotated[Optional[Path], _o("--audit-log", help="Append one JSON line per API request to this file.", panel=SECURITY)] = None,
     audit_log_prompts: Annotated[bool, _o("--audit-log-prompts", help="Also record prompt text in the audit log.", panel=SECURITY)] = False,
+    api_keys: Annotated[Optional[Path], _o("--api-keys", help="YAML file of API keys with attributes: models, max_tokens cap, rate limits, priority, prompt auditing (chmod 600).", panel=ACCESS)] = None,
+    output_filter: Annotated[Optional[Path], _o("--output-filter", help="YAML rules (bounded regexes, word lists) that redact or block generated text, streamed or not.", panel=ACCESS)] = None,
+    input_filter: Annotated[Optional[Path], _o("--input-filter", help="YAML rules whose match in a prompt refuses the request (400 naming the rule).", panel=ACCESS)] = None,
     engine_args: eo.EngineArgs = eo.FLAGS,
     config: Optional[Path] = ConfigOption,
 ) -> None:
@@ -67,12 +71,14 @@ def serve(
         auth_failure_limit=auth_failure_limit, forwarded_allow_ips=forwarded_allow_ips,
         limit_concurrency=limit_concurrency, timeout_headers_s=timeout_headers, timeout_body_s=timeout_body,
         timeout_keep_alive_s=timeout_keep_alive, max_sequences_per_request=max_seqs_per_request,
-        timeout_stream_write_s=timeout_stream_write,
+        timeout_stream_write_s=timeout_stream_write, api_keys=api_keys, output_filter=output_filter,
+        input_filter=input_filter,
     )
     try:
         settings.validate()
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    _check_key_priorities(settings, engine_args.scheduling_policy)
     if (folder := eo.missing_tokenizer(engine_args)) is not None:
         raise UserError(f"no tokenizer.json in {folder}: the server turns text into tokens and back; pass --tokenizer "
                         "FOLDER (with --load-format dummy, any tokenizer whose ids fit the config's vocab_size)")
@@ -82,12 +88,20 @@ def serve(
 
 def _read_key_file(path: Path) -> str:
     from llmctl.errors import UserError
+    from llmctl.server.api_keys import KeyFileError, read_key_file
 
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"--api-key-file {path}: cannot read it ({exc})") from None
-    key = lines[0].strip() if lines else ""
-    if not key:
-        raise UserError(f"--api-key-file {path} is empty")
-    return key
+        return read_key_file(path)
+    except KeyFileError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _check_key_priorities(settings, policy: str) -> None:
+    from llmctl.errors import UserError
+    from llmctl.server.api_keys import KeyFileError
+
+    try:
+        if settings.key_ring is not None:
+            settings.key_ring.check_scheduling_policy(policy)
+    except KeyFileError as exc:
+        raise UserError(str(exc)) from None

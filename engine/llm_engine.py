@@ -192,6 +192,10 @@ class LLMEngine:
                     arrival_time: Optional[float] = None, priority: int = 0, cache_salt: str = "") -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler.config.policy != "priority":  # as vLLM: never silently ignored
+            raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy "
+                                      "(--scheduling-policy priority); this engine schedules first come, first served",
+                                      param="priority")
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids, params)

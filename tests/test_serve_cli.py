@@ -139,6 +139,7 @@ def test_profile_endpoints_write_a_trace_and_need_the_key(tmp_path):
 def test_api_key_from_a_file_and_timeouts_from_flags(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("sk-from-file\n")
+    key_file.chmod(0o600)  # a key file others can read is refused
     proc, base = _start("--api-key-file", str(key_file), "--timeout-headers", "1")
     try:
         assert httpx.get(base + "/v1/models").status_code == 401

@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse, Response
 
 from llmctl.__about__ import __version__
 from llmctl.engine.async_engine import AsyncLLMEngine
+from llmctl.server.access import RequestPolicy
+from llmctl.server.api_keys import KeyRing, load_key_file
 from llmctl.server.errors import APIError, install_error_handlers
 from llmctl.server.json_body import ARRAY_LIMIT_KEY, StrictJSONRoute
 from llmctl.server.metrics import ServerMetrics, endpoint_label
@@ -31,6 +33,8 @@ from llmctl.server.openapi import install_openapi
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmctl.server.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing
+from llmctl.server.policy_files import PolicyFileError
+from llmctl.server.text_filter import FilterCounters, OutputFilter, RuleSet, load_rules
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,13 @@ class ServerSettings:
     limit_concurrency: Optional[int] = 1024
     # prompts x n per request: one request could otherwise fan out to 256 x 16 = 4,096 sequences.
     max_sequences_per_request: int = 256
+    # Access and filtering (docs/serve.md): YAML files, loaded and checked by validate().
+    api_keys: Optional[Path] = None
+    output_filter: Optional[Path] = None
+    input_filter: Optional[Path] = None
+    key_ring: Optional[KeyRing] = field(default=None, init=False, repr=False)
+    output_rules: Optional[RuleSet] = field(default=None, init=False, repr=False)
+    input_rules: Optional[RuleSet] = field(default=None, init=False, repr=False)
 
     def validate(self) -> None:
         checks = [
@@ -86,6 +97,20 @@ class ServerSettings:
         RateLimit.parse(self.auth_failure_limit)
         if self.audit_log_prompts and self.audit_log is None:
             raise ValueError("--audit-log-prompts needs --audit-log FILE")
+        self._load_access_files()
+
+    def _load_access_files(self) -> None:
+        if self.api_key and self.api_keys is not None:
+            raise ValueError("pass --api-key (or --api-key-file) or --api-keys FILE, not both")
+        try:
+            self.key_ring = (load_key_file(self.api_keys) if self.api_keys is not None
+                             else KeyRing.single(self.api_key) if self.api_key else None)
+            self.output_rules = (load_rules(self.output_filter, "--output-filter", with_actions=True)
+                                 if self.output_filter is not None else None)
+            self.input_rules = (load_rules(self.input_filter, "--input-filter", with_actions=False)
+                                if self.input_filter is not None else None)
+        except PolicyFileError as exc:
+            raise ValueError(str(exc)) from None
 
 
 KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version",
@@ -97,8 +122,12 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     settings.validate()
     metrics = ServerMetrics(settings.served_model_name, engine.get_stats, lambda: engine.is_healthy)
     engine.add_step_listener(metrics.observe_step)
+    counters = FilterCounters.on(metrics.registry, settings.served_model_name)
     serving = OpenAIServing(engine, settings.served_model_name, settings.max_output_tokens, metrics,
-                            settings.max_sequences_per_request, settings.timeout_stream_write_s)
+                            settings.max_sequences_per_request, settings.timeout_stream_write_s,
+                            output_filter=OutputFilter(settings.output_rules, counters) if settings.output_rules else None)
+    policy = RequestPolicy(settings.served_model_name, tokenizer=serving.tokenizer, input_rules=settings.input_rules,
+                           output_filtered=settings.output_rules is not None, counters=counters)
     audit = AuditLog(settings.audit_log, settings.audit_log_prompts) if settings.audit_log else None
 
     @asynccontextmanager
@@ -121,7 +150,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     setattr(app.state, ARRAY_LIMIT_KEY, max(engine.model_info.max_model_len, engine.model_info.vocab_size, MAX_PROMPTS_PER_REQUEST))
     install_error_handlers(app)
     install_openapi(app)
-    _add_routes(app, engine, serving, metrics, settings)
+    _add_routes(app, engine, serving, policy, metrics, settings)
 
     def on_finished(record: dict[str, Any]) -> None:
         metrics.observe_http(endpoint_label(record["path"], KNOWN_ENDPOINTS), record["status"])
@@ -134,9 +163,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     # browser can read why it failed.
     app.add_middleware(InternalErrors)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.timeout_body_s)
-    if settings.api_key:
-        app.add_middleware(BearerAuth, api_key=settings.api_key,
-                           failure_limit=RateLimit.parse(settings.auth_failure_limit))
+    if settings.key_ring is not None:
+        app.add_middleware(BearerAuth, keys=settings.key_ring, failure_limit=RateLimit.parse(settings.auth_failure_limit))
     if settings.rate_limit:
         app.add_middleware(RateLimiter, limit=RateLimit.parse(settings.rate_limit))
     app.add_middleware(DrainCutoff)
@@ -149,14 +177,16 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     return app
 
 
-def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing, metrics: ServerMetrics,
-                settings: ServerSettings) -> None:
+def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing, policy: RequestPolicy,
+                metrics: ServerMetrics, settings: ServerSettings) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        await policy.admit(body, request)
         return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        await policy.admit(body, request)
         return await serving.chat(body, request)
 
     model_card = {"id": settings.served_model_name, "object": "model", "created": int(time.time()),

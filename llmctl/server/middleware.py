@@ -1,5 +1,6 @@
 """ASGI middleware in front of the API: request ids, audit log and HTTP metrics, per-client rate
-limiting, Bearer-token auth (with its own failed-attempt limit) and the body guard (size counted
+limiting, Bearer-token auth (API keys with per-key rate limits, and a failed-attempt limit of its
+own) and the body guard (size counted
 on the bytes received, a read deadline, no Content-Length + Transfer-Encoding).
 
 Each is a small pure-ASGI wrapper (streaming responses pass through untouched) that answers
@@ -12,7 +13,6 @@ headers too.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -274,37 +274,74 @@ def _may_have_body(scope: dict) -> bool:
 
 
 # ---- auth -----------------------------------------------------------------------------------------
+API_KEY_SCOPE = "llmctl.api_key"  # the caller's `api_keys.ApiKey`, for the handlers' attribute checks
+
+
 class BearerAuth:
-    """Require `Authorization: Bearer <key>` on API routes; compared in constant time.
+    """Require `Authorization: Bearer <key>` on API routes, the key one of `keys` (an
+    `api_keys.KeyRing`: hash-keyed lookup, constant-time confirmation).
 
     Failed attempts draw on a per-client bucket of their own (`failure_limit`, stricter than the
     request rate limit): a client that used it up gets 429 without its key being looked at, so keys
-    cannot be guessed at line rate.
+    cannot be guessed at line rate. A key found is put in the scope (`API_KEY_SCOPE`) and its name in
+    the audit record; its own request and token rate limits apply (429). Tokens are counted when
+    the response ended (prompt + delivered completion tokens): a key over its token budget is
+    refused until the budget refilled.
     """
 
-    def __init__(self, app: ASGIApp, *, api_key: str, failure_limit: "RateLimit"):
+    def __init__(self, app: ASGIApp, *, keys: Any, failure_limit: "RateLimit"):
         self.app = app
-        self._key = api_key.encode()
+        self.keys = keys
         self.failures = TokenBuckets(failure_limit)
+        self.requests = {k.name: TokenBuckets(k.rate_limit) for k in keys.keys if k.rate_limit is not None}
+        self.tokens = {k.name: TokenBuckets(k.token_rate_limit) for k in keys.keys if k.token_rate_limit is not None}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and is_protected(scope["path"]) and scope["method"] != "OPTIONS":
-            client = client_of(scope)
-            wait = self.failures.wait(client)
-            if wait > 0:
-                await send_error(send, _rate_limited(wait, f"too many failed authentications "
-                                                           f"({self.failures.limit} per client)"),
-                                 close=_may_have_body(scope))
-                return
-            header = _header(scope, b"authorization") or ""
-            scheme, _, token = header.partition(" ")
-            if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)):
-                self.failures.take(client)
-                message = "missing API key: send 'Authorization: Bearer <key>'" if not header else "invalid API key"
-                await send_error(send, APIError(401, message, code="invalid_api_key",
-                                                headers={"WWW-Authenticate": "Bearer"}), close=_may_have_body(scope))
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or not is_protected(scope["path"]) or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        client = client_of(scope)
+        wait = self.failures.wait(client)
+        if wait > 0:
+            await send_error(send, _rate_limited(wait, f"too many failed authentications "
+                                                       f"({self.failures.limit} per client)"),
+                             close=_may_have_body(scope))
+            return
+        header = _header(scope, b"authorization") or ""
+        scheme, _, token = header.partition(" ")
+        key = self.keys.find(token.strip()) if scheme.lower() == "bearer" else None
+        if key is None:
+            self.failures.take(client)
+            message = "missing API key: send 'Authorization: Bearer <key>'" if not header else "invalid API key"
+            await send_error(send, APIError(401, message, code="invalid_api_key",
+                                            headers={"WWW-Authenticate": "Bearer"}), close=_may_have_body(scope))
+            return
+        record = scope.setdefault(AUDIT_KEY, {})
+        record["api_key_name"] = key.name
+        refusal = self._over_limit(key)
+        if refusal is not None:
+            await send_error(send, refusal, close=_may_have_body(scope))
+            return
+        scope[API_KEY_SCOPE] = key
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if not key.audit_prompts:  # the audit line is written after this, by RequestContext
+                record.pop("prompt", None)
+            if key.name in self.tokens:
+                used = int(record.get("prompt_tokens") or 0) + int(record.get("completion_tokens") or 0)
+                self.tokens[key.name].take(key.name, float(used))
+
+    def _over_limit(self, key: Any) -> Optional[APIError]:
+        tokens = self.tokens.get(key.name)
+        if tokens is not None and (wait := tokens.wait(key.name)) > 0:
+            return _rate_limited(wait, f"the API key {key.name!r} used its token budget ({tokens.limit.requests} "
+                                       f"tokens per {tokens.limit.period_s:g} s)")
+        requests = self.requests.get(key.name)
+        if requests is not None and (wait := requests.take(key.name)) > 0:
+            return _rate_limited(wait, f"rate limit exceeded for the API key {key.name!r} "
+                                       f"({requests.limit.requests} requests per {requests.limit.period_s:g} s)")
+        return None
 
 
 # ---- rate limit -----------------------------------------------------------------------------------
@@ -338,20 +375,24 @@ class TokenBuckets:
         self._max_clients = max_clients
         self._clock = clock
 
-    def take(self, client: str) -> float:
-        """0 when the request may pass (and it is counted), else the seconds until it would."""
-        return self._draw(client, consume=True)
+    def take(self, client: str, amount: Optional[float] = None) -> float:
+        """0 when the request may pass (and it is counted), else the seconds until it would.
+        With `amount` (tokens a finished request used), that much is drawn whatever is left: the
+        bucket may go below zero, and `wait` then says how long until it is back at one."""
+        return self._draw(client, consume=True, amount=amount)
 
     def wait(self, client: str) -> float:
         """As `take`, without counting anything."""
         return self._draw(client, consume=False)
 
-    def _draw(self, client: str, consume: bool) -> float:
+    def _draw(self, client: str, consume: bool, amount: Optional[float] = None) -> float:
         now = self._clock()
         tokens, last = self._buckets.pop(client, (float(self.limit.requests), now))
         tokens = min(float(self.limit.requests), tokens + (now - last) * self._rate)
         wait = 0.0
-        if tokens >= 1.0:
+        if amount is not None:
+            tokens -= amount
+        elif tokens >= 1.0:
             tokens -= 1.0 if consume else 0.0
         else:
             wait = (1.0 - tokens) / self._rate

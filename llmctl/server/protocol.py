@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from llmctl.engine.errors import InvalidRequestError
 from llmctl.engine.sampling_params import SamplingParams
@@ -158,7 +158,7 @@ class _SamplingFields(_Body):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = 0  # vLLM's: lower is scheduled earlier (needs --scheduling-policy priority unless 0)
     response_format: Optional[ResponseFormat] = None
     # Declared so null passes; any other value is refused (see _UNSUPPORTED_*).
     use_beam_search: Optional[Any] = None
@@ -183,6 +183,12 @@ class _SamplingFields(_Body):
     kv_transfer_params: Optional[Any] = None
     vllm_xargs: Optional[Any] = None
     mm_processor_kwargs: Optional[Any] = None
+    # The caller's API key caps max_tokens below the server's limit (set by `access.RequestPolicy`).
+    _key_max_tokens: Optional[int] = PrivateAttr(default=None)
+
+    def limit_max_tokens(self, cap: int) -> None:
+        """Cap the tokens this request may generate (a default max_tokens resolves to at most `cap`)."""
+        self._key_max_tokens = cap
 
 
 class CompletionRequest(_SamplingFields):
@@ -315,6 +321,7 @@ def resolve_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], pr
                        max_model_len: int, cap: int) -> int:
     """max_tokens after the server cap and the context length; errors name the limit hit."""
     asked = requested_max_tokens(body)
+    cap = min(cap, body._key_max_tokens or cap)
     room = max_model_len - prompt_len
     param = "max_completion_tokens" if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None else "max_tokens"
     if isinstance(body, CompletionRequest) and body.scores_prompt_only:

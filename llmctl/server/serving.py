@@ -26,6 +26,7 @@ from llmctl.engine.tokenizer import IncrementalDetokenizer
 from llmctl.server.errors import APIError, StreamStalledError, from_exception
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
+from llmctl.server.text_filter import OutputFilter, RequestFilter
 from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, check_unsupported,
                                     prompt_logprobs_width, resolve_max_tokens, sampling_params)
 
@@ -52,6 +53,7 @@ class _Job:
     text_offsets: dict[tuple[int, int], int] = field(default_factory=dict)  # next token's text_offset
     done: set[tuple[int, int]] = field(default_factory=set)
     finals: dict[int, RequestOutput] = field(default_factory=dict)
+    text_filter: Optional[RequestFilter] = None  # --output-filter: every output passes it first
 
     def cancel(self) -> None:
         for stream in self.streams:
@@ -71,8 +73,10 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, max_output_tokens: int, metrics: ServerMetrics,
-                 max_sequences_per_request: int = 256, stream_write_timeout_s: float = 60.0):
+                 max_sequences_per_request: int = 256, stream_write_timeout_s: float = 60.0,
+                 output_filter: Optional[OutputFilter] = None):
         self.engine = engine
+        self.output_filter = output_filter
         self.stream_write_timeout_s = stream_write_timeout_s
         self.max_sequences_per_request = max_sequences_per_request
         self.model_name = model_name
@@ -102,6 +106,7 @@ class OpenAIServing:
         self._check_fan_out(body, prompts)
         # The engine id is always ours: a client's X-Request-Id is for logs and may repeat across clients.
         job = await self._submit(body, prompts, uuid.uuid4().hex, chat)
+        job.text_filter = self.output_filter.for_request(audit) if self.output_filter is not None else None
         if body.stream:
             events = self._chat_events(job) if chat else self._completion_events(job)
             return _StallBoundedStream(self._sse(job, events, audit), self.stream_write_timeout_s,
@@ -237,6 +242,8 @@ class OpenAIServing:
                 task.cancel()
 
     def _note_final(self, job: _Job, index: int, output: RequestOutput) -> RequestOutput:
+        if job.text_filter is not None:  # the one place outputs are filtered: streamed or not
+            output = job.text_filter.apply(index, output, job.streams[index].cancel)
         if output.finished:
             self.metrics.observe_finished(output)
         if isinstance(job.body, CompletionRequest) and job.body.scores_prompt_only:
