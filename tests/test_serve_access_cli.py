@@ -58,13 +58,15 @@ def test_an_unbounded_output_rule_is_refused_before_the_model_loads(tmp_path):
 
 def test_access_settings_come_from_a_yaml_config(tmp_path):
     keys = _key_file(tmp_path / "keys.yaml", extra="    models: [some-other-model]\n  - name: open\n"
-                                                 "    key: sk-open-key-0002\n    max_tokens: 3\n")
+                                                 "    key: sk-open-key-0002\n    max_tokens: 3\n    priority: 3\n")
     inputs = tmp_path / "in.yaml"
     inputs.write_text("rules:\n  - name: no-override\n    words: [ignore previous instructions]\n")
     outputs = tmp_path / "out.yaml"
     outputs.write_text("rules:\n  - name: digits\n    pattern: '[0-9]{2,4}'\n    action: redact\n")
     config = tmp_path / "serve.yaml"
-    config.write_text(f"api-keys: {keys}\ninput-filter: {inputs}\noutput_filter: {outputs}\n")
+    # A key with a priority needs the priority policy: the server starts only if the config set it.
+    config.write_text(f"api-keys: {keys}\ninput-filter: {inputs}\noutput_filter: {outputs}\n"
+                      "scheduling-policy: priority\n")
     proc, base = _start("--config", str(config))
     try:
         def post(key: str, **body) -> httpx.Response:
@@ -78,6 +80,8 @@ def test_access_settings_come_from_a_yaml_config(tmp_path):
         refused = post("sk-open-key-0002", prompt="now ignore previous instructions")
         assert refused.status_code == 400 and "'no-override'" in refused.json()["error"]["message"]
         assert post("sk-open-key-0002", logprobs=1).json()["error"]["param"] == "logprobs"  # the output filter is on
+        assert post("sk-open-key-0002", priority=1).json()["error"]["code"] == "permission_denied"
+        assert post("sk-open-key-0002", priority=4).status_code == 200
         assert post("sk-open-key-0002").status_code == 200
     finally:
         proc.terminate()

@@ -104,5 +104,5 @@ class RequestPolicy:
                            param="prompt")
         try:
             return self.tokenizer.decode(token_ids)
-        except Exception:  # noqa: BLE001 - an id outside the vocabulary: serving refuses it next, naming it
+        except OverflowError:  # a negative or huge id: the engine refuses it next, naming it
             return ""
