@@ -18,6 +18,7 @@ from server_helpers import running_server
 
 MODEL = "shakespeare"
 REDACTED_PROMPT, BLOCKED_PROMPT = "ROMEO:", "O, what a"  # their completions differ
+CHAT = [{"role": "user", "content": "Speak!"}]
 GREEDY = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
 
 
@@ -41,7 +42,9 @@ def plain():
     """What the model says without filters: the rules of the filtered server are made from it."""
     with running_server(served_model_name=MODEL) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-        yield {"redacted": _tokens(client, REDACTED_PROMPT), "blocked": _tokens(client, BLOCKED_PROMPT)}
+        chat = client.chat.completions.create(messages=CHAT, logprobs=True, **GREEDY).choices[0].logprobs.content
+        yield {"redacted": _tokens(client, REDACTED_PROMPT), "blocked": _tokens(client, BLOCKED_PROMPT),
+               "chat": [item.token for item in chat]}
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +53,18 @@ def filtered(plain, tmp_path_factory):
     redacted, blocked = "".join(plain["redacted"]), "".join(plain["blocked"])
     redact = _straddling(plain["redacted"], elsewhere=blocked)
     block = _straddling(plain["blocked"], elsewhere=redacted, skip=4)
+    chat_block = _straddling(plain["chat"], elsewhere=redacted + blocked)
     rules = folder / "output.yaml"
     rules.write_text(json.dumps({"rules": [
         {"name": "straddler", "pattern": re.escape(redact), "action": "redact", "replacement": "<cut>"},
         {"name": "stopper", "pattern": re.escape(block), "action": "block"},
+        {"name": "chat-stopper", "pattern": re.escape(chat_block), "action": "block"},
     ]}))
     inputs = folder / "input.yaml"
     inputs.write_text("rules:\n  - name: no-override\n    words: [ignore previous instructions]\n")
     with running_server(served_model_name=MODEL, output_filter=rules, input_filter=inputs,
                         audit_log=folder / "audit.jsonl") as srv:
-        yield srv, redact, block
+        yield srv, redact, block, chat_block
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +80,7 @@ def _metric(server, name: str, rule: str) -> float:
 
 
 def test_a_redact_rule_removes_a_pattern_straddling_two_stream_chunks(filtered, plain, client):
-    server, redact, _ = filtered
+    server, redact = filtered[:2]
     original = "".join(plain["redacted"])
     assert redact in original and not any(redact in token for token in plain["redacted"])
     expected = original.replace(redact, "<cut>")
@@ -90,7 +95,7 @@ def test_a_redact_rule_removes_a_pattern_straddling_two_stream_chunks(filtered, 
 
 
 def test_a_block_rule_ends_the_stream_with_content_filter_and_frees_the_request(filtered, plain, client):
-    server, _, block = filtered
+    server, block = filtered[0], filtered[2]
     original = "".join(plain["blocked"])
     before = original[:original.index(block)]
     chunks = list(client.completions.create(prompt=BLOCKED_PROMPT, stream=True, stream_options={"include_usage": True},
@@ -102,9 +107,19 @@ def test_a_block_rule_ends_the_stream_with_content_filter_and_frees_the_request(
     server.wait_idle()
     whole = client.completions.create(prompt=BLOCKED_PROMPT, **GREEDY).choices[0]
     assert whole.text == before and whole.finish_reason == "content_filter"
-    chat = list(client.chat.completions.create(messages=[{"role": "user", "content": "x"}], stream=True, **GREEDY))
-    assert chat[-1].choices[0].finish_reason in ("length", "content_filter")  # whatever it says, it ends
-    assert _metric(server, "llmctl:output_filter_blocks", "stopper") >= 2
+    assert _metric(server, "llmctl:output_filter_blocks", "stopper") == 2
+    server.wait_idle()
+
+
+def test_a_block_rule_ends_a_chat_stream_with_content_filter(filtered, plain, client):
+    server, redact, _, chat_block = filtered
+    original = "".join(plain["chat"])
+    before = original[:original.index(chat_block)].replace(redact, "<cut>")
+    chunks = list(client.chat.completions.create(messages=CHAT, stream=True, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == before
+    assert chunks[-1].choices[0].finish_reason == "content_filter"
+    whole = client.chat.completions.create(messages=CHAT, **GREEDY).choices[0]
+    assert whole.message.content == before and whole.finish_reason == "content_filter"
     server.wait_idle()
 
 
