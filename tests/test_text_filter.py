@@ -133,3 +133,54 @@ def test_the_rule_files_in_the_docs_load(tmp_path):
     for block, with_actions in zip(blocks, (True, False)):
         path.write_text(block)
         assert load_rules(path, "--output-filter", with_actions=with_actions).rules
+
+
+# ---- one request's outputs through the filter (what serving.py's hook calls) --------------------------
+def _request_filter(tmp_path, *, choices: int, cumulative: bool):
+    from prometheus_client import CollectorRegistry
+
+    from llmctl.server.text_filter import FilterCounters, OutputFilter
+
+    path = tmp_path / "rules.yaml"
+    path.write_text("rules:\n  - name: secret\n    words: [secret]\n    action: block\n"
+                    "  - name: digits\n    pattern: '[0-9]{2,3}'\n    action: redact\n    replacement: '#'\n")
+    audit: dict = {}
+    output_filter = OutputFilter(load_rules(path, "--output-filter", with_actions=True),
+                                 FilterCounters.on(CollectorRegistry(), "m"))
+    return output_filter.for_request(audit, choices=choices, cumulative=cumulative), audit
+
+
+def _output(*texts: str, finished: bool = False, reasons=None):
+    from llmctl.engine.outputs import CompletionOutput, RequestOutput
+
+    reasons = reasons or [None] * len(texts)
+    return RequestOutput("r", None, [1], [CompletionOutput(i, text, [7], None, None, finish_reason=reason)
+                                           for i, (text, reason) in enumerate(zip(texts, reasons))], finished)
+
+
+@pytest.mark.parametrize("cumulative", [True, False])
+def test_a_block_ends_the_choice_with_content_filter_and_cancels_the_request(tmp_path, cumulative):
+    request, audit = _request_filter(tmp_path, choices=1, cumulative=cumulative)
+    pieces = ["ab 12", "3 is the se", "cret word", " more"]
+    cancelled, shown, reasons = [], "", []
+    for i in range(len(pieces)):
+        text = "".join(pieces[:i + 1]) if cumulative else pieces[i]
+        out = request.apply(0, _output(text), lambda: cancelled.append(True))
+        if not out.outputs:
+            continue
+        shown = out.outputs[0].text if cumulative else shown + out.outputs[0].text
+        reasons.append(out.outputs[0].finish_reason)
+        if out.finished:
+            break
+    assert shown == "ab # is the " and reasons[-1] == "content_filter" and cancelled == [True]
+    assert audit == {"output_filter_redactions": {"digits": 1}, "output_filter_blocked": ["secret"]}
+
+
+def test_with_two_choices_the_request_runs_on_until_the_other_one_ends(tmp_path):
+    request, _ = _request_filter(tmp_path, choices=2, cumulative=False)
+    cancelled = []
+    out = request.apply(0, _output("a secret word", "fine"), lambda: cancelled.append(True))
+    assert [c.finish_reason for c in out.outputs] == ["content_filter", None] and not out.finished
+    out = request.apply(0, _output("dropped", " and done", reasons=[None, "stop"]), lambda: cancelled.append(True))
+    assert [(c.index, c.text, c.finish_reason) for c in out.outputs] == [(1, "fine and done", "stop")]  # "fine" was held back
+    assert out.finished and cancelled == [True]

@@ -106,7 +106,8 @@ class OpenAIServing:
         self._check_fan_out(body, prompts)
         # The engine id is always ours: a client's X-Request-Id is for logs and may repeat across clients.
         job = await self._submit(body, prompts, uuid.uuid4().hex, chat)
-        job.text_filter = self.output_filter.for_request(audit) if self.output_filter is not None else None
+        if self.output_filter is not None:
+            job.text_filter = self.output_filter.for_request(audit, choices=body.n)
         if body.stream:
             events = self._chat_events(job) if chat else self._completion_events(job)
             return _StallBoundedStream(self._sse(job, events, audit), self.stream_write_timeout_s,

@@ -263,48 +263,65 @@ class OutputFilter:
         self.rules = rules
         self.counters = counters
 
-    def for_request(self, audit: dict[str, Any]) -> "RequestFilter":
-        return RequestFilter(self, audit)
+    def for_request(self, audit: dict[str, Any], *, choices: int, cumulative: bool = True) -> "RequestFilter":
+        """`choices`: completions per prompt (`n`); `cumulative`: each output holds all the text so
+        far (else only what is new since the previous one, vLLM's DELTA / FINAL_ONLY outputs)."""
+        return RequestFilter(self, audit, choices, cumulative)
 
 
 @dataclass
 class _Choice:
     stream: StreamFilter
-    seen: int = 0  # characters of the engine's (cumulative) text fed so far
+    seen: int = 0  # characters of the engine's cumulative text fed so far
     shown: str = ""  # the filtered text so far
     counted: Counter = field(default_factory=Counter)
 
 
 class RequestFilter:
-    """One request's outputs through the filter: `apply` turns each engine output (cumulative text,
-    one per prompt `index`) into the same output with the filtered text so far. A choice a block
-    rule stopped ends with finish_reason `content_filter`; once every choice of an output ended,
-    `cancel` aborts the engine request (its KV blocks are freed) and the output is final."""
+    """One request's outputs through the filter: `apply` turns each engine output of prompt `index`
+    into the same output with filtered text, cumulative or new as the engine's was. A choice a
+    block rule stopped ends with finish_reason `content_filter` (later deltas of it are dropped);
+    once every choice of a prompt ended, `cancel` aborts its engine request (its KV blocks are
+    freed) and the output is final."""
 
-    def __init__(self, owner: OutputFilter, audit: dict[str, Any]):
+    def __init__(self, owner: OutputFilter, audit: dict[str, Any], choices: int, cumulative: bool):
         self._owner = owner
         self._audit = audit
+        self._per_prompt = choices
+        self._cumulative = cumulative
         self._choices: dict[tuple[int, int], _Choice] = {}
+        self._ended: set[tuple[int, int]] = set()
 
     def apply(self, index: int, output: Any, cancel: Callable[[], None]) -> Any:
-        completions = [self._filtered(index, completion) for completion in output.outputs]
-        finished = output.finished or all(c.finish_reason is not None for c in completions)
+        completions = [c for c in (self._filtered(index, completion) for completion in output.outputs) if c is not None]
+        ended = sum(1 for p_index, _ in self._ended if p_index == index)
+        finished = output.finished or ended == self._per_prompt
         if finished and not output.finished:
             cancel()
         return replace(output, outputs=completions, finished=finished)
 
     def _filtered(self, index: int, completion: Any) -> Any:
+        """The completion with filtered text; None for a delta of a choice a block rule ended."""
         key = (index, completion.index)
         choice = self._choices.get(key)
         if choice is None:
             choice = self._choices[key] = _Choice(StreamFilter(self._owner.rules))
+        released = ""
         if choice.stream.blocked_by is None:
-            delta, choice.seen = completion.text[choice.seen:], len(completion.text)
-            choice.shown += choice.stream.feed(delta, final=completion.finish_reason is not None)
+            delta = completion.text[choice.seen:] if self._cumulative else completion.text
+            choice.seen += len(delta)
+            released = choice.stream.feed(delta, final=completion.finish_reason is not None)
+            choice.shown += released
             self._count(choice)
+        elif not self._cumulative:
+            return None
+        text = choice.shown if self._cumulative else released
         if choice.stream.blocked_by is not None:
-            return replace(completion, text=choice.shown, finish_reason=CONTENT_FILTER, stop_reason=None)
-        return replace(completion, text=choice.shown)
+            self._ended.add(key)
+            return replace(completion, text=text, finish_reason=CONTENT_FILTER, stop_reason=None)
+        if completion.finish_reason is not None:
+            self._ended.add(key)
+        return replace(completion, text=text)
 
     def _count(self, choice: _Choice) -> None:
         counters, model = self._owner.counters, self._owner.counters.model_name
