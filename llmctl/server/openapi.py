@@ -2,7 +2,7 @@
 
 FastAPI documents a 422 validation error on every route with a body; this server answers 400 with
 OpenAI's error body instead (`errors.py`), and its middlewares answer 401/408/413/429/503 before
-any route runs. Fuzzers and client generators read this document, so it lists those answers, with
+any route runs (403: an API key's attributes, checked by the route). Fuzzers and client generators read this document, so it lists those answers, with
 the one error schema they all share. The request schemas are the pydantic models themselves.
 """
 
@@ -33,10 +33,11 @@ _ERRORS = {
     400: "Invalid request: malformed JSON, wrong types, values out of range, unsupported fields, "
          "prompt too long for the context",
     401: "Missing or wrong API key (when the server has one)",
+    403: "The API key may not use this model or priority (--api-keys)",
     404: "Unknown model or route",
     408: "The request body did not arrive within --timeout-body",
     413: "Request body over --max-body-size",
-    429: "Over --rate-limit or --auth-failure-limit for this client",
+    429: "Over --rate-limit or --auth-failure-limit for this client, or over the API key's rate limits",
     500: "A server bug, or a failed engine step",
     503: "Warming up, over capacity, too many connections, or the engine is not serving",
     504: "The request ran past --request-timeout",
@@ -78,5 +79,5 @@ def _errors_for(path: str, method: str) -> list[int]:
         return [500, 503] if path == "/health" else [500]
     statuses = [401, 404, 429, 500, 503]
     if method == "post":
-        statuses += [400, 408, 413, 504]
+        statuses += [400, 403, 408, 413, 504]
     return sorted(statuses)
