@@ -208,10 +208,11 @@ def test_a_backend_defined_in_a_test_file_runs_the_engine(tmp_path, monkeypatch)
     with monkeypatch.context() as patch:
         patch.setattr("llmctl.engine.model_runner.select_backend", lambda *args: ReferenceAttention)
         ours_llm, ours, ours_rows = _run(folder, num_kv_blocks=512)
-    assert ours_llm.engine.runner.attention.name == "reference" and ours_llm.engine.runner.block_size == 8
+    runner = ours_llm.engine.executor.runner
+    assert runner.attention.name == "reference" and runner.block_size == 8
     assert ours_llm.engine.get_stats()["prefix_cache_hit_rate"] > 0
     torch_llm, expected, expected_rows = _run(folder, num_kv_blocks=256, block_size=16)
-    assert torch_llm.engine.runner.attention.name == "torch"
+    assert torch_llm.engine.executor.runner.attention.name == "torch"
     for a, b, rows_a, rows_b in zip(ours, expected, ours_rows, expected_rows):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert (rows_a - rows_b).abs().max().item() < 1e-4
