@@ -1,7 +1,7 @@
 """ASGI middleware in front of the API: request ids, audit log and HTTP metrics, per-client rate
 limiting, Bearer-token auth (API keys with per-key rate limits, and a failed-attempt limit of its
-own) and the body guard (size counted
-on the bytes received, a read deadline, no Content-Length + Transfer-Encoding).
+own) and the body guard (size counted on the bytes received, a read deadline, no Content-Length +
+Transfer-Encoding).
 
 Each is a small pure-ASGI wrapper (streaming responses pass through untouched) that answers
 refusals itself with an OpenAI error body, before any handler runs. The order matters and is set
