@@ -13,6 +13,8 @@ from llmctl.config import ConfigOption
 SERVER = "Server"
 SECURITY = "Security and limits"
 ACCESS = "Access and filtering"
+FALLBACK = "Fallback model"
+CONCURRENCY = "Admission (concurrency limit)"
 
 
 def _o(*names: str, help: str, panel: str = SERVER, **kw):
@@ -47,6 +49,26 @@ def serve(
     api_keys: Annotated[Optional[Path], _o("--api-keys", help="YAML file of API keys with attributes: models, max_tokens cap, rate limits, priority, prompt auditing (chmod 600).", panel=ACCESS)] = None,
     output_filter: Annotated[Optional[Path], _o("--output-filter", help="YAML rules (bounded regexes, word lists) that redact or block generated text, streamed or not.", panel=ACCESS)] = None,
     input_filter: Annotated[Optional[Path], _o("--input-filter", help="YAML rules whose match in a prompt refuses the request (400 naming the rule).", panel=ACCESS)] = None,
+    # --- fallback model and concurrency limit (llmctl/server/routing.py, concurrency.py) ---
+    fallback_model: Annotated[Optional[str], _o("--fallback-model", help="Smaller model folder that answers new requests while the primary's load signal is at --fallback-at or above.", panel=FALLBACK)] = None,
+    fallback_tokenizer: Annotated[Optional[str], _o("--fallback-tokenizer", help="The fallback's tokenizer folder (default: its model folder).", panel=FALLBACK)] = None,
+    fallback_served_model_name: Annotated[Optional[str], _o("--fallback-served-model-name", help="Model id of the fallback (default: its folder's name); requests naming it always go there.", panel=FALLBACK)] = None,
+    fallback_at: Annotated[float, _o("--fallback-at", help="Load signal (0..1) from which new requests go to the fallback.", panel=FALLBACK)] = 0.8,
+    fallback_hysteresis: Annotated[float, _o("--fallback-hysteresis", help="New requests return to the primary once its load is below --fallback-at minus this.", panel=FALLBACK)] = 0.1,
+    fallback_kv_cache_memory: Annotated[Optional[int], _o("--fallback-kv-cache-memory", help="The fallback's KV cache size in bytes (CPU; default: sized like the primary's).", panel=FALLBACK)] = None,
+    fallback_num_kv_blocks: Annotated[Optional[int], _o("--fallback-num-kv-blocks", help="The fallback's KV pool in blocks (overrides its memory settings).", panel=FALLBACK)] = None,
+    fallback_gpu_memory_utilization: Annotated[float, _o("--fallback-gpu-memory-utilization", help="CUDA: fraction of the device the fallback (loaded first) may use; the primary gets the rest of --gpu-memory-utilization.", panel=FALLBACK)] = 0.2,
+    # bench serve's --max-concurrency is the client's (LLMCTL_MAX_CONCURRENCY); this one is the server's.
+    max_concurrency: Annotated[Optional[str], _o("--max-concurrency", help="Completion requests admitted at once: a number, or auto (an AIMD controller on time to first token and load); more get 503 or wait in --concurrency-queue.", panel=CONCURRENCY, envvar="LLMCTL_SERVE_MAX_CONCURRENCY")] = None,
+    concurrency_min: Annotated[int, _o("--concurrency-min", help="auto: the lowest limit.", panel=CONCURRENCY)] = 1,
+    concurrency_max: Annotated[int, _o("--concurrency-max", help="auto: the highest limit.", panel=CONCURRENCY)] = 256,
+    concurrency_initial: Annotated[int, _o("--concurrency-initial", help="auto: the limit at start.", panel=CONCURRENCY)] = 16,
+    concurrency_target_ttft: Annotated[float, _o("--concurrency-target-ttft", help="auto: seconds of p50 time to first token above which the limit shrinks.", panel=CONCURRENCY)] = 1.0,
+    concurrency_target_load: Annotated[float, _o("--concurrency-target-load", help="auto: p50 load signal (0..1) above which the limit shrinks.", panel=CONCURRENCY)] = 0.95,
+    concurrency_window: Annotated[float, _o("--concurrency-window", help="auto: seconds of finished requests per decision.", panel=CONCURRENCY)] = 1.0,
+    concurrency_backoff: Annotated[float, _o("--concurrency-backoff", help="auto: factor the limit is multiplied by when a target is missed.", panel=CONCURRENCY)] = 0.9,
+    concurrency_queue: Annotated[int, _o("--concurrency-queue", help="Requests that may wait for a slot (0: refuse at once with 503).", panel=CONCURRENCY)] = 0,
+    concurrency_queue_timeout: Annotated[float, _o("--concurrency-queue-timeout", help="Seconds a queued request waits for a slot before its 503.", panel=CONCURRENCY)] = 5.0,
     engine_args: eo.EngineArgs = eo.FLAGS,
     config: Optional[Path] = ConfigOption,
 ) -> None:
@@ -72,7 +94,7 @@ def serve(
         limit_concurrency=limit_concurrency, timeout_headers_s=timeout_headers, timeout_body_s=timeout_body,
         timeout_keep_alive_s=timeout_keep_alive, max_sequences_per_request=max_seqs_per_request,
         timeout_stream_write_s=timeout_stream_write, api_keys=api_keys, output_filter=output_filter,
-        input_filter=input_filter,
+        input_filter=input_filter, **_policy_settings(locals()),
     )
     try:
         settings.validate()
@@ -82,8 +104,48 @@ def serve(
     if (folder := eo.missing_tokenizer(engine_args)) is not None:
         raise UserError(f"no tokenizer.json in {folder}: the server turns text into tokens and back; pass --tokenizer "
                         "FOLDER (with --load-format dummy, any tokenizer whose ids fit the config's vocab_size)")
+    fallback = _fallback(locals())
+    if fallback is not None and (folder := eo.missing_tokenizer(fallback)) is not None:
+        raise UserError(f"no tokenizer.json in {folder}: pass --fallback-tokenizer FOLDER")
     raise typer.Exit(run_server(engine_args, settings, max_waiting_requests=max_waiting_requests,
-                                request_timeout_s=request_timeout))
+                                request_timeout_s=request_timeout, fallback=fallback))
+
+
+def _policy_settings(options: dict) -> dict:
+    """The fallback routing and concurrency-limit fields of `ServerSettings`, from the parsed flags."""
+    from llmctl.server.concurrency import ConcurrencySettings
+
+    concurrency = None
+    if options["max_concurrency"] is not None:
+        concurrency = ConcurrencySettings(
+            max_concurrency=options["max_concurrency"].strip().lower(), min_limit=options["concurrency_min"],
+            max_limit=options["concurrency_max"], initial_limit=options["concurrency_initial"],
+            target_ttft_s=options["concurrency_target_ttft"], target_load=options["concurrency_target_load"],
+            window_s=options["concurrency_window"], backoff=options["concurrency_backoff"],
+            queue_size=options["concurrency_queue"], queue_timeout_s=options["concurrency_queue_timeout"])
+    name = options["fallback_served_model_name"]
+    if options["fallback_model"] is not None and name is None:
+        name = Path(options["fallback_model"]).resolve().name
+    elif options["fallback_model"] is None and name is not None:
+        from llmctl.errors import UserError
+
+        raise UserError("--fallback-served-model-name needs --fallback-model")
+    return dict(fallback_served_model_name=name, fallback_at=options["fallback_at"],
+                fallback_hysteresis=options["fallback_hysteresis"], concurrency=concurrency)
+
+
+def _fallback(options: dict):
+    from llmctl.errors import UserError
+    from llmctl.server.runner import FallbackModel
+
+    if options["fallback_model"] is None:
+        given = [flag for flag in ("tokenizer", "kv_cache_memory", "num_kv_blocks")
+                 if options[f"fallback_{flag}"] is not None]
+        if given:
+            raise UserError(f"--fallback-{given[0].replace('_', '-')} needs --fallback-model")
+        return None
+    return FallbackModel(options["fallback_model"], options["fallback_tokenizer"], options["fallback_kv_cache_memory"],
+                         options["fallback_num_kv_blocks"], options["fallback_gpu_memory_utilization"])
 
 
 def _read_key_file(path: Path) -> str:

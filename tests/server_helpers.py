@@ -75,11 +75,14 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings):
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings,
+                 fallback_engine: Optional[AsyncLLMEngine] = None):
         self.engine = engine
+        self.fallback_engine = fallback_engine
         self.settings = settings
         self.base_url = f"http://127.0.0.1:{settings.port}"
-        self.server = uvicorn.Server(uvicorn_config(build_app(engine, settings), settings, log_level="warning"))
+        app = build_app(engine, settings, fallback_engine=fallback_engine)
+        self.server = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> "RunningServer":
@@ -113,14 +116,15 @@ class RunningServer:
         assert grown < rss_bound_mib, f"RSS grew by {grown:.0f} MiB (bound {rss_bound_mib:.0f} MiB)"
 
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
-        """Wait until the engine holds no request and every KV block is free again."""
+        """Wait until the engine (and the fallback's) holds no request and every KV block is free again."""
         deadline = time.monotonic() + timeout
-        stats = self.engine.get_stats()
+        engines = [self.engine] + ([self.fallback_engine] if self.fallback_engine is not None else [])
+        stats = [engine.get_stats() for engine in engines]
         while time.monotonic() < deadline:
-            stats = self.engine.get_stats()
-            if (stats.get("num_requests") == 0 and stats.get("num_pending") == 0
-                    and stats.get("num_free_blocks") == stats.get("num_total_blocks")):
-                return stats
+            stats = [engine.get_stats() for engine in engines]
+            if all(s.get("num_requests") == 0 and s.get("num_pending") == 0
+                   and s.get("num_free_blocks") == s.get("num_total_blocks") for s in stats):
+                return stats[0]
             time.sleep(0.05)
         raise AssertionError(f"engine not idle: {stats}")
 
@@ -128,12 +132,15 @@ class RunningServer:
 @contextmanager
 def running_server(model: Optional[str] = None, *, engine_options: Optional[dict[str, Any]] = None,
                    max_waiting_requests: Optional[int] = None, request_timeout_s: Optional[float] = None,
-                   **settings: Any) -> Iterator[RunningServer]:
+                   fallback: Optional[Any] = None, **settings: Any) -> Iterator[RunningServer]:
+    """`fallback`: a `llmctl.server.runner.FallbackModel` served beside the model (loaded as `serve` does)."""
+    from llmctl.server.runner import load_engines
+
     args = EngineArgs.from_dict({"model": None if model is None else str(model), "device": "cpu",
                                  **(engine_options or {})})
-    engine = AsyncLLMEngine.from_engine_args(args, max_waiting_requests=max_waiting_requests,
-                                             request_timeout_s=request_timeout_s)
-    server = RunningServer(engine, ServerSettings(port=free_port(), **settings)).start()
+    engine, fallback_engine = load_engines(args, fallback, max_waiting_requests=max_waiting_requests,
+                                           request_timeout_s=request_timeout_s)
+    server = RunningServer(engine, ServerSettings(port=free_port(), **settings), fallback_engine).start()
     try:
         yield server
     finally:

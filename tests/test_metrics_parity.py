@@ -88,12 +88,30 @@ def documented_metrics() -> dict[str, str]:
     return dict(rows)
 
 
+# Exposed only by a server with --fallback-model / --max-concurrency.
+POLICY_METRICS = {"llmctl:fallback_active", "llmctl:num_requests_degraded_total", "llmctl:concurrency_limit",
+                  "llmctl:concurrency_in_flight", "llmctl:concurrency_queued", "llmctl:concurrency_rejected_total"}
+
+
+def _exposed_as_queried(srv) -> dict[str, str]:
+    httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    exposed = {f.name: f.type for f in text_string_to_metric_families(httpx.get(srv.base_url + "/metrics").text)
+               if f.name.startswith("llmctl:")}
+    # The parser strips `_total` from counter family names; the doc writes the names PromQL uses.
+    return {name + "_total" if kind == "counter" else name: kind for name, kind in exposed.items()}
+
+
 def test_docs_metrics_md_lists_exactly_the_metrics_the_server_exposes():
     with running_server() as srv:
-        httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
-        exposed = {f.name: f.type for f in text_string_to_metric_families(httpx.get(srv.base_url + "/metrics").text)
-                   if f.name.startswith("llmctl:")}
+        as_queried = _exposed_as_queried(srv)
     documented = documented_metrics()
-    # The parser strips `_total` from counter family names; the doc writes the names PromQL uses.
-    as_queried = {name + "_total" if kind == "counter" else name: kind for name, kind in exposed.items()}
-    assert documented == as_queried
+    assert {name: kind for name, kind in documented.items() if name not in POLICY_METRICS} == as_queried
+
+
+def test_docs_metrics_md_lists_exactly_the_metrics_a_server_with_both_policies_exposes(tiny_chat_model):
+    from llmctl.server.concurrency import ConcurrencySettings
+    from llmctl.server.runner import FallbackModel
+
+    with running_server(fallback=FallbackModel(str(tiny_chat_model), num_kv_blocks=80), served_model_name="big",
+                        fallback_served_model_name="small", concurrency=ConcurrencySettings("auto")) as srv:
+        assert documented_metrics() == _exposed_as_queried(srv)

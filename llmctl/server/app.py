@@ -24,14 +24,16 @@ from llmctl.__about__ import __version__
 from llmctl.engine.async_engine import AsyncLLMEngine
 from llmctl.server.access import RequestPolicy
 from llmctl.server.api_keys import KeyRing, load_key_file
+from llmctl.server.concurrency import ConcurrencyLimit, ConcurrencyLimiter, ConcurrencySettings, controller_for
 from llmctl.server.errors import APIError, install_error_handlers
 from llmctl.server.json_body import ARRAY_LIMIT_KEY, StrictJSONRoute
-from llmctl.server.metrics import ServerMetrics, endpoint_label
+from llmctl.server.metrics import ModelMetrics, ServerMetrics, endpoint_label
 from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, DrainCutoff, InternalErrors, RateLimit, RateLimiter, RequestContext,
                                       audit_line, is_protected)
 from llmctl.server.openapi import install_openapi
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.server.routing import DEFAULT_FALLBACK_AT, DEFAULT_HYSTERESIS, FallbackPolicy, ModelRouter, load_signal
 from llmctl.server.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing
 from llmctl.server.policy_files import PolicyFileError
 from llmctl.server.text_filter import FilterCounters, OutputFilter, RuleSet, load_rules
@@ -71,6 +73,11 @@ class ServerSettings:
     key_ring: Optional[KeyRing] = field(default=None, init=False, repr=False)
     output_rules: Optional[RuleSet] = field(default=None, init=False, repr=False)
     input_rules: Optional[RuleSet] = field(default=None, init=False, repr=False)
+    # --- fallback model and adaptive concurrency (docs/serve.md "Serving under load") ---
+    fallback_served_model_name: Optional[str] = None  # set when a fallback engine is served
+    fallback_at: float = DEFAULT_FALLBACK_AT
+    fallback_hysteresis: float = DEFAULT_HYSTERESIS
+    concurrency: Optional[ConcurrencySettings] = None  # None: no admission limit beyond the engine's queue
 
     def validate(self) -> None:
         checks = [
@@ -97,6 +104,13 @@ class ServerSettings:
         RateLimit.parse(self.auth_failure_limit)
         if self.audit_log_prompts and self.audit_log is None:
             raise ValueError("--audit-log-prompts needs --audit-log FILE")
+        FallbackPolicy(self.fallback_at, self.fallback_hysteresis)
+        if self.fallback_served_model_name is not None and (
+                self.fallback_served_model_name.strip() in ("", self.served_model_name)):
+            raise ValueError("the fallback model needs its own, non-empty served name "
+                             "(--fallback-served-model-name differs from --served-model-name)")
+        if self.concurrency is not None:
+            self.concurrency.validate()
         self._load_access_files()
 
     def _load_access_files(self) -> None:
@@ -117,28 +131,72 @@ KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/he
                    "/start_profile", "/stop_profile"}
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine: bool = True) -> FastAPI:
-    """The ASGI app serving `engine`; the engine warms up on startup unless already started."""
-    settings.validate()
-    metrics = ServerMetrics(settings.served_model_name, engine.get_stats, lambda: engine.is_healthy)
-    engine.add_step_listener(metrics.observe_step)
-    counters = FilterCounters.on(metrics.registry, settings.served_model_name)
-    serving = OpenAIServing(engine, settings.served_model_name, settings.max_output_tokens, metrics,
+def _load_of(engine: AsyncLLMEngine):
+    return lambda stats: load_signal(stats, engine.max_waiting_requests)
+
+
+@dataclass
+class _Served:
+    """One served model: its engine, its metrics view, its OpenAI handlers and its request policy."""
+    engine: AsyncLLMEngine
+    view: ModelMetrics
+    serving: OpenAIServing
+    policy: RequestPolicy
+
+
+def _served(engine: AsyncLLMEngine, view: ModelMetrics, settings: ServerSettings,
+            counters: FilterCounters) -> _Served:
+    engine.add_step_listener(view.observe_step)
+    output_filter = OutputFilter(settings.output_rules, counters) if settings.output_rules else None
+    serving = OpenAIServing(engine, view.model_name, settings.max_output_tokens, view,  # type: ignore[arg-type]
                             settings.max_sequences_per_request, settings.timeout_stream_write_s,
-                            output_filter=OutputFilter(settings.output_rules, counters) if settings.output_rules else None)
-    policy = RequestPolicy(settings.served_model_name, tokenizer=serving.tokenizer, input_rules=settings.input_rules,
+                            output_filter=output_filter)
+    policy = RequestPolicy(view.model_name, tokenizer=serving.tokenizer, input_rules=settings.input_rules,
                            output_filtered=settings.output_rules is not None, counters=counters)
+    return _Served(engine, view, serving, policy)
+
+
+def _models(engine: AsyncLLMEngine, fallback_engine: Optional[AsyncLLMEngine], settings: ServerSettings,
+            metrics: ServerMetrics) -> tuple[list[_Served], ModelRouter[_Served]]:
+    """The served models (the primary first) and the router choosing between them."""
+    counters = FilterCounters.on(metrics.registry, settings.served_model_name)
+    served = [_served(engine, metrics.for_model(settings.served_model_name), settings, counters)]
+    if fallback_engine is not None:
+        view = metrics.add_engine(settings.fallback_served_model_name, fallback_engine.get_stats,
+                                  lambda: fallback_engine.is_healthy, _load_of(fallback_engine))
+        served.append(_served(fallback_engine, view, settings, counters))
+    fallback = (served[1].view.model_name, served[1]) if len(served) > 1 else None
+    router = ModelRouter((settings.served_model_name, served[0]), lambda: _load_of(engine)(engine.get_stats()),
+                         fallback, FallbackPolicy(settings.fallback_at, settings.fallback_hysteresis))
+    return served, router
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine: bool = True,
+              fallback_engine: Optional[AsyncLLMEngine] = None) -> FastAPI:
+    """The ASGI app serving `engine` (and `fallback_engine` under load); engines warm up on startup
+    unless already started."""
+    settings.validate()
+    if (fallback_engine is None) != (settings.fallback_served_model_name is None):
+        raise ValueError("a fallback engine and settings.fallback_served_model_name go together")
+    metrics = ServerMetrics(settings.served_model_name, engine.get_stats, lambda: engine.is_healthy, _load_of(engine))
+    served, router = _models(engine, fallback_engine, settings, metrics)
+    engines = [model.engine for model in served]
+    degraded = (metrics.track_fallback(router.primary_name, router.fallback_name, lambda: router.degraded)
+                if router.fallback is not None else None)
+    limiter = _limiter(settings.concurrency, metrics, served)
     audit = AuditLog(settings.audit_log, settings.audit_log_prompts) if settings.audit_log else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        warmup = asyncio.create_task(asyncio.to_thread(engine.start)) if start_engine else None
+        warmups = [asyncio.create_task(asyncio.to_thread(e.start)) for e in engines] if start_engine else []
         try:
             yield
         finally:
-            if warmup is not None and not warmup.done():
-                warmup.cancel()
-            await asyncio.to_thread(engine.shutdown)
+            for warmup in warmups:
+                if not warmup.done():
+                    warmup.cancel()
+            for served_engine in engines:
+                await asyncio.to_thread(served_engine.shutdown)
             if audit is not None:
                 audit.close()
 
@@ -147,10 +205,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
                   openapi_url="/openapi.json", redirect_slashes=False)
     app.router.route_class = StrictJSONRoute
     # A token prompt holds at most max_model_len ids, logit_bias at most a vocabulary's keys.
-    setattr(app.state, ARRAY_LIMIT_KEY, max(engine.model_info.max_model_len, engine.model_info.vocab_size, MAX_PROMPTS_PER_REQUEST))
+    limits = [MAX_PROMPTS_PER_REQUEST] + [n for e in engines for n in (e.model_info.max_model_len, e.model_info.vocab_size)]
+    setattr(app.state, ARRAY_LIMIT_KEY, max(limits))
     install_error_handlers(app)
     install_openapi(app)
-    _add_routes(app, engine, serving, policy, metrics, settings)
+    _add_routes(app, engines, router, degraded, metrics, settings)
 
     def on_finished(record: dict[str, Any]) -> None:
         metrics.observe_http(endpoint_label(record["path"], KNOWN_ENDPOINTS), record["status"])
@@ -158,10 +217,12 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
             audit.write(audit_line(record, settings.audit_log_prompts))
 
     # Added innermost first: a request passes RequestContext, CORS, the drain cut-off, the rate
-    # limit, auth, the body guard, then the catch of real bugs. Nothing reads the body before the
-    # caller is counted and authenticated, and every refusal passes back through CORS, so a
-    # browser can read why it failed.
+    # limit, auth, the body guard, the concurrency limit (when set), then the catch of real bugs.
+    # Nothing reads the body before the caller is counted and authenticated, and every refusal
+    # passes back through CORS, so a browser can read why it failed.
     app.add_middleware(InternalErrors)
+    if limiter is not None:  # inside the body guard and auth: slow uploads and refused callers hold no slot
+        app.add_middleware(ConcurrencyLimit, limiter=limiter)
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.timeout_body_s)
     if settings.key_ring is not None:
         app.add_middleware(BearerAuth, keys=settings.key_ring, failure_limit=RateLimit.parse(settings.auth_failure_limit))
@@ -177,36 +238,69 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     return app
 
 
-def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing, policy: RequestPolicy,
+def _limiter(settings: Optional[ConcurrencySettings], metrics: ServerMetrics,
+             served: list[_Served]) -> Optional[ConcurrencyLimiter]:
+    """The admission limiter (None without --max-concurrency), fed each finished request's time to
+    first token and its engine's load signal then."""
+    if settings is None:
+        return None
+    limiter = ConcurrencyLimiter(controller_for(settings), settings.queue_size, settings.queue_timeout_s)
+    limiter.on_rejected = metrics.track_concurrency(lambda: limiter.limit, lambda: limiter.in_flight,
+                                                    lambda: limiter.queued).inc
+    for model in served:
+        def sample(output, engine=model.engine) -> None:
+            if output.metrics.time_to_first_token is not None:
+                limiter.controller.observe(output.metrics.time_to_first_token, _load_of(engine)(engine.get_stats()))
+                limiter.wake()  # the limit may have risen
+        model.view.finished_listeners.append(sample)
+    return limiter
+
+
+def _add_routes(app: FastAPI, engines: list[AsyncLLMEngine], router: ModelRouter[_Served], degraded,
                 metrics: ServerMetrics, settings: ServerSettings) -> None:
+    async def routed(body, request: Request) -> tuple[OpenAIServing, Any]:
+        """Admit `body` by the policy of the model it names (an API key's permission is for that model),
+        then route it once, before tokenising: the serving that answers and the body addressed to it.
+        Token-id prompts stay on the model they name: ids mean something in one vocabulary only."""
+        named = router.fallback if body.model is not None and body.model == router.fallback_name else router.primary
+        await named.policy.admit(body, request)
+        route = router.route(body.model, may_degrade=not _has_token_prompt(body))
+        if route.degraded:
+            degraded.inc()
+        return route.target.serving, body.model_copy(update={"model": route.model})
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        await policy.admit(body, request)
+        serving, body = await routed(body, request)
         return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        await policy.admit(body, request)
+        serving, body = await routed(body, request)
         return await serving.chat(body, request)
 
-    model_card = {"id": settings.served_model_name, "object": "model", "created": int(time.time()),
-                  "owned_by": "llmctl", "max_model_len": serving.max_model_len}
+    created = int(time.time())
+    servings = [router.primary.serving] + ([router.fallback.serving] if router.fallback is not None else [])
+    model_cards = {serving.model_name: {"id": serving.model_name, "object": "model", "created": created,
+                                        "owned_by": "llmctl", "max_model_len": serving.max_model_len}
+                   for serving in servings}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": list(model_cards.values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        serving.check_model(model_id)
-        return model_card
+        router.check_model(model_id)
+        return model_cards[model_id]
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        if engine.dead_error is not None or not engine.is_healthy:
-            return JSONResponse({"status": "unhealthy", "error": str(engine.dead_error or "engine thread stopped")},
-                                status_code=503)
-        if not engine.is_ready:
+        for engine in engines:
+            if engine.dead_error is not None or not engine.is_healthy:
+                return JSONResponse({"status": "unhealthy",
+                                     "error": str(engine.dead_error or "engine thread stopped")}, status_code=503)
+        if not all(engine.is_ready for engine in engines):
             return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "2"})
         return {"status": "ok"}
 
@@ -223,7 +317,12 @@ def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing, po
         return {"version": __version__, "python": platform.python_version(), "torch": torch.__version__}
 
     if settings.profile_dir is not None:
-        _add_profile_routes(app, engine, settings.profile_dir)
+        _add_profile_routes(app, engines[0], settings.profile_dir)
+
+
+def _has_token_prompt(body: Any) -> bool:
+    prompt = getattr(body, "prompt", None)
+    return isinstance(prompt, list) and any(not isinstance(item, str) for item in prompt)
 
 
 def _add_profile_routes(app: FastAPI, engine: AsyncLLMEngine, folder: Path) -> None:

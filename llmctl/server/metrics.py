@@ -7,9 +7,10 @@ gauges/counters read from the engine's stats snapshot at scrape time.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -36,16 +37,33 @@ def _one_two_five(limit: int) -> tuple[float, ...]:
 TOKEN_COUNT_BUCKETS = _one_two_five(1_000_000)
 
 
-class _EngineStatsCollector(Collector):
-    """Reads the engine's latest snapshot when Prometheus scrapes."""
+@dataclass
+class _EngineSource:
+    model_name: str
+    stats: Callable[[], dict[str, float]]
+    healthy: Callable[[], bool]
+    load: Callable[[dict[str, float]], float]
 
-    def __init__(self, stats: Callable[[], dict[str, float]], healthy: Callable[[], bool], model_name: str):
-        self._stats = stats
-        self._healthy = healthy
-        self._model = model_name
+
+class _EngineStatsCollector(Collector):
+    """Reads each engine's latest snapshot when Prometheus scrapes (one series per served model)."""
+
+    def __init__(self) -> None:
+        self.engines: list[_EngineSource] = []
 
     def collect(self) -> Iterator:
-        stats = self._stats()
+        families: dict[str, Any] = {}
+        for engine in self.engines:
+            for family_type, name, doc, value in self._rows(engine):
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = family_type(name, doc, labels=["model_name"])
+                family.add_metric([engine.model_name], float(value))
+        yield from families.values()
+
+    @staticmethod
+    def _rows(engine: _EngineSource) -> Iterator[tuple[Any, str, str, float]]:
+        stats = engine.stats()
         gauges = [
             ("llmctl:num_requests_running", "Requests with a sequence in the running batch.",
              stats.get("num_running_requests", 0)),
@@ -61,7 +79,10 @@ class _EngineStatsCollector(Collector):
             ("llmctl:step_token_budget", "Tokens a step may compute now (below --max-num-batched-tokens for "
              "a while after a step ran out of memory).", stats.get("token_budget", 0)),
             ("llmctl:engine_healthy", "1 while the engine thread runs (warming up or serving), 0 once it died.",
-             1.0 if self._healthy() else 0.0),
+             1.0 if engine.healthy() else 0.0),
+            ("llmctl:load_signal", "The engine's load, 0..1: the largest of KV-cache usage, running requests / "
+             "max_num_seqs and waiting requests / the admission limit (what --fallback-at compares).",
+             engine.load(stats)),
         ]
         counters = [
             ("llmctl:num_preemptions", "Sequences preempted (KV cache full).", stats.get("num_preemptions", 0)),
@@ -76,14 +97,12 @@ class _EngineStatsCollector(Collector):
         ]
         for family_type, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in rows:
-                family = family_type(name, doc, labels=["model_name"])
-                family.add_metric([self._model], float(value))
-                yield family
+                yield family_type, name, doc, value
 
 
 class ServerMetrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], dict[str, float]],
-                 engine_healthy: Callable[[], bool]):
+                 engine_healthy: Callable[[], bool], engine_load: Callable[[dict[str, float]], float]):
         disable_created_metrics()  # the *_created samples double every series for no dashboard use
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
@@ -116,14 +135,49 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram("llmctl:request_generation_tokens", "Tokens generated per "
                                                    "finished request (all its choices).", labels,
                                                    buckets=TOKEN_COUNT_BUCKETS, registry=r)
-        r.register(_EngineStatsCollector(engine_stats, engine_healthy, model_name))
+        self._engines = _EngineStatsCollector()
+        self.add_engine(model_name, engine_stats, engine_healthy, engine_load)
+        r.register(self._engines)
+
+    def add_engine(self, model_name: str, stats: Callable[[], dict[str, float]], healthy: Callable[[], bool],
+                   load: Callable[[dict[str, float]], float]) -> "ModelMetrics":
+        """Another served model's engine (the fallback): its snapshot series carry its own model_name."""
+        self._engines.engines.append(_EngineSource(model_name, stats, healthy, load))
+        return self.for_model(model_name)
+
+    def for_model(self, model_name: str) -> "ModelMetrics":
+        return ModelMetrics(self, model_name)
+
+    def track_fallback(self, primary: str, fallback: str, active: Callable[[], bool]) -> Counter:
+        """Routing series (only with --fallback-model); returns the counter of degraded requests."""
+        gauge = Gauge("llmctl:fallback_active", "1 while new requests for the primary go to the fallback "
+                      "(its load signal reached --fallback-at), else 0.", ["model_name"], registry=self.registry)
+        gauge.labels(primary).set_function(lambda: 1.0 if active() else 0.0)
+        degraded = Counter("llmctl:num_requests_degraded", "Requests for the primary that its load sent to the "
+                           "fallback model (labelled with the fallback, which answered them).", ["model_name"],
+                           registry=self.registry)
+        return degraded.labels(fallback)
+
+    def track_concurrency(self, limit: Callable[[], float], in_flight: Callable[[], float],
+                          queued: Callable[[], float]) -> Counter:
+        """Admission-limit series (only with --max-concurrency); returns the counter of refusals."""
+        rows = (("llmctl:concurrency_limit", "Requests the server admits at once now (--max-concurrency; "
+                 "moved by the adaptive controller with auto).", limit),
+                ("llmctl:concurrency_in_flight", "Completion requests admitted and not yet answered.", in_flight),
+                ("llmctl:concurrency_queued", "Completion requests waiting for an admission slot.", queued))
+        for name, doc, read in rows:
+            Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name).set_function(read)
+        rejected = Counter("llmctl:concurrency_rejected", "Completion requests refused with 503 because the "
+                           "admission limit and its queue were full (or the queue wait timed out).",
+                           ["model_name"], registry=self.registry)
+        return rejected.labels(self.model_name)
 
     def observe_http(self, endpoint: str, status: int) -> None:
         self.http_requests.labels(endpoint, str(status)).inc()
 
-    def observe_step(self, step: StepInfo, _stats: dict[str, float]) -> None:
+    def observe_step(self, step: StepInfo, _stats: dict[str, float], model: Optional[str] = None) -> None:
         """Engine-thread listener (prometheus_client is thread-safe)."""
-        model = self.model_name
+        model = model or self.model_name
         self.batch_efficiency.labels(model).observe(step.batch_efficiency)
         self.step_tokens.labels(model).inc(step.num_batched_tokens)
         self.iteration_tokens.labels(model).observe(step.num_batched_tokens)
@@ -131,8 +185,8 @@ class ServerMetrics:
         for latency in step.inter_token_latencies:
             inter_token.observe(latency)
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        model = self.model_name
+    def observe_finished(self, output: RequestOutput, model: Optional[str] = None) -> None:
+        model = model or self.model_name
         metrics = output.metrics
         generated = sum(len(c.token_ids) for c in output.outputs)
         self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
@@ -151,13 +205,34 @@ class ServerMetrics:
             if per_seq > 1 and metrics.first_token_time is not None:
                 self.tpot.labels(model).observe((metrics.finished_time - metrics.first_token_time) / (per_seq - 1))
 
-    def observe_cut_off(self, delivered_tokens: int) -> None:
+    def observe_cut_off(self, delivered_tokens: int, model: Optional[str] = None) -> None:
         """Tokens streamed for choices that never finished (the client left): generated all the same."""
         if delivered_tokens > 0:
-            self.generation_tokens.labels(self.model_name).inc(delivered_tokens)
+            self.generation_tokens.labels(model or self.model_name).inc(delivered_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """The observers of one served model (what `OpenAIServing` and the engine's step listener call),
+    plus listeners told of every finished request (the adaptive concurrency controller's samples)."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str):
+        self.metrics = metrics
+        self.model_name = model_name
+        self.finished_listeners: list[Callable[[RequestOutput], None]] = []
+
+    def observe_step(self, step: StepInfo, stats: dict[str, float]) -> None:
+        self.metrics.observe_step(step, stats, self.model_name)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        self.metrics.observe_finished(output, self.model_name)
+        for listener in self.finished_listeners:
+            listener(output)
+
+    def observe_cut_off(self, delivered_tokens: int) -> None:
+        self.metrics.observe_cut_off(delivered_tokens, self.model_name)
 
 
 def endpoint_label(path: str, known: Optional[set[str]] = None) -> str:

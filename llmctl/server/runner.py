@@ -7,17 +7,20 @@ requests finish within the shutdown timeout, exit 0) and the "listening on" line
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import signal
 import socket
 import sys
 import threading
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import uvicorn
 
 from llmctl.engine.args import EngineArgs
+from llmctl.engine.errors import EngineError
 from llmctl.errors import UserError
 from llmctl.engine.async_engine import AsyncLLMEngine
 from llmctl.server.app import ServerSettings, build_app
@@ -100,13 +103,61 @@ def _bind_cause(host: str, port: int, exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
+@dataclass
+class FallbackModel:
+    """`--fallback-model` and its own KV budget; every other engine setting is the primary's."""
+    model: str
+    tokenizer: Optional[str] = None
+    kv_cache_memory: Optional[int] = None
+    num_kv_blocks: Optional[int] = None
+    # CUDA: the fallback loads first and may fill this fraction of the device; the primary then fills
+    # up to its --gpu-memory-utilization of the whole device, so it gets the difference.
+    gpu_memory_utilization: float = 0.2
+
+
+def fallback_engine_args(primary: EngineArgs, fallback: FallbackModel) -> EngineArgs:
+    """The fallback engine's settings: the primary's (device, dtype, batch limits, scheduling, threads),
+    with its own model, tokenizer, context length (the model's) and KV budget."""
+    if fallback.gpu_memory_utilization >= primary.gpu_memory_utilization:
+        raise UserError(f"--fallback-gpu-memory-utilization ({fallback.gpu_memory_utilization:g}) must be below "
+                        f"--gpu-memory-utilization ({primary.gpu_memory_utilization:g}): the primary gets the "
+                        "difference")
+    return dataclasses.replace(primary, model=fallback.model, tokenizer=fallback.tokenizer, max_model_len=None,
+                               kv_cache_memory=fallback.kv_cache_memory, num_kv_blocks=fallback.num_kv_blocks,
+                               gpu_memory_utilization=fallback.gpu_memory_utilization)
+
+
+def load_engines(engine_args: EngineArgs, fallback: Optional[FallbackModel], **options) -> tuple[
+        AsyncLLMEngine, Optional[AsyncLLMEngine]]:
+    """The primary engine and, with `fallback`, the fallback's: the fallback loads first (on CUDA it
+    takes its share of the device before the primary sizes its KV pool from what is left). The
+    process-wide settings (torch's thread count, glibc's malloc thresholds) come from the first load;
+    the second passes no thread count, so nothing is set twice."""
+    if fallback is None:
+        return AsyncLLMEngine.from_engine_args(engine_args, **options), None
+    try:
+        fallback_engine = AsyncLLMEngine.from_engine_args(fallback_engine_args(engine_args, fallback), **options)
+    except EngineError as exc:
+        if not exc.user_error:
+            raise
+        # The engine names its own flags (--num-kv-blocks); here they are the --fallback-* ones.
+        raise UserError(f"--fallback-model {fallback.model}: {exc} (for the fallback: --fallback-kv-cache-memory, "
+                        "--fallback-num-kv-blocks, --fallback-gpu-memory-utilization)") from None
+    try:
+        primary = AsyncLLMEngine.from_engine_args(dataclasses.replace(engine_args, num_threads=None), **options)
+    except BaseException:
+        fallback_engine.shutdown()
+        raise
+    return primary, fallback_engine
+
+
 def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting_requests: int | None,
-               request_timeout_s: float | None) -> int:
+               request_timeout_s: float | None, fallback: Optional[FallbackModel] = None) -> int:
     settings.validate()
     check_bindable(settings.host, settings.port)
-    engine = AsyncLLMEngine.from_engine_args(engine_args, max_waiting_requests=max_waiting_requests,
-                                             request_timeout_s=request_timeout_s)
-    app = build_app(engine, settings)
+    engine, fallback_engine = load_engines(engine_args, fallback, max_waiting_requests=max_waiting_requests,
+                                           request_timeout_s=request_timeout_s)
+    app = build_app(engine, settings, fallback_engine=fallback_engine)
     level = logging.getLogger("llmctl").getEffectiveLevel()
     server = _GracefulServer(uvicorn_config(app, settings, log_level=max(level, logging.INFO),
                                             access_log=level <= logging.INFO))
