@@ -147,6 +147,24 @@ def running_server(model: Optional[str] = None, *, engine_options: Optional[dict
         server.stop()
 
 
+@contextmanager
+def injected_step_latency(engine: AsyncLLMEngine, seconds: float) -> Iterator[None]:
+    """Every step of `engine` takes `seconds` longer (a slower model, or a busier device), so a
+    test's long request outlasts what it checks meanwhile on any machine."""
+    executor = engine.engine.executor
+    execute = executor.execute
+
+    def slow_execute(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return execute(*args, **kwargs)
+
+    executor.execute = slow_execute
+    try:
+        yield
+    finally:
+        executor.execute = execute
+
+
 def kill_engine(server: RunningServer) -> None:
     """Make the engine die as it does on a fatal CUDA error in a step, and return once it has."""
     def fatal_step(*_args: Any) -> None:

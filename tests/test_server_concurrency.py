@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import openai
@@ -15,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmctl.server.concurrency import ConcurrencySettings
-from tests.server_helpers import running_server
+from tests.server_helpers import injected_step_latency, running_server
 
 
 def _gauge(base_url: str, name: str) -> float:
@@ -32,23 +31,6 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-
-
-@contextmanager
-def injected_step_latency(srv, seconds: float):
-    """Every engine step takes `seconds` longer (a slower model, or a busier device)."""
-    executor = srv.engine.engine.executor
-    execute = executor.execute
-
-    def slow_execute(*args, **kwargs):
-        time.sleep(seconds)
-        return execute(*args, **kwargs)
-
-    executor.execute = slow_execute
-    try:
-        yield
-    finally:
-        executor.execute = execute
 
 
 class _Load:
@@ -90,7 +72,7 @@ def test_auto_limit_rises_under_fast_first_tokens_and_falls_with_injected_latenc
         with _Load(srv.base_url, clients=8, max_tokens=1) as load:
             _wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_limit") >= 6, 90, "the limit to rise to 6")
             peak = _gauge(srv.base_url, "llmctl:concurrency_limit")
-            with injected_step_latency(srv, 4.0):  # first tokens now miss the 2.5 s target
+            with injected_step_latency(srv.engine, 4.0):  # first tokens now miss the 2.5 s target
                 _wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_limit") <= peak - 2, 120,
                           "the limit to fall")
         assert 200 in load.statuses and set(load.statuses) <= {200, 503}
@@ -108,7 +90,7 @@ def one_slot_server():
 def test_a_fixed_limit_refuses_the_excess_with_an_openai_503_and_retry_after(one_slot_server):
     srv = one_slot_server
     client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
-    with injected_step_latency(srv, 0.05):  # the stream below lasts at least 20 s on any machine
+    with injected_step_latency(srv.engine, 0.05):  # the stream below lasts at least 20 s on any machine
         stream = client.completions.create(model="llmctl-default", prompt="A long tale", max_tokens=400,
                                            stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))  # the stream holds the one slot
@@ -131,7 +113,7 @@ def test_a_queued_request_waits_for_the_slot_instead_of_a_503():
         queued: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: queued.append(httpx.post(
             srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=120)))
-        with injected_step_latency(srv, 0.05):
+        with injected_step_latency(srv.engine, 0.05):
             with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=60,
                               json={"prompt": "A long tale", "max_tokens": 400, "ignore_eos": True,
                                     "stream": True}) as holder:
@@ -165,7 +147,7 @@ def test_bench_serve_against_a_fixed_limit_with_and_without_a_queue(capsys):
         assert _gauge(srv.base_url, "llmctl:concurrency_rejected") == 0
         srv.wait_idle()
     with running_server(concurrency=ConcurrencySettings("2")) as srv:
-        with injected_step_latency(srv, 0.05):  # the first two outlast the other ten's arrival
+        with injected_step_latency(srv.engine, 0.05):  # the first two outlast the other ten's arrival
             code, doc = _bench(capsys, "--base-url", srv.base_url, *load)
         assert doc["completed"] >= 2 and doc["failed"] >= 1 and doc["completed"] + doc["failed"] == 12
         assert _gauge(srv.base_url, "llmctl:concurrency_rejected") == doc["failed"]

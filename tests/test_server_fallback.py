@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmctl.engine.tokenizer import Tokenizer
 from llmctl.server.runner import FallbackModel
-from tests.server_helpers import running_server
+from tests.server_helpers import injected_step_latency, running_server
 
 PRIMARY, FALLBACK = "big", "small"
 
@@ -55,30 +56,37 @@ def test_load_over_the_threshold_sends_new_requests_to_the_fallback_and_back(fal
     assert calm.model == PRIMARY
     assert _series(srv.base_url, "llmctl:load_signal")[PRIMARY] < 0.8
 
-    # Two long streams fill the primary's batch; their chunks keep coming from the primary.
-    streams = [client.completions.create(model=PRIMARY, prompt=prompt, max_tokens=400, stream=True,
-                                         extra_body={"ignore_eos": True}) for _ in range(2)]
-    firsts = [next(iter(stream)) for stream in streams]
-    assert {chunk.model for chunk in firsts} == {PRIMARY}
-    _wait_for(lambda: _series(srv.base_url, "llmctl:load_signal")[PRIMARY] >= 0.8, what="primary load >= 0.8")
+    # Two long streams fill the primary's batch (slowed: they outlast the checks below on any
+    # machine); their chunks keep coming from the primary.
+    with injected_step_latency(srv.engine, 0.05):
+        streams = [client.completions.create(model=PRIMARY, prompt=prompt, max_tokens=400, stream=True,
+                                             extra_body={"ignore_eos": True}) for _ in range(2)]
+        firsts = [next(iter(stream)) for stream in streams]
+        assert {chunk.model for chunk in firsts} == {PRIMARY}
+        _wait_for(lambda: _series(srv.base_url, "llmctl:load_signal")[PRIMARY] >= 0.8, what="primary load >= 0.8")
 
-    degraded = client.completions.create(model=PRIMARY, prompt=prompt, max_tokens=4)
-    assert degraded.model == FALLBACK
-    # Tokenised by the fallback's own tokenizer (a different vocabulary than the primary's).
-    small_ids = Tokenizer.from_pretrained(tiny_chat_model).encode(prompt)
-    assert degraded.usage.prompt_tokens == len(small_ids) != calm.usage.prompt_tokens
-    chat = client.chat.completions.create(model=PRIMARY, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    assert chat.model == FALLBACK
-    assert _series(srv.base_url, "llmctl:fallback_active")[PRIMARY] == 1
-    # Token ids mean something in the primary's vocabulary only: such a request stays there.
-    ids = client.completions.create(model=PRIMARY, prompt=[5, 6, 7, 8], max_tokens=2)
-    assert ids.model == PRIMARY
-    # The in-flight streams were not moved: they still run on the primary.
-    assert next(iter(streams[0])).model == PRIMARY
-    assert srv.engine.get_stats()["num_running_requests"] == 2
+        degraded = client.completions.create(model=PRIMARY, prompt=prompt, max_tokens=4)
+        assert degraded.model == FALLBACK
+        # Tokenised by the fallback's own tokenizer (a different vocabulary than the primary's).
+        small_ids = Tokenizer.from_pretrained(tiny_chat_model).encode(prompt)
+        assert degraded.usage.prompt_tokens == len(small_ids) != calm.usage.prompt_tokens
+        chat = client.chat.completions.create(model=PRIMARY, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert chat.model == FALLBACK
+        assert _series(srv.base_url, "llmctl:fallback_active")[PRIMARY] == 1
+        # The in-flight streams were not moved: they still run on the primary.
+        assert next(iter(streams[0])).model == PRIMARY
+        assert srv.engine.get_stats()["num_running_requests"] == 2
+        # Token ids mean something in the primary's vocabulary only: such a request waits for the primary.
+        by_ids: list = []
+        waiter = threading.Thread(target=lambda: by_ids.append(
+            client.completions.create(model=PRIMARY, prompt=[5, 6, 7, 8], max_tokens=2)))
+        waiter.start()
+        _wait_for(lambda: srv.engine.get_stats()["num_waiting_requests"] == 1, what="the token-id request queued")
 
     for stream in streams:
         stream.close()  # the client leaves: the engine aborts them
+    waiter.join(60)
+    assert by_ids[0].model == PRIMARY
     _wait_for(lambda: _series(srv.base_url, "llmctl:load_signal")[PRIMARY] < 0.7, what="primary load < 0.7")
     recovered = client.completions.create(model=PRIMARY, prompt=prompt, max_tokens=4)
     assert recovered.model == PRIMARY
