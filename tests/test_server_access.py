@@ -236,3 +236,17 @@ def test_the_key_file_in_the_docs_loads(tmp_path):
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if b.startswith("keys:"))
     ring = load_key_file(write_key_file(tmp_path / "keys.yaml", block))
     assert ring.find("sk-chat-7f3a9c0e21").max_tokens == 512 and ring.find("test").priority == 10
+
+
+def test_a_token_budget_goes_below_zero_by_what_was_spent_and_refills_at_its_rate():
+    from llmctl.server.middleware import RateLimit, TokenBuckets
+
+    now = [0.0]
+    budget = TokenBuckets(RateLimit(30, 60.0), clock=lambda: now[0])  # 0.5 tokens per second
+    assert budget.wait("k") == 0
+    budget.take("k", 45.0)  # a response that used 45 tokens: 15 below zero
+    assert budget.wait("k") == pytest.approx(32.0)  # back at one token after (1 + 15) / 0.5 s
+    now[0] = 31.0
+    assert budget.wait("k") > 0
+    now[0] = 32.0
+    assert budget.wait("k") == 0
