@@ -32,7 +32,7 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="Few repetitions and small shapes: a few seconds per device.")] = False,
     full: Annotated[bool, typer.Option("--full", help="Many repetitions and larger shapes.")] = False,
     model: Annotated[Optional[str], typer.Option("--model", "-m", envvar="LLMCTL_BENCH_MODEL", help="Shape of the decode-step benchmark: a model folder (config.json) or a built-in shape (llama-3-8b, mistral-7b, qwen2.5-7b, qwen2.5-0.5b, smollm-135m).")] = None,
-    num_threads: Annotated[Optional[int], typer.Option("--num-threads", min=1, help="CPU threads for torch (default: torch's).")] = None,
+    num_threads: eo.engine_flag("num_threads", min=1) = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else).")] = False,
     fail_below: Annotated[Optional[float], typer.Option("--fail-below", min=0.0, max=100.0, metavar="PCT", help="Exit 1 when any figure with a datasheet peak is under PCT % of it.")] = None,
     config: Optional[Path] = ConfigOption,

@@ -43,7 +43,6 @@ SHARED_ENV_MEANINGS = {
     "LLMCTL_MODEL": "the Hugging Face model folder the engine runs (doctor: sizes its disk-space check)",
     "LLMCTL_NATIVE": "include native (C/C++) frames in a profile",
     "LLMCTL_NUM_PROMPTS": "number of requests sent",
-    "LLMCTL_NUM_THREADS": "CPU threads for torch",
     "LLMCTL_RANDOM_INPUT_LEN": "prompt length of random requests sent to a server",
     "LLMCTL_RANDOM_OUTPUT_LEN": "max_tokens of random requests sent to a server",
     "LLMCTL_REQUEST_RATE": "requests per second sent to a server (inf: all at once)",

@@ -56,6 +56,17 @@ def _flag_parameter(f: Any, annotation: Any, default: Any) -> inspect.Parameter:
                              annotation=Annotated[annotation, option])
 
 
+def engine_flag(name: str, **option: Any) -> Any:
+    """One engine flag as a parameter type, for a command that takes it without running the engine
+    (`bench --cpu --num-threads N`): the same name, type and help, outside the Engine panel."""
+    f = next((f for f in flag_fields() if f.name == name), None)
+    if f is None:
+        raise TypeError(f"not an engine flag: {name}")
+    return Annotated[get_type_hints(EngineArgs)[name],
+                     typer.Option(*_flag_names(f.name, f.default, f.metadata.get("short")), help=f.metadata["help"],
+                                  **option)]
+
+
 def flag_fields() -> list[Any]:
     """The `EngineArgs` fields that are CLI flags (those with help text), in declaration order."""
     return [f for f in fields(EngineArgs) if "help" in f.metadata]

@@ -27,7 +27,7 @@ ENGINE_COMMANDS = {("generate",), ("serve",), ("bench", "throughput"), ("bench",
 FLAG_FIELDS = {f.name: f for f in eo.flag_fields()}
 # Client and hardware commands whose own flags share a name with an engine flag but mean something else
 # there (each reads its own LLMCTL_<COMMAND>_<FLAG> or a shared meaning in llmctl.config).
-OWN_FLAGS = {("bench.py", "bench"): {"model", "num_threads"}, ("bench_serve.py", "serve"): {"model", "tokenizer", "seed"},
+OWN_FLAGS = {("bench.py", "bench"): {"model"}, ("bench_serve.py", "serve"): {"model", "tokenizer", "seed"},
              ("profile.py", "server"): {"seed"}, ("doctor.py", "doctor"): {"model", "gpu_memory_utilization"}}
 
 
@@ -62,6 +62,17 @@ def test_every_engine_command_has_every_engine_flag_and_no_other_command_has_any
     assert seen == ENGINE_COMMANDS
 
 
+def _is_engine_flag(annotation) -> bool:
+    """`eo.engine_flag("num_threads")`: the field's own flag, taken by a command that runs no engine."""
+    return (isinstance(annotation, ast.Call) and isinstance(annotation.func, ast.Attribute)
+            and annotation.func.attr == "engine_flag")
+
+
+def test_the_hardware_bench_takes_the_engine_num_threads_flag():
+    param = next(p for p in build_cli().commands["bench"].params if p.name == "num_threads")
+    assert param.help == FLAG_FIELDS["num_threads"].metadata["help"] and param.envvar == "LLMCTL_NUM_THREADS"
+
+
 def test_no_command_module_declares_an_engine_flag():
     """The flags come from `EngineArgs`; a command parameter named after a field would be a second
     declaration (before: 6 commands x 17 parameters, about 94 lines)."""
@@ -69,9 +80,10 @@ def test_no_command_module_declares_an_engine_flag():
     for path in sorted((ROOT / "commands").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                names = {a.arg for a in node.args.args + node.args.kwonlyargs}
-                if "config" not in names:  # every command takes --config; helpers do not
+                args = node.args.args + node.args.kwonlyargs
+                if "config" not in {a.arg for a in args}:  # every command takes --config; helpers do not
                     continue
+                names = {a.arg for a in args if not _is_engine_flag(a.annotation)}
                 extra = (names & set(FLAG_FIELDS)) - OWN_FLAGS.get((path.name, node.name), set())
                 found += [f"{path.name}:{node.lineno} {node.name}({name})" for name in sorted(extra)]
     assert not found, found
