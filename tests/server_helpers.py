@@ -68,6 +68,16 @@ def json_body_of(raw: bytes) -> dict:
     return json.loads(rest[:rest.index(b"}}") + 2])
 
 
+def wait_for(predicate: Any, timeout_s: float = 60.0, what: str = "a condition") -> None:
+    """Poll `predicate` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmctl.server.concurrency import ConcurrencySettings
-from tests.server_helpers import injected_step_latency, running_server
+from tests.server_helpers import injected_step_latency, running_server, wait_for
 
 
 def _gauge(base_url: str, name: str) -> float:
@@ -22,15 +22,6 @@ def _gauge(base_url: str, name: str) -> float:
         if family.name == name:
             return sum(sample.value for sample in family.samples)
     raise AssertionError(f"/metrics has no {name}")
-
-
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
 class _Load:
@@ -70,14 +61,14 @@ def test_auto_limit_rises_under_fast_first_tokens_and_falls_with_injected_latenc
     with running_server(concurrency=settings) as srv:
         assert _gauge(srv.base_url, "llmctl:concurrency_limit") == 3
         with _Load(srv.base_url, clients=8, max_tokens=1) as load:
-            _wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_limit") >= 6, 90, "the limit to rise to 6")
+            wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_limit") >= 6, 90, "the limit to rise to 6")
             peak = _gauge(srv.base_url, "llmctl:concurrency_limit")
             with injected_step_latency(srv.engine, 4.0):  # first tokens now miss the 2.5 s target
-                _wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_limit") <= peak - 2, 120,
+                wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_limit") <= peak - 2, 120,
                           "the limit to fall")
         assert 200 in load.statuses and set(load.statuses) <= {200, 503}
         assert _gauge(srv.base_url, "llmctl:concurrency_rejected") == load.statuses.count(503)
-        _wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_in_flight") == 0, 30, "no request in flight")
+        wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_in_flight") == 0, 30, "no request in flight")
         srv.wait_idle()
 
 
@@ -102,7 +93,7 @@ def test_a_fixed_limit_refuses_the_excess_with_an_openai_503_and_retry_after(one
     assert refused.value.response.headers["Retry-After"] == "1"
     assert refused.value.body["code"] == "concurrency_limit_exceeded"
     assert refused.value.body["type"] == "service_unavailable"
-    _wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_in_flight") == 0, 30, "the slot to come back")
+    wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_in_flight") == 0, 30, "the slot to come back")
     assert client.completions.create(model="llmctl-default", prompt="x", max_tokens=2).choices
     assert _gauge(srv.base_url, "llmctl:concurrency_rejected") == 1
     srv.wait_idle()
@@ -120,7 +111,7 @@ def test_a_queued_request_waits_for_the_slot_instead_of_a_503():
                 lines = holder.iter_lines()  # kept: a dropped line iterator closes the connection
                 next(lines)  # the stream holds the one slot
                 waiter.start()
-                _wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_queued") == 1, 30, "a queued request")
+                wait_for(lambda: _gauge(srv.base_url, "llmctl:concurrency_queued") == 1, 30, "a queued request")
                 assert not queued  # still waiting, not refused
         waiter.join(120)  # the holder left: its slot goes to the queued request
         assert queued[0].status_code == 200

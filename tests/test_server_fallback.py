@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmctl.engine.tokenizer import Tokenizer
 from llmctl.server.runner import FallbackModel
-from tests.server_helpers import injected_step_latency, running_server
+from tests.server_helpers import injected_step_latency, running_server, wait_for
 
 PRIMARY, FALLBACK = "big", "small"
 
@@ -26,15 +26,6 @@ def _series(base_url: str, name: str) -> dict[str, float]:
         if family.name == name:
             return {s.labels["model_name"]: s.value for s in family.samples if not s.name.endswith("_created")}
     return {}
-
-
-def _wait_for(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture()
@@ -63,7 +54,7 @@ def test_load_over_the_threshold_sends_new_requests_to_the_fallback_and_back(fal
                                              extra_body={"ignore_eos": True}) for _ in range(2)]
         firsts = [next(iter(stream)) for stream in streams]
         assert {chunk.model for chunk in firsts} == {PRIMARY}
-        _wait_for(lambda: _series(srv.base_url, "llmctl:load_signal")[PRIMARY] >= 0.8, what="primary load >= 0.8")
+        wait_for(lambda: _series(srv.base_url, "llmctl:load_signal")[PRIMARY] >= 0.8, what="primary load >= 0.8")
 
         degraded = client.completions.create(model=PRIMARY, prompt=prompt, max_tokens=4)
         assert degraded.model == FALLBACK
@@ -81,13 +72,13 @@ def test_load_over_the_threshold_sends_new_requests_to_the_fallback_and_back(fal
         waiter = threading.Thread(target=lambda: by_ids.append(
             client.completions.create(model=PRIMARY, prompt=[5, 6, 7, 8], max_tokens=2)))
         waiter.start()
-        _wait_for(lambda: srv.engine.get_stats()["num_waiting_requests"] == 1, what="the token-id request queued")
+        wait_for(lambda: srv.engine.get_stats()["num_waiting_requests"] == 1, what="the token-id request queued")
 
     for stream in streams:
         stream.close()  # the client leaves: the engine aborts them
     waiter.join(60)
     assert by_ids[0].model == PRIMARY
-    _wait_for(lambda: _series(srv.base_url, "llmctl:load_signal")[PRIMARY] < 0.7, what="primary load < 0.7")
+    wait_for(lambda: _series(srv.base_url, "llmctl:load_signal")[PRIMARY] < 0.7, what="primary load < 0.7")
     recovered = client.completions.create(model=PRIMARY, prompt=prompt, max_tokens=4)
     assert recovered.model == PRIMARY
     assert _series(srv.base_url, "llmctl:fallback_active")[PRIMARY] == 0
