@@ -84,6 +84,10 @@ def test_a_key_without_access_to_the_model_gets_403_permission_denied(server):
     with pytest.raises(openai.PermissionDeniedError):  # a request naming no model asks for the served one
         narrow.chat.completions.create(model=None, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert client(server, "interactive").completions.create(model=MODEL, prompt="ROMEO:", max_tokens=2).choices
+    assert [m.id for m in narrow.models.list().data] == []  # a key sees the models it may use
+    with pytest.raises(openai.PermissionDeniedError):
+        narrow.models.retrieve(MODEL)
+    assert [m.id for m in client(server, "interactive").models.list().data] == [MODEL]
     server.wait_idle()
 
 

@@ -24,6 +24,18 @@ from llmctl.server.text_filter import FilterCounters, RuleSet
 AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 
+def key_of(request: Request) -> Optional[ApiKey]:
+    """The caller's API key (None when the server has no keys)."""
+    return request.scope.get(API_KEY_SCOPE)
+
+
+def check_model_access(key: Optional[ApiKey], model: str) -> None:
+    """403 `permission_denied` unless the key may use `model` (any model without keys)."""
+    if key is not None and not key.may_use(model):
+        raise APIError(403, f"the API key {key.name!r} may not use the model '{model}'", param="model",
+                       code="permission_denied")
+
+
 class RequestPolicy:
     def __init__(self, served_model: str, *, tokenizer: Any = None, input_rules: Optional[RuleSet] = None,
                  output_filtered: bool = False, counters: Optional[FilterCounters] = None):
@@ -34,7 +46,7 @@ class RequestPolicy:
         self.counters = counters
 
     async def admit(self, body: AnyRequest, request: Request) -> None:
-        key: Optional[ApiKey] = request.scope.get(API_KEY_SCOPE)
+        key = key_of(request)
         if key is not None:
             self._check_key(key, body)
         if self.output_filtered:
@@ -44,10 +56,7 @@ class RequestPolicy:
 
     # ---- the key's attributes -------------------------------------------------------------------
     def _check_key(self, key: ApiKey, body: AnyRequest) -> None:
-        model = body.model or self.served_model
-        if not key.may_use(model):
-            raise APIError(403, f"the API key {key.name!r} may not use the model '{model}'", param="model",
-                           code="permission_denied")
+        check_model_access(key, body.model or self.served_model)
         if key.max_tokens is not None:
             asked = requested_max_tokens(body)
             if asked is not None and asked > key.max_tokens:

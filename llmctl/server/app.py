@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from llmctl.__about__ import __version__
 from llmctl.engine.async_engine import AsyncLLMEngine
-from llmctl.server.access import RequestPolicy
+from llmctl.server.access import RequestPolicy, check_model_access, key_of
 from llmctl.server.api_keys import KeyRing, load_key_file
 from llmctl.server.concurrency import ConcurrencyLimit, ConcurrencyLimiter, ConcurrencySettings, controller_for
 from llmctl.server.errors import APIError, install_error_handlers
@@ -286,12 +286,15 @@ def _add_routes(app: FastAPI, engines: list[AsyncLLMEngine], router: ModelRouter
                    for serving in servings}
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": list(model_cards.values())}
+    async def models(request: Request):  # an API key sees the models it may use
+        key = key_of(request)
+        return {"object": "list", "data": [card for name, card in model_cards.items()
+                                           if key is None or key.may_use(name)]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
+    async def model(model_id: str, request: Request):
         router.check_model(model_id)
+        check_model_access(key_of(request), model_id)
         return model_cards[model_id]
 
     @app.api_route("/health", methods=["GET", "HEAD"])

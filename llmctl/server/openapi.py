@@ -33,7 +33,7 @@ _ERRORS = {
     400: "Invalid request: malformed JSON, wrong types, values out of range, unsupported fields, "
          "prompt too long for the context",
     401: "Missing or wrong API key (when the server has one)",
-    403: "The API key may not use this model or priority (--api-keys)",
+    403: "The API key may not use this model (or, on generation routes, this priority) (--api-keys)",
     404: "Unknown model or route",
     408: "The request body did not arrive within --timeout-body",
     413: "Request body over --max-body-size",
@@ -77,7 +77,7 @@ def _truthful(document: dict[str, Any]) -> dict[str, Any]:
 def _errors_for(path: str, method: str) -> list[int]:
     if not path.startswith("/v1/"):
         return [500, 503] if path == "/health" else [500]
-    statuses = [401, 404, 429, 500, 503]
+    statuses = [401, 403, 404, 429, 500, 503]
     if method == "post":
-        statuses += [400, 403, 408, 413, 504]
+        statuses += [400, 408, 413, 504]
     return sorted(statuses)
