@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -125,7 +125,9 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, executor_class: Callable[[RunnerConfig], Executor] = UniProcExecutor):
+        """`executor_class` builds the executor from the runner's configuration (vLLM's seam for
+        other executors; the in-process one by default)."""
         args.validate()
         self.args = args
         folder = Path(args.model) if args.model else default_model_path()
@@ -141,7 +143,7 @@ class LLMEngine:
         if device.type == "cpu":
             tune_cpu_allocator()
         self.max_model_len = self._resolve_max_model_len(args)
-        self.executor: Executor = UniProcExecutor(RunnerConfig(
+        self.executor: Executor = executor_class(RunnerConfig(
             model_config=self.model_config, model_folder=folder, device=device,
             dtype=resolve_dtype(args.dtype, self.model_config, device), block_size=args.block_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmctl.engine import LLM, SamplingParams
+from llmctl.engine import LLM, EngineArgs, SamplingParams
+from llmctl.engine.executor import UniProcExecutor
+from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.sequence import Sequence
 
 BLOCK_SIZE = 4
@@ -163,3 +165,40 @@ def test_a_stop_string_completed_inside_a_verify_row_takes_the_tokens_after_it_b
     assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
         want.text, want.token_ids, "stop", stop)
     assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+class ProtocolOnly:
+    """An executor with the `Executor` methods and nothing else (no `runner` to reach through), as a
+    multi-rank one would be: the engine must run on it unchanged."""
+
+    def __init__(self, config):
+        inner = UniProcExecutor(config)
+        self.calls: list[str] = []
+        for name in ("num_blocks", "block_size", "device", "dtype"):
+            setattr(self, name, getattr(inner, name))
+        self.kv_cache_bytes = inner.kv_cache_bytes
+        for name in ("execute", "make_generator", "truncate_kept_state", "release_kept_state",
+                     "release_after_out_of_memory"):
+            setattr(self, name, self._recorded(name, getattr(inner, name)))
+
+    def _recorded(self, name, method):
+        def call(*args):
+            self.calls.append(name)
+            return method(*args)
+        return call
+
+
+def test_the_engine_runs_on_any_executor_with_the_protocols_methods(tiny_chat_model):
+    args = EngineArgs(model=str(tiny_chat_model), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+                      num_kv_blocks=NUM_BLOCKS, max_model_len=64)
+    engine = LLMEngine(args, executor_class=ProtocolOnly)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, seed=3)
+    want = _llm(tiny_chat_model).generate([PROMPT], params)[0].outputs[0].token_ids
+    engine.add_request("r", PROMPT, params)
+    engine.step()
+    _only_seq(engine).spec_token_ids = [(want[1] + 1) % engine.vocab_size, 2]  # a verify row, rejected
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step().outputs
+    assert outputs[-1].outputs[0].token_ids == want
+    assert set(engine.executor.calls) == {"execute", "make_generator", "truncate_kept_state", "release_kept_state"}
