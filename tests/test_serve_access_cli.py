@@ -86,3 +86,19 @@ def test_access_settings_come_from_a_yaml_config(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def test_the_serve_config_in_the_docs_names_serve_flags():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from llmctl.cli import build_cli
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serve.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "scheduling-policy:" in b)
+    flags = {opt for p in build_cli().commands["serve"].params for opt in getattr(p, "opts", [])}
+    config = yaml.safe_load(block)
+    assert config["scheduling-policy"] == "priority"
+    assert {f"--{key}" for key in config} <= flags
