@@ -15,6 +15,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "llmctl.engine.async_engine",
     "EngineArgs": "llmctl.engine.args",
     "SamplingParams": "llmctl.engine.sampling_params",
+    "RequestOutputKind": "llmctl.engine.sampling_params",
     "RequestOutput": "llmctl.engine.outputs",
     "CompletionOutput": "llmctl.engine.outputs",
     "ModelLoadError": "llmctl.engine.errors",

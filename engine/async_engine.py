@@ -24,7 +24,7 @@ from llmctl.engine.errors import (EngineDeadError, EngineOverloadedError, Invali
                                   RequestTimeoutError, StepFailedError, is_out_of_memory)
 from llmctl.engine.llm_engine import LLMEngine, ModelInfo, StepInfo
 from llmctl.engine.outputs import RequestOutput
-from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +57,17 @@ def _settle(future: asyncio.Future, error: Optional[BaseException] = None, value
 class RequestStream:
     """One request's outputs in order (`async for`); raises the request's error if it fails.
 
-    Outputs are cumulative, so a newer output replaces one the reader has not taken yet: a reader
-    that stops reading (a stalled SSE client) holds one output, not one per step. (It used to be
-    one per step: n=16 with logprobs grew the server by 241 MiB for one such reader.)
+    A reader that stops reading (a stalled SSE client) holds one output, not one per step (it used
+    to be one per step: n=16 with logprobs grew the server by 241 MiB for one such reader): a newer
+    cumulative output replaces the one not taken yet, and a newer delta (`aggregate`, for
+    `RequestOutputKind.DELTA`) is appended to it, so the reader still gets every token once.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[str], None]):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[str], None],
+                 aggregate: bool = False):
         self.request_id = request_id
         self.finished = False
+        self._aggregate = aggregate
         self._loop = loop
         self._pending: deque[Union[RequestOutput, BaseException]] = deque()
         self._arrived = asyncio.Event()
@@ -76,7 +79,7 @@ class RequestStream:
 
     @property
     def backlog(self) -> int:
-        """Items waiting for the reader: at most one output, plus a final output or error."""
+        """Items waiting for the reader: at most one output, plus a final output or an error."""
         return len(self._pending)
 
     def push(self, item: Union[RequestOutput, BaseException]) -> None:
@@ -87,7 +90,12 @@ class RequestStream:
         """Called on the stream's event loop."""
         last = self._pending[-1] if self._pending else None
         if isinstance(last, RequestOutput) and not last.finished:
-            self._pending.pop()
+            if not self._aggregate:
+                self._pending.pop()
+            elif isinstance(item, RequestOutput):
+                last.add(item, aggregate=True)  # the pending output is the stream's own: the engine made it
+                self._arrived.set()
+                return
         self._pending.append(item)
         self._arrived.set()
 
@@ -250,7 +258,8 @@ class AsyncLLMEngine:
                           priority: int = 0, timeout_s: Optional[float] = None) -> RequestStream:
         """Submit a request; returns once the engine accepted it (validation errors raise here)."""
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, self.abort)
+        stream = RequestStream(request_id, loop, self.abort,
+                               aggregate=params.output_kind is RequestOutputKind.DELTA)
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         submission = _Submission(request_id, prompt, params, priority,
                                  time.monotonic() + timeout_s if timeout_s else None, stream, loop.create_future())

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.errors import InvalidRequestError
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.outputs import RequestOutput
-from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 PromptInput = Union[str, list[int], dict[str, Any]]
 
@@ -38,17 +40,21 @@ class LLM:
         *,
         on_output: Optional[Callable[[int, RequestOutput], None]] = None,
     ) -> list[RequestOutput]:
-        """Run every prompt as one continuously batched workload. `on_output(index, output)` sees
-        each intermediate output, for streaming and progress display."""
+        """Run every prompt as one continuously batched workload and return each one's whole output.
+        `on_output(index, output)` sees each intermediate output as the params' `output_kind` asks
+        (with `DELTA` only what is new), for streaming and progress display."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        if on_output is None:  # nobody sees the intermediate outputs: the engine need not build them
+            params_list = _final_only(params_list)
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):
                 request_id = f"llm-{next(self._ids)}"
                 self.engine.add_request(request_id, _prompt_value(prompt), params)
                 ids.append(request_id)
-            return self._run(ids, on_output)
+            deltas = {rid for rid, p in zip(ids, params_list) if p.output_kind is RequestOutputKind.DELTA}
+            return self._run(ids, deltas, on_output)
         except BaseException:
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -69,16 +75,24 @@ class LLM:
         prompts = [tokenizer.encode_chat(conv, add_generation_prompt) for conv in conversations]
         return self.generate(prompts, sampling_params, on_output=on_output)
 
-    def _run(self, ids: list[str], on_output) -> list[RequestOutput]:
+    def _run(self, ids: list[str], deltas: set[str], on_output) -> list[RequestOutput]:
+        """Step until every request finished; the deltas of the requests in `deltas` are summed up."""
         position = {request_id: i for i, request_id in enumerate(ids)}
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
+        latest: dict[str, RequestOutput] = {}
+        finished = 0
+        while finished < len(ids):
             for output in self.engine.step().outputs:
                 if on_output is not None:
                     on_output(position[output.request_id], output)
-                if output.finished:
-                    final[output.request_id] = output
-        return [final[request_id] for request_id in ids]
+                request_id = output.request_id
+                if request_id not in deltas:
+                    latest[request_id] = output
+                elif request_id in latest:  # a copy is summed up: on_output's caller may keep the delta it saw
+                    latest[request_id].add(_own_copy(output), aggregate=True)
+                else:
+                    latest[request_id] = _own_copy(output)
+                finished += output.finished
+        return [latest[request_id] for request_id in ids]
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptInput]:
@@ -97,6 +111,24 @@ def _prompt_value(prompt: PromptInput):
             return prompt["prompt"]
         raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     return prompt
+
+
+def _final_only(params_list: list[SamplingParams]) -> list[SamplingParams]:
+    """The params as FINAL_ONLY: the same final output, without one per step (a cumulative one
+    copies every token and logprob so far)."""
+    swapped: dict[int, SamplingParams] = {}
+    for params in params_list:
+        if params.output_kind is not RequestOutputKind.FINAL_ONLY and id(params) not in swapped:
+            final_only = copy.copy(params)  # validated already: not `replace`, which checks again
+            final_only.output_kind = RequestOutputKind.FINAL_ONLY
+            swapped[id(params)] = final_only
+    return [swapped.get(id(params), params) for params in params_list]
+
+
+def _own_copy(output: RequestOutput) -> RequestOutput:
+    completions = [replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
+                   for c in output.outputs]
+    return replace(output, outputs=completions)
 
 
 def _as_params_list(params: Any, count: int) -> list[SamplingParams]:

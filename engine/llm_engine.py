@@ -28,7 +28,7 @@ from llmctl.engine.executor import Executor, UniProcExecutor
 from llmctl.engine.model_runner import RunnerConfig
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.engine.sampler import SamplingRow
-from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 from llmctl.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -108,6 +108,14 @@ class ModelInfo:
 
 
 @dataclass
+class Emitted:
+    """How much of one sample the request's outputs have carried (for `RequestOutputKind.DELTA`)."""
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
 class Request:
     request_id: str
     prompt: Optional[str]
@@ -118,6 +126,11 @@ class Request:
     texts: list[str]
     arrival_time: float
     stop_holdback: int = 0
+    emitted: list[Emitted] = field(default_factory=list)  # per sample
+    emitted_prompt_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        self.emitted = [Emitted() for _ in self.seqs]
 
     @property
     def finished(self) -> bool:
@@ -319,7 +332,7 @@ class LLMEngine:
             seq.last_token_time = now
             self._detokenize(request, update, now)
             touched[request.request_id] = request
-        outputs = [self._output(r) for r in touched.values()]
+        outputs = [o for o in map(self._output, touched.values()) if o is not None]  # None: FINAL_ONLY, unfinished
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
@@ -400,18 +413,14 @@ class LLMEngine:
         request.texts[seq.index] = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
         return stop
 
-    def _output(self, request: Request) -> RequestOutput:
-        completions = []
-        for seq in request.seqs:
-            text = request.texts[seq.index]
-            if not seq.is_finished and request.stop_holdback:
-                text = text[: max(0, len(text) - request.stop_holdback)]
-            completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            ))
+    def _output(self, request: Request) -> Optional[RequestOutput]:
+        """The request's output as its `output_kind` asks: everything so far, what is new since the
+        previous output (samples with nothing new left out), or None until it finishes."""
+        kind = request.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not request.finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        completions = [c for c in (self._completion(request, seq, delta) for seq in request.seqs) if c is not None]
         first = request.seqs[0]
         metrics = RequestMetrics(
             arrival_time=request.arrival_time, first_scheduled_time=first.first_scheduled_time,
@@ -420,10 +429,35 @@ class LLMEngine:
             num_preemptions=sum(s.num_preemptions for s in request.seqs),
         )
         prompt_logprobs = None
-        if request.params.prompt_logprobs is not None:
-            prompt_logprobs = list(first.prompt_logprobs)
+        if request.params.prompt_logprobs is not None and not (delta and request.emitted_prompt_logprobs):
+            prompt_logprobs = list(first.prompt_logprobs)  # a step's output comes after the whole prompt was scored
+            request.emitted_prompt_logprobs = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, metrics, prompt_logprobs)
+
+    def _completion(self, request: Request, seq: Sequence, delta: bool) -> Optional[CompletionOutput]:
+        text = request.texts[seq.index]
+        if not seq.is_finished and request.stop_holdback:
+            text = text[: max(0, len(text) - request.stop_holdback)]
+        wants_logprobs = seq.params.logprobs is not None
+        if delta:
+            emitted = request.emitted[seq.index]
+            nothing_new = len(text) == emitted.text_len and len(seq.output_token_ids) == emitted.num_tokens
+            if emitted.finished or (nothing_new and not seq.is_finished):
+                return None
+            # Shown text never shrinks: a stop string is only searched for in the held-back tail.
+            start = emitted.num_tokens
+            text, token_ids = text[emitted.text_len:], seq.output_token_ids[start:]
+            logprobs = seq.output_logprobs[start:] if wants_logprobs else None
+            emitted.text_len += len(text)
+            emitted.num_tokens += len(token_ids)
+            emitted.finished = seq.is_finished
+        else:
+            token_ids = list(seq.output_token_ids)
+            logprobs = list(seq.output_logprobs) if wants_logprobs else None
+        return CompletionOutput(index=seq.index, text=text, token_ids=token_ids,
+                                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+                                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
     def get_stats(self) -> dict[str, float]:
         stats = self.scheduler.stats()

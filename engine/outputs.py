@@ -1,4 +1,5 @@
-"""`RequestOutput` / `CompletionOutput`: what a request has produced so far (vLLM's shapes)."""
+"""`RequestOutput` / `CompletionOutput`: what a request has produced (vLLM's shapes): everything so
+far, or only what is new since its previous output (`SamplingParams.output_kind`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def extend(self, delta: "CompletionOutput") -> None:
+        """Append a later delta of this completion (text, token ids, logprobs) in place."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 @dataclass
@@ -55,6 +67,27 @@ class RequestOutput:
     # Set when the engine finished the request on a failure of its own (a `CapacityError`: it does
     # not fit in memory even alone); the completions then end with finish_reason "abort".
     error: Optional[Exception] = None
+
+    def add(self, later: "RequestOutput", aggregate: bool) -> None:
+        """Merge a later output of the same request into this one, in place (vLLM's
+        `RequestOutput.add`): with `aggregate` (deltas) each completion's text, token ids and logprobs
+        are appended; without (cumulative outputs) the later completions replace these."""
+        self.finished = self.finished or later.finished
+        self.metrics = later.metrics
+        self.error = later.error or self.error
+        if self.prompt_logprobs is None:  # deltas carry them once, in the first output
+            self.prompt_logprobs = later.prompt_logprobs
+        position = {completion.index: i for i, completion in enumerate(self.outputs)}
+        for completion in later.outputs:
+            i = position.get(completion.index)
+            if i is None:
+                position[completion.index] = len(self.outputs)
+                self.outputs.append(completion)
+            elif aggregate:
+                self.outputs[i].extend(completion)
+            else:
+                self.outputs[i] = completion
+        self.outputs.sort(key=lambda completion: completion.index)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self, dict_factory=_json_safe_dict)

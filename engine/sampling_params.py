@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import copy
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from llmctl.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request carries (vLLM's names and meanings)."""
+    CUMULATIVE = 0  # everything so far, every step (the offline API's default)
+    DELTA = 1  # only what is new since the previous output: text, token ids, logprobs
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -33,6 +41,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Callables (output_token_ids, logits_row) -> logits_row, applied to the raw logits first.
     logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +87,8 @@ class SamplingParams:
             ("stop_token_ids", lambda: all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be token ids"),
             ("seed", lambda: self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            ("output_kind", lambda: isinstance(self.output_kind, RequestOutputKind),
+             "output_kind must be a RequestOutputKind"),
         ]
 
     @property

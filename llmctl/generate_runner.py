@@ -4,7 +4,7 @@ stream or render the results (Rich progress on a TTY; plain text or JSON lines w
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from llmctl.errors import UserError
@@ -99,18 +99,17 @@ def _status(console, message: str):
 
 
 def _run_streaming(llm, prompts, params):
+    from llmctl.engine import RequestOutputKind
+
     out = stdout_console()
-    printed = 0
 
     def on_output(_index, output):
-        nonlocal printed
-        text = output.outputs[0].text
-        if len(text) > printed:
-            out.file.write(text[printed:])
+        if output.outputs and output.outputs[0].text:  # a delta: only the new text
+            out.file.write(output.outputs[0].text)
             out.file.flush()
-            printed = len(text)
 
-    outputs = llm.generate(prompts, params, on_output=on_output)
+    deltas = [replace(p, output_kind=RequestOutputKind.DELTA) for p in params]
+    outputs = llm.generate(prompts, deltas, on_output=on_output)
     out.file.write("\n")
     out.file.flush()
     return outputs

@@ -145,6 +145,62 @@ def test_a_reader_that_stops_reading_holds_one_output(engine):
     assert [len(c.token_ids) for c in outputs[0].outputs] == [60] * 4
 
 
+def test_a_lagging_reader_of_deltas_gets_the_missed_ones_concatenated(engine):
+    # With RequestOutputKind.DELTA a stalled reader's pending delta is appended to, not replaced:
+    # it still holds one output, and what it reads adds up to what a cumulative reader gets.
+    from llmctl.engine import RequestOutputKind
+
+    engine.start()
+    tokens = engine.model_info.tokenizer.encode("A tale")
+    params = dict(max_tokens=40, n=3, logprobs=3, temperature=0.0, ignore_eos=True)
+
+    async def read(stream, stall: bool):
+        backlogs = []
+        if stall:
+            while _free(engine):
+                await asyncio.sleep(0.005)
+            while not _free(engine):
+                backlogs.append(stream.backlog)
+                await asyncio.sleep(0.01)
+        return backlogs, [output async for output in stream]
+
+    async def main():
+        lagging = await engine.add_request("lagging", tokens, SamplingParams(
+            **params, output_kind=RequestOutputKind.DELTA))
+        backlogs, deltas = await read(lagging, stall=True)
+        whole = await engine.add_request("whole", tokens, SamplingParams(**params))
+        return backlogs, deltas, (await read(whole, stall=False))[1][-1]
+
+    backlogs, deltas, whole = asyncio.run(main())
+    assert max(backlogs) <= 1 and len(deltas) == 1 and deltas[0].finished
+    assert [(c.text, c.token_ids, c.logprobs) for c in deltas[0].outputs] == [
+        (c.text, c.token_ids, c.logprobs) for c in whole.outputs]
+    assert all(len(c.token_ids) == 40 for c in deltas[0].outputs)
+
+
+def test_request_stream_appends_deltas_and_replaces_cumulative_outputs():
+    from llmctl.engine.async_engine import RequestStream
+    from llmctl.engine.outputs import CompletionOutput, RequestOutput
+
+    def out(pieces, finished=False):  # pieces: (index, text, token ids)
+        return RequestOutput("r", None, [1], [CompletionOutput(i, text, ids, None, None) for i, text, ids in pieces],
+                             finished)
+
+    async def main(aggregate: bool):
+        stream = RequestStream("r", asyncio.get_running_loop(), lambda _rid: None, aggregate=aggregate)
+        for item in (out([(0, "a", [1])]), out([(1, "x", [7])]), out([(0, "b", [2]), (1, "y", [8])]),
+                     out([(0, "c", [3])], finished=True)):
+            stream.put_now(item)
+        backlog = stream.backlog
+        return backlog, [o async for o in stream]
+
+    backlog, read = asyncio.run(main(aggregate=True))
+    assert backlog == 1 and len(read) == 1 and read[0].finished
+    assert [(c.index, c.text, c.token_ids) for c in read[0].outputs] == [(0, "abc", [1, 2, 3]), (1, "xy", [7, 8])]
+    backlog, read = asyncio.run(main(aggregate=False))  # cumulative: the newest is all there is to read
+    assert backlog == 1 and [(c.index, c.text) for c in read[0].outputs] == [(0, "c")]
+
+
 def test_admission_control_refuses_beyond_the_waiting_limit():
     eng = AsyncLLMEngine.from_engine_args(EngineArgs(device="cpu", max_num_seqs=1), max_waiting_requests=1)
     eng.start()

@@ -41,6 +41,17 @@ def test_generate_reads_stdin_and_streams_plain_text(tiny_chat_model):
     assert "\x1b[" not in single.stdout  # no colour codes when piped
 
 
+def test_streamed_text_is_the_whole_text_with_a_stop_string_held_back(tiny_chat_model):
+    # The stream prints the engine's deltas as they come; a pending stop string is never printed.
+    base = ("generate", "To be, or not", "-m", str(tiny_chat_model), "--max-tokens", "24", "-t", "0.8",
+            "--sampling-seed", "7", "--ignore-eos")
+    whole = json.loads(run_cli(*base, "--json").stdout)["text"]
+    stop = next(whole[i:i + 2] for i in range(3, len(whole) - 2) if "\ufffd" not in whole[i:i + 2])
+    streamed = run_cli(*base, "--stop", stop)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == whole[:whole.index(stop)] + "\n"
+
+
 def test_config_file_env_and_flag_precedence(tiny_chat_model, tmp_path):
     config = tmp_path / "gen.yaml"
     config.write_text("max-tokens: 3\ntemperature: 0\nignore_eos: true\n")

@@ -270,3 +270,65 @@ def test_peak_rss_is_flat_across_repeated_workloads(tiny_chat_model):
     # request's outputs, log-probs or KV kept) grows with each of the four extra runs instead.
     limit = peaks["once"] * 1.05 + 8 * 1024
     assert peaks["five"] <= limit, f"peak RSS grew from {peaks['once']} KiB to {peaks['five']} KiB"
+
+
+# ---- output kinds: CUMULATIVE (default), DELTA, FINAL_ONLY (vLLM's RequestOutputKind) ------------
+
+def _steps(llm: LLM, params: SamplingParams) -> tuple[list, object]:
+    seen = []
+    final = llm.generate(["To be, or not"], params, on_output=lambda _i, out: seen.append(out))[0]
+    return seen, final
+
+
+def _sampled(**overrides) -> SamplingParams:
+    base = dict(n=3, temperature=0.8, seed=7, max_tokens=20, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    return SamplingParams(**{**base, **overrides})
+
+
+def _held_back_stop(llm: LLM) -> str:
+    """Two characters from inside a sampled choice's text: a stop string that ends that choice early."""
+    text = llm.generate(["To be, or not"], _sampled())[0].outputs[1].text
+    return next(text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_deltas_add_up_to_the_cumulative_outputs_step_by_step(llm, include_stop):
+    from llmctl.engine import RequestOutputKind
+
+    stop = _held_back_stop(llm)
+    cumulative, whole = _steps(llm, _sampled(stop=[stop], include_stop_str_in_output=include_stop))
+    deltas, summed = _steps(llm, _sampled(stop=[stop], include_stop_str_in_output=include_stop,
+                                         output_kind=RequestOutputKind.DELTA))
+    assert len(deltas) == len(cumulative) and any(c.finish_reason == "stop" for c in whole.outputs)
+    so_far = {i: ("", [], []) for i in range(3)}
+    for step, (delta, full) in enumerate(zip(deltas, cumulative)):
+        assert (delta.prompt_logprobs is not None) == (step == 0)  # once, in the first delta
+        for c in delta.outputs:
+            assert c.token_ids or c.text or c.finish_reason, "a choice with nothing new is left out"
+            assert so_far[c.index] is not None, "nothing comes after a choice finished"
+            text, ids, lps = so_far[c.index]
+            so_far[c.index] = (text + c.text, ids + c.token_ids, lps + c.logprobs)
+            expected = full.outputs[c.index]
+            assert so_far[c.index] == (expected.text, expected.token_ids, expected.logprobs)
+            assert (c.cumulative_logprob, c.finish_reason, c.stop_reason) == (
+                expected.cumulative_logprob, expected.finish_reason, expected.stop_reason)
+            if c.finish_reason is not None:
+                so_far[c.index] = None
+        # a choice that the delta leaves out has nothing new in the cumulative output either
+        for index, expected in enumerate(full.outputs):
+            if so_far[index] is not None:
+                assert so_far[index] == (expected.text, expected.token_ids, expected.logprobs)
+    assert all(v is None for v in so_far.values())
+    assert summed.outputs == whole.outputs and summed.prompt_logprobs == whole.prompt_logprobs
+    assert summed.finished and all_free(llm)
+
+
+def test_final_only_is_one_output_and_generate_returns_the_same_for_every_kind(llm):
+    from llmctl.engine import RequestOutputKind
+
+    finals, whole = _steps(llm, _sampled(output_kind=RequestOutputKind.FINAL_ONLY))
+    assert len(finals) == 1 and finals[0] is whole and whole.finished
+    for kind in RequestOutputKind:
+        again = llm.generate(["To be, or not"], _sampled(output_kind=kind))[0]  # no on_output
+        assert again.outputs == whole.outputs and again.prompt_logprobs == whole.prompt_logprobs
+    assert all_free(llm)

@@ -202,3 +202,55 @@ def test_stream_has_a_chunk_per_step_even_without_printable_text(client):
     assert chunks and all(c.choices[0].text == "" for c in chunks)
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == 5
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def _success_and_generated(server) -> tuple[float, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(server.base_url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples["llmctl:request_success_total"], samples["llmctl:generation_tokens_total"]
+
+
+def test_engine_deltas_stream_what_the_whole_body_holds(client, server, monkeypatch):
+    # The server asks the engine for deltas when streaming and for the final output only otherwise;
+    # two prompts, n=3, echo with logprobs and a stop string held back: the chunks add up to the body,
+    # usage and the request metrics count every token and choice.
+    from llmctl.engine import RequestOutputKind
+
+    kinds = []
+    submit = server.engine.add_request
+
+    async def spy(request_id, prompt, params, **kwargs):
+        kinds.append(params.output_kind)
+        return await submit(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(server.engine, "add_request", spy)
+    args = dict(model=MODEL, prompt=["ROMEO:", "JULIET:"], max_tokens=12, n=3, seed=9, temperature=0.9, logprobs=2,
+                echo=True, extra_body={"ignore_eos": True})
+    free = client.completions.create(**args)
+    stop = free.choices[1].text[len("ROMEO:") + 4:][:2]
+    whole = client.completions.create(**args, stop=[stop])
+    assert kinds == [RequestOutputKind.FINAL_ONLY] * 4
+    before = _success_and_generated(server)
+    chunks = list(client.completions.create(**args, stop=[stop], stream=True, stream_options={"include_usage": True}))
+    assert kinds[4:] == [RequestOutputKind.DELTA] * 2
+    text, tokens, offsets, reasons = {}, {}, {}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            text[choice.index] = text.get(choice.index, "") + choice.text
+            tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+            offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset)
+            if choice.finish_reason:
+                reasons[choice.index] = (choice.finish_reason, choice.stop_reason)
+    assert any(c.finish_reason == "stop" for c in whole.choices)
+    for choice in whole.choices:
+        assert text[choice.index] == choice.text
+        assert tokens[choice.index] == choice.logprobs.tokens and offsets[choice.index] == choice.logprobs.text_offset
+        assert reasons[choice.index] == (choice.finish_reason, choice.stop_reason)
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    server.wait_idle()
+    success, generated = _success_and_generated(server)
+    assert success - before[0] == 6 and generated - before[1] == whole.usage.completion_tokens

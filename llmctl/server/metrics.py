@@ -185,23 +185,26 @@ class ServerMetrics:
         for latency in step.inter_token_latencies:
             inter_token.observe(latency)
 
-    def observe_finished(self, output: RequestOutput, model: Optional[str] = None) -> None:
+    def observe_finished(self, output: RequestOutput, tokens_per_choice: list[int],
+                         finish_reasons: list[Optional[str]], model: Optional[str] = None) -> None:
+        """A finished request: `output` for its prompt and timings; what each choice generated and
+        why it stopped, counted by the caller over the request's outputs (deltas carry only news)."""
         model = model or self.model_name
         metrics = output.metrics
-        generated = sum(len(c.token_ids) for c in output.outputs)
+        generated = sum(tokens_per_choice)
         self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
         self.generation_tokens.labels(model).inc(generated)
         self.request_prompt_tokens.labels(model).observe(len(output.prompt_token_ids))
         self.request_generation_tokens.labels(model).observe(generated)
-        for completion in output.outputs:
-            self.request_success.labels(model, completion.finish_reason or "unknown").inc()
+        for reason in finish_reasons:
+            self.request_success.labels(model, reason or "unknown").inc()
         if metrics.time_to_first_token is not None:
             self.ttft.labels(model).observe(metrics.time_to_first_token)
         if metrics.queue_time is not None:
             self.queue_time.labels(model).observe(metrics.queue_time)
         if metrics.finished_time is not None:
             self.e2e.labels(model).observe(metrics.finished_time - metrics.arrival_time)
-            per_seq = max((len(c.token_ids) for c in output.outputs), default=0)
+            per_seq = max(tokens_per_choice, default=0)
             if per_seq > 1 and metrics.first_token_time is not None:
                 self.tpot.labels(model).observe((metrics.finished_time - metrics.first_token_time) / (per_seq - 1))
 
@@ -226,8 +229,9 @@ class ModelMetrics:
     def observe_step(self, step: StepInfo, stats: dict[str, float]) -> None:
         self.metrics.observe_step(step, stats, self.model_name)
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        self.metrics.observe_finished(output, self.model_name)
+    def observe_finished(self, output: RequestOutput, tokens_per_choice: list[int],
+                         finish_reasons: list[Optional[str]]) -> None:
+        self.metrics.observe_finished(output, tokens_per_choice, finish_reasons, self.model_name)
         for listener in self.finished_listeners:
             listener(output)
 

@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from llmctl.engine.errors import InvalidRequestError
-from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 from llmctl.server.errors import APIError
 
 MAX_N = 16
@@ -382,6 +382,8 @@ def _sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_
         prompt_logprobs=prompt_logprobs_width(body),
         skip_special_tokens=body.skip_special_tokens,
         logits_processors=[_logit_bias(body.logit_bias, vocab_size)] if body.logit_bias else [],
+        # A stream sends what is new each step; a body needs only the end.
+        output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
     )
 
 

@@ -1,8 +1,8 @@
 """The OpenAI completions and chat endpoints on top of `AsyncLLMEngine`.
 
 Owns turning a validated request into engine requests (one per prompt, `n` samples each), and the
-engine's cumulative outputs back into OpenAI responses: whole JSON bodies, or Server-Sent Events
-carrying text deltas, ending in `data: [DONE]`. A client that disconnects aborts its requests, so
+engine's outputs back into OpenAI responses: whole JSON bodies (from each request's one final
+output), or Server-Sent Events (one chunk per choice of each engine delta), ending in `data: [DONE]`. A client that disconnects aborts its requests, so
 their KV blocks are freed at the next step.
 """
 
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmctl.engine.async_engine import AsyncLLMEngine, RequestStream
 from llmctl.engine.errors import EngineError
-from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.engine.tokenizer import IncrementalDetokenizer
 from llmctl.server.errors import APIError, StreamStalledError, from_exception
 from llmctl.server.metrics import ServerMetrics
@@ -40,34 +40,43 @@ class _Prompt:
     token_ids: list[int]
 
 
+Choice = tuple[int, int]  # (prompt index, completion index)
+
+
 @dataclass
 class _Job:
-    """One API request: its engine streams (one per prompt) and what has been sent so far."""
+    """One API request: its engine streams (one per prompt) and what they brought so far."""
     response_id: str
     body: AnyRequest
     prompts: list[_Prompt]
     streams: list[RequestStream]
     created: int = field(default_factory=lambda: int(time.time()))
-    sent_text: dict[tuple[int, int], int] = field(default_factory=dict)
-    sent_tokens: dict[tuple[int, int], int] = field(default_factory=dict)
-    text_offsets: dict[tuple[int, int], int] = field(default_factory=dict)  # next token's text_offset
-    done: set[tuple[int, int]] = field(default_factory=set)
-    finals: dict[int, RequestOutput] = field(default_factory=dict)
+    sent_tokens: dict[Choice, int] = field(default_factory=dict)  # completion tokens put in chunks or the body
+    text_offsets: dict[Choice, int] = field(default_factory=dict)  # next token's text_offset
+    generated: dict[Choice, int] = field(default_factory=dict)  # tokens the engine made (with a scoring one)
+    finish_reasons: dict[Choice, str] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # per prompt, from its first delta
+    finals: dict[int, RequestOutput] = field(default_factory=dict)  # per prompt: its final output
     text_filter: Optional[RequestFilter] = None  # --output-filter: every output passes it first
 
     def cancel(self) -> None:
         for stream in self.streams:
             stream.cancel()
 
-    def delivered_tokens(self) -> int:
-        """Completion tokens sent to the client so far (all of them once every choice finished)."""
-        return sum(self.sent_tokens.values())
+    def send(self, choice: Choice, num_tokens: int) -> bool:
+        """Count tokens going to the client; True the first time this choice sends."""
+        first = choice not in self.sent_tokens
+        self.sent_tokens[choice] = self.sent_tokens.get(choice, 0) + num_tokens
+        return first
 
-    def usage(self, completion: Optional[int] = None) -> dict[str, int]:
-        """Token counts of the finished job, or with `completion` tokens so far (a stream's usage)."""
+    def cut_off_tokens(self) -> int:
+        """Tokens sent for prompts whose request never finished (the client left)."""
+        return sum(n for (p_index, _), n in self.sent_tokens.items() if p_index not in self.finals)
+
+    def usage(self) -> dict[str, int]:
+        """Token counts so far: the whole job's once every request finished."""
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        if completion is None:
-            completion = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
+        completion = sum(self.sent_tokens.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -107,7 +116,7 @@ class OpenAIServing:
         # The engine id is always ours: a client's X-Request-Id is for logs and may repeat across clients.
         job = await self._submit(body, prompts, uuid.uuid4().hex, chat)
         if self.output_filter is not None:
-            job.text_filter = self.output_filter.for_request(audit, choices=body.n)
+            job.text_filter = self.output_filter.for_request(audit, choices=body.n, cumulative=False)  # deltas
         if body.stream:
             events = self._chat_events(job) if chat else self._completion_events(job)
             return _StallBoundedStream(self._sse(job, events, audit), self.stream_write_timeout_s,
@@ -212,10 +221,11 @@ class OpenAIServing:
         return job
 
     async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) from every stream of the job, as they come."""
+        """(prompt index, output) from every stream of the job, as they come: deltas when streaming,
+        else each request's one final output."""
         if len(job.streams) == 1:
             async for output in job.streams[0]:
-                yield 0, self._note_final(job, 0, output)
+                yield 0, self._note(job, 0, output)
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -237,16 +247,28 @@ class OpenAIServing:
                 if output is None:
                     remaining -= 1
                     continue
-                yield index, self._note_final(job, index, output)
+                yield index, self._note(job, index, output)
         finally:
             for task in tasks:
                 task.cancel()
 
-    def _note_final(self, job: _Job, index: int, output: RequestOutput) -> RequestOutput:
+    def _note(self, job: _Job, index: int, output: RequestOutput) -> RequestOutput:
+        """Keep what later outputs do not repeat: token counts and finish reasons for the metrics,
+        the prompt logprobs (a stream's first delta has them), the final output."""
+        for completion in output.outputs:
+            choice = (index, completion.index)
+            job.generated[choice] = job.generated.get(choice, 0) + len(completion.token_ids)
         if job.text_filter is not None:  # the one place outputs are filtered: streamed or not
             output = job.text_filter.apply(index, output, job.streams[index].cancel)
+        for completion in output.outputs:
+            if completion.finish_reason is not None:
+                job.finish_reasons[(index, completion.index)] = completion.finish_reason
+        if output.prompt_logprobs is not None:
+            job.prompt_logprobs.setdefault(index, output.prompt_logprobs)
         if output.finished:
-            self.metrics.observe_finished(output)
+            choices = [(index, c_index) for c_index in range(job.body.n)]
+            self.metrics.observe_finished(output, [job.generated.get(c, 0) for c in choices],
+                                          [job.finish_reasons.get(c) for c in choices])
         if isinstance(job.body, CompletionRequest) and job.body.scores_prompt_only:
             output = _without_generation(output)
         if output.finished:
@@ -256,8 +278,9 @@ class OpenAIServing:
     async def _collect(self, job: _Job, request: Request) -> None:
         """Wait for every output, aborting the job if the client goes away first."""
         async def drain() -> None:
-            async for _ in self._outputs(job):
-                pass
+            async for index, output in self._outputs(job):  # one final output per prompt (FINAL_ONLY)
+                for completion in output.outputs:
+                    job.send((index, completion.index), len(completion.token_ids))
 
         work = asyncio.create_task(drain())
         watch = asyncio.create_task(_wait_for_disconnect(request))
@@ -281,7 +304,7 @@ class OpenAIServing:
                 prefix = self._echo_text(prompt) if body.echo else ""
                 choice = {
                     "index": p_index * body.n + completion.index, "text": prefix + completion.text,
-                    "logprobs": self._choice_logprobs(body, prompt, final, completion.token_ids,
+                    "logprobs": self._choice_logprobs(body, prompt, final.prompt_logprobs, completion.token_ids,
                                                       completion.logprobs, body.echo, len(prefix)),
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                 }
@@ -318,7 +341,7 @@ class OpenAIServing:
         try:
             async for event in events:
                 if include_usage:
-                    event["usage"] = job.usage(job.delivered_tokens()) if continuous else None
+                    event["usage"] = job.usage() if continuous else None
                 yield _data(event)
             if include_usage:
                 yield _data({"id": job.response_id, "object": _chunk_object(job), "created": job.created,
@@ -329,60 +352,46 @@ class OpenAIServing:
         finally:
             job.cancel()
             # Count what reached the client, also when it went away mid-stream.
-            audit["completion_tokens"] = job.delivered_tokens()
-            self.metrics.observe_cut_off(job.delivered_tokens() - job.usage()["completion_tokens"])
+            audit["completion_tokens"] = job.usage()["completion_tokens"]
+            self.metrics.observe_cut_off(job.cut_off_tokens())
         yield "data: [DONE]\n\n"
-
-    def _deltas(self, job: _Job, p_index: int, output: RequestOutput):
-        """(completion, text delta, new token ids, new logprobs, finish reason or None) per choice."""
-        for completion in output.outputs:
-            key = (p_index, completion.index)
-            if key in job.done:
-                continue
-            first = key not in job.sent_tokens
-            text_at, token_at = job.sent_text.get(key, 0), job.sent_tokens.get(key, 0)
-            delta = completion.text[text_at:] if len(completion.text) > text_at else ""
-            new_ids = completion.token_ids[token_at:]
-            new_lps = completion.logprobs[token_at:] if completion.logprobs is not None else None
-            finished = completion.finish_reason is not None
-            if not delta and not finished and not new_ids:  # as vLLM: a chunk per step that made tokens
-                continue
-            job.sent_text[key] = text_at + len(delta)
-            job.sent_tokens[key] = len(completion.token_ids)
-            if finished:
-                job.done.add(key)
-            yield completion, delta, new_ids, new_lps, completion.finish_reason if finished else None, first
 
     async def _completion_events(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         async for p_index, output in self._outputs(job):
-            for completion, delta, ids, lps, reason, first in self._deltas(job, p_index, output):
-                choice = self._completion_chunk_choice(job, p_index, output, completion.index, delta, ids, lps, first)
+            for completion in output.outputs:  # a delta: only the choices with something new
+                choice = self._completion_chunk_choice(job, p_index, completion)
+                reason = completion.finish_reason
                 choice.update(finish_reason=reason, stop_reason=completion.stop_reason if reason else None)
                 yield {"id": job.response_id, "object": "text_completion", "created": job.created,
                        "model": self.model_name, "system_fingerprint": None, "choices": [choice]}
 
-    def _completion_chunk_choice(self, job: _Job, p_index: int, output: RequestOutput, c_index: int, delta: str,
-                                 ids: list[int], lps: Optional[list[dict[int, float]]], first: bool) -> dict:
+    def _completion_chunk_choice(self, job: _Job, p_index: int, completion: CompletionOutput) -> dict:
         body: CompletionRequest = job.body  # type: ignore[assignment]
         prompt = job.prompts[p_index]
+        ids = completion.token_ids
+        first = job.send((p_index, completion.index), len(ids))
         echo = self._echo_text(prompt) if body.echo and first else ""
         # text_offset counts from the start of the choice's text, by token texts as in the
         # non-streamed body (a delta can hold back bytes of a partial character)
-        key = (p_index, c_index)
+        key = (p_index, completion.index)
         offset = job.text_offsets.get(key, len(echo))
         job.text_offsets[key] = offset + sum(len(self._token_text(t)) for t in ids)
-        return {"index": p_index * body.n + c_index, "text": echo + delta,
-                "logprobs": self._choice_logprobs(body, prompt, output, ids, lps, body.echo and first, offset)}
+        logprobs = self._choice_logprobs(body, prompt, job.prompt_logprobs.get(p_index), ids, completion.logprobs,
+                                         body.echo and first, offset)
+        return {"index": p_index * body.n + completion.index, "text": echo + completion.text, "logprobs": logprobs}
 
     async def _chat_events(self, job: _Job) -> AsyncIterator[dict[str, Any]]:
         body: ChatCompletionRequest = job.body  # type: ignore[assignment]
         for index in range(body.n):
             yield self._chat_chunk(job, index, {"role": "assistant", "content": "", "refusal": None}, None, None)
         async for _, output in self._outputs(job):
-            for completion, delta, ids, lps, reason, _first in self._deltas(job, 0, output):
-                logprobs = {"content": self._chat_logprobs(ids, lps, body.top_logprobs or 0)} if body.logprobs else None
-                content = {"content": delta} if delta or ids else {}
-                yield self._chat_chunk(job, completion.index, content, logprobs, reason)
+            for completion in output.outputs:  # a delta: only the choices with something new
+                ids, text = completion.token_ids, completion.text
+                job.send((0, completion.index), len(ids))
+                logprobs = ({"content": self._chat_logprobs(ids, completion.logprobs, body.top_logprobs or 0)}
+                            if body.logprobs else None)
+                yield self._chat_chunk(job, completion.index, {"content": text} if text or ids else {}, logprobs,
+                                       completion.finish_reason)
 
     def _chat_chunk(self, job: _Job, index: int, delta: dict, logprobs: Optional[dict], reason: Optional[str]) -> dict:
         return {"id": job.response_id, "object": "chat.completion.chunk", "created": job.created,
@@ -400,7 +409,8 @@ class OpenAIServing:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
 
-    def _choice_logprobs(self, body: CompletionRequest, prompt: _Prompt, output: RequestOutput, token_ids: list[int],
+    def _choice_logprobs(self, body: CompletionRequest, prompt: _Prompt,
+                         prompt_logprobs: Optional[list[Optional[dict[int, float]]]], token_ids: list[int],
                          entries: Optional[list[dict[int, float]]], echo: bool, offset: int) -> Optional[dict]:
         """A completion choice's `logprobs`: the echoed prompt's tokens first (the first `null`, as
         OpenAI and vLLM send them), then the generated ones; `text_offset`s index the choice's text."""
@@ -409,7 +419,7 @@ class OpenAIServing:
         generated = self._completion_logprobs(token_ids, entries, offset)
         if not echo:
             return generated
-        echoed = self._echo_logprobs(prompt, output.prompt_logprobs, body.logprobs)
+        echoed = self._echo_logprobs(prompt, prompt_logprobs, body.logprobs)
         return {key: echoed[key] + generated[key] for key in generated}
 
     def _echo_logprobs(self, prompt: _Prompt, entries: Optional[list[Optional[dict[int, float]]]],
