@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, kernels=None):
         super().__init__()
-        # `_weight` given: no random init of a tensor the checkpoint overwrites (seconds for a 128k vocabulary)
+        # `_weight` given: nn.Embedding skips its normal_ init over vocab x hidden values the load overwrites
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
             config.vocab_size, config.hidden_size, dtype=linears.dtype), _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(config, linears, kernels) for _ in range(config.num_layers))
