@@ -21,10 +21,6 @@ def label(index: int) -> str:
     return f"GPU{index}"
 
 
-def mib(value_bytes: float) -> int:
-    return int(value_bytes // (1 << 20))
-
-
 def gib(value_bytes: float) -> float:
     return round(value_bytes / (1 << 30), 1)
 

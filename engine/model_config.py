@@ -38,7 +38,6 @@ class ModelConfig:
     sliding_window: Optional[int]
     hidden_act: str
     checkpoint_dtype: Optional[str]
-    bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -90,7 +89,6 @@ class ModelConfig:
             sliding_window=_sliding_window(raw, architecture),
             hidden_act=str(raw.get("hidden_act", "silu")),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
         )
         config._validate(source)

@@ -99,9 +99,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def id_to_token(self, token_id: int) -> Optional[str]:
-        return self._tok.id_to_token(token_id)
-
     # ---- chat -------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **extra: Any) -> str:

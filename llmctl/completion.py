@@ -1,7 +1,7 @@
 """Static shell completion scripts (bash, zsh, fish) generated from the click command tree.
 
 Static scripts complete without starting Python on every TAB. `completions/` holds the generated
-files; `tests/test_completions.py` fails when they drift from the app.
+files; `tests/test_cli.py::test_completion_files_are_up_to_date` fails when they drift from the app.
 """
 
 from __future__ import annotations

@@ -83,6 +83,25 @@ def test_every_package_folder_is_listed_in_pyproject():
             assert name in listed, f"{name} missing from [tool.setuptools] packages"
 
 
+def test_every_test_file_the_repository_names_exists():
+    # Comments, docs and CI that name a test file under tests/ (and maybe a test in it) stay true.
+    import re
+
+    skip = {".git", ".venv", "node_modules", "__pycache__", "llmctl.egg-info", "default_model"}
+    named = re.compile(r"tests/(test_\w+\.py)(?:::(\w+))?")
+    stale = []
+    for path in ROOT.rglob("*"):
+        if not path.is_file() or skip & set(path.relative_to(ROOT).parts) or path.suffix not in {
+                ".py", ".md", ".toml", ".sh", ".yaml", ".yml", ".cfg", ""}:
+            continue
+        text = path.read_text(errors="replace")
+        for file, test in named.findall(text):
+            target = ROOT / "tests" / file
+            if not target.is_file() or (test and f"def {test}(" not in target.read_text()):
+                stale.append(f"{path.relative_to(ROOT)}: tests/{file}{'::' + test if test else ''}")
+    assert not stale, stale
+
+
 def test_readme_test_command_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
