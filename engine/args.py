@@ -15,6 +15,8 @@ from llmctl.engine.errors import EngineArgsError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization.py).
+ON_THE_FLY_QUANTIZATIONS = ("int8",)
 
 
 def _arg(default: Any, help: str, **cli: Any) -> Any:
@@ -54,6 +56,8 @@ class EngineArgs:
     verify: bool = _arg(False, "Check weight files against the folder's SHA256SUMS first.")
     num_threads: Optional[int] = _arg(None, "CPU threads for torch.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs for decode steps (CUDA).")
+    quantization: Optional[str] = _arg(None, "Quantise the linear weights on load: int8 (weight-only, "
+                                             "per output channel). Default: none.")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -62,6 +66,8 @@ class EngineArgs:
         _choice("dtype", self.dtype, DTYPES)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS)
         _positive("max_num_seqs", self.max_num_seqs)
         for name in ("block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
                      "num_threads"):

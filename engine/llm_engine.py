@@ -163,6 +163,7 @@ class LLMEngine:
             max_num_batched_tokens=self._max_batched_tokens(args), kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
             load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
+            quantization=args.quantization,
         ))
         self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
                                           args.enable_prefix_caching)

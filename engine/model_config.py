@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -39,6 +40,8 @@ class ModelConfig:
     hidden_act: str
     checkpoint_dtype: Optional[str]
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # config.json's quantization_config.quant_method (a pre-quantised checkpoint), else None
+    quant_method: Optional[str] = None
 
     @classmethod
     def from_pretrained(cls, folder: Path) -> "ModelConfig":
@@ -90,6 +93,7 @@ class ModelConfig:
             hidden_act=str(raw.get("hidden_act", "silu")),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+            quant_method=_quant_method(raw),
         )
         config._validate(source)
         return config
@@ -104,6 +108,11 @@ class ModelConfig:
         if rope_type not in ("default", "llama3", "linear"):
             raise ModelLoadError(f"{source}: rope_scaling type {rope_type!r} is not supported "
                                  "(supported: default, linear, llama3)")
+        if self.quant_method is not None:
+            # Loading its packed tensors as if full precision would run garbage weights, so refuse it.
+            raise ModelLoadError(f"{source}: quantization_config.quant_method {self.quant_method!r} is not supported "
+                                 "(pre-quantised checkpoints are not; load the full-precision checkpoint, with "
+                                 f"--quantization {' or '.join(ON_THE_FLY_QUANTIZATIONS)} to quantise it on the fly)")
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:
@@ -113,6 +122,16 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
             return arch
     named = ", ".join(archs) if archs else f"model_type {raw.get('model_type')!r}"
     raise ModelLoadError(f"{source}: unsupported architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _quant_method(raw: dict[str, Any]) -> Optional[str]:
+    """The checkpoint's quantisation method: quantization_config.quant_method (GPTQ, AWQ,
+    compressed-tensors, fp8, bitsandbytes, ...); "unnamed" for a quantization_config without one."""
+    config = raw.get("quantization_config")
+    if config is None:
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else None
+    return str(method) if method else "unnamed"
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:

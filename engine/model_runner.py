@@ -20,6 +20,7 @@ from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
 from llmctl.engine.layers.linear import select_linear_method
+from llmctl.engine.layers.quantization import quantized_linear_method
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.sampler import Sampler, SamplingRow
@@ -88,6 +89,7 @@ class RunnerConfig:
     seed: int
     verify: bool
     enforce_eager: bool = False
+    quantization: Optional[str] = None  # EngineArgs.quantization: weight-only linears quantised on load
 
 
 class ModelRunner:
@@ -103,11 +105,17 @@ class ModelRunner:
         problem = self.attention.validate_block_size(self.block_size)
         if problem:
             raise EngineArgsError(problem)
-        linear_method = select_linear_method(self.device, config.dtype, kernels,
-                                             batch_hint=min(config.max_num_seqs, 64))
+        if config.quantization:
+            linear_method = quantized_linear_method(config.quantization, self.device, config.dtype)
+        else:
+            linear_method = select_linear_method(self.device, config.dtype, kernels,
+                                                 batch_hint=min(config.max_num_seqs, 64))
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
                                  device=self.device, load_format=config.load_format, seed=config.seed,
                                  linear_method=linear_method, kernels=kernels, verify=config.verify)
+        # What the parameters occupy (shared ones once): int8 linears hold 1 byte per weight plus scales.
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, config.quantization or config.dtype)
         # Start-up, in this order on every device: measure the worst-case forward (where a device memory
         # budget applies), capture the decode graphs within that budget, then size the KV pool from what is
         # left and allocate it. The profile peak and the graphs' memory both come out of

@@ -1,0 +1,150 @@
+"""Quantisation: pre-quantised checkpoints (config.json's quantization_config) are refused by name, and
+`--quantization int8` quantises a full-precision checkpoint on load, matching a plain-torch (transformers)
+model that runs the same dequantised weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from test_generate_cli import run_cli
+from test_parity import LogitRecorder, make_prompts, reference_logits
+
+from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.layers.linear import LinearBase
+from llmctl.engine.layers.quantization import dequantize_int8, quantize_int8_per_channel
+
+NEW_TOKENS = 12
+QUANT_CONFIGS = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
+    "mystery-quant": {"quant_method": "mystery-quant"},
+    "unnamed": {"bits": 8},
+}
+
+
+def with_quantization_config(source, folder, quant_config):
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quant_config
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("method", sorted(QUANT_CONFIGS))
+def test_pre_quantised_checkpoint_is_refused_by_name(tiny_models, tmp_path, method):
+    folder = with_quantization_config(tiny_models["llama"], tmp_path / "q", QUANT_CONFIGS[method])
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(folder), skip_tokenizer_init=True, device="cpu", max_model_len=64, num_kv_blocks=8)
+    message = str(info.value)
+    assert f"quant_method {method!r} is not supported" in message and "--quantization int8" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("method", ["gptq", "mystery-quant"])
+def test_generate_refuses_a_pre_quantised_checkpoint_in_one_line(tiny_chat_model, tmp_path, method):
+    folder = with_quantization_config(tiny_chat_model, tmp_path / "q", QUANT_CONFIGS[method])
+    proc = run_cli("generate", "hi", "-m", str(folder), "--max-tokens", "2")
+    assert proc.returncode == 2
+    error_lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(error_lines) == 1 and f"quant_method {method!r} is not supported" in error_lines[0]
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(EngineArgsError, match="quantization must be one of int8, got 'gptq'"):
+        LLM(quantization="gptq")
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_generate_refuses_an_unknown_quantization(tiny_chat_model, how):
+    args = ("generate", "hi", "-m", str(tiny_chat_model), "--max-tokens", "2")
+    if how == "flag":
+        proc = run_cli(*args, "--quantization", "int3")
+    else:
+        proc = run_cli(*args, env_extra={"LLMCTL_QUANTIZATION": "int3"})
+    assert proc.returncode == 2
+    error_lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(error_lines) == 1 and "quantization must be one of int8, got 'int3'" in error_lines[0]
+
+
+def test_generate_runs_int8(tiny_chat_model):
+    proc = run_cli("generate", "hi", "-m", str(tiny_chat_model), "--quantization", "int8", "--max-tokens", "3",
+                   "--json", "--dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])
+
+
+def dequantised_reference(folder, weight_dtype: torch.dtype):
+    """transformers' model in float32 whose decoder linears and lm_head hold the int8-dequantised weights
+    (quantised from the checkpoint's weights cast to `weight_dtype`, as the engine loads them)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    linears = [m for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert any(m is model.lm_head for m in linears)
+    for linear in linears:
+        codes, scale = quantize_int8_per_channel(linear.weight.data.to(weight_dtype), weight_dtype)
+        linear.weight = nn.Parameter(dequantize_int8(codes, scale), requires_grad=False)  # unties lm_head
+    return model
+
+
+def run_greedy(llm: LLM, prompts):
+    recorders = [LogitRecorder() for _ in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logits_processors=[r])
+              for r in recorders]
+    outputs = llm.generate(prompts, params)
+    return [(p, o.outputs[0].token_ids, torch.stack(r.rows)) for p, o, r in zip(prompts, outputs, recorders)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied lm_head; tied lm_head with q/k/v biases
+def test_int8_float32_matches_the_dequantised_reference(tiny_models, arch):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models[arch]
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", quantization="int8",
+              max_model_len=400, max_num_batched_tokens=96)
+    reference = dequantised_reference(folder, torch.float32)
+    unquantised = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gap = 0.0
+    for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:5]):
+        with torch.no_grad():
+            expected_tokens = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                                 min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+        assert tokens == expected_tokens.tolist()
+        expected = reference_logits(reference, prompt, tokens)
+        assert (ours - expected).abs().max().item() < 1e-3
+        gap = max(gap, (reference_logits(unquantised, prompt, tokens) - expected).abs().max().item())
+    assert gap > 1e-2, "the quantised reference should differ from full precision, or this test shows nothing"
+
+
+def test_int8_bfloat16_tracks_the_dequantised_reference(tiny_models):
+    folder = tiny_models["qwen2"]
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", quantization="int8",
+              max_model_len=400)
+    reference = dequantised_reference(folder, torch.bfloat16)
+    for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:4]):
+        expected = reference_logits(reference, prompt, tokens)
+        scale = expected.abs().max().item()
+        assert (ours.float() - expected).abs().max().item() < 0.05 * scale + 0.05
+
+
+def test_int8_weights_are_stored_quantised(tiny_models):
+    def runner(**kwargs):
+        llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
+                  max_model_len=64, num_kv_blocks=8, **kwargs)
+        return llm.engine.executor.runner
+
+    full, int8 = runner(), runner(quantization="int8")
+    linears = [m for m in int8.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype is torch.int8 for m in linears)
+    linear_elements = sum(m.weight.numel() for m in linears)
+    # every linear weight went from 2 bytes to 1 (+ one bf16 scale per output row); nothing else changed
+    scales = sum(m.weight_scale.numel() for m in linears) * 2
+    assert int8.weight_bytes == full.weight_bytes - linear_elements + scales
+    assert int8.weight_bytes < 0.7 * full.weight_bytes
