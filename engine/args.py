@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization.py).
-ON_THE_FLY_QUANTIZATIONS = ("int8",)
+ON_THE_FLY_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
 
 
 def _arg(default: Any, help: str, **cli: Any) -> Any:
@@ -56,8 +56,9 @@ class EngineArgs:
     verify: bool = _arg(False, "Check weight files against the folder's SHA256SUMS first.")
     num_threads: Optional[int] = _arg(None, "CPU threads for torch.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs for decode steps (CUDA).")
-    quantization: Optional[str] = _arg(None, "Quantise the linear weights on load: int8 (weight-only, "
-                                             "per output channel). Default: none.")
+    quantization: Optional[str] = _arg(None, "Quantise the linear weights on load (weight-only): int8 "
+                                             "(per output channel), int4-g32|g64|g128 (grouped, CPU; int4: "
+                                             "g128). Default: none.")
 
     def __post_init__(self) -> None:
         self.validate()

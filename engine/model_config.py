@@ -112,7 +112,7 @@ class ModelConfig:
             # Loading its packed tensors as if full precision would run garbage weights, so refuse it.
             raise ModelLoadError(f"{source}: quantization_config.quant_method {self.quant_method!r} is not supported "
                                  "(pre-quantised checkpoints are not; load the full-precision checkpoint, with "
-                                 f"--quantization {' or '.join(ON_THE_FLY_QUANTIZATIONS)} to quantise it on the fly)")
+                                 f"--quantization ({', '.join(ON_THE_FLY_QUANTIZATIONS)}) to quantise it on the fly)")
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:

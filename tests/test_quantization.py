@@ -17,7 +17,8 @@ from test_parity import LogitRecorder, make_prompts, reference_logits
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.layers.linear import LinearBase
-from llmctl.engine.layers.quantization import dequantize_int8, quantize_int8_per_channel
+from llmctl.engine.layers.quantization import (dequantize_int4, dequantize_int8, quantize_int4_grouped,
+                                                quantize_int8_per_channel)
 
 NEW_TOKENS = 12
 QUANT_CONFIGS = {
@@ -43,7 +44,7 @@ def test_pre_quantised_checkpoint_is_refused_by_name(tiny_models, tmp_path, meth
     with pytest.raises(ModelLoadError) as info:
         LLM(str(folder), skip_tokenizer_init=True, device="cpu", max_model_len=64, num_kv_blocks=8)
     message = str(info.value)
-    assert f"quant_method {method!r} is not supported" in message and "--quantization int8" in message
+    assert f"quant_method {method!r} is not supported" in message and "--quantization (int8, int4" in message
     assert "\n" not in message
 
 
@@ -57,7 +58,7 @@ def test_generate_refuses_a_pre_quantised_checkpoint_in_one_line(tiny_chat_model
 
 
 def test_unknown_quantization_is_refused():
-    with pytest.raises(EngineArgsError, match="quantization must be one of int8, got 'gptq'"):
+    with pytest.raises(EngineArgsError, match="quantization must be one of int8, int4, .*, got 'gptq'"):
         LLM(quantization="gptq")
 
 
@@ -70,7 +71,7 @@ def test_generate_refuses_an_unknown_quantization(tiny_chat_model, how):
         proc = run_cli(*args, env_extra={"LLMCTL_QUANTIZATION": "int3"})
     assert proc.returncode == 2
     error_lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(error_lines) == 1 and "quantization must be one of int8, got 'int3'" in error_lines[0]
+    assert len(error_lines) == 1 and "quantization must be one of int8, int4" in error_lines[0] and "got 'int3'" in error_lines[0]
 
 
 def test_generate_runs_int8(tiny_chat_model):
@@ -80,8 +81,15 @@ def test_generate_runs_int8(tiny_chat_model):
     assert json.loads(proc.stdout.splitlines()[-1])
 
 
-def dequantised_reference(folder, weight_dtype: torch.dtype):
-    """transformers' model in float32 whose decoder linears and lm_head hold the int8-dequantised weights
+def dequantised(weight: torch.Tensor, quantization: str) -> torch.Tensor:
+    if quantization == "int8":
+        return dequantize_int8(*quantize_int8_per_channel(weight, weight.dtype))
+    group = int(quantization.rsplit("g", 1)[1])
+    return dequantize_int4(*quantize_int4_grouped(weight, group, weight.dtype), group)
+
+
+def dequantised_reference(folder, weight_dtype: torch.dtype, quantization: str = "int8"):
+    """transformers' model in float32 whose decoder linears and lm_head hold the dequantised weights
     (quantised from the checkpoint's weights cast to `weight_dtype`, as the engine loads them)."""
     from transformers import AutoModelForCausalLM
 
@@ -89,8 +97,8 @@ def dequantised_reference(folder, weight_dtype: torch.dtype):
     linears = [m for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert any(m is model.lm_head for m in linears)
     for linear in linears:
-        codes, scale = quantize_int8_per_channel(linear.weight.data.to(weight_dtype), weight_dtype)
-        linear.weight = nn.Parameter(dequantize_int8(codes, scale), requires_grad=False)  # unties lm_head
+        weight = dequantised(linear.weight.data.to(weight_dtype), quantization)
+        linear.weight = nn.Parameter(weight, requires_grad=False)  # a new parameter: unties lm_head
     return model
 
 
@@ -102,14 +110,16 @@ def run_greedy(llm: LLM, prompts):
     return [(p, o.outputs[0].token_ids, torch.stack(r.rows)) for p, o, r in zip(prompts, outputs, recorders)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied lm_head; tied lm_head with q/k/v biases
-def test_int8_float32_matches_the_dequantised_reference(tiny_models, arch):
+# llama: untied lm_head; qwen2: tied lm_head, q/k/v biases
+@pytest.mark.parametrize("arch, quantization", [("llama", "int8"), ("qwen2", "int8"), ("llama", "int4-g32"),
+                                                ("qwen2", "int4-g64")])
+def test_float32_matches_the_dequantised_reference(tiny_models, arch, quantization):
     from transformers import AutoModelForCausalLM
 
     folder = tiny_models[arch]
-    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", quantization="int8",
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", quantization=quantization,
               max_model_len=400, max_num_batched_tokens=96)
-    reference = dequantised_reference(folder, torch.float32)
+    reference = dequantised_reference(folder, torch.float32, quantization)
     unquantised = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     gap = 0.0
     for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:5]):
@@ -123,11 +133,12 @@ def test_int8_float32_matches_the_dequantised_reference(tiny_models, arch):
     assert gap > 1e-2, "the quantised reference should differ from full precision, or this test shows nothing"
 
 
-def test_int8_bfloat16_tracks_the_dequantised_reference(tiny_models):
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
+def test_bfloat16_tracks_the_dequantised_reference(tiny_models, quantization):
     folder = tiny_models["qwen2"]
-    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", quantization="int8",
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", quantization=quantization,
               max_model_len=400)
-    reference = dequantised_reference(folder, torch.bfloat16)
+    reference = dequantised_reference(folder, torch.bfloat16, quantization)
     for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:4]):
         expected = reference_logits(reference, prompt, tokens)
         scale = expected.abs().max().item()
@@ -148,3 +159,24 @@ def test_int8_weights_are_stored_quantised(tiny_models):
     scales = sum(m.weight_scale.numel() for m in linears) * 2
     assert int8.weight_bytes == full.weight_bytes - linear_elements + scales
     assert int8.weight_bytes < 0.7 * full.weight_bytes
+
+
+def test_int4_weights_are_stored_packed(tiny_models):
+    def runner(**kwargs):
+        llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
+                  max_model_len=64, num_kv_blocks=8, **kwargs)
+        return llm.engine.executor.runner
+
+    full, int4 = runner(), runner(quantization="int4-g32")
+    linears = [m for m in int4.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype is torch.uint8 for m in linears)
+    linear_elements = sum(m.in_features * m.out_features for m in linears)
+    # 2 bytes -> half a byte per weight, plus a bf16 scale and zero per group of 32
+    extra = sum(m.weight_scales_and_zeros.numel() for m in linears) * 2
+    assert int4.weight_bytes == full.weight_bytes - 2 * linear_elements + linear_elements // 2 + extra
+
+
+def test_int4_group_that_does_not_divide_the_inputs_is_refused(tiny_models):
+    with pytest.raises(ModelLoadError, match="int4 group size 128 does not divide a linear's 64 inputs"):
+        LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, device="cpu", max_model_len=64, num_kv_blocks=8,
+            quantization="int4")
