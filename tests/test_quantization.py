@@ -145,13 +145,14 @@ def test_bfloat16_tracks_the_dequantised_reference(tiny_models, quantization):
         assert (ours.float() - expected).abs().max().item() < 0.05 * scale + 0.05
 
 
-def test_int8_weights_are_stored_quantised(tiny_models):
-    def runner(**kwargs):
-        llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
-                  max_model_len=64, num_kv_blocks=8, **kwargs)
-        return llm.engine.executor.runner
+def bf16_runner(tiny_models, **kwargs):
+    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
+              max_model_len=64, num_kv_blocks=8, **kwargs)
+    return llm.engine.executor.runner
 
-    full, int8 = runner(), runner(quantization="int8")
+
+def test_int8_weights_are_stored_quantised(tiny_models):
+    full, int8 = bf16_runner(tiny_models), bf16_runner(tiny_models, quantization="int8")
     linears = [m for m in int8.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.weight.dtype is torch.int8 for m in linears)
     linear_elements = sum(m.weight.numel() for m in linears)
@@ -162,12 +163,7 @@ def test_int8_weights_are_stored_quantised(tiny_models):
 
 
 def test_int4_weights_are_stored_packed(tiny_models):
-    def runner(**kwargs):
-        llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
-                  max_model_len=64, num_kv_blocks=8, **kwargs)
-        return llm.engine.executor.runner
-
-    full, int4 = runner(), runner(quantization="int4-g32")
+    full, int4 = bf16_runner(tiny_models), bf16_runner(tiny_models, quantization="int4-g32")
     linears = [m for m in int4.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.weight.dtype is torch.uint8 for m in linears)
     linear_elements = sum(m.in_features * m.out_features for m in linears)
