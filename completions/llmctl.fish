@@ -211,6 +211,7 @@ complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or 
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l verify -d 'Check weight files against the folders SHA256SUMS first.'
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l enforce-eager -d 'Never capture CUDA graphs for decode steps (CUDA).'
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l quantization -r -d 'Quantise the linear weights on load (weight-only) - int8 (per output channel), i'
+complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l speculative-config -r -d 'Speculative decoding as JSON, vLLMs keys - {method - ngram, num_speculative_toke'
 complete -c llmctl -n '__llmctl_bench_serve; or __llmctl_profile_server' -l endpoint -r -a 'completions chat' -d '/v1/completions or /v1/chat/completions.'
 complete -c llmctl -n '__llmctl_bench_serve; or __llmctl_profile_server' -l api-key -r -d 'Bearer token (default - $OPENAI_API_KEY).'
 complete -c llmctl -n '__llmctl_bench_serve; or __llmctl_profile_server' -l max-concurrency -r -d 'Most requests in flight at once (default - no limit).'

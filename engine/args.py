@@ -6,6 +6,7 @@ and YAML keys (`max-model-len` or `max_model_len`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -59,6 +60,11 @@ class EngineArgs:
     quantization: Optional[str] = _arg(None, "Quantise the linear weights on load (weight-only): int8 "
                                              "(per output channel), int4-g32|g64|g128 (grouped, CPU; int4: "
                                              "g128). Default: none.")
+    # A JSON string (flag, env) or a mapping (Python, YAML); validated into `speculative` below.
+    speculative_config: Optional[Any] = _arg(
+        None, 'Speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": K, '
+              '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B} (n-gram prompt '
+              'lookup; a draft "model" is not supported yet).', cli_type=str)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +92,12 @@ class EngineArgs:
             raise EngineArgsError("seed must be an integer")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise EngineArgsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def speculative(self) -> Optional["SpeculativeConfig"]:
+        """The validated speculative-decoding settings (None: off)."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -114,6 +126,61 @@ class EngineArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`, vLLM's spelling. Only n-gram prompt lookup exists: the drafts are the
+    tokens that followed the longest earlier occurrence of the sequence's last n tokens
+    (prompt_lookup_max >= n >= prompt_lookup_min, vLLM's defaults)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 1
+    # vLLM's key: no drafts while more sequences than this run. A verify row of k + 1 tokens costs about
+    # what one token costs only while a step is memory-bound (small batches); a large batch is
+    # compute-bound, where every rejected draft is paid in full, and on CUDA a verify row also leaves the
+    # decode graphs. 8 is where vLLM's n-gram guidance starts to lose (its examples use 4..8).
+    disable_by_batch_size: int = 8
+
+    @classmethod
+    def parse(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        """A JSON string or a mapping -> the config (None stays None); every error names its key."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise EngineArgsError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise EngineArgsError("speculative_config must be a JSON object, e.g. "
+                                  '{"method": "ngram", "num_speculative_tokens": 4}')
+        if "model" in value:
+            raise EngineArgsError("speculative_config: a draft model (\"model\") is not supported yet; "
+                                  'only {"method": "ngram"} (prompt lookup) is')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise EngineArgsError(f"speculative_config: unsupported key(s) {', '.join(unknown)} "
+                                  f"(supported: {', '.join(sorted(known))})")
+        for name in ("method", "num_speculative_tokens"):
+            if name not in value:
+                raise EngineArgsError(f"speculative_config needs {name!r}")
+        if value["method"] not in SPEC_METHODS:
+            raise EngineArgsError(f"speculative_config: method {value['method']!r} is not supported "
+                                  f"(supported: {', '.join(SPEC_METHODS)}; a draft model is not supported yet)")
+        config = cls(**value)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            _positive(f"speculative_config {name}", getattr(config, name))
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise EngineArgsError(f"speculative_config: prompt_lookup_min {config.prompt_lookup_min} exceeds "
+                                  f"prompt_lookup_max {config.prompt_lookup_max}")
+        return config
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

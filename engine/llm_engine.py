@@ -26,6 +26,7 @@ from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.executor import Executor, UniProcExecutor
 from llmctl.engine.model_runner import RunnerConfig
+from llmctl.engine.ngram_proposer import NgramProposer, SpecDecodeStats
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -173,6 +174,9 @@ class LLMEngine:
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, policy=args.scheduling_policy,
             batch_wait_timeout_s=args.batch_wait_timeout_ms / 1000.0, long_prompt_penalty=args.long_prompt_penalty,
         ), self.block_manager)
+        speculative = args.speculative
+        self.proposer = NgramProposer(speculative) if speculative else None
+        self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         self.requests: dict[str, Request] = {}
         self.last_step = StepInfo((), 0, self.scheduler.config.max_num_batched_tokens)
         self._seq_ids = itertools.count()
@@ -297,6 +301,8 @@ class LLMEngine:
         out of memory is undone and retried smaller (see `Scheduler.shrink_after_oom`); a request that
         does not fit even alone is finished with a `CapacityError` (its output's `error`) and the
         others run on."""
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         while True:
             out = self.scheduler.schedule()
             if out.is_empty:
@@ -326,6 +332,10 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             if update.num_rejected and not seq.is_finished:
                 self.executor.truncate_kept_state(seq.seq_id, seq.num_computed_tokens)
+            if update.num_drafts:
+                self.spec_stats.observe(update.num_drafts, update.num_accepted_drafts)
+                if self.proposer is not None:
+                    self.proposer.observe(seq.seq_id, update.num_drafts, update.num_accepted_drafts)
             if seq.last_token_time is not None:
                 latencies.append(now - seq.last_token_time)
             if seq.first_token_time is None:
@@ -465,5 +475,5 @@ class LLMEngine:
         # Requests, not sequences: every unfinished request with no sequence running is waiting
         # (queued, preempted or held back by dynamic batching); O(1), unlike a pass over the queue.
         stats["num_waiting_requests"] = len(self.requests) - stats["num_running_requests"]
-        return {**stats, "num_requests": len(self.requests),
+        return {**stats, **self.spec_stats.as_stats(), "num_requests": len(self.requests),
                 "num_oom_retries": self.num_oom_retries, "num_capacity_errors": self.num_capacity_errors}

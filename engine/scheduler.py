@@ -80,11 +80,16 @@ class ModelRunnerOutput:
 class SeqUpdate:
     """A row that produced tokens this step: the accepted ones, already appended to `seq` (which is
     finished when a token stop or a length limit ended it), and how many of its drafts were rejected
-    (their K/V, past `seq.num_computed_tokens`, no longer hold)."""
+    (their K/V, past `seq.num_computed_tokens`, no longer hold) out of how many it verified."""
 
     seq: Sequence
     new_token_ids: list[int]
     num_rejected: int = 0
+    num_drafts: int = 0
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return self.num_drafts - self.num_rejected
 
 
 def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
@@ -197,7 +202,7 @@ class Scheduler:
             elif drafts:
                 self.blocks.free_lookahead(seq)
             updates.append(SeqUpdate(seq, seq.output_token_ids[len(seq.output_token_ids) - kept:],
-                                     len(drafts) - (len(accepted) - 1)))
+                                     len(drafts) - (len(accepted) - 1), len(drafts)))
         return updates
 
     def _append_until_stop(self, seq: Sequence, tokens: list[int], logprobs: list,

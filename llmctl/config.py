@@ -15,6 +15,7 @@ says what each name read by several commands with different help texts means; th
 from __future__ import annotations
 
 import enum
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -104,7 +105,9 @@ def _apply_config(ctx: typer.Context, param: typer.CallbackParam, value: Optiona
         raise typer.BadParameter(
             f"unknown key(s) in {value}: {', '.join(unknown)}; keys are this command's long flag names"
         )
-    ctx.default_map = {**(ctx.default_map or {}), **{params[key]: item for key, item in data.items()}}
+    # A mapping is given to its flag as the JSON text the flag reads (`speculative-config:`).
+    ctx.default_map = {**(ctx.default_map or {}), **{params[key]: json.dumps(item) if isinstance(item, dict) else item
+                                                     for key, item in data.items()}}
     return value
 
 

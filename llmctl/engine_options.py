@@ -47,6 +47,8 @@ def _flag_names(field_name: str, default: Any, short: Optional[str]) -> list[str
 
 def _flag_parameter(f: Any, annotation: Any, default: Any) -> inspect.Parameter:
     meta = f.metadata
+    if "cli_type" in meta:  # a field that also takes Python values (a mapping) reads a string on the command line
+        annotation = Optional[meta["cli_type"]]
     if "choices" in meta:
         annotation = choice_type("".join(part.title() for part in f.name.split("_")), meta["choices"])
         default = annotation(default)

@@ -37,6 +37,11 @@ def _one_two_five(limit: int) -> tuple[float, ...]:
 TOKEN_COUNT_BUCKETS = _one_two_five(1_000_000)
 
 
+# The engine's stats carry one `spec_decode_num_accepted_tokens_pos_<j>` per draft position.
+SPEC_PER_POS = "llmctl:spec_decode_num_accepted_tokens_per_pos"
+SPEC_POS_PREFIX = "spec_decode_num_accepted_tokens_pos_"
+
+
 @dataclass
 class _EngineSource:
     model_name: str
@@ -53,17 +58,23 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator:
         families: dict[str, Any] = {}
+        per_pos = CounterMetricFamily(SPEC_PER_POS, "Draft tokens accepted, by their position in the draft.",
+                                      labels=["model_name", "position"])
         for engine in self.engines:
-            for family_type, name, doc, value in self._rows(engine):
+            stats = engine.stats()
+            for family_type, name, doc, value in self._rows(engine, stats):
                 family = families.get(name)
                 if family is None:
                     family = families[name] = family_type(name, doc, labels=["model_name"])
                 family.add_metric([engine.model_name], float(value))
+            for key, value in stats.items():
+                if key.startswith(SPEC_POS_PREFIX):
+                    per_pos.add_metric([engine.model_name, key[len(SPEC_POS_PREFIX):]], float(value))
         yield from families.values()
+        yield per_pos
 
     @staticmethod
-    def _rows(engine: _EngineSource) -> Iterator[tuple[Any, str, str, float]]:
-        stats = engine.stats()
+    def _rows(engine: _EngineSource, stats: dict[str, float]) -> Iterator[tuple[Any, str, str, float]]:
         gauges = [
             ("llmctl:num_requests_running", "Requests with a sequence in the running batch.",
              stats.get("num_running_requests", 0)),
@@ -94,6 +105,12 @@ class _EngineStatsCollector(Collector):
              stats.get("prefix_cache_queries", 0)),
             ("llmctl:prefix_cache_hits", "Prompt tokens found in the prefix cache (whole blocks).",
              stats.get("prefix_cache_hits", 0)),
+            ("llmctl:spec_decode_num_drafts", "Verify rows run (sequences that carried draft tokens into a step).",
+             stats.get("spec_decode_num_drafts", 0)),
+            ("llmctl:spec_decode_num_draft_tokens", "Draft tokens verified.",
+             stats.get("spec_decode_num_draft_tokens", 0)),
+            ("llmctl:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             stats.get("spec_decode_num_accepted_tokens", 0)),
         ]
         for family_type, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in rows:
