@@ -96,7 +96,13 @@ def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
     """Drafts the model agrees with, then its own next token: `sampled[j]` is the model's choice after
     the row's input before `drafts[j]`, so each draft equal to it is what decoding one token at a time
     would have produced (for greedy and seeded or unseeded sampling alike), and the first mismatch
-    ends the accepted run."""
+    ends the accepted run.
+
+    For a deterministic proposer (n-gram: q is one-hot on the draft x) this IS the standard rejection
+    sampler: it accepts x with probability p(x) = min(1, p(x)/q(x)), and on a rejection keeps the
+    target's sample given it is not x, which is distributed as the residual max(0, p - q) normalised
+    (p without x, renormalised). So the output distribution is exactly the target's
+    (tests/test_spec_decode.py checks both halves and the token histograms)."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
         accepted += 1
