@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ctrl_c import sigint_as_in_a_terminal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="py-spy attach tests need Linux")
 
@@ -128,7 +129,7 @@ def test_ctrl_c_keeps_the_profile_and_writes_the_manifest(spin_script, tmp_path)
     out = tmp_path / "prof"
     proc = subprocess.Popen([sys.executable, "-m", "llmctl.cli", "profile", "cpu", "-o", str(out), "--",
                              sys.executable, str(spin_script), "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
     deadline = time.time() + 30
     while not (out / "py-spy.log").exists() and time.time() < deadline:
         time.sleep(0.1)

@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+from ctrl_c import sigint_as_in_a_terminal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith(("linux", "darwin")), reason="memray runs on Linux and macOS")
 
@@ -159,7 +160,8 @@ def test_ctrl_c_closes_the_capture_and_still_reports(tmp_path):
     """))
     out = tmp_path / "mem"
     proc = subprocess.Popen([sys.executable, "-m", "llmctl.cli", "profile", "mem", "-r", "stats", "-o", str(out), "--",
-                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     deadline = time.time() + 30
     while not (out / "capture.bin").exists() and time.time() < deadline:
         time.sleep(0.1)

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ctrl_c import sigint_as_in_a_terminal
 from server_helpers import free_port
 
 KEY = "sk-profile-test"
@@ -161,7 +162,8 @@ def test_ctrl_c_during_the_load_stops_the_profiler(server, tmp_path):
     baseline = sum(v for k, v in server.http_counts().items() if done in k)
     proc = subprocess.Popen(_command("--port", str(server.port), "--api-key", KEY, "--num-prompts", "200",
                                      "--max-concurrency", "1", *SMALL_LOAD, "--json", "-o", str(out)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            preexec_fn=sigint_as_in_a_terminal)
     deadline = time.monotonic() + 60
     while sum(v for k, v in server.http_counts().items() if done in k) < baseline + 2:
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
