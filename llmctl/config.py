@@ -15,7 +15,6 @@ says what each name read by several commands with different help texts means; th
 from __future__ import annotations
 
 import enum
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -105,9 +104,9 @@ def _apply_config(ctx: typer.Context, param: typer.CallbackParam, value: Optiona
         raise typer.BadParameter(
             f"unknown key(s) in {value}: {', '.join(unknown)}; keys are this command's long flag names"
         )
-    # A mapping is given to its flag as the JSON text the flag reads (`speculative-config:`).
-    ctx.default_map = {**(ctx.default_map or {}), **{params[key]: json.dumps(item) if isinstance(item, dict) else item
-                                                     for key, item in data.items()}}
+    # A mapping stays a mapping: flags that read one take it through their parser (doctor's `thresholds:`,
+    # the engine's `speculative-config:`).
+    ctx.default_map = {**(ctx.default_map or {}), **{params[key]: item for key, item in data.items()}}
     return value
 
 

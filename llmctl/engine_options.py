@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import json
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Annotated, Any, Callable, Optional, get_type_hints
 
@@ -52,10 +54,16 @@ def _flag_parameter(f: Any, annotation: Any, default: Any) -> inspect.Parameter:
     if "choices" in meta:
         annotation = choice_type("".join(part.title() for part in f.name.split("_")), meta["choices"])
         default = annotation(default)
+    extra = {"parser": _json_text} if "cli_type" in meta else {}
     option = typer.Option(*_flag_names(f.name, f.default, meta.get("short")), help=meta["help"],
-                          rich_help_panel=PANEL)
+                          rich_help_panel=PANEL, **extra)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                              annotation=Annotated[annotation, option])
+
+
+def _json_text(value: Any) -> Any:
+    """A mapping from the YAML config (`speculative-config:`) as the JSON text the flag reads on the command line."""
+    return json.dumps(value) if isinstance(value, Mapping) else value
 
 
 def engine_flag(name: str, **option: Any) -> Any:
