@@ -1,0 +1,125 @@
+"""Tensor parallelism: which rank this process is, and the collectives the sharded model calls.
+
+A `TensorParallel` is passed down at construction (runner -> model -> layers); nothing reads a
+global. `TensorParallel.single()` (size 1) makes every collective the identity, so the one-device
+model is the same code with no communication. With size > 1 the collectives run over
+`torch.distributed` (gloo on CPU, NCCL on CUDA) on `group` (None: the default process group, set up
+by whoever starts the ranks: the multi-rank executor, or a test).
+
+The model calls two collectives per decoder layer (Megatron-LM's layout, as vLLM does): the
+all-reduce after the row-parallel o_proj and after down_proj, each of hidden x dtype bytes per
+token; plus one all-gather of the vocab-parallel lm_head's logits (vocab / size x 4 bytes per
+sampled row and rank) and one all-reduce of the vocab-parallel embedding (hidden x dtype per token).
+
+Sharding rules (vLLM's):
+- a dimension split evenly (`partition`): attention heads, MLP intermediate size; a size that does
+  not divide is refused with the numbers named;
+- the vocabulary split in equal padded parts (`padded_partition`): the last rank's part may run past
+  the vocabulary, its extra rows are zero and masked;
+- KV heads fewer than ranks are replicated (`kv_head_range`): size must be a multiple of the KV
+  heads, and each group of size / kv_heads ranks holds one KV head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+class TensorParallelError(ValueError):
+    """A model shape that cannot be split over the requested number of ranks."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int
+    size: int
+    group: Optional[Any] = None  # a torch.distributed ProcessGroup; None: the default group
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise TensorParallelError(f"tensor-parallel rank {self.rank} of size {self.size}")
+
+    @classmethod
+    def single(cls) -> "TensorParallel":
+        """One rank: no sharding, every collective the identity."""
+        return cls(0, 1, None)
+
+    @classmethod
+    def from_group(cls, group: Optional[Any] = None) -> "TensorParallel":
+        """This process's rank and the size of `group` (None: the initialised default group)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise TensorParallelError("torch.distributed is not initialised (init_process_group first)")
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+    @property
+    def is_single(self) -> bool:
+        return self.size == 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the rank in the engine's process, which samples."""
+        return self.rank == 0
+
+    # ---- how dimensions split ---------------------------------------------------------------------
+    def partition(self, total: int, what: str) -> tuple[int, int]:
+        """(start, size) of this rank's equal share of `total`; `what` names the dimension in the error."""
+        if total % self.size:
+            raise TensorParallelError(f"{what} ({total}) is not divisible by the tensor-parallel size ({self.size})")
+        share = total // self.size
+        return self.rank * share, share
+
+    def padded_partition(self, total: int) -> tuple[int, int]:
+        """(start, size) of this rank's part of `total` split in `size` equal parts of ceil(total / size):
+        the last parts may run past `total` (the vocabulary's padding)."""
+        share = -(-total // self.size)
+        return self.rank * share, share
+
+    def kv_head_range(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first KV head, KV heads) this rank holds: an equal share when there are at least as many KV
+        heads as ranks, else one head replicated on size / num_kv_heads ranks."""
+        if num_kv_heads >= self.size:
+            return self.partition(num_kv_heads, "the number of KV heads")
+        if self.size % num_kv_heads:
+            raise TensorParallelError(f"the tensor-parallel size ({self.size}) is neither a divisor nor a multiple "
+                                      f"of the number of KV heads ({num_kv_heads})")
+        return self.rank // (self.size // num_kv_heads), 1
+
+    # ---- collectives --------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, in place (returns `tensor`)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `tensor` (same shape on all) concatenated along `dim`, in rank order."""
+        if self.size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `tensor` on every rank, in place (returns `tensor`)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
+        return tensor
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self.group, group_rank)
