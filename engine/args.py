@@ -17,7 +17,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization.py).
-ON_THE_FLY_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+ON_THE_FLY_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128",
+                            "int4-asym", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym")
 
 
 def _arg(default: Any, help: str, **cli: Any) -> Any:
@@ -58,8 +59,9 @@ class EngineArgs:
     num_threads: Optional[int] = _arg(None, "CPU threads for torch.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs for decode steps (CUDA).")
     quantization: Optional[str] = _arg(None, "Quantise the linear weights on load (weight-only): int8 "
-                                             "(per output channel), int4-g32|g64|g128 (grouped, CPU; int4: "
-                                             "g128). Default: none.")
+                                             "(per output channel), int4-g32|g64|g128 (grouped, symmetric, CPU; "
+                                             "int4: g128), int4[-gN]-asym (with a zero point per group). "
+                                             "Default: none.")
     # A JSON string (flag, env) or a mapping (Python, YAML); validated into `speculative` below.
     speculative_config: Optional[Any] = _arg(
         None, 'Speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": K, '

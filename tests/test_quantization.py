@@ -17,8 +17,7 @@ from test_parity import LogitRecorder, make_prompts, reference_logits
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.layers.linear import LinearBase
-from llmctl.engine.layers.quantization import (dequantize_int4, dequantize_int8, quantize_int4_grouped,
-                                                quantize_int8_per_channel)
+from llmctl.engine.layers.quantization import ON_THE_FLY_SCHEMES, GroupedIntWeight
 
 NEW_TOKENS = 12
 QUANT_CONFIGS = {
@@ -82,10 +81,8 @@ def test_generate_runs_int8(tiny_chat_model):
 
 
 def dequantised(weight: torch.Tensor, quantization: str) -> torch.Tensor:
-    if quantization == "int8":
-        return dequantize_int8(*quantize_int8_per_channel(weight, weight.dtype))
-    group = int(quantization.rsplit("g", 1)[1])
-    return dequantize_int4(*quantize_int4_grouped(weight, group, weight.dtype), group)
+    bits, group, symmetric = ON_THE_FLY_SCHEMES[quantization]
+    return GroupedIntWeight.quantize(weight, bits, group or weight.shape[1], symmetric).dequantize()
 
 
 def dequantised_reference(folder, weight_dtype: torch.dtype, quantization: str = "int8"):
@@ -112,7 +109,7 @@ def run_greedy(llm: LLM, prompts):
 
 # llama: untied lm_head; qwen2: tied lm_head, q/k/v biases
 @pytest.mark.parametrize("arch, quantization", [("llama", "int8"), ("qwen2", "int8"), ("llama", "int4-g32"),
-                                                ("qwen2", "int4-g64")])
+                                                ("qwen2", "int4-g64"), ("llama", "int4-g32-asym")])
 def test_float32_matches_the_dequantised_reference(tiny_models, arch, quantization):
     from transformers import AutoModelForCausalLM
 
@@ -133,7 +130,7 @@ def test_float32_matches_the_dequantised_reference(tiny_models, arch, quantizati
     assert gap > 1e-2, "the quantised reference should differ from full precision, or this test shows nothing"
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32", "int4-g64-asym"])
 def test_bfloat16_tracks_the_dequantised_reference(tiny_models, quantization):
     folder = tiny_models["qwen2"]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", quantization=quantization,

@@ -188,6 +188,7 @@ class LinearBase(nn.Module):
         for shard_id, size in output_sizes.items():
             self.output_offsets[shard_id], start = (start, size), start + size
         self.method = method
+        self.params_dtype = dtype  # the activations' dtype (a quantised method's weights have their own)
         method.create_weights(self, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,40 @@
-"""Weight-only quantisation applied on the fly to a full-precision checkpoint (`--quantization`).
+"""Weight-only integer quantisation: the engine's one grouped form, and the on-the-fly `--quantization` methods.
 
-`Int8LinearMethod`: symmetric int8 per output channel (scale = max|w_row| / 127). The layer loads the
-checkpoint's weight in the model dtype exactly like an unquantised linear, then
-`process_weights_after_loading` replaces it by int8 codes [out, in] and scales [out] (model dtype), so
-only the quantised form stays in memory. The forward is `torch._weight_int8pack_mm` on CPU
-(../shared/CPU-FACTS.md section 2: qkv 960x576 at M=1 43 µs against about 80 µs for bf16 F.linear,
-relative error 8e-3 with bf16 activations; fp32 activations run too, exactly but 5x slower, so
-bf16 is the dtype to quantise with), and dequantise-then-`F.linear` elsewhere.
+`GroupedIntWeight` is the canonical quantised linear weight every source converts to (on-the-fly int8/int4,
+GPTQ, AWQ, compressed-tensors, GGUF Q8_0/Q4_0): integer codes 0..2^bits-1, one scale (and optionally one zero
+point) per output row and group of `group_size` inputs,
 
-`Int4LinearMethod` (`int4`, `int4-g32`, `int4-g64`, `int4-g128`; `int4` is group 128): symmetric int4 per
-group of inputs, CPU only, the same way with torch's CPU int4 kernels.
+    w[o, perm[j]] = (codes[o, j] - zero[o, j // group_size]) * scale[o, j // group_size]
+
+(zero None: symmetric at the midpoint 2^(bits-1); perm None: the identity). `install_grouped_weight(layer, w)`
+turns it into the fastest run-time layout this device offers and registers the layer's parameters;
+`GroupedIntLinearMethod.apply` runs it. A checkpoint format is a `GroupedIntLinearMethod` subclass with its own
+`create_weights`/weight loaders whose `process_weights_after_loading` unpacks its tensors into a
+`GroupedIntWeight` and calls `install_grouped_weight`.
+
+Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS.md section 2):
+- `int8pack`: 8 bits, one group per row, symmetric: `torch._weight_int8pack_mm` (qkv 960x576 at M=1 43 µs
+  against about 80 µs for bf16 F.linear; it crashes when the inputs are not a multiple of 16, so those
+  fall through);
+- `int4pack`: 4 bits, groups of 32/64/128/256, output rows a multiple of 16, CPU: tinygemm's packing
+  (`torch._convert_weight_to_int4pack_for_cpu`) and `torch._weight_int4pack_mm_for_cpu`, whose
+  w = (q - 8) * scale + offset takes any zero point as offset = (8 - zero) * scale (gate_up at M=1 57 µs);
+- `dequant`: everything else (other devices, other groupings): the codes stay packed (two 4-bit codes a
+  byte) and are dequantised to the activation dtype for each call, exact but slow.
+Activations should be bfloat16 on CPU: with float32 both torch kernels run about 5x slower.
+
+On the fly (`--quantization`): `int8` symmetric per output channel; `int4[-g32|-g64|-g128]` symmetric per
+group (`int4` is group 128, llama.cpp's Q4_0 convention); `int4-asym`, `int4-g32-asym`, ... with a zero point
+per group (min/max range, llama.cpp's Q4_1 / GPTQ sym=False / AWQ convention). Scales are rounded to float16
+(what GPTQ, AWQ and GGUF store) and the codes are rounded against the rounded scale, so dequantising the
+`GroupedIntWeight` is the exact reference of what the layer holds.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,111 +45,265 @@ from llmctl.engine.layers.linear import LinearBase, LinearMethod, UnquantizedLin
 
 logger = logging.getLogger(__name__)
 
-INT8_MAX = 127
-INT4_MAX, INT4_OFFSET = 7, 8  # signed codes -8..7 stored as 0..15
+# Scales are stored as float16 (GPTQ/AWQ/GGUF do): clamping to its smallest normal keeps an all-zero group's
+# scale finite and costs at most 3e-5 absolute error in groups whose largest weight is below 4e-4 (int4).
+FP16_TINY, FP16_MAX = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max
+INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel accepts
 
 
-def quantize_int8_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (int8 codes [out, in], scales [out] of `scale_dtype`), w ≈ codes * scale.
-    The codes are rounded against the scale as stored, so dequantising with it is the reference."""
-    amax = weight.detach().float().abs().amax(dim=1)
-    scale = (amax / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
-    codes = torch.round(weight.float() / scale.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return codes, scale
+@dataclass(frozen=True)
+class GroupedIntWeight:
+    """A quantised linear weight [out, in]: w[o, perm[j]] = (codes[o, j] - zero[o, j / g]) * scale[o, j / g].
+
+    codes: uint8 [out, in], values 0..2^bits - 1 (one code a byte, unpacked);
+    scales: float [out, in / group_size];
+    zeros: float or integer [out, in / group_size] in code units, or None for symmetric codes centred at
+        the midpoint 2^(bits - 1) (int4: 8, int8: 128);
+    bits: 4 or 8; group_size: inputs per group (per output channel: group_size = in);
+    perm: None, or int64 [in] for act-order checkpoints (GPTQ desc_act): column j of `codes` holds input
+        perm[j], so the layer computes x[..., perm] against the grouped codes.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+    bits: int
+    group_size: int
+    perm: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem:
+            raise ValueError(f"GroupedIntWeight: {problem}")
+
+    def _problem(self) -> Optional[str]:
+        if self.bits not in (4, 8):
+            return f"bits must be 4 or 8, got {self.bits}"
+        if self.codes.dtype != torch.uint8 or self.codes.dim() != 2:
+            return f"codes must be a uint8 [out, in] tensor, got {self.codes.dtype} {tuple(self.codes.shape)}"
+        out_features, in_features = self.codes.shape
+        if self.group_size <= 0 or in_features % self.group_size:
+            return f"group size {self.group_size} does not divide the {in_features} inputs"
+        groups = (out_features, in_features // self.group_size)
+        if not self.scales.is_floating_point() or tuple(self.scales.shape) != groups:
+            return f"scales must be a float {groups} tensor, got {self.scales.dtype} {tuple(self.scales.shape)}"
+        if self.zeros is not None and (self.zeros.is_complex() or tuple(self.zeros.shape) != groups):
+            return f"zeros must be a real {groups} tensor or None, got {tuple(self.zeros.shape)}"
+        if self.bits == 4 and self.codes.numel() and int(self.codes.max()) > 15:
+            return "4-bit codes must lie in 0..15"
+        if self.perm is not None:
+            if self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (in_features,):
+                return f"perm must be int64 [{in_features}]"
+            if not torch.equal(torch.sort(self.perm).values, torch.arange(in_features, device=self.perm.device)):
+                return "perm is not a permutation of the inputs"
+        return None
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def num_groups(self) -> int:
+        return self.in_features // self.group_size
+
+    @property
+    def midpoint(self) -> int:
+        return 1 << (self.bits - 1)
+
+    def is_symmetric(self) -> bool:
+        """No zeros, or zeros that all sit at the midpoint (GPTQ sym=True stores them anyway)."""
+        return self.zeros is None or bool(torch.all(self.zeros == self.midpoint))
+
+    def zero_points(self) -> torch.Tensor:
+        """float32 [out, groups]: the zero of every group (the midpoint where `zeros` is None)."""
+        if self.zeros is None:
+            return torch.full(tuple(self.scales.shape), float(self.midpoint), device=self.scales.device)
+        return self.zeros.float()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in] in the layer's input order (the reference every layout matches)."""
+        shape = (self.out_features, self.num_groups, self.group_size)
+        grouped = (self.codes.float().view(shape) - self.zero_points()[..., None]) * self.scales.float()[..., None]
+        weight = grouped.view(self.out_features, self.in_features)
+        if self.perm is None:
+            return weight
+        restored = torch.empty_like(weight)
+        restored[:, self.perm] = weight
+        return restored
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bits: int, group_size: int, symmetric: bool = True) -> "GroupedIntWeight":
+        """Round-to-nearest quantisation of a float weight [out, in]. Symmetric: scale = max|w| / (2^(bits-1) - 1)
+        per group, codes centred at the midpoint. Asymmetric: the group's [min, max] (widened to hold 0) spread
+        over 0..2^bits - 1 with an integer zero point. Codes are rounded against the float16-rounded scale."""
+        out_features, in_features = weight.shape
+        if group_size <= 0 or in_features % group_size:
+            raise ValueError(f"group size {group_size} does not divide the {in_features} inputs")
+        groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
+        top = (1 << bits) - 1
+        if symmetric:
+            half = (1 << (bits - 1)) - 1
+            scales = _float16_scales(groups.abs().amax(dim=-1) / half)
+            signed = torch.round(groups / scales.float()[..., None]).clamp(-half - 1, half)
+            codes, zeros = signed + (half + 1), None
+        else:
+            low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
+            scales = _float16_scales((high - low) / top)
+            zeros = torch.round(-low / scales.float()).clamp(0, top)
+            codes = (torch.round(groups / scales.float()[..., None]) + zeros[..., None]).clamp(0, top)
+        return cls(codes.to(torch.uint8).view(out_features, in_features), scales, zeros, bits, group_size)
 
 
-def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float32 weight the int8 codes and scales stand for."""
-    return codes.float() * scale.float()[:, None]
+def _float16_scales(scales: torch.Tensor) -> torch.Tensor:
+    """float16 scales rounded up, so the group's largest weight still lands inside the code range."""
+    wanted = scales.clamp(FP16_TINY, FP16_MAX)
+    rounded = wanted.to(torch.float16)
+    return torch.where(rounded.float() < wanted, torch.nextafter(rounded, rounded.new_tensor(FP16_MAX)), rounded)
 
 
-class Int8LinearMethod(UnquantizedLinearMethod):
-    """Loads like an unquantised linear (same shards and loaders), keeps int8 codes + per-row scales."""
+# ---- run-time layouts -------------------------------------------------------------------------------
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        codes, scale = quantize_int8_per_channel(layer.weight.data, layer.weight.dtype)
-        # Re-registering `weight` drops the layer's reference to the full-precision tensor (a tied lm_head's
-        # stays the embedding's, which the embedding lookup needs anyway).
-        layer.weight = nn.Parameter(codes, requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+def _choose_layout(weight: GroupedIntWeight, dtype: torch.dtype, device: torch.device) -> str:
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        if (weight.bits == 8 and weight.num_groups == 1 and weight.in_features % 16 == 0
+                and weight.is_symmetric()):
+            return "int8pack"
+        if weight.bits == 4 and weight.group_size in INT4PACK_GROUPS and weight.out_features % 16 == 0:
+            return "int4pack"
+    return "dequant"
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] codes 0..15 -> uint8 [out, in / 2], input 2j in the low nibble and 2j + 1 in the high."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+def _register(layer: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
+    if tensor is None:
+        setattr(layer, name, None)
+    else:
+        setattr(layer, name, nn.Parameter(tensor.contiguous(), requires_grad=False))
+
+
+def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: Optional[torch.dtype] = None) -> str:
+    """Make `layer` run `weight`: packs it into the fastest layout for the activation `dtype` (default: the
+    layer's `params_dtype`) on the codes' device and registers that layout's parameters, after removing every
+    parameter the layer had except `bias` (the loading form: a full-precision weight, qweight/qzeros/...),
+    so only the quantised form stays in memory. Returns the layout's name. Apply with
+    `GroupedIntLinearMethod` (or `apply_grouped_weight`)."""
+    dtype = dtype or layer.params_dtype
+    if (weight.out_features, weight.in_features) != (layer.out_features, layer.in_features):
+        raise ModelLoadError(f"a quantised weight of shape {(weight.out_features, weight.in_features)} does not fit "
+                             f"a linear of {layer.in_features} inputs and {layer.out_features} outputs")
+    layout = _choose_layout(weight, dtype, weight.codes.device)
+    for name in [name for name in layer._parameters if name != "bias"]:
+        delattr(layer, name)
+    layer.quant_layout, layer.quant_bits, layer.quant_group_size = layout, weight.bits, weight.group_size
+    _register(layer, "input_perm", weight.perm)
+    if layout == "int8pack":
+        signed = (weight.codes.to(torch.int16) - weight.midpoint).to(torch.int8)
+        _register(layer, "weight", signed)
+        _register(layer, "weight_scale", weight.scales[:, 0].to(dtype))
+    elif layout == "int4pack":
+        packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        scales = weight.scales.float()
+        offsets = (weight.midpoint - weight.zero_points()) * scales  # tinygemm: w = (q - 8) * scale + offset
+        _register(layer, "weight", packed)
+        _register(layer, "weight_scales_and_zeros",
+                  torch.stack([scales, offsets], dim=-1).transpose(0, 1).to(dtype))
+    else:
+        _register(layer, "weight", pack_int4(weight.codes) if weight.bits == 4 else weight.codes)
+        _register(layer, "weight_scale", weight.scales)
+        _register(layer, "weight_zero", None if weight.zeros is None else weight.zeros.float())
+    return layout
+
+
+def _dequantize_installed(layer: LinearBase, dtype: torch.dtype) -> torch.Tensor:
+    codes = unpack_int4(layer.weight) if layer.quant_bits == 4 else layer.weight
+    shape = (layer.out_features, layer.in_features // layer.quant_group_size, layer.quant_group_size)
+    zeros = layer.weight_zero[..., None] if layer.weight_zero is not None else float(1 << (layer.quant_bits - 1))
+    grouped = (codes.view(shape).float() - zeros) * layer.weight_scale.float()[..., None]
+    return grouped.view(layer.out_features, layer.in_features).to(dtype)
+
+
+def apply_grouped_weight(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a layer set up by `install_grouped_weight`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if layer.input_perm is not None:
+        rows = rows.index_select(1, layer.input_perm)
+    layout = layer.quant_layout
+    if layout == "int8pack":
+        out = torch._weight_int8pack_mm(rows.contiguous(), layer.weight, layer.weight_scale)
+    elif layout == "int4pack":
+        out = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), layer.weight, layer.quant_group_size,
+                                                layer.weight_scales_and_zeros)
+    else:
+        out = F.linear(rows, _dequantize_installed(layer, rows.dtype))
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+class GroupedIntLinearMethod(LinearMethod):
+    """The forward of every integer-quantised linear. Subclasses say how the weights load
+    (`create_weights` and loaders) and build a `GroupedIntWeight` in `process_weights_after_loading`."""
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.device.type == "cpu":
-            out = torch._weight_int8pack_mm(rows.contiguous(), layer.weight, layer.weight_scale)
-        else:
-            out = F.linear(rows, layer.weight.to(rows.dtype)) * layer.weight_scale
-        if layer.bias is not None:
-            out = out + layer.bias
-        return out.reshape(*x.shape[:-1], layer.out_features)
+        return apply_grouped_weight(layer, x)
 
 
-def quantize_int4_grouped(weight: torch.Tensor, group_size: int,
-                          scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (codes 0..15 as int32 [out, in], scales [out, in / group_size] of `scale_dtype`):
-    symmetric, w ≈ (code - 8) * scale per group of `group_size` inputs (tinygemm's convention, zero 0)."""
-    out_features, in_features = weight.shape
-    groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
-    scale = (groups.abs().amax(dim=-1) / INT4_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
-    codes = torch.round(groups / scale.float()[..., None]).clamp(-INT4_MAX - 1, INT4_MAX) + INT4_OFFSET
-    return codes.to(torch.int32).view(out_features, in_features), scale
+class OnTheFlyIntLinearMethod(GroupedIntLinearMethod, UnquantizedLinearMethod):
+    """`--quantization`: loads like an unquantised linear (same shards, loaders and tied embeddings), then
+    quantises the full-precision weight round-to-nearest and installs it."""
 
-
-def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The float32 weight the int4 codes and group scales stand for."""
-    out_features, in_features = codes.shape
-    groups = (codes.float() - INT4_OFFSET).view(out_features, in_features // group_size, group_size)
-    return (groups * scale.float()[..., None]).view(out_features, in_features)
-
-
-class Int4LinearMethod(UnquantizedLinearMethod):
-    """Grouped symmetric int4 on CPU: loads like an unquantised linear, keeps the weight packed two codes a
-    byte by `torch._convert_weight_to_int4pack_for_cpu` and [in / group, out, 2] scales-and-zeros (zeros 0),
-    applied with `torch._weight_int4pack_mm_for_cpu` (CPU-FACTS section 2: gate_up at M=1 57 µs against
-    129 µs for int8; relative error 7.8e-2 at group 32)."""
-
-    def __init__(self, group_size: int):
-        self.group_size = group_size
+    def __init__(self, bits: int, group_size: Optional[int], symmetric: bool):
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric  # group None: per output row
 
     def create_weights(self, layer: LinearBase, bias: bool, dtype: torch.dtype) -> None:
-        if layer.in_features % self.group_size:
-            raise ModelLoadError(f"int4 group size {self.group_size} does not divide a linear's {layer.in_features} "
-                                 "inputs; choose a smaller group (int4-g32, int4-g64)")
+        if self.group_size is not None and layer.in_features % self.group_size:
+            raise ModelLoadError(f"int{self.bits} group size {self.group_size} does not divide a linear's "
+                                 f"{layer.in_features} inputs; choose a smaller group (int4-g32, int4-g64)")
         super().create_weights(layer, bias, dtype)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        codes, scale = quantize_int4_grouped(layer.weight.data, self.group_size, layer.weight.dtype)
-        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-        scales_and_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1).transpose(0, 1).contiguous()
-        layer.weight = nn.Parameter(packed, requires_grad=False)  # the full-precision tensor is dropped
-        layer.weight_scales_and_zeros = nn.Parameter(scales_and_zeros, requires_grad=False)
-
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch._weight_int4pack_mm_for_cpu(rows, layer.weight, self.group_size, layer.weight_scales_and_zeros)
-        if layer.bias is not None:
-            out = out + layer.bias
-        return out.reshape(*x.shape[:-1], layer.out_features)
+        full = layer.weight.data
+        weight = GroupedIntWeight.quantize(full, self.bits, self.group_size or layer.in_features, self.symmetric)
+        install_grouped_weight(layer, weight, full.dtype)
 
 
-INT4_GROUP_SIZES = {"int4": 128, "int4-g32": 32, "int4-g64": 64, "int4-g128": 128}
+def _on_the_fly_schemes() -> dict[str, tuple[int, Optional[int], bool]]:
+    schemes: dict[str, tuple[int, Optional[int], bool]] = {"int8": (8, None, True)}
+    for suffix, group in (("", 128), ("-g32", 32), ("-g64", 64), ("-g128", 128)):
+        schemes[f"int4{suffix}"] = (4, group, True)
+        schemes[f"int4{suffix}-asym"] = (4, group, False)
+    return schemes
+
+
+# name -> (bits, group size or None for per output channel, symmetric); EngineArgs' ON_THE_FLY_QUANTIZATIONS
+ON_THE_FLY_SCHEMES = _on_the_fly_schemes()
 
 
 def quantized_linear_method(quantization: str, device: torch.device, dtype: torch.dtype) -> LinearMethod:
     """The linear method for `--quantization` (names from `EngineArgs`' ON_THE_FLY_QUANTIZATIONS)."""
-    if quantization != "int8" and quantization not in INT4_GROUP_SIZES:
-        raise EngineArgsError(f"quantization {quantization!r} is not supported (supported: int8, "
-                              f"{', '.join(INT4_GROUP_SIZES)})")
+    if quantization not in ON_THE_FLY_SCHEMES:
+        raise EngineArgsError(f"quantization {quantization!r} is not supported (supported: "
+                              f"{', '.join(ON_THE_FLY_SCHEMES)})")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise EngineArgsError(f"--quantization {quantization} needs a float dtype, got {dtype}")
-    if quantization in INT4_GROUP_SIZES and device.type != "cpu":
+    bits, group_size, symmetric = ON_THE_FLY_SCHEMES[quantization]
+    if bits == 4 and device.type != "cpu":
         raise EngineArgsError(f"--quantization {quantization} runs on CPU only (device {device})")
     if device.type == "cpu" and dtype is torch.float32:
         logger.warning("quantised weights with float32 activations run about 5x slower than with bfloat16 "
                        "(--dtype bfloat16)")
-    if quantization == "int8":
-        method: LinearMethod = Int8LinearMethod()
-    else:
-        method = Int4LinearMethod(INT4_GROUP_SIZES[quantization])
-    logger.info("linear layers: %s (%s, %s activations on %s)", type(method).__name__, quantization, dtype, device)
-    return method
+    logger.info("linear layers: %s (%s, %s activations on %s)", quantization, f"{bits}-bit", dtype, device)
+    return OnTheFlyIntLinearMethod(bits, group_size, symmetric)
