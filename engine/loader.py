@@ -173,14 +173,14 @@ class WeightLoader:
 
 def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int, dtype: torch.dtype,
                 device: torch.device, load_format: str, seed: int, linear_method: LinearMethod, kernels=None,
-                verify: bool = False) -> LlamaForCausalLM:
-    """Build the model on `device` with its linear method and kernels, fill it (checkpoint or dummy) and
+                verify: bool = False, lm_head_method: LinearMethod | None = None) -> LlamaForCausalLM:
+    """Build the model on `device` with its linear method(s) and kernels, fill it (checkpoint or dummy) and
     let each linear prepare its weights (packing); frees it on failure."""
     model = None
     try:
         with torch.device(device):
             model = LlamaForCausalLM(config, max_positions, dtype=dtype, linear_method=linear_method,
-                                     kernels=kernels)
+                                     kernels=kernels, lm_head_method=lm_head_method)
         if load_format == "dummy":
             _fill_dummy(model, seed)
         else:

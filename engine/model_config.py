@@ -15,6 +15,9 @@ from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Pre-quantised checkpoints the engine loads (config.json's quantization_config.quant_method); the runner
+# builds their linear method from `ModelConfig.quantization_config`.
+CHECKPOINT_QUANT_METHODS = ("compressed-tensors",)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # config.json's quantization_config.quant_method (a pre-quantised checkpoint), else None
     quant_method: Optional[str] = None
+    quantization_config: Optional[dict[str, Any]] = None  # the whole quantization_config of a supported method
 
     @classmethod
     def from_pretrained(cls, folder: Path) -> "ModelConfig":
@@ -94,6 +98,7 @@ class ModelConfig:
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
             quant_method=_quant_method(raw),
+            quantization_config=raw.get("quantization_config") if _quant_method(raw) else None,
         )
         config._validate(source)
         return config
@@ -108,11 +113,12 @@ class ModelConfig:
         if rope_type not in ("default", "llama3", "linear"):
             raise ModelLoadError(f"{source}: rope_scaling type {rope_type!r} is not supported "
                                  "(supported: default, linear, llama3)")
-        if self.quant_method is not None:
+        if self.quant_method is not None and self.quant_method not in CHECKPOINT_QUANT_METHODS:
             # Loading its packed tensors as if full precision would run garbage weights, so refuse it.
             raise ModelLoadError(f"{source}: quantization_config.quant_method {self.quant_method!r} is not supported "
-                                 "(pre-quantised checkpoints are not; load the full-precision checkpoint, with "
-                                 f"--quantization ({', '.join(ON_THE_FLY_QUANTIZATIONS)}) to quantise it on the fly)")
+                                 f"(pre-quantised checkpoints: {', '.join(CHECKPOINT_QUANT_METHODS)}; or load the "
+                                 f"full-precision checkpoint with --quantization ({', '.join(ON_THE_FLY_QUANTIZATIONS)}) "
+                                 "to quantise it on the fly)")
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:

@@ -19,7 +19,8 @@ from llmctl.engine.device_memory import device_memory
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
-from llmctl.engine.layers.linear import select_linear_method
+from llmctl.engine.layers.compressed_tensors import compressed_tensors_method
+from llmctl.engine.layers.linear import LinearMethod, select_linear_method
 from llmctl.engine.layers.quantization import quantized_linear_method
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
@@ -105,14 +106,11 @@ class ModelRunner:
         problem = self.attention.validate_block_size(self.block_size)
         if problem:
             raise EngineArgsError(problem)
-        if config.quantization:
-            linear_method = quantized_linear_method(config.quantization, self.device, config.dtype)
-        else:
-            linear_method = select_linear_method(self.device, config.dtype, kernels,
-                                                 batch_hint=min(config.max_num_seqs, 64))
+        linear_method, lm_head_method = self._linear_methods(kernels)
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
                                  device=self.device, load_format=config.load_format, seed=config.seed,
-                                 linear_method=linear_method, kernels=kernels, verify=config.verify)
+                                 linear_method=linear_method, kernels=kernels, verify=config.verify,
+                                 lm_head_method=lm_head_method)
         # What the parameters occupy (shared ones once): int8 linears hold 1 byte per weight plus scales.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, config.quantization or config.dtype)
@@ -193,6 +191,24 @@ class ModelRunner:
             budget = self._budget_bytes(peak)
             one_sequence = -(-self.config.max_model_len // self.block_size) * self._reserved_bytes_per_block
             graphs.capture_all(max(min(budget - one_sequence, int(budget * GRAPH_SHARE)), 0), self.memory.growth)
+
+    def _linear_methods(self, kernels) -> tuple[LinearMethod, Optional[LinearMethod]]:
+        """(the linears' method, the lm_head's own or None): `--quantization` on the fly, the checkpoint's own
+        quantisation (config.json's quantization_config), or the fastest unquantised method."""
+        config, mc = self.config, self.config.model_config
+
+        def unquantized() -> LinearMethod:
+            return select_linear_method(self.device, config.dtype, kernels, batch_hint=min(config.max_num_seqs, 64))
+
+        if mc.quant_method is not None and config.quantization:
+            raise EngineArgsError(f"the checkpoint is already quantised ({mc.quant_method}); drop --quantization "
+                                  f"{config.quantization}")
+        if config.quantization:
+            return quantized_linear_method(config.quantization, self.device, config.dtype), None
+        if mc.quant_method == "compressed-tensors":
+            method, lm_head_quantized = compressed_tensors_method(mc.quantization_config)
+            return method, None if lm_head_quantized else unquantized()
+        return unquantized(), None
 
     def _profile_peak(self) -> int:
         """Peak extra device memory of the worst step: the largest prefill chunk (max_num_batched_tokens, at

@@ -23,8 +23,8 @@ NEW_TOKENS = 12
 QUANT_CONFIGS = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
-    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
     "mystery-quant": {"quant_method": "mystery-quant"},
+    "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
     "unnamed": {"bits": 8},
 }
 

@@ -149,15 +149,18 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig, max_positions: int, *, dtype: torch.dtype, linear_method: LinearMethod,
-                 kernels=None):
+                 kernels=None, lm_head_method: Optional[LinearMethod] = None):
+        """`lm_head_method`: the output projection's own method (a checkpoint that quantised only the decoder
+        layers); None: `linear_method`."""
         super().__init__()
         self.config = config
         linears = LinearFactory(linear_method, dtype)
         self.model = LlamaModel(config, max_positions, linears, kernels)
+        heads = LinearFactory(lm_head_method or linear_method, dtype)
         if config.tie_word_embeddings:
-            self.lm_head = linears.tied(self.model.embed_tokens.weight)
+            self.lm_head = heads.tied(self.model.embed_tokens.weight)
         else:
-            self.lm_head = linears.column(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = heads.column(config.hidden_size, config.vocab_size, bias=False)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings and this step's RoPE cos/sin rows."""
