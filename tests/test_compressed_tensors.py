@@ -16,6 +16,7 @@ from test_quantization import NEW_TOKENS, run_greedy
 from llmctl.engine import LLM
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.compressed_tensors import PackedScheme, unpack_int32
+from llmctl.engine.layers.linear import LinearBase
 
 
 def quantised_linears(model):
@@ -67,6 +68,15 @@ SCHEMES = {
     "w8a16-channel-sym": dict(bits=8, symmetric=True, strategy="channel"),
     "w8a16-g64-asym": dict(bits=8, symmetric=False, strategy="group", group_size=64),
 }
+# the run-time layout install_grouped_weight picks for each on CPU (float32 activations)
+LAYOUTS = {"w4a16-g32-sym": "int4pack", "w4a16-g32-asym": "int4pack", "w8a16-channel-sym": "int8pack",
+           "w8a16-g64-asym": "dequant"}
+
+
+def decoder_layouts(llm) -> set:
+    model = llm.engine.executor.runner.model
+    assert not hasattr(model.lm_head, "quant_layout")  # exempted by `ignore`: full precision
+    return {m.quant_layout for m in model.model.modules() if isinstance(m, LinearBase)}
 
 
 # llama: untied lm_head (left unquantised by `ignore`); qwen2: tied lm_head, q/k/v biases
@@ -81,6 +91,7 @@ def test_greedy_tokens_and_logits_match_the_library_dequantised_reference(tiny_m
     assert quant_config["quant_method"] == "compressed-tensors" and quant_config["format"] == "pack-quantized"
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
               max_num_batched_tokens=96)
+    assert decoder_layouts(llm) == {LAYOUTS[scheme]}
     unquantised = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
     gap = 0.0
     for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:4]):

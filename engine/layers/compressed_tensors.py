@@ -27,6 +27,7 @@ from torch import nn
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.linear import (LinearBase, LinearMethod, ShardId, WeightShapeError, copy_checked,
                                          new_parameter)
+from llmctl.engine.layers.quantization import GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight
 
 SUPPORTED_FORMAT = "pack-quantized"
 SUPPORTED_BITS = (4, 8)
@@ -127,7 +128,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     return codes[:, :columns].contiguous()
 
 
-class CompressedTensorsLinearMethod(LinearMethod):
+class CompressedTensorsLinearMethod(GroupedIntLinearMethod):
     """`pack-quantized` weight-only linears: loads every shard's packed codes, scales and zero points into
     uint8 codes [out, in], float32 scales [out, groups] and uint8 zero codes [out, groups], then installs them
     as the engine's grouped integer weight."""
@@ -185,41 +186,7 @@ class CompressedTensorsLinearMethod(LinearMethod):
         zeros = None if self.scheme.symmetric else layer.weight_zero_point.data
         weight = GroupedIntWeight(codes=layer.weight_packed.data, scales=layer.weight_scale.data, zeros=zeros,
                                   bits=self.scheme.bits, group_size=self.group_size(layer))
-        for name in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"):
-            if hasattr(layer, name):
-                delattr(layer, name)
-        install_grouped_weight(layer, weight)
-
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return apply_grouped_weight(layer, x)
-
-
-# ---- interim grouped form (until engine/layers/quantization.py has GroupedIntWeight) -----------------
-
-@dataclass
-class GroupedIntWeight:
-    """w[o, i] = (codes[o, i] - zero[o, i / g]) * scale[o, i / g]; zeros None: the midpoint 2^(bits-1)."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zeros: Optional[torch.Tensor]
-    bits: int
-    group_size: int
-
-    def dequantize(self) -> torch.Tensor:
-        out_features, in_features = self.codes.shape
-        zeros = self.zeros.float() if self.zeros is not None else torch.full_like(self.scales, 1 << (self.bits - 1),
-                                                                                  dtype=torch.float32)
-        groups = self.codes.float().view(out_features, -1, self.group_size) - zeros[..., None]
-        return (groups * self.scales.float()[..., None]).view(out_features, in_features)
-
-
-def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight) -> None:
-    layer.grouped = weight
-
-
-def apply_grouped_weight(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, layer.grouped.dequantize().to(x.dtype), layer.bias)
+        install_grouped_weight(layer, weight)  # drops the loading form's parameters
 
 
 def compressed_tensors_method(config: dict[str, Any]) -> tuple[LinearMethod, bool]:
