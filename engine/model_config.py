@@ -2,22 +2,36 @@
 
 Accepts both the classic keys (`rope_theta`, `rope_scaling`, `torch_dtype`) and transformers 5's
 (`rope_parameters`, `dtype`). One flag set describes the whole Llama family we run.
+
+A pre-quantised checkpoint says so in `quantization_config`: its `quant_method` must be one the engine
+loads (`CHECKPOINT_QUANT_METHODS`); GPTQ's and AWQ's are validated here by their format's config class
+(`CHECKPOINT_QUANTIZATIONS`), which refuses the variants we do not run by name. Loading packed tensors
+as if full precision would run garbage weights, so nothing else loads.
 """
 
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.awq import AWQConfig
+from llmctl.engine.layers.gptq import GPTQConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# quant_method -> its format's config class (`from_quantization_config` validates, `linear_method`,
+# `describe`), parsed into `ModelConfig.quantization`
+CHECKPOINT_QUANTIZATIONS = {"gptq": GPTQConfig, "awq": AWQConfig}
 # Pre-quantised checkpoints the engine loads (config.json's quantization_config.quant_method); the runner
-# builds their linear method from `ModelConfig.quantization_config`.
-CHECKPOINT_QUANT_METHODS = ("compressed-tensors",)
+# builds their linear method from `ModelConfig.quantization` or `ModelConfig.quantization_config`.
+CHECKPOINT_QUANT_METHODS = ("compressed-tensors", *CHECKPOINT_QUANTIZATIONS)
+# The decoder linears in Hugging Face's names, inside model.layers.N
+DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,7 @@ class ModelConfig:
     # config.json's quantization_config.quant_method (a pre-quantised checkpoint), else None
     quant_method: Optional[str] = None
     quantization_config: Optional[dict[str, Any]] = None  # the whole quantization_config of a supported method
+    quantization: Optional[Any] = None  # a CHECKPOINT_QUANTIZATIONS config (GPTQ, AWQ), validated
 
     @classmethod
     def from_pretrained(cls, folder: Path) -> "ModelConfig":
@@ -101,6 +116,11 @@ class ModelConfig:
             quantization_config=raw.get("quantization_config") if _quant_method(raw) else None,
         )
         config._validate(source)
+        if config.quant_method in CHECKPOINT_QUANTIZATIONS:
+            linear_names = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in DECODER_LINEARS]
+            parsed = CHECKPOINT_QUANTIZATIONS[config.quant_method].from_quantization_config(
+                config.quantization_config, source, linear_names)
+            config = dataclasses.replace(config, quantization=parsed)
         return config
 
     def _validate(self, source: str) -> None:

@@ -113,7 +113,8 @@ class ModelRunner:
                                  lm_head_method=lm_head_method)
         # What the parameters occupy (shared ones once): int8 linears hold 1 byte per weight plus scales.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, config.quantization or config.dtype)
+        quantized = config.quantization or (mc.quantization.describe() if mc.quantization else mc.quant_method)
+        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, quantized or config.dtype)
         # Start-up, in this order on every device: measure the worst-case forward (where a device memory
         # budget applies), capture the decode graphs within that budget, then size the KV pool from what is
         # left and allocate it. The profile peak and the graphs' memory both come out of
@@ -208,6 +209,13 @@ class ModelRunner:
         if mc.quant_method == "compressed-tensors":
             method, lm_head_quantized = compressed_tensors_method(mc.quantization_config)
             return method, None if lm_head_quantized else unquantized()
+        if mc.quantization is not None:  # GPTQ, AWQ: the lm_head stays in full precision
+            if config.load_format == "dummy":
+                raise EngineArgsError(f"--load-format dummy cannot fill a pre-quantised ({mc.quant_method}) "
+                                      "checkpoint's packed tensors (its g_idx must be a grouping); load its weights")
+            method = mc.quantization.linear_method()
+            logger.info("linear layers: %s (%s)", type(method).__name__, mc.quantization.describe())
+            return method, unquantized()
         return unquantized(), None
 
     def _profile_peak(self) -> int:
