@@ -213,14 +213,37 @@ def test_checkpoint_matches_transformers_on_the_dequantised_weights(tiny_models,
     assert_matches_reference(llm, reference, unquantised, make_prompts(512)[:3], tolerance=1e-2)
 
 
-def test_bfloat16_engine_tracks_the_dequantised_weights(tiny_models, tmp_path):
-    source = tiny_models["llama"]
-    folder = tmp_path / "gptq"
-    reference = dequantised_model(source, write_quantised_checkpoint(source, folder, Scheme("gptq", sym=False)))
+# bfloat16 on CPU runs torch's int4 kernel (int4pack) for 4-bit groups of 32..256 and its int8 kernel for
+# symmetric per-channel 8-bit; the act-order input permutation is applied to the activations first
+BF16_LAYOUTS = {
+    "gptq-4bit-g32-asym-act-order": ("llama", Scheme("gptq", sym=False, desc_act=True), "int4pack"),
+    "gptq-8bit-channel-sym": ("qwen2", Scheme("gptq", bits=8, group_size=-1), "int8pack"),
+    "awq-g64": ("llama", Scheme("awq", group_size=64), "int4pack"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BF16_LAYOUTS))
+def test_bfloat16_engine_tracks_the_dequantised_weights(tiny_models, tmp_path, name):
+    arch, scheme, layout = BF16_LAYOUTS[name]
+    source, folder = tiny_models[arch], tmp_path / name
+    reference = dequantised_model(source, write_quantised_checkpoint(source, folder, scheme))
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400)
+    model = llm.engine.executor.runner.model
+    assert {m.quant_layout for m in model.model.layers.modules() if hasattr(m, "quant_layout")} == {layout}
     for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:2]):
         expected = reference_logits(reference, prompt, tokens)
         assert (ours.float() - expected).abs().max().item() < 0.05 * expected.abs().max().item() + 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["gptq-4bit-g32-asym-act-order", "awq-g32"])
+def test_checkpoint_runs_on_cuda(tiny_models, tmp_path, name):
+    arch, scheme = SCHEMES[name]
+    source, folder = tiny_models[arch], tmp_path / name
+    reference = dequantised_model(source, write_quantised_checkpoint(source, folder, scheme))
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=400)
+    for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:2]):
+        assert (ours.cpu() - reference_logits(reference, prompt, tokens)).abs().max().item() < 1e-2
 
 
 def test_generate_runs_a_gptq_checkpoint(tiny_chat_model, tmp_path):
@@ -398,11 +421,26 @@ def test_fused_shards_with_different_act_orders_are_refused(tiny_models, tmp_pat
         LLM(str(folder), skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8)
 
 
-def test_a_missing_packed_tensor_is_named(tiny_models, tmp_path):
-    folder = tmp_path / "awq"
-    write_quantised_checkpoint(tiny_models["llama"], folder, Scheme("awq"))
+def without_tensors(folder, suffix: str) -> None:
     state = load_file(str(folder / "model.safetensors"))
-    del state["model.layers.0.mlp.up_proj.qzeros"]
-    save_file(state, str(folder / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.0.mlp.up_proj.qzeros'"):
+    save_file({k: v for k, v in state.items() if not k.endswith(suffix)}, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("scheme, missing", [(Scheme("awq"), "model.layers.0.mlp.up_proj.qzeros"),
+                                             (Scheme("gptq", desc_act=True), "model.layers.1.self_attn.k_proj.g_idx")])
+def test_a_missing_packed_tensor_is_named(tiny_models, tmp_path, scheme, missing):
+    folder = tmp_path / "q"
+    write_quantised_checkpoint(tiny_models["llama"], folder, scheme)
+    without_tensors(folder, missing)
+    with pytest.raises(ModelLoadError, match=f"missing tensor '{missing}'"):
         LLM(str(folder), skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8)
+
+
+def test_gptq_without_act_order_loads_without_g_idx(tiny_models, tmp_path):
+    """g_idx is i / group_size without desc_act, so a checkpoint may leave it out."""
+    source, folder = tiny_models["llama"], tmp_path / "q"
+    reference = dequantised_model(source, write_quantised_checkpoint(source, folder, Scheme("gptq", sym=False)))
+    without_tensors(folder, ".g_idx")
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400)
+    for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:1]):
+        assert (ours - reference_logits(reference, prompt, tokens)).abs().max().item() < 1e-2

@@ -44,11 +44,11 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Optional[Sequ
     dimension 32/bits times longer. `order` (AWQ's interleaving): the word's k-th field holds element
     `order[k]` of its run of 32/bits elements."""
     per_word = BITS_PER_WORD // bits
-    fields = torch.arange(per_word, dtype=torch.int32) * bits
+    fields = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
     if order is not None:
         if sorted(order) != list(range(per_word)):
             raise ValueError(f"packing order {list(order)} is not a permutation of 0..{per_word - 1}")
-        fields = fields[torch.argsort(torch.tensor(order))]  # field holding element j of the run
+        fields = fields[torch.argsort(torch.tensor(order, device=packed.device))]  # field holding element j
     dim = dim % packed.dim()
     words = packed.to(torch.int32).unsqueeze(dim + 1)
     shape = [1] * words.dim()

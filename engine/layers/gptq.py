@@ -124,6 +124,15 @@ class GPTQLinearMethod(CheckpointQuantizedLinearMethod):
     def __init__(self, config: GPTQConfig):
         self.config = config
 
+    def create_weights(self, layer: LinearBase, bias: bool, dtype: torch.dtype) -> None:
+        super().create_weights(layer, bias, dtype)
+        if not self.config.desc_act:
+            # Without act-order g_idx is i / group: a checkpoint that omits it loads with that one, and one
+            # that has it is still read (and must then group its inputs evenly).
+            group = group_size_of(self.config.group_size, layer.in_features)
+            layer.g_idx.data.copy_(torch.arange(layer.in_features) // group)
+            layer.g_idx.shard_ids = ()
+
     def checkpoint_tensors(self, layer: LinearBase) -> dict[str, CheckpointTensor]:
         per_word = BITS_PER_WORD // self.config.bits
         inputs, outputs = layer.in_features, layer.out_features
@@ -170,7 +179,7 @@ def act_order_permutation(g_idx: torch.Tensor, group: int):
     """None where g_idx is the plain i / group; else the input order that makes every group contiguous
     (each group must hold exactly `group` inputs)."""
     inputs = g_idx.numel()
-    plain = torch.arange(inputs) // group
+    plain = torch.arange(inputs, device=g_idx.device) // group
     if torch.equal(g_idx, plain):
         return None
     groups = inputs // group
