@@ -24,6 +24,7 @@ from llmctl.engine.layers.linear import LinearMethod, select_linear_method
 from llmctl.engine.layers.quantization import quantized_linear_method
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan
 from llmctl.engine.sampler import Sampler, SamplingRow
 from llmctl.engine.scheduler import ModelRunnerOutput, ScheduledSeq
 from llmctl.engine.sequence import Sequence
@@ -256,7 +257,10 @@ class ModelRunner:
         batch_index = {id(item): i for i, item in enumerate(scheduled)}
         positions: list[SamplingRow] = []
         owners: list[int] = []  # the batch row of each sampled position
+        drafts: list[DraftSpan] = []  # verify rows whose drafts came with their distribution
         for item in order:
+            if item.num_samples and item.spec_draft_probs is not None:
+                drafts.append(DraftSpan(len(positions), item.spec_token_ids, item.spec_draft_probs))
             for j in range(item.num_samples):
                 row = rows[batch_index[id(item)]]
                 # Each draft position is sampled as if the drafts before it had been decoded (penalties,
@@ -266,9 +270,11 @@ class ModelRunner:
                 owners.append(batch_index[id(item)])
         result = ModelRunnerOutput([[] for _ in scheduled], [[] for _ in scheduled], [[] for _ in scheduled])
         if positions:
-            sampled = self.sampler(logits[: len(positions)], positions)
+            sampled = self.sampler(logits[: len(positions)], positions, drafts)
             logprobs = sampled.logprobs or [None] * len(positions)
             for owner, token, entry in zip(owners, sampled.token_ids, logprobs):
+                if token == PLACEHOLDER_TOKEN_ID:
+                    continue  # past a rejected draft
                 result.sampled_token_ids[owner].append(token)
                 result.logprobs[owner].append(entry)
         scored = _prompt_logprobs(logits[len(positions):], prompt_rows)

@@ -3,16 +3,20 @@
 Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens masking
 of stop tokens, then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Seeded
 rows draw from their own generator, so their output does not depend on the rest of the batch.
+The positions of a sampled verify row whose drafts came with their distribution (`DraftSpan`) go
+through the rejection sampler (engine/rejection_sampler.py) on the same target distribution instead;
+past its first rejection they hold `PLACEHOLDER_TOKEN_ID`.
 Reported log-probs are those of the raw model distribution.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from llmctl.engine.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan, rejection_sample
 from llmctl.engine.sampling_params import SamplingParams
 
 
@@ -27,7 +31,7 @@ class SamplingRow:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # PLACEHOLDER_TOKEN_ID past a verify row's rejected draft
     logprobs: Optional[list[Optional[dict[int, float]]]]  # per row: {token: logprob} incl. the sampled one
 
 
@@ -57,15 +61,27 @@ class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator  # for unseeded rows
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 drafts: Sequence[DraftSpan] = ()) -> SamplerOutput:
+        """One token per row of `logits`; the rows of each span in `drafts` (a verify row with its draft
+        distribution) are sampled together by the rejection sampler, unless the request is greedy (then
+        the target's argmax at each position is the rejection sampler's answer for any q)."""
         logits = self._apply_processors(logits, rows)
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, rows)
         logits = self._mask_early_stops(logits, rows)
-        token_ids = self._choose(logits, rows)
-        return SamplerOutput(token_ids.tolist(), self._gather_logprobs(raw_logprobs, token_ids, rows))
+        spans = [span for span in drafts if not rows[span.start].params.greedy]
+        token_ids = self._choose(logits, rows, skip={i for span in spans for i in span.positions}).tolist()
+        for span in spans:
+            positions = list(span.positions)
+            row = rows[span.start]
+            target = self._target_probs(logits[positions], [rows[i].params for i in positions])
+            emitted = rejection_sample(target, span.token_ids, span.probs, row.generator or self.generator)
+            token_ids[span.start:span.start + len(positions)] = (
+                emitted + [PLACEHOLDER_TOKEN_ID] * (len(positions) - len(emitted)))
+        return SamplerOutput(token_ids, self._gather_logprobs(raw_logprobs, token_ids, rows))
 
     # ---- logit processing -----------------------------------------------------------------
     @staticmethod
@@ -111,19 +127,24 @@ class Sampler:
         return logits
 
     # ---- choosing ---------------------------------------------------------------------------
-    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow], skip: frozenset[int] | set[int] = frozenset()
+                ) -> torch.Tensor:
+        """Argmax, or a draw for the random rows not in `skip` (those the rejection sampler takes)."""
         chosen = row_argmax(logits)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy and i not in skip]
         if not random_rows:
             return chosen
         index = torch.tensor(random_rows, device=logits.device)
-        subset = logits[index]
-        temperature = torch.tensor([rows[i].params.temperature for i in random_rows],
-                                   dtype=subset.dtype, device=subset.device).unsqueeze(1)
-        probs = torch.softmax(self._filter(subset / temperature, [rows[i].params for i in random_rows]), dim=-1)
+        probs = self._target_probs(logits[index], [rows[i].params for i in random_rows])
         noise = self._exponential_noise(probs, [rows[i].generator for i in random_rows])
         chosen[index] = row_argmax(probs / noise)
         return chosen
+
+    def _target_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution a random row draws from: temperature, then top-k / top-p / min-p."""
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                                   device=logits.device).unsqueeze(1)
+        return torch.softmax(self._filter(logits / temperature, params), dim=-1)
 
     @staticmethod
     def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -159,14 +180,14 @@ class Sampler:
         return noise
 
     @staticmethod
-    def _gather_logprobs(raw: Optional[torch.Tensor], token_ids: torch.Tensor,
+    def _gather_logprobs(raw: Optional[torch.Tensor], token_ids: list[int],
                          rows: list[SamplingRow]) -> Optional[list[Optional[dict[int, float]]]]:
         if raw is None:
             return None
         result: list[Optional[dict[int, float]]] = []
         for i, row in enumerate(rows):
             count = row.params.logprobs
-            if count is None:
+            if count is None or token_ids[i] == PLACEHOLDER_TOKEN_ID:
                 result.append(None)
                 continue
             entry = {int(token_ids[i]): float(raw[i, token_ids[i]])}

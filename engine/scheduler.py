@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
+
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.sequence import Sequence, SequenceStatus
 
@@ -41,11 +43,13 @@ class SchedulerConfig:
 @dataclass
 class ScheduledSeq:
     """One row of a step: `num_new_tokens` tokens from the sequence's first uncomputed one. A verify
-    row ends with `spec_token_ids`, draft tokens past the known ones (they count in `num_new_tokens`)."""
+    row ends with `spec_token_ids`, draft tokens past the known ones (they count in `num_new_tokens`),
+    and `spec_draft_probs`, the distributions they were drawn from (None: a deterministic draft)."""
 
     seq: Sequence
     num_new_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Optional[torch.Tensor] = None
 
     @property
     def samples(self) -> bool:
@@ -69,7 +73,8 @@ class ScheduledSeq:
 class ModelRunnerOutput:
     """What a step computed, as lists aligned with `SchedulerOutput.scheduled` (plain data, so it can
     come back from another process). A row that does not sample has no tokens; a verify row has k + 1
-    (the model's choice after each of its last k + 1 inputs)."""
+    (the model's choice after each of its last k + 1 inputs), or, from the rejection sampler, fewer: the
+    accepted drafts and the resample of the first rejected one."""
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[Optional[dict[int, float]]]]  # per row, one entry per sampled token (None: not asked)
@@ -102,9 +107,11 @@ def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
     sampler: it accepts x with probability p(x) = min(1, p(x)/q(x)), and on a rejection keeps the
     target's sample given it is not x, which is distributed as the residual max(0, p - q) normalised
     (p without x, renormalised). So the output distribution is exactly the target's
-    (tests/test_spec_decode.py checks both halves and the token histograms)."""
+    (tests/test_spec_decode.py checks both halves and the token histograms). For a draft with a
+    distribution q, `sampled` comes from the rejection sampler (engine/rejection_sampler.py): its
+    accepted drafts, then a token that differs from the rejected draft, which this rule reads alike."""
     accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+    while accepted < min(len(drafts), len(sampled) - 1) and drafts[accepted] == sampled[accepted]:
         accepted += 1
     return sampled[: accepted + 1]
 
@@ -201,7 +208,7 @@ class Scheduler:
             # Rejected drafts' K/V lie past this count (their slots are written again later), and it is set
             # before any block is published: a block holding a rejected token is never registered.
             seq.num_computed_tokens += known + min(len(accepted) - 1, kept)
-            seq.spec_token_ids = []
+            seq.clear_drafts()
             self.blocks.register_full_blocks(seq)
             if stopped:
                 self.finish(seq)
@@ -290,11 +297,12 @@ class Scheduler:
             drafts = self._drafts_to_verify(seq, budget)
             if drafts:
                 if self.blocks.allocate(seq, num_new, num_lookahead_tokens=len(drafts)):
-                    out.scheduled.append(ScheduledSeq(seq, num_new + len(drafts), drafts))
+                    probs = None if seq.spec_draft_probs is None else seq.spec_draft_probs[: len(drafts)]
+                    out.scheduled.append(ScheduledSeq(seq, num_new + len(drafts), drafts, probs))
                     budget -= num_new + len(drafts)
                     index += 1
                     continue
-                seq.spec_token_ids = []  # no room for the lookahead: decode one token, never preempt for drafts
+                seq.clear_drafts()  # no room for the lookahead: decode one token, never preempt for drafts
             while not self.blocks.allocate(seq, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < index:

@@ -43,6 +43,10 @@ class Sequence:
     # Draft tokens proposed for the next step (speculative decoding): the scheduler makes the next decode
     # a verify row of 1 + len(spec_token_ids) tokens, and the step's update keeps the accepted prefix.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The distributions the drafts were drawn from (float32 [k, vocab], after the request's temperature,
+    # top-k, top-p), set with them by a sampling draft model; None for a deterministic draft (n-gram,
+    # greedy). With it a sampled request's verify row goes through the rejection sampler.
+    spec_draft_probs: Optional[torch.Tensor] = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None
@@ -94,10 +98,14 @@ class Sequence:
                 self.cumulative_logprob -= self.output_logprobs.pop()[token]
         self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
+    def clear_drafts(self) -> None:
+        self.spec_token_ids = []
+        self.spec_draft_probs = None
+
     def reset_for_recompute(self) -> None:
         """After preemption: blocks are gone, so everything (prompt and output) is computed again."""
         self.num_computed_tokens = 0
         self.block_table = []
-        self.spec_token_ids = []
+        self.clear_drafts()
         self.num_preemptions += 1
         self.status = SequenceStatus.WAITING

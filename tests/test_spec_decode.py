@@ -16,6 +16,7 @@ from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.args import SpeculativeConfig
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.ngram_proposer import WINDOW, NgramProposer, find_ngram_continuation
+from llmctl.engine.rejection_sampler import acceptance_probability, rejection_sample, residual_distribution
 from llmctl.engine.scheduler import accepted_tokens
 from llmctl.engine.sequence import Sequence
 
@@ -231,3 +232,139 @@ def test_metrics_expose_the_engines_spec_decode_counters_with_positions(tiny_mod
     assert per_pos == [stats[f"spec_decode_num_accepted_tokens_pos_{j}"] for j in range(4)]
     assert sum(per_pos) == stats["spec_decode_num_accepted_tokens"] > 0
     assert per_pos == sorted(per_pos, reverse=True)  # position j is accepted only after 0..j-1 were
+
+
+# ---- rejection sampler (drafts with a distribution q) ------------------------------------------
+def _distributions(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    p = torch.rand(vocab, generator=generator) ** 3
+    q = torch.rand(vocab, generator=generator) ** 3
+    return p / p.sum(), q / q.sum()
+
+
+def test_the_rejection_sampler_formulas_give_exactly_the_target_distribution():
+    """q(t)·min(1, p(t)/q(t)) + P(reject)·residual(t) = p(t), exactly: for every draft x drawn from q,
+    accept with acceptance_probability, else draw from residual_distribution."""
+    for seed in range(5):
+        p, q = _distributions(7, seed)
+        q[3] = 0.0  # a token the draft never proposes still gets its target mass through the residual
+        q /= q.sum()
+        marginal = torch.zeros_like(p)
+        for x in range(len(p)):
+            if q[x] == 0:
+                continue
+            accept = acceptance_probability(p[None], q[None], torch.tensor([x]))[0]
+            marginal[x] += q[x] * accept
+            marginal += q[x] * (1 - accept) * residual_distribution(p, q, x)
+        torch.testing.assert_close(marginal, p, atol=1e-6, rtol=0)
+    p, q = _distributions(5, 9)
+    assert residual_distribution(p, q, int((q - p).argmax()))[int((q - p).argmax())] == 0
+
+
+def test_rejection_sample_emits_the_target_distribution_at_each_position_and_accepts_sum_min_p_q():
+    """Monte Carlo over the whole sampler with drafts drawn from q (k = 2): each emitted position is
+    distributed as p_j, and draft 0 is accepted with probability sum_x min(p(x), q(x)) — more than the
+    sum_x p(x)q(x) of accepting only a draft equal to the target's own sample."""
+    vocab, draws = 6, 20_000
+    p0, q0 = _distributions(vocab, 1)
+    p1, q1 = _distributions(vocab, 2)
+    p2, _ = _distributions(vocab, 3)
+    target, draft = torch.stack([p0, p1, p2]), torch.stack([q0, q1])
+    generator = torch.Generator().manual_seed(0)
+    proposals = torch.stack([torch.multinomial(q, draws, replacement=True, generator=generator) for q in (q0, q1)], 1)
+    emitted = [rejection_sample(target, row.tolist(), draft, generator) for row in proposals]
+    for position, p in enumerate((p0, p1, p2)):
+        tokens = [out[position] for out in emitted if len(out) > position]
+        counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+        expected = p.double() * len(tokens)
+        chi2 = float(((counts - expected) ** 2 / expected.clamp_min(1e-9)).sum())
+        assert chi2 < 30, (position, chi2)  # 5 degrees of freedom: p < 1e-5 under the target distribution
+    accepted0 = sum(len(out) > 1 for out in emitted) / draws
+    assert accepted0 == pytest.approx(float(torch.minimum(p0, q0).sum()), abs=0.015)
+    assert accepted0 > float((p0 * q0).sum()) + 0.05
+    assert all(len(out) == 3 or out[-1] != row[len(out) - 1] for out, row in zip(emitted, proposals.tolist()))
+
+
+def test_rejection_sample_refuses_draft_probabilities_that_do_not_fit():
+    p, q = _distributions(6, 0)
+    with pytest.raises(ValueError, match="do not fit 2 drafts"):
+        rejection_sample(torch.stack([p, p, p]), [1, 2], q[None], None)
+    with pytest.raises(ValueError, match="vocabulary of 6"):
+        rejection_sample(torch.stack([p, p]), [1], torch.zeros(1, 5), None)
+
+
+class DistributionDraft:
+    """A sampling draft in the engine's proposer seat: k tokens drawn from `draft_probs(tokens)` for every
+    running decode, set as `spec_token_ids` with their distributions in `spec_draft_probs` (what a draft
+    model hands the verifier). `keyed`: drawn with a generator seeded by the tokens so far, so a sequence
+    gets the same drafts in any batch (a seeded request's draft model does that with its own seed)."""
+
+    def __init__(self, k: int, draft_probs, keyed: bool = False):
+        self.k, self.draft_probs, self.keyed = k, draft_probs, keyed
+        self.generator = torch.Generator().manual_seed(0)
+        self.drafted = self.accepted = 0
+
+    def propose(self, running: list[Sequence]) -> None:
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            generator = self.generator
+            if self.keyed:
+                generator = torch.Generator().manual_seed(hash(tuple(seq.token_ids)) & 0xFFFFFFFF)
+            tokens, probs = list(seq.token_ids), []
+            for _ in range(self.k):
+                q = self.draft_probs(tokens)
+                tokens.append(int(torch.multinomial(q, 1, generator=generator)))
+                probs.append(q)
+            seq.spec_token_ids = tokens[seq.num_tokens:]
+            seq.spec_draft_probs = torch.stack(probs)
+
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+
+
+def test_sampled_histograms_with_a_distribution_draft_match_without_speculation(tmp_path):
+    """Drafts drawn from a q unrelated to the model (a fixed random distribution) through the rejection
+    sampler: the output histograms stay within the no-speculation noise floor."""
+    folder = make_tiny_model(tmp_path / "v12", "llama", vocab_size=12, initializer_range=0.3)
+    prompt, samples, length = [1, 2, 3, 1, 2, 3, 1, 2], 256, 6
+    _, q = _distributions(12, 4)
+
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_seqs=64)
+    base, noise = _histogram(llm, prompt, samples, length), _histogram(llm, prompt, samples, length)
+    draft = DistributionDraft(3, lambda tokens: q)
+    llm.engine.proposer = draft
+    spec = _histogram(llm, prompt, samples, length)
+    assert draft.accepted > samples // 2
+    floor, tv = _total_variation(base, noise), _total_variation(base, spec)
+    print(f"total variation: no-spec vs no-spec {floor:.4f}, q-draft vs no-spec {tv:.4f}; accepted "
+          f"{draft.accepted} of {draft.drafted} drafts")
+    assert tv < 1.5 * floor + 0.01, (floor, tv)
+
+
+def _hf_next_token_probs(folder):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def probs(tokens: list[int]) -> torch.Tensor:
+        return torch.softmax(model(torch.tensor([tokens])).logits[0, -1].float(), dim=-1)
+
+    return probs
+
+
+def test_a_draft_whose_distribution_is_the_targets_is_accepted_almost_always(tiny_models):
+    """q = p (the same checkpoint under transformers): min(1, p/q) = 1, so nearly every draft is accepted,
+    where matching the target's own sample would accept sum p(x)^2 of them (a few per cent here)."""
+    folder = tiny_models["llama"]
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3)
+    llm = _llm(folder)
+    draft = DistributionDraft(4, _hf_next_token_probs(folder), keyed=True)
+    llm.engine.proposer = draft
+    prompts = _prompts(512)[:3]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert draft.drafted >= 3 * 8 and draft.accepted >= 0.95 * draft.drafted, (draft.accepted, draft.drafted)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts[1:2], params)]
+    assert alone == first[1:2]  # a seeded request's output does not depend on its batch
