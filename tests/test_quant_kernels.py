@@ -8,6 +8,7 @@ import torch
 
 from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.kernels.quant import load_quant_kernels, pack_q4, unpack_q4
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.layers.quantization import (ON_THE_FLY_SCHEMES, GroupedIntLinearMethod, GroupedIntWeight,
                                                 install_grouped_weight, pack_int4, unpack_int4)
@@ -72,25 +73,32 @@ def test_int4_packing_round_trips():
     assert torch.equal(unpack_int4(packed), codes)
 
 
-@pytest.mark.parametrize("shape, bits, group, asymmetric, permuted, layout", [
-    ((32, 64), 8, 64, False, False, "int8pack"),
-    ((32, 64), 8, 64, False, True, "int8pack"),
-    ((32, 64), 8, 32, True, False, "dequant"),      # grouped int8 with zeros (GPTQ 8-bit, GGUF Q8_0)
-    ((32, 40), 8, 40, False, False, "dequant"),     # torch's int8 kernel needs inputs in multiples of 16
-    ((32, 128), 4, 32, False, False, "int4pack"),
-    ((48, 128), 4, 64, True, True, "int4pack"),
-    ((24, 64), 4, 32, True, False, "dequant"),      # outputs not a multiple of 16
-    ((32, 64), 4, 16, False, False, "dequant"),     # a group size torch's int4 kernel lacks
+NATIVE = "native" if load_quant_kernels() is not None else "dequant"  # bf16 layouts that need the kernels
+
+
+@pytest.mark.parametrize("shape, bits, group, asymmetric, permuted, layouts", [
+    # (float32 layout, bfloat16 layout)
+    ((32, 64), 8, 64, False, False, ("int8pack", "int8pack")),
+    ((32, 64), 8, 64, False, True, ("int8pack", "int8pack")),
+    ((32, 64), 8, 32, True, False, ("dequant", NATIVE)),      # grouped int8 with zeros (GPTQ 8-bit)
+    ((40, 256), 8, 32, False, False, ("dequant", NATIVE)),    # GGUF Q8_0: symmetric, groups of 32
+    ((32, 40), 8, 40, False, False, ("dequant", "dequant")),  # inputs no kernel takes
+    ((32, 128), 4, 32, False, False, ("int4pack", "int4pack")),
+    ((48, 128), 4, 64, True, True, ("int4pack", "int4pack")),
+    ((24, 64), 4, 32, True, False, ("dequant", NATIVE)),      # outputs not a multiple of 16
+    ((16, 576), 4, 576, False, True, ("dequant", NATIVE)),    # one group per row (GPTQ group_size -1)
+    ((32, 64), 4, 16, False, False, ("dequant", "dequant")),  # a group size no kernel takes
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_layout_matches_the_dequantised_reference(shape, bits, group, asymmetric, permuted, layout, dtype):
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: the native layout's dequantise-then-GEMM rows
+def test_each_layout_matches_the_dequantised_reference(shape, bits, group, asymmetric, permuted, layouts, dtype, rows):
     weight = random_grouped(*shape, bits, group, asymmetric=asymmetric, permuted=permuted)
     layer, chosen = make_layer(weight, dtype, bias=True)
-    assert chosen == layout
-    x = torch.randn(3, 2, shape[1]).to(dtype)
+    assert chosen == layouts[dtype is torch.bfloat16]
+    x = torch.randn(rows, 2, shape[1]).to(dtype)
     expected = x.float() @ weight.dequantize().T + layer.bias.float()
     got = layer(x)
-    assert got.shape == (3, 2, shape[0]) and got.dtype == dtype
+    assert got.shape == (rows, 2, shape[0]) and got.dtype == dtype
     tolerance = 2e-4 if dtype is torch.float32 else 2e-2
     assert (got.float() - expected).abs().max().item() <= tolerance * expected.abs().max().item() + 1e-5
 
@@ -124,3 +132,65 @@ def test_malformed_grouped_weights_are_refused(change, message):
     fields.update(change)
     with pytest.raises(ValueError, match=message):
         GroupedIntWeight(**fields)
+
+
+# ---- the native kernels (engine/kernels/quant_kernels.c), both bodies ---------------------------------------
+
+def kernels_or_skip(target):
+    kernels = load_quant_kernels(target)
+    if kernels is None:
+        pytest.skip(f"the {target} quant kernels do not build or run here")
+    return kernels
+
+
+@pytest.mark.parametrize("in_features", [64, 128, 576, 1536])
+def test_the_4_bit_kernel_layout_round_trips(in_features):
+    codes = torch.randint(0, 16, (7, in_features), dtype=torch.uint8)
+    packed = pack_q4(codes)
+    assert packed.shape == (7, in_features // 2)
+    assert torch.equal(unpack_q4(packed, in_features), codes)
+    if in_features >= 128:  # word w of a 128-input block holds inputs w, 32 + w, 64 + w, 96 + w
+        word = int(packed[0, 2]) | int(packed[0, 3]) << 8
+        assert [(word >> 4 * t) & 0xF for t in range(4)] == [int(codes[0, 1 + 32 * t]) for t in range(4)]
+
+
+@pytest.mark.parametrize("target", ["native", "avx2"])
+@pytest.mark.parametrize("bits, group, asymmetric", [(8, 576, False), (8, 32, True), (8, 64, False), (4, 32, False),
+                                                     (4, 64, True), (4, 192, True), (4, 576, False)])
+def test_kernel_matches_the_dequantised_reference(target, bits, group, asymmetric):
+    kernels = kernels_or_skip(target)
+    weight = GroupedIntWeight.quantize(torch.randn(37, 576) * 0.05, bits, group, not asymmetric)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
+    reference = weight.dequantize()
+    bias = torch.randn(37).bfloat16()
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 576).bfloat16()
+        expected = x.float() @ reference.T + bias.float()
+        got = kernels.gemv(packed, x, bias)
+        assert got.dtype is torch.bfloat16 and got.shape == (rows, 37)
+        # bf16 rounding of the output (2^-8 relative) is the only difference
+        assert (got.float() - expected).abs().max().item() <= 8e-3 * expected.abs().max().item()
+        assert torch.allclose(kernels.gemv(packed, x).float() + bias.float(), expected, rtol=1e-2,
+                              atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("bits, group, in_features, message", [
+    (4, 32, 96, "4-bit weights need a multiple of 64 inputs, got 96"),
+    (4, 16, 64, "4-bit groups must be 32 or a multiple of 64 inputs, got 16"),
+    (8, 24, 96, "8-bit groups must be a multiple of 16 inputs, got 24"),
+])
+def test_kernel_refuses_shapes_its_layouts_lack(bits, group, in_features, message):
+    kernels = kernels_or_skip("native")
+    codes = torch.zeros(8, in_features, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=message):
+        kernels.pack(codes, torch.ones(8, in_features // group), None, bits, group)
+
+
+def test_kernel_refuses_inputs_it_cannot_read():
+    kernels = kernels_or_skip("native")
+    packed = kernels.pack(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), None, 4, 32)
+    for x in (torch.zeros(1, 64), torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(2, 128, dtype=torch.bfloat16)[:, ::2]):
+        with pytest.raises(ValueError, match=r"the input must be a contiguous bf16 \[m, 64\] CPU tensor"):
+            kernels.gemv(packed, x)
+    with pytest.raises(ValueError, match=r"the bias must be a contiguous bf16 \[8\]"):
+        kernels.gemv(packed, torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8))

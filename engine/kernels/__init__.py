@@ -208,10 +208,11 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The shared library built from `source` with `flags` (cached per source, flags, compiler and CPU)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
-    target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), version, _cpu_signature()]).encode())
+    target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +220,7 @@ def _build(compiler: str) -> Path:
     handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+        result = subprocess.run([compiler, *flags, "-o", partial, str(source)], capture_output=True, text=True,
                                 timeout=120)
         if result.returncode != 0:
             raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
@@ -230,22 +231,43 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def disabled() -> bool:
+    """`LLMCTL_DISABLE_CPU_KERNELS=1`: every native kernel off (the torch paths run)."""
+    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
+
+def find_compiler() -> Optional[str]:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build_library(source: Path, flags: tuple[str, ...], what: str) -> Optional[ctypes.CDLL]:
+    """`source` built with `flags` and loaded, or None (logged, naming `what` falls back) when the kernels are
+    disabled, there is no compiler, or the build or load fails."""
+    if disabled():
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: %s", what)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(compiler, source, flags)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("native kernels unavailable (%s): %s", exc, what)
+        return None
+
+
 @lru_cache(maxsize=1)
 def load_cpu_kernels() -> Optional[CpuKernels]:
     """The built kernels, or None (logged once) when they cannot be used here."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention uses the slower torch path")
+    library = build_library(SOURCE, FLAGS, "CPU decode attention uses the slower torch path")
+    if library is None:
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
         if library.kernel_vector_bits() != 512:
             logger.info("CPU kernels need AVX-512: using the torch paths")
             return None
         return CpuKernels(library)
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+    except AttributeError as exc:
         logger.warning("CPU kernels unavailable (%s): using the torch path", exc)
         return None
 

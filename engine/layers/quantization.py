@@ -19,6 +19,9 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
 - `int4pack`: 4 bits, groups of 32/64/128/256, output rows a multiple of 16, CPU: tinygemm's packing
   (`torch._convert_weight_to_int4pack_for_cpu`) and `torch._weight_int4pack_mm_for_cpu`, whose
   w = (q - 8) * scale + offset takes any zero point as offset = (8 - zero) * scale (gate_up at M=1 57 µs);
+- `native` (bfloat16 activations on CPU, the rest: grouped or asymmetric int8 such as GGUF Q8_0 and GPTQ
+  8-bit, int4 groups torch lacks such as per-channel GPTQ group -1): engine/kernels/quant.py's GEMV
+  (AVX-512 BF16 or AVX2) below NATIVE_MAX_ROWS rows, dequantise-then-GEMM above;
 - `dequant`: everything else (other devices, other groupings): the codes stay packed (two 4-bit codes a
   byte) and are dequantised to the activation dtype for each call, exact but slow.
 Activations should be bfloat16 on CPU: with float32 both torch kernels run about 5x slower.
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.kernels.quant import KernelWeight, fits_float16, load_quant_kernels, unpack_q4
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -49,6 +53,10 @@ logger = logging.getLogger(__name__)
 # scale finite and costs at most 3e-5 absolute error in groups whose largest weight is below 4e-4 (int4).
 FP16_TINY, FP16_MAX = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max
 INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel accepts
+# The native GEMV streams the weight once but its work grows with the rows; from about 32 rows dequantising
+# to bfloat16 and running one GEMM is faster (1536x576, one thread: 16 rows 617 against 1493 µs, 64 rows
+# 3542 against 1588 µs).
+NATIVE_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -169,11 +177,18 @@ def _float16_scales(scales: torch.Tensor) -> torch.Tensor:
 
 def _choose_layout(weight: GroupedIntWeight, dtype: torch.dtype, device: torch.device) -> str:
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        # torch's kernels where they apply: at M=1 int8pack ran as fast as the native kernel and int4pack
+        # faster (hot 1536x576, one thread: 57 µs against 70-87 µs), see benchmarks/README.md
         if (weight.bits == 8 and weight.num_groups == 1 and weight.in_features % 16 == 0
                 and weight.is_symmetric()):
             return "int8pack"
         if weight.bits == 4 and weight.group_size in INT4PACK_GROUPS and weight.out_features % 16 == 0:
             return "int4pack"
+    if device.type == "cpu" and dtype is torch.bfloat16:
+        kernels = load_quant_kernels()
+        if (kernels is not None and kernels.unsupported(weight.bits, weight.group_size, weight.in_features) is None
+                and fits_float16(weight.scales) and (weight.zeros is None or fits_float16(weight.zeros))):
+            return "native"
     return "dequant"
 
 
@@ -220,6 +235,12 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
         _register(layer, "weight", packed)
         _register(layer, "weight_scales_and_zeros",
                   torch.stack([scales, offsets], dim=-1).transpose(0, 1).to(dtype))
+    elif layout == "native":
+        packed = load_quant_kernels().pack(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size)
+        _register(layer, "weight", packed.codes)
+        _register(layer, "weight_scale", packed.scales)
+        _register(layer, "weight_zero", packed.zeros)
+        layer.quant_kernels = load_quant_kernels()
     else:
         _register(layer, "weight", pack_int4(weight.codes) if weight.bits == 4 else weight.codes)
         _register(layer, "weight_scale", weight.scales)
@@ -227,8 +248,16 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
     return layout
 
 
+def _kernel_weight(layer: LinearBase) -> KernelWeight:
+    return KernelWeight(layer.weight, layer.weight_scale, layer.weight_zero, layer.quant_bits, layer.quant_group_size,
+                        layer.in_features)
+
+
 def _dequantize_installed(layer: LinearBase, dtype: torch.dtype) -> torch.Tensor:
-    codes = unpack_int4(layer.weight) if layer.quant_bits == 4 else layer.weight
+    if layer.quant_bits == 4:
+        codes = unpack_q4(layer.weight, layer.in_features) if layer.quant_layout == "native" else unpack_int4(layer.weight)
+    else:
+        codes = layer.weight
     shape = (layer.out_features, layer.in_features // layer.quant_group_size, layer.quant_group_size)
     zeros = layer.weight_zero[..., None] if layer.weight_zero is not None else float(1 << (layer.quant_bits - 1))
     grouped = (codes.view(shape).float() - zeros) * layer.weight_scale.float()[..., None]
@@ -246,6 +275,9 @@ def apply_grouped_weight(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     elif layout == "int4pack":
         out = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), layer.weight, layer.quant_group_size,
                                                 layer.weight_scales_and_zeros)
+    elif layout == "native" and rows.shape[0] < NATIVE_MAX_ROWS:
+        return layer.quant_kernels.gemv(_kernel_weight(layer), rows.contiguous(), layer.bias).reshape(
+            *x.shape[:-1], layer.out_features)
     else:
         out = F.linear(rows, _dequantize_installed(layer, rows.dtype))
     if layer.bias is not None:
