@@ -66,7 +66,8 @@ class EngineArgs:
     speculative_config: Optional[Any] = _arg(
         None, 'Speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": K, '
               '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B} (n-gram prompt '
-              'lookup; a draft "model" is not supported yet).', cli_type=str)
+              'lookup) or {"model": PATH, "num_speculative_tokens": K} (a draft model with the same tokenizer; '
+              '"default-draft": the one shipped for the embedded model).', cli_type=str)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,17 +131,21 @@ class EngineArgs:
         return asdict(self)
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
+NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`--speculative-config`, vLLM's spelling. Only n-gram prompt lookup exists: the drafts are the
-    tokens that followed the longest earlier occurrence of the sequence's last n tokens
-    (prompt_lookup_max >= n >= prompt_lookup_min, vLLM's defaults)."""
+    """`--speculative-config`, vLLM's spelling. `ngram`: prompt lookup, the drafts are the tokens that
+    followed the longest earlier occurrence of the sequence's last n tokens (prompt_lookup_max >= n >=
+    prompt_lookup_min, vLLM's defaults). `draft_model` (implied by a `model`, as in vLLM): a smaller
+    model with the target's tokenizer proposes the drafts (engine/draft_proposer.py; `"default-draft"`
+    is the one shipped for the embedded model)."""
 
     method: str
     num_speculative_tokens: int
+    model: Optional[str] = None
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 1
     # vLLM's key: no drafts while more sequences than this run. A verify row of k + 1 tokens costs about
@@ -162,20 +167,21 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise EngineArgsError("speculative_config must be a JSON object, e.g. "
                                   '{"method": "ngram", "num_speculative_tokens": 4}')
-        if "model" in value:
-            raise EngineArgsError("speculative_config: a draft model (\"model\") is not supported yet; "
-                                  'only {"method": "ngram"} (prompt lookup) is')
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
             raise EngineArgsError(f"speculative_config: unsupported key(s) {', '.join(unknown)} "
                                   f"(supported: {', '.join(sorted(known))})")
+        value = dict(value)
+        if value.get("model") is not None:
+            value.setdefault("method", "draft_model")  # vLLM infers the method from the model
         for name in ("method", "num_speculative_tokens"):
             if name not in value:
                 raise EngineArgsError(f"speculative_config needs {name!r}")
         if value["method"] not in SPEC_METHODS:
             raise EngineArgsError(f"speculative_config: method {value['method']!r} is not supported "
-                                  f"(supported: {', '.join(SPEC_METHODS)}; a draft model is not supported yet)")
+                                  f"(supported: {', '.join(SPEC_METHODS)})")
+        _check_method_keys(value)
         config = cls(**value)
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             _positive(f"speculative_config {name}", getattr(config, name))
@@ -183,6 +189,21 @@ class SpeculativeConfig:
             raise EngineArgsError(f"speculative_config: prompt_lookup_min {config.prompt_lookup_min} exceeds "
                                   f"prompt_lookup_max {config.prompt_lookup_max}")
         return config
+
+
+def _check_method_keys(value: dict[str, Any]) -> None:
+    """Each method's own keys, and no key of the other one (never silently ignored)."""
+    if value["method"] == "draft_model":
+        if not isinstance(value.get("model"), str) or not value["model"]:
+            raise EngineArgsError('speculative_config: the draft_model method needs "model": a model folder '
+                                  'or "default-draft"')
+        stray = [k for k in NGRAM_KEYS if k in value]
+        if stray:
+            raise EngineArgsError(f"speculative_config: {', '.join(stray)} belong to the ngram method, not to a "
+                                  "draft model")
+    elif value.get("model") is not None:
+        raise EngineArgsError(f"speculative_config: method {value['method']!r} takes no \"model\" "
+                              '(a draft model is method "draft_model")')
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

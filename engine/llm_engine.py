@@ -20,6 +20,7 @@ import torch
 
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.draft_proposer import DraftModel, DraftProposer
 from llmctl.engine.errors import (CapacityError, EngineArgsError, InvalidRequestError, ModelLoadError,
                                   is_out_of_memory)
 from llmctl.engine.host import tune_cpu_allocator
@@ -157,15 +158,22 @@ class LLMEngine:
         if device.type == "cpu":
             tune_cpu_allocator()
         self.max_model_len = self._resolve_max_model_len(args)
-        self.executor: Executor = executor_class(RunnerConfig(
+        speculative = args.speculative
+        draft = None
+        if speculative is not None and speculative.model is not None:
+            draft = DraftModel.load(speculative.model, self.model_config, Path(args.tokenizer or folder),
+                                    self.max_model_len)
+        dtype = resolve_dtype(args.dtype, self.model_config, device)
+        runner_config = RunnerConfig(
             model_config=self.model_config, model_folder=folder, device=device,
-            dtype=resolve_dtype(args.dtype, self.model_config, device), block_size=args.block_size,
+            dtype=dtype, block_size=args.block_size,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=self._max_batched_tokens(args), kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
             load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
-            quantization=args.quantization,
-        ))
+            quantization=args.quantization, extra_kv_bytes_per_token=draft.kv_bytes_per_token(dtype) if draft else 0,
+        )
+        self.executor: Executor = executor_class(runner_config)
         self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
                                           args.enable_prefix_caching)
         self.eos_token_ids = self._eos_ids()
@@ -174,8 +182,12 @@ class LLMEngine:
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, policy=args.scheduling_policy,
             batch_wait_timeout_s=args.batch_wait_timeout_ms / 1000.0, long_prompt_penalty=args.long_prompt_penalty,
         ), self.block_manager)
-        speculative = args.speculative
-        self.proposer = NgramProposer(speculative) if speculative else None
+        self.proposer: Optional[NgramProposer | DraftProposer] = None
+        if draft is not None:  # its pool has the target's block ids, so it comes after the target's runner
+            self.proposer = DraftProposer(speculative, draft, runner_config, self.executor.num_blocks,
+                                          self.executor.block_size, self.block_manager)
+        elif speculative is not None:
+            self.proposer = NgramProposer(speculative)
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         self.requests: dict[str, Request] = {}
         self.last_step = StepInfo((), 0, self.scheduler.config.max_num_batched_tokens)

@@ -74,6 +74,12 @@ def _unmeasured(work) -> int:
     return 0
 
 
+def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * element
+
+
 @dataclass
 class RunnerConfig:
     model_config: ModelConfig
@@ -92,6 +98,9 @@ class RunnerConfig:
     verify: bool
     enforce_eager: bool = False
     quantization: Optional[str] = None  # EngineArgs.quantization: weight-only linears quantised on load
+    # KV bytes per token of a second pool on the same block ids (a draft model's): the pools are sized
+    # together, so a block costs both.
+    extra_kv_bytes_per_token: int = 0
 
 
 class ModelRunner:
@@ -142,9 +151,12 @@ class ModelRunner:
     # ---- KV pool ------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        mc = self.config.model_config
-        element = torch.empty((), dtype=self.config.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element
+        return self.block_size * kv_bytes_per_token(self.config.model_config, self.config.dtype)
+
+    @property
+    def _planned_bytes_per_block(self) -> int:
+        """What one block id costs: this pool's block and the other pool's on the same id."""
+        return self.bytes_per_block + self.block_size * self.config.extra_kv_bytes_per_token
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -153,7 +165,7 @@ class ModelRunner:
     @property
     def _reserved_bytes_per_block(self) -> int:
         """A block's bytes plus the backend's kept decode K/V for it (its workspace_share of the pool)."""
-        return int(self.bytes_per_block * (1.0 + self.attention.workspace_share))
+        return int(self._planned_bytes_per_block * (1.0 + self.attention.workspace_share))
 
     def _plan_num_blocks(self, peak: int) -> int:
         cfg = self.config
@@ -168,8 +180,8 @@ class ModelRunner:
             blocks = min(self._budget_bytes(peak) // self._reserved_bytes_per_block, usable)
         else:
             budget = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else min(
-                CPU_DEFAULT_KV_BYTES, usable * self.bytes_per_block)
-            blocks = budget // self.bytes_per_block
+                CPU_DEFAULT_KV_BYTES, usable * self._planned_bytes_per_block)
+            blocks = budget // self._planned_bytes_per_block
         blocks = max(int(blocks), 0)
         if blocks < min_blocks:
             raise EngineArgsError(
@@ -281,6 +293,16 @@ class ModelRunner:
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = scored.get(item.seq.seq_id, [])
         return result
+
+    @torch.inference_mode()
+    def sample_logits(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run the batch and return the logits after the last input of each row that samples, in
+        `scheduled`'s order ([rows that sample, vocab]), for a caller that draws the tokens itself (the
+        draft proposer). Rows that verify drafts or want prompt log-probs are not for this."""
+        order, logits, _ = self._forward(scheduled, self.kv_caches, self.graphs)
+        sampling = [item for item in order if item.num_samples]
+        index = {id(item): i for i, item in enumerate(sampling)}
+        return logits[[index[id(item)] for item in scheduled if item.num_samples]]
 
     def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]):
         # 1-token rows first: the decode fast paths take the leading ones (CommonAttentionMetadata.num_single)

@@ -45,28 +45,22 @@ def find_ngram_continuation(token_ids: list[int] | np.ndarray, max_n: int, min_n
     return []
 
 
-class NgramProposer:
+class AdaptiveProposer:
+    """What every proposer shares: the per-sequence window of verify outcomes that turns drafting off
+    for a sequence accepting too little, and the batch-size gate (`disable_by_batch_size`)."""
+
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         # seq_id -> the last WINDOW drafts' (drafted, accepted) counts; seq_ids whose drafting is off.
         self._history: dict[int, deque[tuple[int, int]]] = {}
         self._disabled: set[int] = set()
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Set `spec_token_ids` of every running decode (none when the batch is too large)."""
+    def _start_round(self, running: list[Sequence]) -> bool:
+        """Forget sequences that stopped running; False when the batch is too large to draft for."""
         live = {seq.seq_id for seq in running}
         self._history = {sid: h for sid, h in self._history.items() if sid in live}
         self._disabled &= live
-        large = len(running) > self.config.disable_by_batch_size
-        for seq in running:
-            seq.spec_token_ids = [] if large else self._drafts(seq)
-
-    def _drafts(self, seq: Sequence) -> list[int]:
-        if seq.num_uncomputed_tokens != 1 or seq.seq_id in self._disabled:
-            return []  # still in prefill, or drafting turned off for it
-        cfg = self.config
-        return find_ngram_continuation(seq.token_ids, cfg.prompt_lookup_max, cfg.prompt_lookup_min,
-                                       cfg.num_speculative_tokens)
+        return len(running) <= self.config.disable_by_batch_size
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """A verify row's outcome: turn drafting off for a sequence whose window accepts too little."""
@@ -79,6 +73,21 @@ class NgramProposer:
 
     def is_disabled(self, seq_id: int) -> bool:
         return seq_id in self._disabled
+
+
+class NgramProposer(AdaptiveProposer):
+    def propose(self, running: list[Sequence]) -> None:
+        """Set `spec_token_ids` of every running decode (none when the batch is too large)."""
+        small = self._start_round(running)
+        for seq in running:
+            seq.spec_token_ids = self._drafts(seq) if small else []
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        if seq.num_uncomputed_tokens != 1 or seq.seq_id in self._disabled:
+            return []  # still in prefill, or drafting turned off for it
+        cfg = self.config
+        return find_ngram_continuation(seq.token_ids, cfg.prompt_lookup_max, cfg.prompt_lookup_min,
+                                       cfg.num_speculative_tokens)
 
 
 class SpecDecodeStats:

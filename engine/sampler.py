@@ -77,7 +77,7 @@ class Sampler:
         for span in spans:
             positions = list(span.positions)
             row = rows[span.start]
-            target = self._target_probs(logits[positions], [rows[i].params for i in positions])
+            target = self.distribution(logits[positions], [rows[i].params for i in positions])
             emitted = rejection_sample(target, span.token_ids, span.probs, row.generator or self.generator)
             token_ids[span.start:span.start + len(positions)] = (
                 emitted + [PLACEHOLDER_TOKEN_ID] * (len(positions) - len(emitted)))
@@ -135,13 +135,14 @@ class Sampler:
         if not random_rows:
             return chosen
         index = torch.tensor(random_rows, device=logits.device)
-        probs = self._target_probs(logits[index], [rows[i].params for i in random_rows])
+        probs = self.distribution(logits[index], [rows[i].params for i in random_rows])
         noise = self._exponential_noise(probs, [rows[i].generator for i in random_rows])
         chosen[index] = row_argmax(probs / noise)
         return chosen
 
-    def _target_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """The distribution a random row draws from: temperature, then top-k / top-p / min-p."""
+    def distribution(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution a random row draws from: temperature, then top-k / top-p / min-p (a draft
+        proposer's q, drawn from under the request's settings)."""
         temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
                                    device=logits.device).unsqueeze(1)
         return torch.softmax(self._filter(logits / temperature, params), dim=-1)

@@ -213,6 +213,39 @@ def test_learning_rate_warms_up_then_anneals_to_floor_by_budget(tiny_corpus):
     assert trainer.lr_at(1000, 0.0, args) == pytest.approx(1e-4), "step budget spent: lr at its floor"
 
 
+def test_draft_mode_trains_a_small_model_on_the_targets_tokenizer(tiny_run, tiny_corpus, tmp_path):
+    """--draft-of: the target's tokenizer files byte for byte, its context length, the draft shape; the
+    engine takes the result as the target's draft."""
+    from llmctl.engine.draft_proposer import DraftModel
+    from llmctl.engine.model_config import ModelConfig
+
+    target, _ = tiny_run
+    out = tmp_path / "draft"
+    cmd = [sys.executable, str(SCRIPT), str(tiny_corpus), "--out", str(out), "--draft-of", str(target),
+           "--hidden-size", "16", "--heads", "2", "--kv-heads", "1", "--intermediate-size", "32", "--seq-len", "32",
+           "--batch-size", "4", "--max-steps", "20", "--eval-interval", "10", "--eval-windows", "2",
+           "--warmup-steps", "5", "--sample-tokens", "8", "--log-interval", "5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (target / name).read_bytes()
+    config, target_config = read_json(out / "config.json"), read_json(target / "config.json")
+    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == 16  # the draft default: 1 layer
+    assert (config["vocab_size"], config["max_position_embeddings"]) == (320, 64) == (
+        target_config["vocab_size"], target_config["max_position_embeddings"])
+    history = read_json(out / "metrics.json")["train"]["val_history"]
+    assert history[-1]["val_loss"] < history[0]["val_loss"]
+    assert "default-draft" in (out / "README.md").read_text(encoding="utf-8")
+    DraftModel.load(str(out), ModelConfig.from_pretrained(target), target, 64)
+
+
+def test_draft_mode_refuses_another_vocabulary_size(tiny_run, tiny_corpus, capsys):
+    target, _ = tiny_run
+    with pytest.raises(SystemExit) as exit_info:
+        load_trainer().parse_args([str(tiny_corpus), "--out", "unused", "--draft-of", str(target), "--vocab-size", "999"])
+    assert exit_info.value.code == 2 and "differs from the target's 320" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- the shipped model
 
 

@@ -32,7 +32,7 @@ def test_speculative_config_takes_json_or_a_mapping_with_vllms_keys():
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"model": "draft", "num_speculative_tokens": 3}, "draft model"),
+    ({"model": "draft", "num_speculative_tokens": 3, "prompt_lookup_min": 2}, "belong to the ngram method"),
     ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' is not supported"),
     ({"method": "ngram", "num_speculative_tokens": 3, "typical_acceptance": 1}, "typical_acceptance"),
     ({"method": "ngram"}, "num_speculative_tokens"),
@@ -52,9 +52,9 @@ def test_the_flag_its_env_variable_and_yaml_read_the_config(tiny_chat_model, tmp
     bad = run_cli("generate", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}', "hi")
     assert bad.returncode == 2 and "method 'medusa' is not supported" in bad.stderr and "Traceback" not in bad.stderr
     config = tmp_path / "engine.yaml"
-    config.write_text("speculative-config:\n  model: draft\n  num_speculative_tokens: 2\n")  # a YAML mapping
+    config.write_text("speculative-config:\n  model: /no/draft\n  num_speculative_tokens: 2\n")  # a YAML mapping
     bad = run_cli("generate", "--config", str(config), "hi")
-    assert bad.returncode == 2 and "draft model" in bad.stderr
+    assert bad.returncode == 2 and "draft model folder /no/draft does not exist" in bad.stderr
     ok = run_cli("generate", "-m", str(tiny_chat_model), "--json", "--max-tokens", "6", "--temperature", "0",
                  "--ignore-eos", "to be or not to be, to be or not to be",
                  env_extra={"LLMCTL_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}'})

@@ -8,6 +8,14 @@ generation_config.json) plus a model card README.md and metrics.json.
 
     python tools/train_default_model.py ../shared/data/tinyshakespeare.txt --out llmctl/default_model
 
+A draft model for speculative decoding (`--speculative-config '{"model": "default-draft", ...}'`)
+comes from the same script with `--draft-of`: it reuses that model's tokenizer (the same ids, which a
+draft must share with its target) and context length, trains on the same corpus split, and defaults
+to a much smaller shape (1 layer, hidden 128: under 2 MB):
+
+    python tools/train_default_model.py ../shared/data/tinyshakespeare.txt --out llmctl/default_draft \
+        --draft-of llmctl/default_model
+
 Without the corpus argument it reads `$LLMCTL_TRAIN_CORPUS`, else `../shared/data/tinyshakespeare.txt`
 beside the repository (`default_corpus_path()`; the tests and `.ci/run` use the same rule).
 
@@ -25,6 +33,7 @@ import math
 import os
 import random
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +56,12 @@ SAMPLE_PROMPTS = [("ROMEO:\n", False), ("JULIET:\n", True), ("First Citizen:\n",
 CORPUS_SOURCE = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 CORPUS_ENV = "LLMCTL_TRAIN_CORPUS"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Architecture defaults of the default model and of a draft (--draft-of). The draft's 1 layer of hidden 128
+# is ~0.45M parameters (0.9 MB in bf16, most of it the tied 2048 x 128 embedding), about a tenth of the
+# target's compute per token, which is what makes its proposals cheap enough to pay off.
+MODEL_DEFAULTS = {"hidden_size": 256, "layers": 5, "heads": 8, "kv_heads": 4, "intermediate_size": 768}
+DRAFT_DEFAULTS = {"hidden_size": 128, "layers": 1, "heads": 4, "kv_heads": 2, "intermediate_size": 384}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def default_corpus_path() -> Path:
@@ -69,13 +84,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("corpus", type=Path, nargs="?", default=None,
                    help=f"plain-text training corpus (default: ${CORPUS_ENV}, else ../shared/data/tinyshakespeare.txt)")
     p.add_argument("--out", type=Path, required=True, help="output folder (created or overwritten)")
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate-size", type=int, default=768)
-    p.add_argument("--max-position", type=int, default=512, help="max_position_embeddings")
+    p.add_argument("--draft-of", type=Path, default=None, metavar="FOLDER",
+                   help="train a draft model for FOLDER's model: its tokenizer and context length, smaller "
+                        "defaults (1 layer, hidden 128)")
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default 2048; a draft: its target's)")
+    p.add_argument("--hidden-size", type=int, default=None, help="default 256 (a draft: 128)")
+    p.add_argument("--layers", type=int, default=None, help="default 5 (a draft: 1)")
+    p.add_argument("--heads", type=int, default=None, help="default 8 (a draft: 4)")
+    p.add_argument("--kv-heads", type=int, default=None, help="default 4 (a draft: 2)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="default 768 (a draft: 384)")
+    p.add_argument("--max-position", type=int, default=None,
+                   help="max_position_embeddings (default 512; a draft: its target's)")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--seq-len", type=int, default=512, help="training window in tokens")
     p.add_argument("--batch-size", type=int, default=8)
@@ -100,8 +119,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.corpus = args.corpus or default_corpus_path()
     if not args.corpus.is_file():
         p.error(f"training corpus not found at {args.corpus}: pass its path or set {CORPUS_ENV}")
+    if args.draft_of is not None:
+        apply_draft_target(p, args)
+    for name, value in (DRAFT_DEFAULTS if args.draft_of is not None else MODEL_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.vocab_size = args.vocab_size or 2048
+    args.max_position = args.max_position or 512
     args.eval_seq_len = args.eval_seq_len or args.max_position
     return args
+
+
+def apply_draft_target(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A draft shares its target's tokenizer (so the vocabulary) and covers its context length."""
+    missing = [n for n in ("config.json", *TOKENIZER_FILES) if not (args.draft_of / n).is_file()]
+    if missing:
+        p.error(f"--draft-of {args.draft_of}: not a model folder written by this script (missing {', '.join(missing)})")
+    config = json.loads((args.draft_of / "config.json").read_text())
+    if args.vocab_size is not None and args.vocab_size != config["vocab_size"]:
+        p.error(f"--vocab-size {args.vocab_size} differs from the target's {config['vocab_size']}: a draft "
+                "shares its target's tokenizer")
+    args.vocab_size = config["vocab_size"]
+    args.max_position = args.max_position or config["max_position_embeddings"]
 
 
 def log(msg: str) -> None:
@@ -130,6 +169,13 @@ def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
     )
     tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
     return tok
+
+
+def load_tokenizer(args: argparse.Namespace, train_text: str) -> Tokenizer:
+    """A new BPE from the training split, or with --draft-of the target's own (the same token ids)."""
+    if args.draft_of is None:
+        return train_tokenizer(train_text, args.vocab_size)
+    return Tokenizer.from_file(str(args.draft_of / "tokenizer.json"))
 
 
 def chat_text(text: str) -> str:
@@ -291,6 +337,10 @@ def save_checkpoint(model, tok: Tokenizer, out: Path, args) -> None:
     model.to(torch.float32)
     (out / "model.safetensors").chmod(0o644)
     add_legacy_config_keys(out / "config.json", args)
+    if args.draft_of is not None:  # byte for byte the target's: the engine compares them
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(args.draft_of / name, out / name)
+        return
     tok.save(str(out / "tokenizer.json"))
     write_json(out / "tokenizer_config.json", tokenizer_config(tok, args))
 
@@ -384,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     run_start = time.monotonic()
     text = args.corpus.read_text(encoding="utf-8")
     train_text, val_text = split_corpus(text)
-    tok = train_tokenizer(train_text, args.vocab_size)
+    tok = load_tokenizer(args, train_text)
     streams = [encode(tok, train_text), encode(tok, chat_text(train_text))]
     val_ids = encode(tok, val_text)
     log(f"corpus {len(text):,} chars | train {len(streams[0]):,} tokens | chat {len(streams[1]):,} tokens"
@@ -458,7 +508,58 @@ def slice_json(sl: dict, args) -> dict:
 
 
 def model_card(info: dict, samples: list[dict]) -> str:
+    if info["args"].draft_of is not None:
+        return "\n".join([draft_card_header(info), card_training(info), card_eval(info), card_samples(samples),
+                          draft_card_usage()])
     return "\n".join([card_header(info), card_training(info), card_eval(info), card_samples(samples), card_usage()])
+
+
+def draft_card_header(info: dict) -> str:
+    a, p = info["args"], info["params"]
+    return f"""# llmctl default draft: tiny Shakespeare Llama draft model
+
+A {p / 1e6:.2f}M-parameter `LlamaForCausalLM` trained from scratch by llmctl as the draft model for
+speculative decoding with the embedded default model: `--speculative-config '{{"model": "default-draft",
+"num_speculative_tokens": 4}}'` runs it beside the target, which verifies its proposals. It shares the
+target's tokenizer (`tokenizer.json` and `tokenizer_config.json` are the target's, byte for byte, from
+`{a.draft_of}`), its {a.max_position}-position context and its corpus split.
+
+{card_architecture(info, f"{info['vocab']:,} tokens: the target's byte-level BPE")}
+## Corpus and licence
+
+tiny-shakespeare ({CORPUS_SOURCE}), public domain, not redistributed with llmctl; the draft saw only
+its first 90%, like the target; the last 10% ({info['val_chars']:,} characters) is held out.
+"""
+
+
+def draft_card_usage() -> str:
+    return """## Use
+
+```bash
+llmctl generate --speculative-config '{"model": "default-draft", "num_speculative_tokens": 4}' "ROMEO:"
+```
+
+Its acceptance rate and the speed-up it gives are measured by `benchmarks/spec_decode.py` (table in
+`benchmarks/README.md`). On its own it is a weaker pastiche generator than the default model.
+"""
+
+
+def card_architecture(info: dict, vocabulary: str) -> str:
+    a, p = info["args"], info["params"]
+    return f"""## Architecture
+
+| | |
+|---|---|
+| architecture | `LlamaForCausalLM` (RMSNorm, SwiGLU MLP, rotary position embeddings, grouped-query attention) |
+| parameters | {p:,} (tied input/output embeddings) |
+| layers | {a.layers} |
+| hidden size | {a.hidden_size} |
+| attention heads / key-value heads | {a.heads} / {a.kv_heads} (head dim {a.hidden_size // a.heads}) |
+| MLP intermediate size | {a.intermediate_size} |
+| vocabulary | {vocabulary} |
+| context | {a.max_position} positions (`max_position_embeddings`), rope theta {a.rope_theta:g} |
+| weights | `model.safetensors`, bfloat16 |
+"""
 
 
 def card_header(info: dict) -> str:
@@ -470,20 +571,7 @@ A {p / 1e6:.2f}M-parameter decoder-only language model with the Llama architectu
 `llmctl generate` and `llmctl serve` work with no download. It writes Shakespeare-flavoured
 pastiche; it knows nothing else and is not an assistant.
 
-## Architecture
-
-| | |
-|---|---|
-| architecture | `LlamaForCausalLM` (RMSNorm, SwiGLU MLP, rotary position embeddings, grouped-query attention) |
-| parameters | {p:,} (tied input/output embeddings) |
-| layers | {a.layers} |
-| hidden size | {a.hidden_size} |
-| attention heads / key-value heads | {a.heads} / {a.kv_heads} (head dim {a.hidden_size // a.heads}) |
-| MLP intermediate size | {a.intermediate_size} |
-| vocabulary | {info['vocab']:,} byte-level BPE tokens (`tokenizers`), special tokens `{'`, `'.join(SPECIAL_TOKENS)}` |
-| context | {a.max_position} positions (`max_position_embeddings`), rope theta {a.rope_theta:g} |
-| weights | `model.safetensors`, bfloat16 |
-
+{card_architecture(info, f"{info['vocab']:,} byte-level BPE tokens (`tokenizers`), special tokens `{'`, `'.join(SPECIAL_TOKENS)}`")}
 No BOS token is added to prompts (the model was trained on raw text windows). The chat template
 (in `tokenizer_config.json`) is ChatML-style: `<|im_start|>role\\ncontent<|im_end|>\\n`; a share
 of the training windows were consecutive speeches rendered as user/assistant turns, so replies end

@@ -1,0 +1,237 @@
+"""Draft-model proposals for speculative decoding, as vLLM's `{"model": PATH, "num_speculative_tokens": K}`.
+
+A second, smaller model with the target's tokenizer runs in the same engine, on the same device, in a
+`ModelRunner` of its own. Its paged KV pool has the target's block ids: a sequence's draft K/V live in
+the blocks of the sequence's own block table, so they are allocated and freed with the target's (the
+engine sizes the two pools together: `RunnerConfig.extra_kv_bytes_per_token`), and nothing of the
+draft outlives a block.
+
+Before each `schedule()` the engine has `DraftProposer.propose` draft for every running decode:
+  1. reserve the slots the draft writes (the last known token and the first k - 1 drafts) with the
+     block manager's lookahead, as the scheduler does for a verify row; no room: no drafts, never a
+     preemption;
+  2. catch up: one row per sequence over the tokens the draft has not seen (its whole context the
+     first time, since prefix-cached blocks hold no draft K/V of this sequence's; after a verify
+     step the accepted tokens), ending in the first draft;
+  3. k - 1 one-token rows, each feeding the previous draft and drawing the next.
+A greedy request gets the draft's argmax (a deterministic draft: `spec_draft_probs` stays None). A
+sampled one draws each draft from the draft's distribution after the request's temperature, top-k,
+top-p and min-p, and hands it to the verifier as `Sequence.spec_draft_probs` (float32 [k, vocab]), so
+the rejection sampler keeps the output distribution exactly the target's. Seeded requests draw their
+drafts from a generator of their own (derived from the seed), so the target's generator sees the
+same draws as without speculation would have consumed for it, and the output stays reproducible.
+
+The draft's K/V of a rejected draft are simply overwritten later: what the draft holds per sequence is
+its fed tokens (the known ones, then its drafts), compared with the sequence's tokens at the next
+round; a preempted sequence (blocks gone) starts from nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from importlib.resources import files
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from llmctl.engine.args import SpeculativeConfig
+from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_token
+from llmctl.engine.ngram_proposer import AdaptiveProposer
+from llmctl.engine.sampler import Sampler, row_argmax
+from llmctl.engine.scheduler import ScheduledSeq
+from llmctl.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRAFT = "default-draft"
+
+
+def default_draft_path() -> Path:
+    """The draft shipped for the embedded default model (tools/train_default_model.py --draft-of)."""
+    return Path(str(files("llmctl").joinpath("default_draft")))
+
+
+def resolve_draft_folder(name: str) -> Path:
+    """`"default-draft"` -> the shipped draft's folder; anything else is a model folder."""
+    return default_draft_path() if name == DEFAULT_DRAFT else Path(name)
+
+
+def _vocabulary(folder: Path) -> Optional[dict[str, int]]:
+    """token -> id of the folder's tokenizer.json (added tokens included); None without one."""
+    from tokenizers import Tokenizer as Backend
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        return Backend.from_file(str(path)).get_vocab(with_added_tokens=True)
+    except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
+        raise ModelLoadError(f"{path} cannot be parsed: {exc}") from None
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """A checked draft: its folder and architecture, with the target's vocabulary."""
+
+    folder: Path
+    config: ModelConfig
+
+    @classmethod
+    def load(cls, name: str, target: ModelConfig, tokenizer_folder: Path, max_model_len: int) -> "DraftModel":
+        """The draft named by `speculative_config.model`, refused (naming what differs) unless its
+        token ids mean what the target's mean and it covers `max_model_len` positions."""
+        folder = resolve_draft_folder(name)
+        if not folder.is_dir():
+            raise ModelLoadError(f"draft model folder {folder} does not exist (speculative_config model {name!r}; "
+                                 f'"{DEFAULT_DRAFT}" is the shipped one)')
+        config = ModelConfig.from_pretrained(folder)
+        if config.vocab_size != target.vocab_size:
+            raise EngineArgsError(f"the draft model {folder} has a vocabulary of {config.vocab_size} tokens, the "
+                                  f"target {target.vocab_size}: a draft needs the target's tokenizer")
+        draft_vocab, target_vocab = _vocabulary(folder), _vocabulary(tokenizer_folder)
+        if draft_vocab is not None and target_vocab is not None and draft_vocab != target_vocab:
+            differing = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda kv: kv[1])[:3]
+            raise EngineArgsError(f"the draft model {folder} has another tokenizer than the target's "
+                                  f"({tokenizer_folder}): token ids differ, e.g. {differing}")
+        if config.max_position_embeddings < max_model_len:
+            raise EngineArgsError(f"the draft model {folder} covers {config.max_position_embeddings} positions, "
+                                  f"fewer than max_model_len {max_model_len}: lower --max-model-len")
+        return cls(folder, config)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return kv_bytes_per_token(self.config, dtype)
+
+
+@dataclass
+class _DraftState:
+    """What the draft holds for one sequence: K/V of `shadow.token_ids[:shadow.num_computed_tokens]`,
+    in the sequence's blocks (the shadow shares its block table). Past `known` they are drafts."""
+
+    shadow: Sequence
+    preemptions: int
+    known: int = 0
+    generator: Optional[torch.Generator] = None
+    drafts: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+
+class DraftProposer(AdaptiveProposer):
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel, target: RunnerConfig, num_blocks: int,
+                 block_size: int, blocks: BlockManager):
+        """`target` is the target runner's configuration: the draft runs on its device, in its dtype, on a
+        pool of its `num_blocks` blocks of `block_size` tokens, whose allocation `blocks` tracks."""
+        super().__init__(config)
+        self.blocks = blocks
+        self.max_tokens_per_round = target.max_num_batched_tokens
+        self.runner = ModelRunner(replace(
+            target, model_config=draft.config, model_folder=draft.folder, block_size=block_size,
+            num_kv_blocks=num_blocks, max_num_seqs=min(target.max_num_seqs, config.disable_by_batch_size),
+            quantization=None, extra_kv_bytes_per_token=0))
+        self.sampler = Sampler(self.runner.make_generator(target.seed + 1))  # for unseeded requests' drafts
+        self._states: dict[int, _DraftState] = {}
+        logger.info("draft model %s: %d layers, %.1f MiB of weights", draft.folder, draft.config.num_layers,
+                    self.runner.weight_bytes / 2**20)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache_bytes
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set `spec_token_ids` (and for sampled requests `spec_draft_probs`) of every running decode
+        the batch-size gate, the adaptive window, the request's limits and the free blocks allow."""
+        small = self._start_round(running)
+        live = {seq.seq_id for seq in running}
+        self._states = {sid: state for sid, state in self._states.items() if sid in live}
+        for seq in running:
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
+        if not small:
+            return
+        wanted = [(seq, self._num_drafts(seq)) for seq in running]
+        # Slots for the last known token and the first k - 1 drafts: what the draft writes this round.
+        wanted = [(seq, k) for seq, k in wanted if k and self.blocks.allocate(seq, 1, num_lookahead_tokens=k - 1)]
+        if wanted:
+            self._draft(wanted)
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """K, within the model's positions and the request's max_tokens (the token after the drafts is the
+        last), as the scheduler will verify them; 0 for a sequence in prefill or with drafting off."""
+        if seq.num_uncomputed_tokens != 1 or seq.seq_id in self._disabled:
+            return 0
+        room = min(self.config.num_speculative_tokens, self.runner.config.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        return max(room, 0)
+
+    def _draft(self, wanted: list[tuple[Sequence, int]]) -> None:
+        rows, budget = [], self.max_tokens_per_round
+        for seq, _ in wanted:
+            state = self._catch_up_state(seq)
+            take = min(seq.num_tokens - state.shadow.num_computed_tokens, budget)
+            budget -= take
+            rows.append(ScheduledSeq(state.shadow, take))  # samples the first draft once it reaches the end
+        active = [(seq, k, self._states[seq.seq_id]) for (seq, k), row in zip(wanted, rows) if row.samples]
+        logits = self._run(rows)
+        for row in rows:  # catch-up rows hold known tokens only
+            self._states[row.seq.seq_id].known = row.seq.num_computed_tokens
+        for step in range(max((k for _, k, _ in active), default=0)):
+            self._draw(logits, active)
+            active = [(seq, k, state) for seq, k, state in active if len(state.drafts) < k]
+            if not active:
+                break
+            rows = []
+            for _, _, state in active:  # feed the newest draft to get the next
+                state.shadow.token_ids.append(state.drafts[-1])
+                rows.append(ScheduledSeq(state.shadow, 1))
+            logits = self._run(rows)
+        for seq, _ in wanted:
+            state = self._states[seq.seq_id]
+            seq.spec_token_ids = state.drafts
+            seq.spec_draft_probs = torch.stack(state.probs) if state.probs else None
+            state.drafts, state.probs = [], []
+
+    def _catch_up_state(self, seq: Sequence) -> _DraftState:
+        """The sequence's draft state, its shadow holding the sequence's tokens and, as computed, the
+        longest prefix of them whose draft K/V still hold (drafts the target accepted count)."""
+        state = self._states.get(seq.seq_id)
+        if state is None or state.preemptions != seq.num_preemptions:  # new, or its blocks were freed
+            shadow = Sequence(seq.seq_id, seq.request_id, seq.index, [], params=None)  # type: ignore[arg-type]
+            generator = None
+            if seq.params.seed is not None:
+                generator = self.runner.make_generator(hash((seq.params.seed, seq.index, 1)) & (2**63 - 1))
+            state = self._states[seq.seq_id] = _DraftState(shadow, seq.num_preemptions, generator=generator)
+        shadow, tokens = state.shadow, seq.token_ids
+        valid = state.known
+        fed = shadow.token_ids
+        while valid < min(shadow.num_computed_tokens, len(tokens) - 1) and fed[valid] == tokens[valid]:
+            valid += 1
+        if valid < shadow.num_computed_tokens:
+            self.runner.truncate_kept_state(seq.seq_id, valid)
+        shadow.token_ids = list(tokens)
+        shadow.block_table = seq.block_table  # the target's table, the same list
+        shadow.num_computed_tokens = valid
+        state.known = min(state.known, valid)
+        return state
+
+    def _run(self, rows: list[ScheduledSeq]) -> torch.Tensor:
+        logits = self.runner.sample_logits(rows)
+        for row in rows:
+            row.seq.num_computed_tokens += row.num_new_tokens
+        return logits.float()
+
+    def _draw(self, logits: torch.Tensor, active: list[tuple[Sequence, int, _DraftState]]) -> None:
+        """One more draft per active sequence: the argmax for a greedy request, else a draw from the
+        draft's distribution under the request's sampling settings (kept as its q)."""
+        greedy = row_argmax(logits).tolist()
+        for i, (seq, _, state) in enumerate(active):
+            if seq.params.greedy:
+                state.drafts.append(greedy[i])
+                continue
+            q = self.sampler.distribution(logits[i:i + 1], [seq.params])[0]
+            generator = state.generator or self.sampler.generator
+            state.drafts.append(int(torch.multinomial(q, 1, generator=generator)))
+            state.probs.append(q)

@@ -1,0 +1,224 @@
+"""Draft-model speculative decoding (`--speculative-config '{"model": PATH, "num_speculative_tokens": K}'`):
+the config, the draft's checks (vocabulary, tokenizer, positions), its KV pool on the target's block ids,
+greedy outputs identical with and without it (chunked prefill, preemption, prefix-cache hits), 100 %
+acceptance with the model as its own draft, sampled drafts handed over with their distribution, and
+the shipped default draft."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_model, save_tiny_tokenizer
+
+from llmctl.engine import LLM, EngineArgs, SamplingParams
+from llmctl.engine.args import SpeculativeConfig
+from llmctl.engine.draft_proposer import DraftModel, DraftProposer, default_draft_path, resolve_draft_folder
+from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.llm_engine import LLMEngine, default_model_path
+from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.model_runner import kv_bytes_per_token
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    folder = make_tiny_model(tmp_path_factory.mktemp("draft-target") / "llama", "llama")
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory, target) -> Path:
+    """Another tiny Llama (other weights) with the target's tokenizer."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("draft-small") / "llama", "llama", seed=7)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(target / name, folder / name)
+    return folder
+
+
+def _spec(model: Path | str, k: int = 3, **extra) -> dict:
+    return {"model": str(model), "num_speculative_tokens": k, **extra}
+
+
+def _greedy_tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+# ---- config and checks ------------------------------------------------------------------------
+def test_a_model_implies_the_draft_model_method_as_in_vllm():
+    config = EngineArgs(speculative_config='{"model": "default-draft", "num_speculative_tokens": 4}').speculative
+    assert config == SpeculativeConfig("draft_model", 4, model="default-draft")
+    assert resolve_draft_folder("default-draft") == default_draft_path()
+    assert resolve_draft_folder("/some/folder") == Path("/some/folder")
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"model": "d", "num_speculative_tokens": 3, "prompt_lookup_max": 3}, "belong to the ngram method"),
+    ({"method": "ngram", "model": "d", "num_speculative_tokens": 3}, "takes no \"model\""),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "needs \"model\""),
+    ({"model": "d"}, "num_speculative_tokens"),
+])
+def test_inconsistent_draft_configs_are_refused_by_name(value, message):
+    with pytest.raises(EngineArgsError, match=message):
+        EngineArgs(speculative_config=value)
+
+
+def test_a_missing_draft_folder_is_a_load_error(target, tmp_path):
+    with pytest.raises(ModelLoadError, match="draft model folder .* does not exist"):
+        LLMEngine(EngineArgs(model=str(target), speculative_config=_spec(tmp_path / "nope")))
+
+
+def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
+    other = make_tiny_model(tmp_path / "other", "llama", vocab_size=384)
+    with pytest.raises(EngineArgsError, match="vocabulary of 384 tokens, the target 512"):
+        DraftModel.load(str(other), ModelConfig.from_pretrained(target), target, 256)
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused(target, small_draft, tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(small_draft, draft)
+    data = json.loads((draft / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = [t for t, i in vocab.items() if i in (300, 301)]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same size, other meaning
+    (draft / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(EngineArgsError, match="another tokenizer than the target's"):
+        DraftModel.load(str(draft), ModelConfig.from_pretrained(target), target, 256)
+    DraftModel.load(str(small_draft), ModelConfig.from_pretrained(target), target, 256)  # the real one passes
+
+
+def test_a_draft_shorter_than_max_model_len_is_refused(target, small_draft, tmp_path):
+    short = shutil.copytree(small_draft, tmp_path / "short")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    with pytest.raises(EngineArgsError, match="covers 128 positions, fewer than max_model_len 256"):
+        DraftModel.load(str(short), ModelConfig.from_pretrained(target), target, 256)
+
+
+# ---- the KV pools -----------------------------------------------------------------------------
+def test_the_pools_are_sized_together_on_the_same_block_ids(target, small_draft):
+    budget = 1 << 20
+    plain = LLMEngine(EngineArgs(model=str(target), kv_cache_memory=budget, block_size=16))
+    engine = LLMEngine(EngineArgs(model=str(target), kv_cache_memory=budget, block_size=16,
+                                  speculative_config=_spec(small_draft)))
+    per_token = (kv_bytes_per_token(ModelConfig.from_pretrained(target), torch.float32)
+                 + kv_bytes_per_token(ModelConfig.from_pretrained(small_draft), torch.float32))
+    assert engine.executor.num_blocks == budget // (16 * per_token) < plain.executor.num_blocks
+    assert isinstance(engine.proposer, DraftProposer)
+    assert engine.proposer.runner.num_blocks == engine.executor.num_blocks
+    assert engine.proposer.runner.block_size == engine.executor.block_size == 16
+    assert engine.executor.kv_cache_bytes + engine.proposer.kv_cache_bytes <= budget
+
+
+# ---- exactness ----------------------------------------------------------------------------------
+def test_the_model_as_its_own_draft_accepts_every_greedy_draft():
+    model = str(default_model_path())
+    prompts = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo"]
+    small = dict(dtype="float32", max_model_len=128, max_num_seqs=4, num_threads=1)  # a small KV pool: fast
+    plain = _greedy_tokens(LLM(model, **small), prompts)
+    llm = LLM(model, **small, speculative_config=_spec(model, 4))
+    assert _greedy_tokens(llm, prompts) == plain
+    stats = llm.engine.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 20
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-draft", "small-draft"])
+def test_greedy_outputs_match_with_chunked_prefill_preemption_and_prefix_hits(target, small_draft, own):
+    shared = list(range(40, 80))  # 40 tokens: two full 16-token blocks shared between prompts
+    prompts = [shared + [5, 6, 7], list(range(100, 160)), shared + [9], [3, 4, 5, 3, 4, 5, 3], shared + [11, 12]]
+    settings = dict(model=str(target), dtype="float32", block_size=16, num_kv_blocks=14, max_model_len=128,
+                    max_num_batched_tokens=48, max_num_seqs=5, num_threads=1)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = _greedy_tokens(LLM(**settings), prompts, params)
+    llm = LLM(**settings, speculative_config=_spec(target if own else small_draft, 3))
+    assert _greedy_tokens(llm, prompts, params) == plain
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["spec_decode_num_drafts"] > 0
+    if own:
+        assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    llm.engine.block_manager.check_invariants([])
+
+
+# ---- sampled drafts ---------------------------------------------------------------------------
+def _decoding_engine(target: Path, draft: Path, params: list[SamplingParams]) -> LLMEngine:
+    engine = LLMEngine(EngineArgs(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=4,
+                                  speculative_config=_spec(draft, 3)))
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", [5, 6, 7, 8, 9, 10], p)
+    engine.step()  # the prompts' prefill: every sequence decodes from here
+    return engine
+
+
+def test_sampled_drafts_come_with_the_distribution_they_were_drawn_from(target, small_draft):
+    sampled = SamplingParams(temperature=0.7, top_k=20, max_tokens=30, seed=3)
+    engine = _decoding_engine(target, small_draft, [sampled, SamplingParams(temperature=0.0, max_tokens=30)])
+    running = engine.scheduler.running
+    engine.proposer.propose(running)
+    sampled_seq, greedy_seq = running
+    probs = sampled_seq.spec_draft_probs
+    assert len(sampled_seq.spec_token_ids) == 3
+    assert probs.dtype == torch.float32 and probs.shape == (3, 512)
+    assert torch.allclose(probs.sum(dim=-1), torch.ones(3))
+    assert ((probs > 0).sum(dim=-1) <= 20).all(), "top-k 20 applied to q"
+    assert all(probs[j, t] > 0 for j, t in enumerate(sampled_seq.spec_token_ids))
+    assert len(greedy_seq.spec_token_ids) == 3 and greedy_seq.spec_draft_probs is None  # deterministic draft
+
+
+def test_q_is_the_drafts_distribution_under_the_requests_temperature(target, small_draft):
+    """q of the first draft recomputed from the draft model's own next-token logits (transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    engine = _decoding_engine(target, small_draft, [SamplingParams(temperature=0.5, max_tokens=30, seed=1)])
+    seq = engine.scheduler.running[0]
+    engine.proposer.propose([seq])
+    model = AutoModelForCausalLM.from_pretrained(small_draft, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([seq.token_ids])).logits[0, -1]
+    expected = torch.softmax(logits / 0.5, dim=-1)
+    assert torch.allclose(seq.spec_draft_probs[0], expected, atol=1e-4)
+
+
+def test_seeded_sampling_with_a_draft_is_reproducible(target, small_draft):
+    params = SamplingParams(temperature=0.9, max_tokens=20, seed=11, ignore_eos=True)
+    runs = [LLM(str(target), dtype="float32", max_model_len=128, max_num_seqs=4,
+                speculative_config=_spec(small_draft, 3)).generate([[5, 6, 7]], params)
+            for _ in range(2)]
+    assert runs[0][0].outputs[0].token_ids == runs[1][0].outputs[0].token_ids
+
+
+def test_no_drafts_above_the_batch_size_gate(target, small_draft):
+    engine = LLMEngine(EngineArgs(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=4,
+                                  speculative_config=_spec(small_draft, 3, disable_by_batch_size=1)))
+    for i in range(2):
+        engine.add_request(f"r{i}", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["spec_decode_num_drafts"] == 0
+
+
+# ---- the shipped draft ------------------------------------------------------------------------
+def test_the_shipped_default_draft_is_small_and_shares_the_default_models_tokenizer():
+    folder = default_draft_path()
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 2 * 1024 * 1024
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).read_bytes() == (default_model_path() / name).read_bytes()
+    config = ModelConfig.from_pretrained(folder)
+    assert config.num_layers == 1 and config.vocab_size == ModelConfig.from_pretrained(default_model_path()).vocab_size
+
+
+def test_default_draft_works_offline_with_the_embedded_model_and_keeps_greedy_outputs():
+    small = dict(dtype="float32", max_model_len=128, max_num_seqs=4, num_threads=1)
+    prompts = ["ROMEO:\n", "First Citizen:\n"]
+    plain = _greedy_tokens(LLM(**small), prompts)
+    llm = LLM(**small, speculative_config='{"model": "default-draft", "num_speculative_tokens": 3}')
+    assert _greedy_tokens(llm, prompts) == plain
+    stats = llm.engine.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0, "a trained draft agrees with its target sometimes"
