@@ -186,6 +186,19 @@ def test_q_is_the_drafts_distribution_under_the_requests_temperature(target, sma
     assert torch.allclose(seq.spec_draft_probs[0], expected, atol=1e-4)
 
 
+def test_the_model_as_its_own_sampling_draft_is_accepted_by_the_rejection_sampler():
+    """q = p (the same model, the same temperature and top-k): min(1, p/q) = 1, so nearly every sampled
+    draft is accepted; a q that were not the distribution the draft drew from would lose that."""
+    model = str(default_model_path())
+    llm = LLM(model, dtype="float32", max_model_len=128, max_num_seqs=4, num_threads=1,
+              speculative_config=_spec(model, 3))
+    llm.generate(["ROMEO:\n", "JULIET:\n"], SamplingParams(temperature=0.8, top_k=50, max_tokens=24, seed=5,
+                                                          ignore_eos=True))
+    stats = llm.engine.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 20
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.95 * stats["spec_decode_num_draft_tokens"]
+
+
 def test_seeded_sampling_with_a_draft_is_reproducible(target, small_draft):
     params = SamplingParams(temperature=0.9, max_tokens=20, seed=11, ignore_eos=True)
     runs = [LLM(str(target), dtype="float32", max_model_len=128, max_num_seqs=4,
