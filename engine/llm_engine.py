@@ -23,6 +23,7 @@ from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.draft_proposer import DraftModel, DraftProposer
 from llmctl.engine.errors import (CapacityError, EngineArgsError, InvalidRequestError, ModelLoadError,
                                   is_out_of_memory)
+from llmctl.engine.gguf_loader import GGUFFile, is_gguf
 from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.executor import Executor, UniProcExecutor
@@ -148,10 +149,18 @@ class LLMEngine:
         folder = Path(args.model) if args.model else default_model_path()
         if not folder.exists():
             raise ModelLoadError(f"model folder {folder} does not exist")
-        if not folder.is_dir():
-            raise ModelLoadError(f"{folder} is not a folder (give the Hugging Face model folder)")
-        self.model_config = ModelConfig.from_pretrained(folder)
-        self.tokenizer = None if args.skip_tokenizer_init else Tokenizer.from_pretrained(Path(args.tokenizer or folder))
+        if is_gguf(folder):
+            gguf = GGUFFile(folder)
+            self.model_config = gguf.model_config()
+            self.tokenizer = None if args.skip_tokenizer_init else (
+                Tokenizer.from_pretrained(Path(args.tokenizer)) if args.tokenizer
+                else Tokenizer.from_gguf(gguf.metadata, folder.name))
+        elif not folder.is_dir():
+            raise ModelLoadError(f"{folder} is not a folder (give the Hugging Face model folder or a .gguf file)")
+        else:
+            self.model_config = ModelConfig.from_pretrained(folder)
+            self.tokenizer = (None if args.skip_tokenizer_init
+                              else Tokenizer.from_pretrained(Path(args.tokenizer or folder)))
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         device = resolve_device(args.device)

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint folder into our model, or fill it with dummy weights.
+"""Load a Hugging Face checkpoint folder (or a GGUF file, through engine/gguf_loader.py) into our model, or
+fill it with dummy weights.
 
 Reads `model.safetensors`, sharded `model.safetensors.index.json`, or `pytorch_model*.bin`/`.pt`
 (through `torch.load(weights_only=True)`, never arbitrary unpickling). Every failure is a
@@ -18,6 +19,7 @@ from typing import Iterator
 import torch
 
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.gguf_loader import GGUFFile, is_gguf
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, WeightShapeError, default_weight_loader
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.models.llama import LlamaForCausalLM
@@ -209,13 +211,15 @@ def _release_frames(exc: BaseException) -> None:
 
 
 def _fill_from_checkpoint(model: LlamaForCausalLM, folder: Path, verify: bool) -> None:
-    files = find_weight_files(folder)
+    """`folder`: a Hugging Face checkpoint folder, or a GGUF file (checked against SHA256SUMS beside it)."""
+    gguf = is_gguf(folder)
+    files = [folder] if gguf else find_weight_files(folder)
     if verify:
-        verify_checksums(folder, files)
+        verify_checksums(folder.parent if gguf else folder, files)
     loader = WeightLoader(model)
-    for path in files:
-        for name, tensor in iterate_tensors(path):
-            loader.load(name, tensor)
+    tensors = GGUFFile(folder).iterate_tensors() if gguf else (item for path in files for item in iterate_tensors(path))
+    for name, tensor in tensors:
+        loader.load(name, tensor)
     loader.check_complete()
 
 

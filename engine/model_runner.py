@@ -17,9 +17,11 @@ import torch
 from llmctl.engine.cuda_graphs import DecodeGraphs, maybe_decode_graphs
 from llmctl.engine.device_memory import device_memory
 from llmctl.engine.errors import EngineArgsError
+from llmctl.engine.gguf_loader import is_gguf
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
 from llmctl.engine.layers.compressed_tensors import compressed_tensors_method
+from llmctl.engine.layers.gguf_linear import GGUFLinearMethod
 from llmctl.engine.layers.linear import LinearMethod, select_linear_method
 from llmctl.engine.layers.quantization import quantized_linear_method
 from llmctl.engine.loader import build_model
@@ -214,9 +216,12 @@ class ModelRunner:
         def unquantized() -> LinearMethod:
             return select_linear_method(self.device, config.dtype, kernels, batch_hint=min(config.max_num_seqs, 64))
 
-        if mc.quant_method is not None and config.quantization:
-            raise EngineArgsError(f"the checkpoint is already quantised ({mc.quant_method}); drop --quantization "
-                                  f"{config.quantization}")
+        gguf = config.model_folder is not None and is_gguf(config.model_folder)
+        if (mc.quant_method is not None or gguf) and config.quantization:
+            raise EngineArgsError(f"the checkpoint is already quantised ({mc.quant_method or 'GGUF'}); drop "
+                                  f"--quantization {config.quantization}")
+        if gguf and config.load_format != "dummy":
+            return GGUFLinearMethod(unquantized()), unquantized() if mc.tie_word_embeddings else None
         if config.quantization:
             return quantized_linear_method(config.quantization, self.device, config.dtype), None
         if mc.quant_method == "compressed-tensors":

@@ -40,6 +40,32 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+GGUF_CONTROL_TOKEN = 3  # tokenizer.ggml.token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte
+# llama.cpp's pre-tokenizer names -> their split regexes (llama-vocab.cpp), None: GPT-2's own
+GGUF_PRE_TOKENIZERS = {
+    "default": None,
+    "gpt-2": None,
+    "smollm": None,  # GPT-2's, with every digit split off first
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+def _gguf_pre_tokenizer(pre: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    pattern = GGUF_PRE_TOKENIZERS[pre]
+    if pattern is None:
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre == "smollm":
+            return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        return byte_level
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 class Tokenizer:
     def __init__(self, backend, config: dict[str, Any], generation_config: dict[str, Any],
                  chat_template: Optional[str]):
@@ -77,6 +103,41 @@ class Tokenizer:
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
         return cls(backend, config, _read_json(folder / "generation_config.json"), template)
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], source: str = "GGUF file") -> "Tokenizer":
+        """The tokenizer a GGUF file describes (`tokenizer.ggml.*`): llama.cpp's "gpt2" model, a byte-level
+        BPE (tokens in id order, merges "a b" by rank), with the pre-tokenizer its `tokenizer.ggml.pre` names;
+        control tokens are special, `add_bos_token` prefixes BOS, the end-of-turn token also ends a sequence."""
+        from tokenizers import AddedToken, decoders, models, processors
+        from tokenizers import Tokenizer as Backend
+
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: gpt2, "
+                                 "byte-level BPE); give a tokenizer folder with --tokenizer")
+        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+        if pre not in GGUF_PRE_TOKENIZERS:
+            raise ModelLoadError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported (supported: "
+                                 f"{', '.join(GGUF_PRE_TOKENIZERS)}); give a tokenizer folder with --tokenizer")
+        tokens = [str(t) for t in metadata.get("tokenizer.ggml.tokens") or []]
+        merges = [tuple(str(m).split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
+        if not tokens or not merges or any(len(m) != 2 for m in merges):
+            raise ModelLoadError(f"{source}: GGUF tokenizer lacks tokenizer.ggml.tokens or valid tokenizer.ggml.merges")
+        backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre == "llama-bpe"))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+        types = list(metadata.get("tokenizer.ggml.token_type") or [])
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i, kind in enumerate(types) if kind == GGUF_CONTROL_TOKEN])
+        special = {name: metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "eot")}
+        config = {f"{name}_token": tokens[special[name]] for name in ("bos", "eos") if special[name] is not None}
+        if metadata.get("tokenizer.ggml.add_bos_token") and special["bos"] is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{config['bos_token']} $A", special_tokens=[(config["bos_token"], special["bos"])])
+        generation = {"eos_token_id": special["eot"]} if special["eot"] is not None else {}
+        template = metadata.get("tokenizer.chat_template")
+        return cls(backend, config, generation, str(template) if template else None)
 
     def _id_of(self, token: Optional[str]) -> Optional[int]:
         return self._tok.token_to_id(token) if token else None

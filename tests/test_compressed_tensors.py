@@ -79,6 +79,23 @@ def decoder_layouts(llm) -> set:
     return {m.quant_layout for m in model.model.modules() if isinstance(m, LinearBase)}
 
 
+def check_against_reference(llm, reference, unquantised=None, prompts=4):
+    """Greedy tokens equal to transformers' `reference` and logits within 1e-2 (float32); with `unquantised`,
+    also that the reference really differs from the full-precision model."""
+    gap = 0.0
+    for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:prompts]):
+        with torch.no_grad():
+            expected_tokens = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                                 min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+        assert tokens == expected_tokens.tolist()
+        expected = reference_logits(reference, prompt, tokens)
+        assert (ours - expected).abs().max().item() < 1e-2
+        if unquantised is not None:
+            gap = max(gap, (reference_logits(unquantised, prompt, tokens) - expected).abs().max().item())
+    if unquantised is not None:
+        assert gap > 1e-2, "the quantised reference should differ from full precision, or this test shows nothing"
+
+
 # llama: untied lm_head (left unquantised by `ignore`); qwen2: tied lm_head, q/k/v biases
 @pytest.mark.parametrize("arch, scheme", [("llama", "w4a16-g32-sym"), ("llama", "w4a16-g32-asym"),
                                           ("qwen2", "w8a16-channel-sym"), ("qwen2", "w8a16-g64-asym")])
@@ -93,16 +110,7 @@ def test_greedy_tokens_and_logits_match_the_library_dequantised_reference(tiny_m
               max_num_batched_tokens=96)
     assert decoder_layouts(llm) == {LAYOUTS[scheme]}
     unquantised = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
-    gap = 0.0
-    for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:4]):
-        with torch.no_grad():
-            expected_tokens = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                                 min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
-        assert tokens == expected_tokens.tolist()
-        expected = reference_logits(reference, prompt, tokens)
-        assert (ours - expected).abs().max().item() < 1e-2
-        gap = max(gap, (reference_logits(unquantised, prompt, tokens) - expected).abs().max().item())
-    assert gap > 1e-2, "the quantised reference should differ from full precision, or this test shows nothing"
+    check_against_reference(llm, reference, unquantised)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -1,0 +1,167 @@
+"""GGUF files (`--model file.gguf`, llama.cpp's format) read with the `gguf` package.
+
+`GGUFFile` gives what a Hugging Face folder would: the architecture and hyperparameters from the metadata
+(as a config.json-shaped dict for `ModelConfig.from_dict`), the tokenizer fields (engine/tokenizer.py builds
+the tokenizer from them) and the tensors under Hugging Face names. Linear weights are yielded raw (ggml
+blocks, `<name>.qweight` + `<name>.qweight_type`) for `GGUFLinearMethod`; every other tensor (embeddings,
+norms, biases) dequantised to float32.
+
+llama.cpp's converter permutes the rows of a Llama q/k projection so that RoPE rotates adjacent pairs
+(convert_hf_to_gguf.py `LlamaModel.permute`); the engine's RoPE rotates halves, as Hugging Face does, so
+those rows are permuted back here (whole rows of blocks, so quantised tensors too). Qwen2/Qwen3 files are
+written unpermuted (llama.cpp runs them with NeoX RoPE).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.model_config import ModelConfig
+
+# general.architecture -> our architecture (Mistral files are written as "llama")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PERMUTED_ARCHITECTURES = ("llama",)
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)$")
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+class GGUFFile:
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except (ValueError, OSError, IndexError, KeyError) as exc:
+            raise ModelLoadError(f"{self.path.name} is not a readable GGUF file: {exc}") from None
+        self.metadata: dict[str, Any] = {name: field.contents() for name, field in self.reader.fields.items()}
+        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        self.arch = str(self.metadata.get("general.architecture"))
+        if self.arch not in ARCHITECTURES:
+            raise ModelLoadError(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported (supported: "
+                                 f"{', '.join(ARCHITECTURES)})")
+
+    def _arch_value(self, key: str, default: Any = None) -> Any:
+        value = self.metadata.get(f"{self.arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{self.path.name}: GGUF metadata lacks {self.arch}.{key}")
+        return value
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.config_dict(), source=self.path.name)
+
+    def config_dict(self) -> dict[str, Any]:
+        """The metadata as config.json keys."""
+        self._refuse_unsupported()
+        heads = int(self._arch_value("attention.head_count"))
+        hidden = int(self._arch_value("embedding_length"))
+        embedding = self._tensor("token_embd.weight")
+        config = {
+            "architectures": [ARCHITECTURES[self.arch]],
+            "vocab_size": int(embedding.shape[1]),  # ggml order: [hidden, vocab]
+            "hidden_size": hidden,
+            "intermediate_size": int(self._arch_value("feed_forward_length")),
+            "num_hidden_layers": int(self._arch_value("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._arch_value("attention.head_count_kv", heads)),
+            "head_dim": int(self._arch_value("attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(self._arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(self._arch_value("rope.freq_base", 10000.0)),
+            "rope_scaling": self._rope_scaling(),
+            "max_position_embeddings": int(self._arch_value("context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "attention_bias": self.arch == "llama" and "blk.0.attn_q.bias" in self.tensors,
+            "torch_dtype": FLOAT_TYPES.get(embedding.tensor_type.name, "bfloat16"),
+            "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+        }
+        return config
+
+    def _refuse_unsupported(self) -> None:
+        if int(self.metadata.get(f"{self.arch}.expert_count", 0) or 0):
+            raise ModelLoadError(f"{self.path.name}: mixture-of-experts GGUF models are not supported")
+        if "rope_freqs.weight" in self.tensors:
+            raise ModelLoadError(f"{self.path.name}: per-frequency RoPE factors (rope_freqs, Llama 3.1 scaling) are "
+                                 "not supported in GGUF files; load the Hugging Face checkpoint instead")
+        key, value = (self.metadata.get(f"{self.arch}.attention.{k}") for k in ("key_length", "value_length"))
+        if key is not None and value is not None and key != value:
+            raise ModelLoadError(f"{self.path.name}: attention key_length {key} != value_length {value}")
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        kind = self.metadata.get(f"{self.arch}.rope.scaling.type", "none")
+        if kind == "none":
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(self._arch_value("rope.scaling.factor"))}
+        raise ModelLoadError(f"{self.path.name}: GGUF rope scaling type {kind!r} is not supported (supported: none, "
+                             "linear)")
+
+    def _tensor(self, name: str):
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{self.path.name} has no tensor {name!r}")
+        return tensor
+
+    # ---- tensors ----------------------------------------------------------------------------------
+    def iterate_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor): linear weights as `.qweight` (raw rows, uint8 [out, bytes]) and
+        `.qweight_type` (the ggml type number); everything else float32."""
+        heads = int(self._arch_value("attention.head_count"))
+        kv_heads = int(self._arch_value("attention.head_count_kv", heads))
+        for gguf_name, tensor in self.tensors.items():
+            name = hf_name(gguf_name, self.path.name)
+            rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
+            raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1)
+            if self.arch in PERMUTED_ARCHITECTURES and re.search(r"\.(q|k)_proj\.", name):
+                raw = unpermute_rows(raw, heads if ".q_proj." in name else kv_heads)
+            if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+                yield name[: -len("weight")] + "qweight", torch.from_numpy(raw.copy())
+                yield name[: -len("weight")] + "qweight_type", torch.tensor(int(tensor.tensor_type))
+            else:
+                yield name, _dequantized(raw, tensor).reshape(_torch_shape(tensor))
+
+
+def hf_name(gguf_name: str, source: str) -> str:
+    match = TENSOR_NAME.match(gguf_name)
+    base = None
+    if match:
+        layer, part, kind = match.groups()
+        base = GLOBAL_NAMES.get(part) if layer is None else LAYER_NAMES.get(part)
+    if base is None:
+        raise ModelLoadError(f"{source}: GGUF tensor {gguf_name!r} is not supported")
+    prefix = "" if layer is None else f"model.layers.{layer}."
+    return f"{prefix}{base}.{kind}"
+
+
+def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of llama.cpp's q/k permute: per head, its rows (2, n / 2) were stored as (n / 2, 2)."""
+    count = rows.shape[0]
+    return rows.reshape(heads, count // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _torch_shape(tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))  # ggml's ne is innermost first
+
+
+def _dequantized(raw: np.ndarray, tensor) -> torch.Tensor:
+    from llmctl.engine.layers.gguf_linear import dequantize_raw
+
+    return dequantize_raw(raw, tensor.tensor_type.name, int(tensor.shape[0]))

@@ -1,0 +1,180 @@
+"""Test-side GGUF conversion of a tiny Hugging Face model, the way llama.cpp's convert_hf_to_gguf.py writes it:
+the gguf package's writer and tensor-name map, its quantisers for Q8_0/Q4_0/Q4_1/BF16 and round-to-nearest
+Q4_K/Q6_K packers written here from ggml's block layouts (the gguf package only dequantises K-quants; its
+dequantisers check these packers). Llama q/k rows are permuted as the converter does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+QK_K = 256
+
+
+def _f16(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
+    """float [n, k * 256] -> Q4_K blocks uint8 [n, k * 144]: per 32 values a 6-bit scale and min against the
+    super-block's float16 d and dmin; w = d * sc * q - dmin * m."""
+    n = rows.shape[0]
+    x = rows.astype(np.float32).reshape(n, -1, 8, 32)
+    low = np.minimum(x.min(-1), 0)
+    span = (x.max(-1) - low) / 15
+    d = (span.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (-low.min(-1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(span / np.where(d == 0, 1, d)[..., None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / np.where(dmin == 0, 1, dmin)[..., None]), 0, 63).astype(np.uint8)
+    scale = d[..., None] * sc
+    q = np.clip(np.round((x + (dmin[..., None] * m)[..., None]) / np.where(scale == 0, 1, scale)[..., None]), 0, 15)
+    q = q.astype(np.uint8)
+    packed_scales = np.concatenate([
+        (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+        (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+        (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4),
+    ], axis=-1)
+    q = q.reshape(n, -1, 4, 2, 32)
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, -1, 128)
+    blocks = np.concatenate([_f16(d), _f16(dmin), packed_scales, qs], axis=-1)
+    return blocks.reshape(n, -1)
+
+
+def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
+    """float [n, k * 256] -> Q6_K blocks uint8 [n, k * 210]: ql (low 4 bits), qh (high 2 bits), int8 scales
+    per 16 values, float16 d; w = d * sc * (q - 32)."""
+    n = rows.shape[0]
+    x = rows.astype(np.float32).reshape(n, -1, 16, 16)
+    sub = np.abs(x).max(-1) / 31
+    d = (np.abs(sub).max(-1) / 127).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(sub / np.where(d == 0, 1, d)[..., None]), -128, 127).astype(np.int8)
+    scale = d[..., None] * sc
+    q = np.clip(np.round(x / np.where(scale == 0, 1, scale)[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(n, -1, 2, 4, 32)  # value = half * 128 + quarter * 32 + lane
+    low, high = q & 0xF, q >> 4
+    ql = np.concatenate([low[:, :, :, 0] | (low[:, :, :, 2] << 4), low[:, :, :, 1] | (low[:, :, :, 3] << 4)],
+                        axis=-1)  # per half: 64 bytes, quarters 0/2 then 1/3 share bytes
+    qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+    blocks = np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8), _f16(d)], axis=-1)
+    return blocks.reshape(n, -1)
+
+
+def quantize(rows: np.ndarray, type_name: str) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    if type_name == "Q4_K":
+        return quantize_q4_k(rows)
+    if type_name == "Q6_K":
+        return quantize_q6_k(rows)
+    if type_name == "F32":
+        return rows.astype(np.float32)
+    if type_name == "F16":
+        return rows.astype(np.float16)
+    return gguf_quantize(rows.astype(np.float32), GGMLQuantizationType[type_name])
+
+
+def dequantize(blocks: np.ndarray, type_name: str) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return gguf_dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float32)
+
+
+def llama_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute (rows of any per-row data)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_tokenizer(writer, tokenizer_folder: Path, pre: str = "default") -> None:
+    """tokenizer.json (byte-level BPE) as llama.cpp's gpt2 vocabulary: tokens by id, merges, types."""
+    data = json.loads((tokenizer_folder / "tokenizer.json").read_text())
+    vocab = dict(data["model"]["vocab"])
+    for added in data.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [None] * (max(vocab.values()) + 1)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    config_path = tokenizer_folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id)):
+        if config.get(key) in vocab:
+            add(vocab[config[key]])
+    post = data.get("post_processor") or {}
+    writer.add_add_bos_token(post.get("type") == "TemplateProcessing")
+    if config.get("chat_template"):
+        writer.add_chat_template(config["chat_template"])
+
+
+def write_gguf(source: Path, path: Path, types: dict[str, str], tokenizer_folder: Path | None = None,
+               default_type: str = "F32") -> dict[str, np.ndarray]:
+    """Convert the float32 Hugging Face model in `source` to `path`; `types` maps a GGUF tensor name's suffix
+    (e.g. "attn_v.weight", "blk.0.ffn_down.weight") to its ggml type, 2-D weights default to `default_type`,
+    1-D tensors stay F32. Returns the Hugging Face-order float32 weights the file holds (dequantised)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((source / "config.json").read_text())
+    arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3"}[
+        config["architectures"][0]]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or config  # transformers 5 nests it
+    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if tokenizer_folder is not None:
+        write_tokenizer(writer, tokenizer_folder)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    held: dict[str, np.ndarray] = {}
+    for hf_name, tensor in load_file(str(source / "model.safetensors")).items():
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        values = tensor.float().numpy()
+        if values.ndim == 1:
+            kind = "F32"
+        else:
+            kind = next((t for suffix, t in types.items() if gguf_name.endswith(suffix)), default_type)
+        data = quantize(values, kind)
+        held[hf_name] = dequantize(data, kind).reshape(values.shape) if kind not in ("F32", "F16") else \
+            data.astype(np.float32)
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            data = llama_permute(data, heads if ".q_proj." in hf_name else kv_heads)
+        if kind in ("F32", "F16"):
+            writer.add_tensor(gguf_name, data)
+        else:
+            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def reference_model(source: Path, held: dict[str, np.ndarray]):
+    """transformers' float32 model with the weights the GGUF file holds."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    state = {name: torch.from_numpy(values) for name, values in held.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(name == "lm_head.weight" for name in missing), (missing, unexpected)
+    return model

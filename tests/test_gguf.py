@@ -1,0 +1,191 @@
+"""GGUF files (`--model file.gguf`): a tiny random model converted by tests/gguf_writer.py (the gguf package's
+writer, llama.cpp's names and q/k permutation) loads with its architecture from the metadata; greedy tokens
+and logits match transformers running the dequantised weights; the tokenizer built from the metadata encodes
+like the folder's; block decoders against the gguf package's dequantisers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TOKENIZER_TEXT, make_tiny_model, save_tiny_tokenizer
+from gguf_writer import dequantize, quantize, reference_model, write_gguf
+from test_compressed_tensors import check_against_reference
+from test_generate_cli import run_cli
+
+from llmctl.engine import LLM
+from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.gguf_linear import GROUPED_DECODERS, grouped_weight
+from llmctl.engine.layers.linear import LinearBase
+from llmctl.engine.tokenizer import Tokenizer
+
+Q4_K_M = {"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def k_quant_model(tmp_path_factory):
+    """K-quants need rows of 256 values: a llama of hidden 256 (no rope scaling: GGUF has no llama3 keys)."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=1024, initializer_range=0.1)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("gguf-k") / "llama"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def layouts(llm) -> dict[str, str]:
+    model = llm.engine.executor.runner.model
+    return {name: getattr(m, "quant_layout", "float") for name, m in model.named_modules() if isinstance(m, LinearBase)}
+
+
+# llama: untied lm_head, q/k rows permuted in the file; qwen2: tied lm_head, q/k/v biases; qwen3: q/k norms
+@pytest.mark.parametrize("arch, kind, layout", [("llama", "Q8_0", "dequant"), ("qwen2", "Q4_0", "int4pack"),
+                                                ("llama", "Q4_1", "int4pack"), ("qwen3", "BF16", "float"),
+                                                ("mistral", "F16", "float")])
+def test_greedy_tokens_and_logits_match_the_dequantised_reference(tiny_models, tmp_path, arch, kind, layout):
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_models[arch] if arch != "llama" else make_tiny_model(tmp_path / "llama", "llama", rope_scaling=None)
+    path = tmp_path / f"model-{kind}.gguf"
+    held = write_gguf(source, path, {}, default_type=kind)
+    llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
+              max_num_batched_tokens=96)
+    found = layouts(llm)
+    assert {v for k, v in found.items() if k != "lm_head"} == {layout}
+    unquantised = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    check_against_reference(llm, reference_model(source, held), None if kind in ("F16", "BF16") else unquantised,
+                            prompts=3)
+
+
+def test_q4_k_m_mix_runs_q4_k_grouped_and_q6_k_dequantised(k_quant_model, tmp_path, caplog):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "model-Q4_K_M.gguf"
+    held = write_gguf(k_quant_model, path, Q4_K_M, default_type="Q4_K")
+    with caplog.at_level("INFO", logger="llmctl"):
+        llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
+                  max_num_batched_tokens=96)
+    found = layouts(llm)
+    # layer 0: v is Q6_K, so its fused q/k/v runs dequantised, like its Q6_K down_proj and the lm_head
+    assert found["model.layers.0.self_attn.qkv_proj"] == found["model.layers.0.mlp.down_proj"] == "float"
+    assert found["lm_head"] == "float"
+    assert found["model.layers.1.self_attn.qkv_proj"] == found["model.layers.0.mlp.gate_up_proj"] == "int4pack"
+    assert "GGUF Q6_K linears are dequantised to torch.float32" in caplog.text
+    unquantised = AutoModelForCausalLM.from_pretrained(k_quant_model, dtype=torch.float32).eval()
+    check_against_reference(llm, reference_model(k_quant_model, held), unquantised, prompts=3)
+
+
+@pytest.mark.parametrize("kind", sorted(GROUPED_DECODERS))
+def test_grouped_decoders_match_the_gguf_dequantiser(kind):
+    rows = np.random.default_rng(0).normal(size=(32, 512)).astype(np.float32) * 0.05
+    rows[3, :32] = 0.0  # an all-zero group
+    blocks = quantize(rows, kind)
+    weight = grouped_weight([(kind, blocks)])
+    assert weight is not None and weight.bits == GROUPED_DECODERS[kind][0] and weight.group_size == 32
+    expected = torch.from_numpy(dequantize(blocks, kind).reshape(rows.shape))
+    assert torch.allclose(weight.dequantize(), expected, atol=1e-6, rtol=1e-5)
+    assert (expected - torch.from_numpy(rows)).abs().max() < 0.02  # the packer quantised, not scrambled
+
+
+def test_test_side_k_quant_packers_round_trip():
+    rows = np.random.default_rng(1).normal(size=(4, 512)).astype(np.float32)
+    for kind, tolerance in (("Q4_K", 0.35), ("Q6_K", 0.08)):
+        restored = dequantize(quantize(rows, kind), kind).reshape(rows.shape)
+        assert np.abs(restored - rows).max() < tolerance, kind
+
+
+def test_a_fused_layer_of_mixed_bit_widths_is_not_grouped():
+    rows = np.random.default_rng(2).normal(size=(16, 64)).astype(np.float32)
+    assert grouped_weight([("Q8_0", quantize(rows, "Q8_0")), ("Q4_0", quantize(rows, "Q4_0"))]) is None
+    mixed = grouped_weight([("Q4_0", quantize(rows, "Q4_0")), ("Q4_1", quantize(rows, "Q4_1"))])
+    assert mixed is not None and mixed.zeros is not None and torch.all(mixed.zeros[:16] == 8)
+
+
+# ---- tokenizer from the metadata -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chat_gguf(tiny_chat_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf-chat") / "chat.gguf"
+    source = make_tiny_model(path.parent / "llama", "llama", rope_scaling=None, bos_token_id=0, eos_token_id=1)
+    save_tiny_tokenizer(source)
+    write_gguf(source, path, {}, tokenizer_folder=source, default_type="Q8_0")
+    return path, source
+
+
+def test_tokenizer_from_metadata_encodes_and_decodes_like_the_folder(chat_gguf):
+    import gguf
+
+    path, source = chat_gguf
+    reader = gguf.GGUFReader(str(path))
+    ours = Tokenizer.from_gguf({k: f.contents() for k, f in reader.fields.items()})
+    folder = Tokenizer.from_pretrained(source)
+    for text in TOKENIZER_TEXT + ["<|user|>hi</s>", "  two  spaces\n\nand 12345 digits"]:
+        assert ours.encode(text) == folder.encode(text)
+        assert ours.decode(folder.encode(text)) == folder.decode(folder.encode(text))
+    assert (ours.bos_token_id, ours.eos_token_ids) == (folder.bos_token_id, folder.eos_token_ids)
+    messages = [{"role": "user", "content": "hello"}]
+    assert ours.encode_chat(messages) == folder.encode_chat(messages)
+
+
+def test_default_model_tokenizer_survives_the_gguf_round_trip(tmp_path):
+    import gguf
+    from gguf_writer import write_tokenizer
+
+    from llmctl.engine.llm_engine import default_model_path
+
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write_tokenizer(writer, default_model_path())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    ours = Tokenizer.from_gguf({k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()})
+    folder = Tokenizer.from_pretrained(default_model_path())
+    text = open(default_model_path() / "README.md").read()[:3000] + "".join(TOKENIZER_TEXT)
+    assert ours.encode(text) == folder.encode(text)
+
+
+def test_generate_runs_a_gguf_file_with_its_own_tokenizer(chat_gguf):
+    path, source = chat_gguf
+    proc = run_cli("generate", "To be, or not", "-m", str(path), "--max-tokens", "4", "--json", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    folder = Tokenizer.from_pretrained(source)
+    assert result["prompt_tokens"] == len(folder.encode("To be, or not"))  # BOS + the BPE pieces
+    assert result["completion_tokens"] == 4
+    assert result["text"] == folder.decode(result["outputs"][0]["token_ids"])
+
+
+def test_unsupported_tokenizer_model_is_refused_with_the_tokenizer_hint():
+    with pytest.raises(ModelLoadError, match="GGUF tokenizer model 'llama' is not supported.*--tokenizer"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_tokenizer_flag_overrides_the_metadata_and_quantization_is_refused(chat_gguf, tiny_chat_model):
+    path, source = chat_gguf
+    llm = LLM(str(path), tokenizer=str(tiny_chat_model), device="cpu", max_model_len=64, num_kv_blocks=8)
+    assert llm.engine.tokenizer.encode("hello") == Tokenizer.from_pretrained(tiny_chat_model).encode("hello")
+    with pytest.raises(Exception, match=r"already quantised \(GGUF\); drop --quantization int8"):
+        LLM(str(path), device="cpu", max_model_len=64, num_kv_blocks=8, quantization="int8")
+
+
+def test_unsupported_files_are_refused_by_name(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="bad.gguf is not a readable GGUF file"):
+        LLM(str(bad), device="cpu")
+    import gguf
+
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'phi2' is not supported"):
+        LLM(str(path), device="cpu")
