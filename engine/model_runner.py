@@ -26,6 +26,7 @@ from llmctl.engine.layers.linear import LinearMethod, select_linear_method
 from llmctl.engine.layers.quantization import quantized_linear_method
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.parallel import TensorParallel
 from llmctl.engine.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan
 from llmctl.engine.sampler import Sampler, SamplingRow
 from llmctl.engine.scheduler import ModelRunnerOutput, ScheduledSeq
@@ -76,10 +77,11 @@ def _unmeasured(work) -> int:
     return 0
 
 
-def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V of one token in every layer."""
+def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype, num_kv_heads: Optional[int] = None) -> int:
+    """K and V of one token in every layer, for `num_kv_heads` (a tensor-parallel rank's; default all of them)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * element
+    heads = model_config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * model_config.num_layers * heads * model_config.head_dim * element
 
 
 @dataclass
@@ -103,6 +105,8 @@ class RunnerConfig:
     # KV bytes per token of a second pool on the same block ids (a draft model's): the pools are sized
     # together, so a block costs both.
     extra_kv_bytes_per_token: int = 0
+    # This process's rank: the model, the attention heads and the KV pool are this rank's shard.
+    tensor_parallel: TensorParallel = TensorParallel.single()
 
 
 class ModelRunner:
@@ -110,9 +114,12 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         mc = config.model_config
+        tp = config.tensor_parallel
         kernels = cpu_kernels_for(self.device, config.dtype)
         backend_cls = select_backend(self.device, config.dtype, mc.head_dim)
-        self.attention = backend_cls(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.sliding_window,
+        # This rank's heads: the KV pool holds its KV heads only (a replicated one where they are fewer than ranks).
+        self.num_heads, self.num_kv_heads = tp.attention_heads(mc.num_heads, mc.num_kv_heads)
+        self.attention = backend_cls(self.num_heads, self.num_kv_heads, mc.head_dim, mc.sliding_window,
                                      dtype=config.dtype, kernels=kernels)
         self.block_size = config.block_size or backend_cls.preferred_block_size
         problem = self.attention.validate_block_size(self.block_size)
@@ -122,7 +129,7 @@ class ModelRunner:
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
                                  device=self.device, load_format=config.load_format, seed=config.seed,
                                  linear_method=linear_method, kernels=kernels, verify=config.verify,
-                                 lm_head_method=lm_head_method)
+                                 lm_head_method=lm_head_method, tp=tp)
         # What the parameters occupy (shared ones once): int8 linears hold 1 byte per weight plus scales.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         quantized = config.quantization or (mc.quantization.describe() if mc.quantization else mc.quant_method)
@@ -133,8 +140,9 @@ class ModelRunner:
         # --gpu-memory-utilization, and nothing runs before the pieces it reads exist.
         self.memory = device_memory(self.device) if config.num_kv_blocks is None else None
         peak = self._profile_peak() if self.memory is not None else 0
+        # Decode graphs capture no collectives yet: with several ranks every step runs eagerly.
         self.graphs = maybe_decode_graphs(self.model, self.attention, self.device, config.dtype, config.max_num_seqs,
-                                          config.enforce_eager)
+                                          config.enforce_eager or not tp.is_single)
         if self.graphs is not None:
             self._capture_graphs(self.graphs, peak)
         self.num_blocks = self._plan_num_blocks(peak)
@@ -153,7 +161,7 @@ class ModelRunner:
     # ---- KV pool ------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * kv_bytes_per_token(self.config.model_config, self.config.dtype)
+        return self.block_size * kv_bytes_per_token(self.config.model_config, self.config.dtype, self.num_kv_heads)
 
     @property
     def _planned_bytes_per_block(self) -> int:

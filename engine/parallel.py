@@ -89,6 +89,10 @@ class TensorParallel:
                                       f"of the number of KV heads ({num_kv_heads})")
         return self.rank // (self.size // num_kv_heads), 1
 
+    def attention_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+        """(query heads, KV heads) this rank holds."""
+        return self.partition(num_heads, "the number of attention heads")[1], self.kv_head_range(num_kv_heads)[1]
+
     # ---- collectives --------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (returns `tensor`)."""

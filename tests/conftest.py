@@ -70,10 +70,10 @@ def make_tiny_model(folder: Path, arch: str, *, vocab_size: int = 512, seed: int
     import transformers
 
     config_name, extra = ARCH_CONFIGS[arch]
-    config = getattr(transformers, config_name)(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=vocab_size, max_position_embeddings=1024, **{"initializer_range": 0.1, **extra, **overrides},
-    )
+    config = getattr(transformers, config_name)(**{
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": vocab_size, "max_position_embeddings": 1024,
+        "initializer_range": 0.1, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)

@@ -4,7 +4,10 @@ Parameter names mirror Hugging Face's except for two fused projections: `qkv_pro
 and `gate_up_proj` (gate, up); `LlamaForCausalLM.stacked_params` tells the loader which shard of
 them each HF tensor fills. Layers are built with their implementation: the linears through a
 `LinearFactory` (its `LinearMethod` decides storage, loading, packing and forward), the fused
-elementwise ops with the native CPU `kernels` (or None: torch ops).
+elementwise ops with the native CPU `kernels` (or None: torch ops). With a `TensorParallel` of
+several ranks the tree holds this rank's shard (engine/parallel.py): its attention heads and KV heads,
+its part of the MLP's intermediate size and of the vocabulary; o_proj, down_proj and the embedding
+all-reduce, and the logits are gathered from every rank's part of the vocabulary.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.layers.attention import AttentionBackend
+from llmctl.engine.layers.embedding import VocabParallelEmbedding
 from llmctl.engine.layers.linear import LinearFactory, LinearMethod
 from llmctl.engine.layers.rotary import RotaryEmbedding, apply_rotary, rotate
 from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -44,11 +49,14 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, linears: LinearFactory, kernels=None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        # this rank's heads (all of them with one rank)
+        self.num_heads, self.num_kv_heads = linears.tp.attention_heads(config.num_heads, config.num_kv_heads)
+        self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = linears.qkv(config.hidden_size, self.q_size, self.kv_size, bias=config.qkv_bias)
-        self.o_proj = linears.row(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = linears.qkv(config.hidden_size, config.num_heads * self.head_dim,
+                                    config.num_kv_heads * self.head_dim, bias=config.qkv_bias, head_dim=self.head_dim)
+        self.o_proj = linears.row(config.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, kernels)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, kernels)
@@ -88,7 +96,7 @@ class MLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = linears.merged(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = linears.row(size, config.hidden_size, bias=config.mlp_bias)
-        self.size = size
+        self.size = self.gate_up_proj.out_features // 2  # this rank's part of the intermediate size
         self.kernels = kernels  # native CPU kernels: silu(gate) * up in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,9 +135,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, kernels=None):
         super().__init__()
-        # `_weight` given: nn.Embedding skips its normal_ init over vocab x hidden values the load overwrites
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
-            config.vocab_size, config.hidden_size, dtype=linears.dtype), _freeze=True)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, linears.dtype, linears.tp)
         self.layers = nn.ModuleList(DecoderLayer(config, linears, kernels) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, kernels)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
@@ -149,18 +155,20 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig, max_positions: int, *, dtype: torch.dtype, linear_method: LinearMethod,
-                 kernels=None, lm_head_method: Optional[LinearMethod] = None):
+                 kernels=None, lm_head_method: Optional[LinearMethod] = None,
+                 tp: TensorParallel = TensorParallel.single()):
         """`lm_head_method`: the output projection's own method (a checkpoint that quantised only the decoder
         layers); None: `linear_method`."""
         super().__init__()
         self.config = config
-        linears = LinearFactory(linear_method, dtype)
+        self.tp = tp
+        linears = LinearFactory(linear_method, dtype, tp)
         self.model = LlamaModel(config, max_positions, linears, kernels)
-        heads = LinearFactory(lm_head_method or linear_method, dtype)
+        heads = LinearFactory(lm_head_method or linear_method, dtype, tp)
         if config.tie_word_embeddings:
             self.lm_head = heads.tied(self.model.embed_tokens.weight)
         else:
-            self.lm_head = heads.column(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = heads.vocab_column(config.hidden_size, config.vocab_size)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings and this step's RoPE cos/sin rows."""
@@ -169,7 +177,10 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.model.norm(hidden, residual)
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if not self.tp.is_single:  # every rank's vocabulary part, less the padding (vocab / size x dtype per row)
+            logits = self.tp.all_gather(logits, dim=-1)[:, : self.config.vocab_size]
+        return logits.float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,256 @@
+"""Tensor parallelism, model side (issue 17): each linear's shard loading, and TP=2 over gloo giving the
+greedy tokens (and logits) of TP=1 and of transformers for every architecture.
+
+The TP=2 engines run one per rank, each with the whole scheduler: with greedy sampling and the same
+requests every rank makes the same scheduling decisions, so their collectives line up step by step
+(the multi-rank executor, which runs the scheduler on rank 0 only, is the product's way; this test is
+about the sharded model and KV pool under chunked prefill, preemption and prefix caching)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny_model
+from llmctl.engine.layers.embedding import VocabParallelEmbedding
+from llmctl.engine.layers.linear import (
+    ColumnLinear,
+    MergedColumnLinear,
+    QKVLinear,
+    RowLinear,
+    UnquantizedLinearMethod,
+)
+from llmctl.engine.layers.quantization import quantized_linear_method
+from llmctl.engine.parallel import TensorParallel, TensorParallelError
+from tp_helpers import run_ranks
+
+PLAIN = UnquantizedLinearMethod()
+F32 = torch.float32
+
+
+def ranks(size: int = 2) -> list[TensorParallel]:
+    return [TensorParallel(rank, size) for rank in range(size)]  # no group: loading needs no collective
+
+
+def load(layer, name: str, tensor: torch.Tensor, shard=None) -> None:
+    param = getattr(layer, name)
+    param.weight_loader(param, tensor, shard)
+
+
+# ---- shard loading, one rank at a time ------------------------------------------------------------
+
+def test_qkv_shards_keep_each_ranks_heads():
+    head_dim, hidden = 2, 6
+    q, k, v = (torch.randn(n * head_dim, hidden) for n in (4, 2, 2))
+    for tp in ranks():
+        layer = QKVLinear(hidden, 8, 4, False, PLAIN, F32, tp, head_dim=head_dim)
+        for shard, tensor in zip("qkv", (q, k, v)):
+            load(layer, "weight", tensor, shard)
+        r = tp.rank
+        expected = torch.cat([q[4 * r: 4 * r + 4], k[2 * r: 2 * r + 2], v[2 * r: 2 * r + 2]])
+        assert layer.out_features == 8 and torch.equal(layer.weight, expected)
+
+
+def test_one_kv_head_is_replicated_on_every_rank():
+    q, k, v = torch.randn(8, 6), torch.randn(2, 6), torch.randn(2, 6)
+    for tp in ranks():
+        layer = QKVLinear(6, 8, 2, True, PLAIN, F32, tp, head_dim=2)
+        for shard, tensor in zip("qkv", (q, k, v)):
+            load(layer, "weight", tensor, shard)
+            load(layer, "bias", tensor[:, 0], shard)
+        assert torch.equal(layer.weight, torch.cat([q[4 * tp.rank: 4 * tp.rank + 4], k, v]))
+        assert torch.equal(layer.bias, torch.cat([q[4 * tp.rank: 4 * tp.rank + 4, 0], k[:, 0], v[:, 0]]))
+
+
+def test_merged_gate_up_split_each_shard():
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    for tp in ranks():
+        layer = MergedColumnLinear(4, [6, 6], False, PLAIN, F32, tp)
+        load(layer, "weight", gate, 0)
+        load(layer, "weight", up, 1)
+        r = tp.rank
+        assert torch.equal(layer.weight, torch.cat([gate[3 * r: 3 * r + 3], up[3 * r: 3 * r + 3]]))
+
+
+def test_row_shards_sum_to_the_full_product_with_the_bias_once():
+    weight, bias, x = torch.randn(5, 8), torch.randn(5), torch.randn(3, 8)
+    partial = []
+    for tp in ranks():
+        layer = RowLinear(8, 5, True, PLAIN, F32, tp)
+        load(layer, "weight", weight)
+        load(layer, "bias", bias)
+        assert layer.in_features == 4 and torch.equal(layer.weight, weight[:, 4 * tp.rank: 4 * tp.rank + 4])
+        partial.append(layer.method.apply(layer, x[:, 4 * tp.rank: 4 * tp.rank + 4]))  # before the all-reduce
+    torch.testing.assert_close(partial[0] + partial[1], F.linear(x, weight, bias))
+
+
+def test_vocab_parallel_lm_head_and_embedding_pad_the_last_part_with_zeros():
+    table = torch.randn(5, 4)
+    heads, embeds = [], []
+    for tp in ranks():
+        head = ColumnLinear(4, 5, False, PLAIN, F32, tp, padded=True)
+        embed = VocabParallelEmbedding(5, 4, F32, tp)
+        load(head, "weight", table)
+        load(embed, "weight", table)
+        heads.append(head.weight.clone())
+        embeds.append(embed.weight.clone())
+    assert [h.shape[0] for h in heads] == [3, 3]
+    torch.testing.assert_close(torch.cat(heads), torch.cat([table, torch.zeros(1, 4)]))
+    torch.testing.assert_close(torch.cat(embeds), torch.cat(heads))
+
+
+def test_a_checkpoint_tensor_of_the_wrong_shape_is_named_with_its_full_shape():
+    layer = QKVLinear(6, 8, 4, False, PLAIN, F32, TensorParallel(1, 2), head_dim=2)
+    param = layer.weight
+    with pytest.raises(ValueError, match=r"shape \(6, 6\), expected \(8, 6\)"):
+        param.weight_loader(param, torch.randn(6, 6), "q")
+
+
+def test_sizes_that_do_not_split_are_refused():
+    with pytest.raises(TensorParallelError, match=r"intermediate size\) \(6\) is not divisible .* \(4\)"):
+        MergedColumnLinear(4, [6, 6], False, PLAIN, F32, TensorParallel(0, 4))
+    with pytest.raises(TensorParallelError, match="attention heads"):
+        QKVLinear(6, 6, 2, False, PLAIN, F32, TensorParallel(0, 2), head_dim=2)
+
+
+def test_a_method_whose_loaders_take_whole_tensors_is_refused_with_several_ranks():
+    from llmctl.engine.errors import ModelLoadError
+    from llmctl.engine.layers.linear import LinearMethod
+
+    class WholeTensorMethod(LinearMethod):
+        def create_weights(self, layer, bias, dtype):
+            raise AssertionError("not reached")
+
+    with pytest.raises(ModelLoadError, match="WholeTensorMethod cannot be split over tensor-parallel ranks"):
+        ColumnLinear(4, 4, False, WholeTensorMethod(), F32, TensorParallel(0, 2))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32", "int4-g32-asym"])
+def test_quantised_shards_quantise_their_own_part(quantization):
+    """--quantization with several ranks: each rank quantises its column part / row part after loading, and
+    the shards together compute the full product within the quantisation error."""
+    torch.manual_seed(0)
+    column_weight, row_weight, x = torch.randn(32, 64), torch.randn(16, 64), torch.randn(3, 64)
+    columns, partial = [], []
+    for tp in ranks():
+        method = quantized_linear_method(quantization, torch.device("cpu"), F32)
+        column = ColumnLinear(64, 32, False, method, F32, tp)
+        row = RowLinear(64, 16, False, method, F32, tp)
+        load(column, "weight", column_weight)
+        load(row, "weight", row_weight)
+        column.process_weights_after_loading()
+        row.process_weights_after_loading()
+        assert (column.out_features, row.in_features) == (16, 32)
+        columns.append(column(x))
+        partial.append(row.method.apply(row, x[:, 32 * tp.rank: 32 * tp.rank + 32]))  # before the all-reduce
+    for got, expected in ((torch.cat(columns, dim=-1), F.linear(x, column_weight)),
+                          (partial[0] + partial[1], F.linear(x, row_weight))):
+        error = (got - expected).norm() / expected.norm()
+        assert error < (0.02 if quantization == "int8" else 0.15), f"relative error {error:.3f}"
+
+
+def test_a_whole_model_loads_into_two_shards(tiny_models):
+    """The loader's name mapping fills every shard's parameters on both ranks (nothing left missing)."""
+    from llmctl.engine.loader import build_model
+    from llmctl.engine.model_config import ModelConfig
+
+    folder = tiny_models["qwen2"]
+    config = ModelConfig.from_pretrained(folder)
+    for tp in ranks():
+        model = build_model(config, folder, max_positions=64, dtype=F32, device=torch.device("cpu"),
+                            load_format="auto", seed=0, linear_method=PLAIN, tp=tp)
+        attention = model.model.layers[0].self_attn
+        assert (attention.num_heads, attention.num_kv_heads) == (2, 1)
+        assert model.model.embed_tokens.weight.shape == (256, 64)
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # tied to this rank's part
+
+
+# ---- TP=2 on gloo against TP=1 and transformers ---------------------------------------------------
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama-1kv"]
+NEW_TOKENS = 8
+ENGINE = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_batched_tokens=96, num_kv_blocks=40,
+              block_size=16, max_num_seqs=8, max_model_len=400)
+
+
+def tp_prompts(vocab: int) -> list[list[int]]:
+    from test_parity import make_prompts
+
+    return make_prompts(vocab)
+
+
+def _generate(folder: str, tp: TensorParallel):
+    from llmctl.engine import SamplingParams
+    from llmctl.engine.args import EngineArgs
+    from llmctl.engine.executor import UniProcExecutor
+    from llmctl.engine.llm_engine import LLMEngine
+
+    recorders: list[list[torch.Tensor]] = []
+
+    def recorder():
+        rows: list[torch.Tensor] = []
+        recorders.append(rows)
+
+        def record(output_ids, logits):
+            rows.append(logits.detach().clone())
+            return logits
+        return record
+
+    engine = LLMEngine(EngineArgs.from_dict({"model": folder, **ENGINE}),
+                       executor_class=lambda config: UniProcExecutor(dataclasses.replace(config, tensor_parallel=tp)))
+    prompts = tp_prompts(engine.vocab_size)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                          logits_processors=[recorder()]))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    stats = engine.get_stats()
+    runner = engine.executor.runner
+    return dict(tokens=[tokens[str(i)] for i in range(len(prompts))],
+                logits=[torch.stack(rows).numpy() for rows in recorders],
+                preemptions=stats["num_preemptions"], prefix_hits=stats["prefix_cache_hit_rate"],
+                heads=(runner.num_heads, runner.num_kv_heads), kv_bytes_per_block=runner.bytes_per_block,
+                free_blocks=engine.block_manager.num_free_blocks == engine.block_manager.num_blocks)
+
+
+def _generate_every_model(tp: TensorParallel, folders: dict[str, str]):
+    return {arch: _generate(folder, tp) for arch, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tiny_models, tmp_path_factory):
+    folders = {arch: str(tiny_models[arch]) for arch in ARCHS if arch in tiny_models}
+    folders["llama-1kv"] = str(make_tiny_model(tmp_path_factory.mktemp("tp") / "llama-1kv", "llama",
+                                               num_key_value_heads=1))
+    single = _generate_every_model(TensorParallel.single(), folders)
+    sharded = run_ranks(_generate_every_model, 2, folders, timeout=300)
+    return folders, single, sharded
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_greedy_matches_tp1_and_transformers(tp_runs, arch):
+    from transformers import AutoModelForCausalLM
+
+    folders, single, sharded = tp_runs
+    one, (rank0, rank1) = single[arch], (sharded[0][arch], sharded[1][arch])
+    assert rank0["preemptions"] > 0 and rank0["prefix_hits"] > 0  # the batching machinery ran
+    assert rank0["free_blocks"] and rank1["free_blocks"]
+    heads, kv_heads = one["heads"]
+    expected_kv = max(kv_heads // 2, 1)
+    assert rank0["heads"] == rank1["heads"] == (heads // 2, expected_kv)
+    assert rank0["kv_bytes_per_block"] * kv_heads == one["kv_bytes_per_block"] * expected_kv
+    assert rank0["tokens"] == rank1["tokens"] == one["tokens"]
+    for ours, theirs in zip(rank0["logits"], one["logits"]):
+        assert np.abs(ours - theirs).max() < 1e-4
+    reference = AutoModelForCausalLM.from_pretrained(folders[arch], dtype=torch.float32).eval()
+    for prompt, tokens in zip(tp_prompts(512), rank0["tokens"]):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                      do_sample=False)[0, len(prompt):]
+        assert tokens == expected.tolist(), f"a {len(prompt)}-token prompt diverged from transformers"
