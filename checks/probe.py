@@ -137,6 +137,21 @@ def _disk_usage(path: Path) -> tuple[int, int]:
     return usage.total, usage.free
 
 
+def try_bind_tcp(address: str, port: int) -> Optional[int]:
+    """Bind a TCP socket on (address, port) as torch.distributed's TCPStore does (SO_REUSEADDR) and close it:
+    None when it could, else the errno (EADDRINUSE: taken; EADDRNOTAVAIL: not an address of this host)."""
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((address, port))
+    except OSError as exc:
+        return exc.errno if exc.errno is not None else -1
+    return None
+
+
 @dataclass(frozen=True)
 class Host:
     root: Path = Path("/")
@@ -145,6 +160,7 @@ class Host:
     nvml_mismatch: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
     disk_usage: Callable[[Path], tuple[int, int]] = _disk_usage
+    try_bind: Callable[[str, int], Optional[int]] = try_bind_tcp
     software: Lazy[SoftwareFacts] = field(default_factory=lambda: Lazy.of(SoftwareFacts(torch_error="not probed")))
     pcie_load: Lazy[LoadSample] = field(default_factory=lambda: Lazy.of(LoadSample()))
 

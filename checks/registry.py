@@ -1,11 +1,11 @@
-"""The 23 host checks in report order, and the deployment check `--server` adds; their ids are part of
+"""The 24 host checks in report order, and the deployment check `--server` adds; their ids are part of
 the command-line and JSON interface."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from llmctl.checks import deployment, gpu, gpu_health, interconnect, software, storage, system
+from llmctl.checks import deployment, gpu, gpu_health, interconnect, rendezvous, software, storage, system
 from llmctl.checks.model import Check
 from llmctl.errors import UserError
 
@@ -23,6 +23,8 @@ CHECKS: tuple[Check, ...] = (
     Check("pcie-link", "Interconnect", "PCIe link at max generation and width under load", interconnect.pcie_link),
     Check("gpu-topology", "Interconnect", "P2P, NVLink state, cross-socket pairs, CPU affinity", interconnect.gpu_topology),
     Check("iommu-acs", "Interconnect", "IOMMU off or passthrough, no ACS redirect between GPUs", interconnect.iommu_acs),
+    Check("tp-rendezvous", "Interconnect", "tensor-parallel rendezvous port bindable, /dev/shm room for the ranks",
+          rendezvous.tp_rendezvous),
     Check("numa-balancing", "CPU/OS", "automatic NUMA balancing off on multi-node hosts", system.numa_balancing),
     Check("cpu-governor", "CPU/OS", "CPU frequency governor is performance", system.cpu_governor),
     Check("ulimits", "CPU/OS", "open-file limit high enough, memlock unlimited with RDMA", system.ulimits),

@@ -28,6 +28,7 @@ class Thresholds:
     swappiness_max: int = 10
     thp_allowed: tuple[str, ...] = ("madvise", "never")
     shm_min_gib: float = 1.0
+    tp_shm_per_rank_mib: float = 256.0  # free /dev/shm per tensor-parallel rank (NCCL SHM transport, shared tensors)
     disk_free_factor: float = 1.0  # free space on the model's filesystem vs the model's size
     cgroup_min_memory_gib: float = 16.0
     cgroup_min_cpus: float = 4.0
@@ -45,6 +46,9 @@ class Plan:
     gpu_memory_utilization: float = 0.9
     thresholds: Thresholds = field(default_factory=Thresholds)
     server: Optional[str] = None  # a running llmctl serve to check (--server URL)
+    tensor_parallel_size: int = 1  # ranks the planned engine runs (tp-rendezvous)
+    master_addr: str = "127.0.0.1"  # where they meet: torch.distributed's rendezvous on node 0
+    master_port: int = 29500  # torch.distributed's default (MASTER_PORT)
 
 
 def parse_thresholds(value: Any) -> Thresholds:

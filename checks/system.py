@@ -152,12 +152,15 @@ def shm_size(host: Host, plan: Plan) -> Result:
     observed = {"size_gib": round(total / (1 << 30), 2), "free_gib": round(free / (1 << 30), 2)}
     if total >= need * (1 << 30):
         return fold("shm-size", [Finding(Status.PASS, f"/dev/shm is {observed['size_gib']} GiB")], observed, f">= {need} GiB")
+    finding = Finding(Status.FAIL, f"/dev/shm is only {round(total / (1 << 20))} MiB", shm_fix(host))
+    return fold("shm-size", [finding], observed, f">= {need} GiB")
+
+
+def shm_fix(host: Host) -> str:
+    """How to give /dev/shm more room where this process runs (Kubernetes, a container, the host)."""
     kind = container_kind(host)
     if kind == "kubernetes":
-        fix = "mount an emptyDir with medium: Memory at /dev/shm in the pod spec"
-    elif kind:
-        fix = "docker run --ipc=host ...  # or --shm-size=16g"
-    else:
-        fix = "sudo mount -o remount,size=16G /dev/shm"
-    finding = Finding(Status.FAIL, f"/dev/shm is only {round(total / (1 << 20))} MiB", fix)
-    return fold("shm-size", [finding], observed, f">= {need} GiB")
+        return "mount an emptyDir with medium: Memory at /dev/shm in the pod spec"
+    if kind:
+        return "docker run --ipc=host ...  # or --shm-size=16g"
+    return "sudo mount -o remount,size=16G /dev/shm"

@@ -1,4 +1,4 @@
-"""`llmctl doctor`: run the 23-item preflight checklist and report it as a table or JSON."""
+"""`llmctl doctor`: run the 24-item preflight checklist and report it as a table or JSON."""
 
 from __future__ import annotations
 
@@ -47,8 +47,11 @@ def doctor(
         help="Override thresholds (YAML: a 'thresholds:' mapping); defaults in docs/doctor.md.",
     ),
     server: Optional[str] = typer.Option(None, "--server", metavar="URL", help="Also check a running llmctl serve (server-ready): health, alerted metrics, /v1 auth."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1, help="Planned tensor-parallel ranks (tp-rendezvous: port and /dev/shm for them)."),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Planned rendezvous address of node 0 (tp-rendezvous)."),
+    master_port: int = typer.Option(29500, "--master-port", min=0, max=65535, help="Planned rendezvous port on node 0 (tp-rendezvous; 0: a free one at start)."),
 ) -> None:
-    """Check this host against the 23-item LLM inference preflight checklist (reads only, changes nothing).
+    """Check this host against the 24-item LLM inference preflight checklist (reads only, changes nothing).
 
     Exit codes: 0 = every check passed (warnings allowed); 1 = a check failed, or warned with --strict; 2 = usage error.
 
@@ -69,7 +72,8 @@ def doctor(
     if server is not None and not server.startswith(("http://", "https://")):
         raise UserError(f"--server {server}: give the server's URL, e.g. http://10.0.0.5:8000")
     checks = select(parse_ids(only, "--only"), parse_ids(skip, "--skip"), server=server is not None)
-    plan = Plan(expect_gpus, model, gpu_memory_utilization, thresholds or Thresholds(), server)
+    plan = Plan(expect_gpus, model, gpu_memory_utilization, thresholds or Thresholds(), server,
+                tensor_parallel_size=tensor_parallel_size, master_addr=master_addr, master_port=master_port)
     report = _run(checks, plan, strict, with_facts=json)
     _render(report, json)
     raise typer.Exit(report["summary"]["exit_code"])

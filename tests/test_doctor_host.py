@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from types import SimpleNamespace
 
 import pytest
 
 from doctor_fixtures import GIB, FakeNvml, h100, make_host, pci_gpu, plan, write_tree
-from llmctl.checks import interconnect, software, storage, system
+from llmctl.checks import interconnect, rendezvous, software, storage, system
 from llmctl.checks.model import Status
 from llmctl.checks.probe import LoadSample, SoftwareFacts
 from llmctl.checks.settings import Thresholds
@@ -352,3 +353,45 @@ def test_cgroup_v1_limits_and_gpu_request(tmp_path):
 
 def test_cgroup_limits_skip_without_cgroups(tmp_path):
     assert storage.cgroup_limits(make_host(tmp_path), plan()).status == Status.SKIP
+
+
+# tp-rendezvous -----------------------------------------------------------------------
+
+def test_tp_rendezvous_skips_at_one_rank(tmp_path):
+    result = rendezvous.tp_rendezvous(shm_host(tmp_path, 16 * GIB), plan())
+    assert result.status == Status.SKIP and "--tensor-parallel-size" in result.summary
+
+
+def test_tp_rendezvous_passes_on_a_free_port_with_room(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = rendezvous.tp_rendezvous(shm_host(tmp_path, 16 * GIB), plan(tensor_parallel_size=2, master_port=port))
+    assert result.status == Status.PASS, result.summary
+    assert f"port 127.0.0.1:{port} is free" in result.summary and "for 2 ranks" in result.summary
+
+
+def test_tp_rendezvous_fails_on_a_port_another_process_listens_on(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = rendezvous.tp_rendezvous(shm_host(tmp_path, 16 * GIB), plan(tensor_parallel_size=2, master_port=port))
+    assert result.status == Status.FAIL and f"127.0.0.1:{port} is in use" in result.summary
+    assert f"sport = :{port}" in result.fix
+
+
+def test_tp_rendezvous_fails_without_shm_room_for_the_ranks(tmp_path):
+    host = shm_host(tmp_path, 64 << 20, **{"/.dockerenv": ""})
+    result = rendezvous.tp_rendezvous(host, plan(tensor_parallel_size=4, master_port=0))
+    assert result.status == Status.FAIL
+    assert "/dev/shm has 64 MiB free, 4 ranks need 1024 MiB" in result.summary and "--ipc=host" in result.fix
+    roomy = plan(tensor_parallel_size=4, master_port=0, thresholds=Thresholds(tp_shm_per_rank_mib=16))
+    assert rendezvous.tp_rendezvous(host, roomy).status == Status.PASS
+
+
+def test_tp_rendezvous_on_another_node_judges_shm_only(tmp_path):
+    """192.0.2.1 (TEST-NET-1) is no address of this host: node 0 binds the port, this node cannot."""
+    result = rendezvous.tp_rendezvous(shm_host(tmp_path, 16 * GIB),
+                                      plan(tensor_parallel_size=2, master_addr="192.0.2.1", master_port=29500))
+    assert result.status == Status.PASS and any("not an address of this host" in d for d in result.details)
