@@ -15,6 +15,8 @@ from conftest import TOKENIZER_TEXT, make_tiny_model, save_tiny_tokenizer
 from gguf_writer import dequantize, quantize, reference_model, write_gguf
 from test_compressed_tensors import check_against_reference
 from test_generate_cli import run_cli
+from test_parity import make_prompts, reference_logits
+from test_quantization import run_greedy
 
 from llmctl.engine import LLM
 from llmctl.engine.errors import ModelLoadError
@@ -189,3 +191,15 @@ def test_unsupported_files_are_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="GGUF architecture 'phi2' is not supported"):
         LLM(str(path), device="cpu")
+
+
+def test_a_quantised_file_runs_in_bfloat16_by_default_and_tracks_the_reference(tiny_models, tmp_path):
+    """dtype auto: a quantised GGUF computes in bfloat16 (the fast CPU kernels' activations)."""
+    path = tmp_path / "model-Q8_0.gguf"
+    held = write_gguf(tiny_models["qwen2"], path, {}, default_type="Q8_0")
+    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", max_model_len=400)
+    assert llm.engine.executor.runner.config.dtype is torch.bfloat16
+    reference = reference_model(tiny_models["qwen2"], held)
+    for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:3]):
+        expected = reference_logits(reference, prompt, tokens)
+        assert (ours.float() - expected).abs().max().item() < 0.05 * expected.abs().max().item() + 0.05
