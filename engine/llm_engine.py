@@ -29,7 +29,7 @@ from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.executor import Executor, UniProcExecutor
 from llmctl.engine.model_runner import RunnerConfig
 from llmctl.engine.ngram_proposer import NgramProposer, SpecDecodeStats
-from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeCounts
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 from llmctl.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
@@ -459,6 +459,7 @@ class LLMEngine:
             first_token_time=min((s.first_token_time for s in request.seqs if s.first_token_time), default=None),
             finished_time=max((s.finished_time or 0.0 for s in request.seqs), default=None) if request.finished else None,
             num_preemptions=sum(s.num_preemptions for s in request.seqs),
+            spec_decode=sum((s.spec_decode for s in request.seqs), SpecDecodeCounts()),
         )
         prompt_logprobs = None
         if request.params.prompt_logprobs is not None and not (delta and request.emitted_prompt_logprobs):

@@ -33,6 +33,31 @@ class CompletionOutput:
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
+@dataclass(frozen=True)
+class SpecDecodeCounts:
+    """Speculative decoding's counters, as vLLM's spec-decode metrics: verify rows (drafts), the draft
+    tokens verified in them, and how many of those were accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def __add__(self, other: "SpecDecodeCounts") -> "SpecDecodeCounts":
+        return SpecDecodeCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                                self.num_accepted_tokens + other.num_accepted_tokens)
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        """Accepted ÷ drafted tokens; None when nothing was drafted."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> Optional[float]:
+        """Tokens a verify row produced on average, its own included: 1 + accepted ÷ verify rows (vLLM's
+        mean acceptance length); None when nothing was drafted."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float
@@ -40,6 +65,8 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
+    # Speculative decoding, summed over the request's samples.
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
 
     @property
     def time_to_first_token(self) -> Optional[float]:

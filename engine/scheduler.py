@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.outputs import SpecDecodeCounts
 from llmctl.engine.sequence import Sequence, SequenceStatus
 
 
@@ -209,6 +210,8 @@ class Scheduler:
             # before any block is published: a block holding a rejected token is never registered.
             seq.num_computed_tokens += known + min(len(accepted) - 1, kept)
             seq.clear_drafts()
+            if drafts:
+                seq.spec_decode += SpecDecodeCounts(1, len(drafts), len(accepted) - 1)
             self.blocks.register_full_blocks(seq)
             if stopped:
                 self.finish(seq)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from llmctl.engine.outputs import SpecDecodeCounts
 from llmctl.engine.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Sequence:
     # top-k, top-p), set with them by a sampling draft model; None for a deterministic draft (n-gram,
     # greedy). With it a sampled request's verify row goes through the rejection sampler.
     spec_draft_probs: Optional[torch.Tensor] = None
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)  # this sequence's verify rows so far
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None

@@ -221,3 +221,40 @@ def test_dataset_errors_name_the_line(tmp_path, tiny_chat_model):
     proc = llmctl("bench", "throughput", "--model", str(tiny_chat_model), "--dataset", str(data),
                   "--num-prompts", "5")
     assert proc.returncode == 2 and "--num-prompts 5 but" in proc.stderr and "holds only 1 prompts" in proc.stderr
+
+
+# ---- speculative decoding --------------------------------------------------------------------------
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+
+
+def test_throughput_and_latency_report_acceptance_with_a_speculative_config(capsys, tiny_models, tmp_path):
+    data = tmp_path / "repeating.jsonl"
+    phrase = list(range(40, 52))
+    data.write_text("".join(json.dumps({"prompt_token_ids": phrase * 4 + [40 + i]}) + "\n" for i in range(4)))
+    doc = run_json(capsys, "bench", "throughput", "--model", str(tiny_models["llama"]), "--dataset", str(data),
+                   "--output-len", "12", "--repeats", "2", "--dtype", "float32", "--speculative-config", NGRAM, "--json")
+    assert doc["speculative_config"]["method"] == "ngram" and doc["speculative_config"]["num_speculative_tokens"] == 3
+    spec = doc["spec_decode"]
+    assert 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"] <= 3 * spec["num_drafts"]
+    assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    # Both passes counted, the warm-up not: each pass verifies the same drafts (greedy, same prompts).
+    assert spec["num_drafts"] % 2 == 0
+    code = run(["bench", "throughput", "--model", str(tiny_models["llama"]), "--dataset", str(data),
+                "--output-len", "12", "--dtype", "float32", "--speculative-config", NGRAM])
+    out = capsys.readouterr().out
+    assert code == 0 and "draft tokens accepted (" in out and "mean acceptance length" in out
+
+    doc = run_json(capsys, "bench", "latency", "--model", str(tiny_models["llama"]), "--batch-size", "2",
+                   "--input-len", "16", "--output-len", "8", "--num-iters-warmup", "1", "--num-iters", "2",
+                   "--dtype", "float32", "--speculative-config", NGRAM, "--json")
+    assert doc["speculative_config"]["prompt_lookup_max"] == 3
+    assert set(doc["spec_decode"]) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
+                                       "mean_acceptance_length"}
+
+
+def test_without_a_speculative_config_the_documents_say_none(capsys, tiny_models):
+    doc = run_json(capsys, "bench", "latency", "--model", str(tiny_models["llama"]), "--batch-size", "1",
+                   "--input-len", "8", "--output-len", "3", "--num-iters-warmup", "0", "--num-iters", "1",
+                   "--dtype", "float32", "--json")
+    assert doc["speculative_config"] is None and doc["spec_decode"] is None

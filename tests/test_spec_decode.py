@@ -173,14 +173,25 @@ def test_greedy_outputs_are_identical_with_and_without_ngram_drafts(tiny_models)
     plain = _llm(folder)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     spec = _llm(folder, speculative_config=NGRAM)
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    outputs = spec.generate(prompts, params)
+    got = [o.outputs[0].token_ids for o in outputs]
     assert got == want
     stats = spec.engine.get_stats()
+    # Each request's metrics count its own verify rows; together they are the engine's counters.
+    per_request = [o.metrics.spec_decode for o in outputs]
+    assert sum(c.num_drafts for c in per_request) == stats["spec_decode_num_drafts"]
+    assert sum(c.num_draft_tokens for c in per_request) == stats["spec_decode_num_draft_tokens"]
+    assert sum(c.num_accepted_tokens for c in per_request) == stats["spec_decode_num_accepted_tokens"]
+    repetitive = per_request[0]
+    assert repetitive.acceptance_rate == repetitive.num_accepted_tokens / repetitive.num_draft_tokens > 0
+    assert repetitive.mean_acceptance_length == 1 + repetitive.num_accepted_tokens / repetitive.num_drafts
+    assert outputs[0].to_dict()["metrics"]["spec_decode"]["num_drafts"] == repetitive.num_drafts
     assert stats["prefix_cache_hits"] > 0
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["spec_decode_num_accepted_tokens"] == sum(
         stats[f"spec_decode_num_accepted_tokens_pos_{j}"] for j in range(4))
     assert plain.engine.get_stats()["spec_decode_num_drafts"] == 0
+    assert all(o.metrics.spec_decode.acceptance_rate is None for o in plain.generate(prompts[:1], params))
 
 
 def _histogram(llm: LLM, prompt: list[int], samples: int, length: int) -> collections.Counter:

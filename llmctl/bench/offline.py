@@ -18,7 +18,7 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -169,6 +169,7 @@ class PassTimes:
     num_requests: int
     prompt_tokens: int
     output_tokens: int
+    spec_decode: Any = None  # the timed passes' summed SpecDecodeCounts (from each output's metrics)
 
     def rates(self) -> dict[str, dict[str, float]]:
         return {
@@ -215,7 +216,7 @@ def run_throughput(engine: EngineRun, requests: list[Request], repeats: int, pro
     _warm_up(llm, requests[0])
     params = [_params(r.output_len) for r in requests]
     prompts = [r.prompt_token_ids for r in requests]
-    seconds = []
+    seconds, spec = [], None
     for repeat in range(repeats):
         phase = f"pass {repeat + 1}/{repeats}"
         done = 0
@@ -231,15 +232,34 @@ def run_throughput(engine: EngineRun, requests: list[Request], repeats: int, pro
         outputs = llm.generate(prompts, params, on_output=on_output)
         seconds.append(time.perf_counter() - started)
         _check_lengths(outputs, requests)
-    return PassTimes(seconds, len(requests), sum(len(p) for p in prompts), sum(r.output_len for r in requests))
+        spec = spec_decode_counts(outputs, spec)
+    return PassTimes(seconds, len(requests), sum(len(p) for p in prompts), sum(r.output_len for r in requests),
+                     spec)
+
+
+def spec_decode_counts(outputs: list[Any], start: Any = None) -> Any:
+    """The outputs' speculative-decoding counters summed (onto `start`)."""
+    from llmctl.engine.outputs import SpecDecodeCounts
+
+    return sum((o.metrics.spec_decode for o in outputs), start or SpecDecodeCounts())
+
+
+def spec_decode_figures(args: Any, counts: Any) -> Optional[dict[str, Any]]:
+    """The timed passes' acceptance (vLLM's names), None when the run had no speculative decoding."""
+    if args.speculative is None:
+        return None
+    return {"num_drafts": counts.num_drafts, "num_draft_tokens": counts.num_draft_tokens,
+            "num_accepted_tokens": counts.num_accepted_tokens, "acceptance_rate": counts.acceptance_rate,
+            "mean_acceptance_length": counts.mean_acceptance_length}
 
 
 def run_latency(engine: EngineRun, requests: list[Request], warmup_iters: int, iters: int,
-                progress: Progress) -> list[float]:
+                progress: Progress) -> tuple[list[float], Any]:
+    """Seconds of each timed iteration, and their summed speculative-decoding counters."""
     llm = engine.llm
     prompts = [r.prompt_token_ids for r in requests]
     params = _params(requests[0].output_len)
-    latencies = []
+    latencies, spec = [], None
     for i in range(warmup_iters):
         progress("warm-up", i, warmup_iters)
         llm.generate(prompts, params)
@@ -249,8 +269,9 @@ def run_latency(engine: EngineRun, requests: list[Request], warmup_iters: int, i
         outputs = llm.generate(prompts, params)
         latencies.append(time.perf_counter() - started)
         _check_lengths(outputs, requests)
+        spec = spec_decode_counts(outputs, spec)
     progress("timed", iters, iters)
-    return latencies
+    return latencies, spec
 
 
 def _check_lengths(outputs: list[Any], requests: list[Request]) -> None:
@@ -280,4 +301,5 @@ def header(kind: str, info: ModelInfo, args: Any, engine: EngineRun) -> dict[str
     return {"schema_version": SCHEMA_VERSION, "llmctl_version": __version__, "benchmark": kind,
             "model": info.label, "load_format": args.load_format, "device": engine.device, "dtype": engine.dtype,
             "max_model_len": info.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
-            "max_num_seqs": args.max_num_seqs, "engine_load_s": round(engine.load_s, 3)}
+            "max_num_seqs": args.max_num_seqs, "engine_load_s": round(engine.load_s, 3),
+            "speculative_config": None if args.speculative is None else asdict(args.speculative)}

@@ -52,7 +52,8 @@ def run_throughput_job(args: Any, job: ThroughputJob) -> None:
     with progress_bar(True) as update:
         times = offline.run_throughput(engine, requests, job.repeats, update)
     doc = {**offline.header("throughput", info, args, engine), "workload": {**workload, **_tokens(times)},
-           **_throughput_figures(times), "transformers": None, "ratio_vs_transformers": None}
+           **_throughput_figures(times), "spec_decode": offline.spec_decode_figures(args, times.spec_decode),
+           "transformers": None, "ratio_vs_transformers": None}
     if job.compare_hf:
         hf_times, version = _hf_throughput(engine, info, args, requests, job)
         doc["transformers"] = {"version": version, "batch_size": job.hf_batch_size, **_throughput_figures(hf_times)}
@@ -142,12 +143,12 @@ def run_latency_job(args: Any, job: LatencyJob) -> None:
     with status("Loading model"):
         engine = offline.load_engine(args)
     with progress_bar(True) as update:
-        latencies = offline.run_latency(engine, requests, job.warmup_iters, job.iters, update)
+        latencies, spec = offline.run_latency(engine, requests, job.warmup_iters, job.iters, update)
     workload = {"batch_size": job.batch_size, "input_len": job.input_len, "output_len": job.output_len,
                 "num_iters_warmup": job.warmup_iters, "num_iters": job.iters, "seed": job.workload_seed,
                 "prompt_tokens": job.batch_size * job.input_len, "output_tokens": job.batch_size * job.output_len}
     doc = {**offline.header("latency", info, args, engine), "workload": workload, **_latency_figures(latencies),
-           "transformers": None, "ratio_vs_transformers": None}
+           "spec_decode": offline.spec_decode_figures(args, spec), "transformers": None, "ratio_vs_transformers": None}
     if job.compare_hf:
         from llmctl.bench import hf_compare
 

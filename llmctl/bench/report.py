@@ -130,6 +130,16 @@ def _summary_line(doc: dict[str, Any]) -> None:
         key, value = next(iter(ratio.items()))
         text += f"; llmctl / transformers = {value:.2f}x ({key.replace('_', ' ')})"
     stdout_console().print(text, markup=False, highlight=False)
+    if doc.get("spec_decode"):
+        stdout_console().print(_spec_decode_line(doc["spec_decode"]), markup=False, highlight=False)
+
+
+def _spec_decode_line(spec: dict[str, Any]) -> str:
+    if not spec["num_drafts"]:
+        return "speculative decoding: no drafts were proposed"
+    return (f"speculative decoding: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens "
+            f"accepted ({100 * spec['acceptance_rate']:.1f} %), mean acceptance length "
+            f"{spec['mean_acceptance_length']:.2f} tokens per verify row ({spec['num_drafts']} rows)")
 
 
 # ---- bench serve -----------------------------------------------------------------------------------
