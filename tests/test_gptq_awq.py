@@ -128,11 +128,16 @@ class Scheme:
 
     @property
     def quantization_config(self) -> dict:
+        # with the keys real checkpoints carry beside the ones that matter (AutoAWQ / transformers, GPTQModel)
         if self.method == "awq":
             return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True,
-                    "version": "gemm"}
+                    "version": "gemm", "backend": "autoawq", "modules_to_not_convert": ["visual"]}
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
-                "sym": self.sym, "checkpoint_format": self.checkpoint_format, "damp_percent": 0.01}
+                "sym": self.sym, "checkpoint_format": self.checkpoint_format, "damp_percent": 0.01,
+                "true_sequential": True, "static_groups": False, "pack_dtype": "int32", "lm_head": False,
+                "modules_in_block_to_quantize": [["self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"],
+                                                 ["self_attn.o_proj"], ["mlp.up_proj", "mlp.gate_proj"],
+                                                 ["mlp.down_proj"]]}
 
     def quantise(self, weight: torch.Tensor, g_idx: np.ndarray) -> Quantised:
         v1 = self.method == "gptq" and self.checkpoint_format == "gptq"
@@ -368,6 +373,10 @@ REFUSED = {
                     "GPTQ checkpoint_format 'marlin' is not supported"),
     "gptq-format": ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "gptq_v3"},
                     "GPTQ checkpoint_format 'gptq_v3' is not supported"),
+    "gptq-gptqmodel-format": ({"quant_method": "gptq", "bits": 4, "format": "bitblas"},
+                              "GPTQ checkpoint_format 'bitblas' is not supported"),
+    "gptq-pack-dtype": ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"},
+                        "GPTQ pack_dtype 'int16' is not supported"),
     "gptq-lm-head": ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "quantised lm_head"),
     "gptq-partial": ({"quant_method": "gptq", "bits": 4,
                       "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]]},

@@ -83,11 +83,15 @@ class GPTQConfig:
                                  f"{', '.join(f'{b}-bit' for b in GPTQ_BITS)}")
         group_size = _int(raw, "group_size", 128, source)
         check_group_size("GPTQ", group_size, source)
-        checkpoint_format = str(raw.get("checkpoint_format") or "gptq")
+        # transformers/optimum write checkpoint_format, GPTQModel's quantize_config format
+        checkpoint_format = str(raw.get("checkpoint_format") or raw.get("format") or "gptq")
         if raw.get("is_marlin_format") or checkpoint_format not in ZERO_OFFSETS:
             named = "marlin" if raw.get("is_marlin_format") else checkpoint_format
             raise ModelLoadError(f"{source}: GPTQ checkpoint_format {named!r} is not supported (supported: "
                                  f"{', '.join(ZERO_OFFSETS)})")
+        if str(raw.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+            raise ModelLoadError(f"{source}: GPTQ pack_dtype {raw['pack_dtype']!r} is not supported (codes packed "
+                                 "into int32 words are)")
         if raw.get("lm_head"):
             raise ModelLoadError(f"{source}: a GPTQ checkpoint with a quantised lm_head (lm_head: true) is not "
                                  "supported")
