@@ -31,6 +31,8 @@
 #   engine   test_second_gpu_engine_matches_the_cpu_reference_and_leaves_cuda0_alone (two GPUs only): graphs
 #            captured for cuda:1 replay real work; pytest: test_decode_step_graph_is_captured_on_every_gpu, the
 #            bench's graph, every GPU.
+#   tp_nccl  test_tp2_over_nccl_matches_tp1 (two GPUs only; issue 17): the sharded model's collectives over NCCL,
+#            one GPU per rank, give TP=1's greedy tokens for 2 KV heads and for 1 (replicated on both ranks).
 #
 # Files (at most 8, for the device tool) go to ${OUT:-/tmp}/gpu_check: gpu_check.log (everything, the summary
 # table last), engine.log, pytest.log, serve.log, doctor.json, bench_gpu.json, offline.json, bench_serve.json.
@@ -86,8 +88,13 @@ step doctor 60 verdict_doctor "$out/doctor.json" "$PY" -m llmctl.cli doctor --js
 step engine 100 verdict_pytest_ran "$out/engine.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -W error::UserWarning \
     tests/test_cuda_engine.py
 tail -n 15 "$out/engine.log"
+# TP=2 over NCCL, one GPU per rank, against TP=1 on cuda:0 (skips, saying so, with one GPU); its log stays out of
+# $out (8 files at most) and is shown here.
+step tp_nccl 120 verdict_pytest_or_skip "$errdir/tp_nccl.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/test_cuda_tensor_parallel.py
+tail -n 8 "$errdir/tp_nccl.log"
 step bench_gpu 150 verdict_bench_json "$out/bench_gpu.json" "$PY" -m llmctl.cli bench --gpu --json --quick
-mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py | grep -v test_cuda_engine.py)
+mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py | grep -v "test_cuda_engine.py\|test_cuda_tensor_parallel.py")
 step pytest 210 verdict_pytest "$out/pytest.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m cuda \
     --continue-on-collection-errors "${cuda_tests[@]}"
 tail -n 15 "$out/pytest.log"

@@ -85,6 +85,18 @@ verdict_pytest_ran() {
     echo "$status"
 }
 
+# verdict_pytest_or_skip: as verdict_pytest; when no test passed but none failed either, ok with the first skip's
+# reason (pytest -rs), so a host without what the tests need (a second GPU for TP=2 over NCCL) says why.
+verdict_pytest_or_skip() {
+    local status reason
+    status=$(verdict_pytest "$@")
+    if [[ $status == ok* ]] && ! tail -n 1 "$2" | grep -q ' passed'; then
+        reason=$(grep -m1 '^SKIPPED' "$2" | sed 's/^SKIPPED \[[0-9]*\] [^ ]*: //')
+        status="ok (skipped: ${reason:-no reason given})"
+    fi
+    echo "$status"
+}
+
 # run_logged LOG COMMAND...: COMMAND's stdout and stderr to the terminal and appended to LOG; returns COMMAND's
 # exit status once LOG has all of it (a pipeline waits for tee, where `exec > >(tee ...)` does not).
 run_logged() {

@@ -105,3 +105,15 @@ tail -n 1 {shlex.quote(str(log))}
     assert proc.stdout.splitlines() == ["status 7", "the end"]  # read at once: nothing still in flight
     text = log.read_text()
     assert "line 19999\n" in text and "last\n" in text and "== work: FAILED (exit 3)" in text
+
+
+@pytest.mark.parametrize("lines, code, status", [
+    (["..", "2 passed in 41.0s"], 0, "ok (exit 0)"),
+    (["ss", "SKIPPED [2] tests/test_cuda_tensor_parallel.py:30: TP=2 over NCCL needs two GPUs, this host has 1",
+      "2 skipped in 3.10s"], 0, "ok (skipped: TP=2 over NCCL needs two GPUs, this host has 1)"),
+    (["F.", "1 failed, 1 passed in 50.2s"], 1, "FAILED (exit 1: tests failed)"),
+])
+def test_tp_nccl_step_says_why_it_skipped(tmp_path, lines, code, status):
+    stub = py(f"print({chr(10).join(lines)!r}); raise SystemExit({code})")
+    (row,) = run_steps(tmp_path, f'step tp_nccl 60 verdict_pytest_or_skip "$out/tp_nccl.log" {stub}')
+    assert row[:2] == ["tp_nccl", status]

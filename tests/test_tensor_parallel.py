@@ -1,14 +1,9 @@
 """Tensor parallelism, model side (issue 17): each linear's shard loading, and TP=2 over gloo giving the
-greedy tokens (and logits) of TP=1 and of transformers for every architecture.
-
-The TP=2 engines run one per rank, each with the whole scheduler: with greedy sampling and the same
-requests every rank makes the same scheduling decisions, so their collectives line up step by step
-(the multi-rank executor, which runs the scheduler on rank 0 only, is the product's way; this test is
-about the sharded model and KV pool under chunked prefill, preemption and prefix caching)."""
+greedy tokens (and logits) of TP=1 and of transformers for every architecture, under chunked prefill,
+preemption and prefix caching (one engine per rank: tests/tp_helpers.py's greedy_run)."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -26,7 +21,7 @@ from llmctl.engine.layers.linear import (
 )
 from llmctl.engine.layers.quantization import quantized_linear_method
 from llmctl.engine.parallel import TensorParallel, TensorParallelError
-from tp_helpers import run_ranks
+from tp_helpers import greedy_run, run_ranks
 
 PLAIN = UnquantizedLinearMethod()
 F32 = torch.float32
@@ -183,45 +178,8 @@ def tp_prompts(vocab: int) -> list[list[int]]:
     return make_prompts(vocab)
 
 
-def _generate(folder: str, tp: TensorParallel):
-    from llmctl.engine import SamplingParams
-    from llmctl.engine.args import EngineArgs
-    from llmctl.engine.executor import UniProcExecutor
-    from llmctl.engine.llm_engine import LLMEngine
-
-    recorders: list[list[torch.Tensor]] = []
-
-    def recorder():
-        rows: list[torch.Tensor] = []
-        recorders.append(rows)
-
-        def record(output_ids, logits):
-            rows.append(logits.detach().clone())
-            return logits
-        return record
-
-    engine = LLMEngine(EngineArgs.from_dict({"model": folder, **ENGINE}),
-                       executor_class=lambda config: UniProcExecutor(dataclasses.replace(config, tensor_parallel=tp)))
-    prompts = tp_prompts(engine.vocab_size)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                                                          logits_processors=[recorder()]))
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step().outputs:
-            if output.finished:
-                tokens[output.request_id] = list(output.outputs[0].token_ids)
-    stats = engine.get_stats()
-    runner = engine.executor.runner
-    return dict(tokens=[tokens[str(i)] for i in range(len(prompts))],
-                logits=[torch.stack(rows).numpy() for rows in recorders],
-                preemptions=stats["num_preemptions"], prefix_hits=stats["prefix_cache_hit_rate"],
-                heads=(runner.num_heads, runner.num_kv_heads), kv_bytes_per_block=runner.bytes_per_block,
-                free_blocks=engine.block_manager.num_free_blocks == engine.block_manager.num_blocks)
-
-
 def _generate_every_model(tp: TensorParallel, folders: dict[str, str]):
-    return {arch: _generate(folder, tp) for arch, folder in folders.items()}
+    return {arch: greedy_run(folder, tp, tp_prompts(512), NEW_TOKENS, **ENGINE) for arch, folder in folders.items()}
 
 
 @pytest.fixture(scope="module")
