@@ -152,3 +152,32 @@ def test_idle_engine_drops_kept_decode_kv(tiny_models, cpu_kernels_off):
     llm.generate([[1, 2, 3], list(range(40))], params)
     assert max(seen) > 0, "a steady decode batch should keep its K/V"
     assert llm.engine.executor.runner.attention.kept_layers == 0
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 16}  # above max_num_seqs: every step of the mixed batch drafts
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_tokens_are_identical_with_and_without_ngram_speculation(tiny_models, arch):
+    """The mixed batch above (chunked prefill, preemption, prefix-cache hits) plus two prompts that repeat
+    a phrase, with n-gram verify rows in the same steps: the same greedy tokens as plain decoding, and
+    no block leaked or left published past a rollback."""
+    folder = tiny_models[arch]
+    rng = random.Random(99)
+    phrases = [[rng.randrange(512) for _ in range(10)] for _ in range(2)]
+    prompts = make_prompts(512) + [phrases[0] * 5, phrases[1] * 3 + phrases[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = {}
+    for name, extra in (("plain", {}), ("ngram", {"speculative_config": NGRAM})):
+        llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu",
+                  max_num_batched_tokens=96, num_kv_blocks=40, block_size=16, max_num_seqs=8,
+                  max_model_len=400, **extra)
+        runs[name] = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.engine.get_stats())
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    (want, _), (got, stats) = runs["plain"], runs["ngram"]
+    for prompt, expected, tokens in zip(prompts, want, got):
+        assert tokens == expected, f"prompt of {len(prompt)} tokens diverged under speculation"
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # rollbacks ran
