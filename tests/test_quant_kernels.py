@@ -90,7 +90,7 @@ NATIVE = "native" if load_quant_kernels() is not None else "dequant"  # bf16 lay
     ((32, 64), 4, 16, False, False, ("dequant", "dequant")),  # a group size no kernel takes
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: the native layout's dequantise-then-GEMM rows
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: the native layout's dequantise-then-GEMM rows (NATIVE_MAX_ROWS)
 def test_each_layout_matches_the_dequantised_reference(shape, bits, group, asymmetric, permuted, layouts, dtype, rows):
     weight = random_grouped(*shape, bits, group, asymmetric=asymmetric, permuted=permuted)
     layer, chosen = make_layer(weight, dtype, bias=True)
@@ -172,6 +172,15 @@ def test_kernel_matches_the_dequantised_reference(target, bits, group, asymmetri
         assert (got.float() - expected).abs().max().item() <= 8e-3 * expected.abs().max().item()
         assert torch.allclose(kernels.gemv(packed, x).float() + bias.float(), expected, rtol=1e-2,
                               atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("target", ["native", "avx2"])
+@pytest.mark.parametrize("bits, group, asymmetric", [(8, 32, True), (4, 32, False), (4, 64, True), (4, 576, False)])
+def test_kernel_dequantises_to_the_reference_in_bfloat16(target, bits, group, asymmetric):
+    kernels = kernels_or_skip(target)
+    weight = GroupedIntWeight.quantize(torch.randn(21, 576) * 0.05, bits, group, not asymmetric)
+    got = kernels.dequantize(kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group))
+    assert got.dtype is torch.bfloat16 and torch.equal(got, weight.dequantize().to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("bits, group, in_features, message", [

@@ -51,6 +51,9 @@ class QuantKernels:
         self._gemv = library.quant_gemv_bf16
         self._gemv.argtypes = [_POINTER] * 3 + [ctypes.c_int] + [_POINTER] * 3 + [_INT64] * 4 + [ctypes.c_int]
         self._gemv.restype = ctypes.c_int
+        self._dequantize = library.quant_dequantize_bf16
+        self._dequantize.argtypes = [_POINTER] * 3 + [ctypes.c_int, _POINTER] + [_INT64] * 3 + [ctypes.c_int]
+        self._dequantize.restype = ctypes.c_int
 
     @staticmethod
     def unsupported(bits: int, group_size: int, in_features: int) -> Optional[str]:
@@ -79,18 +82,11 @@ class QuantKernels:
 
     def gemv(self, weight: KernelWeight, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [m, k] bf16 @ the dequantised weight [n, k].T (+ bias [n]) -> bf16 [m, n], one pass over the weight."""
-        n = weight.codes.shape[0]
-        k, groups = weight.in_features, weight.in_features // weight.group_size
+        n, k = weight.codes.shape[0], weight.in_features
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError(f"quant gemv: the input must be a contiguous bf16 [m, {k}] CPU tensor, got "
                              f"{x.dtype} {tuple(x.shape)}")
-        expected_codes = (n, k if weight.bits == 8 else k // 2)
-        if weight.codes.dtype != torch.uint8 or tuple(weight.codes.shape) != expected_codes:
-            raise ValueError(f"quant gemv: codes must be uint8 {expected_codes}")
-        for name, tensor in (("scales", weight.scales), ("zeros", weight.zeros)):
-            if tensor is not None and (tensor.dtype != torch.float16 or tuple(tensor.shape) != (n, groups)
-                                       or not tensor.is_contiguous()):
-                raise ValueError(f"quant gemv: {name} must be contiguous float16 {(n, groups)}")
+        self._check_weight(weight)
         if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
             raise ValueError(f"quant gemv: the bias must be a contiguous bf16 [{n}]")
         out = x.new_empty(x.shape[0], n)
@@ -104,6 +100,30 @@ class QuantKernels:
             raise ValueError(f"quant gemv: the kernel refused {weight.bits}-bit weights [{n}, {k}] in groups of "
                              f"{weight.group_size}")
         return out
+
+    def dequantize(self, weight: KernelWeight) -> torch.Tensor:
+        """The bf16 weight [n, k] (for many rows: one GEMM on it is faster than the GEMV)."""
+        self._check_weight(weight)
+        n, k = weight.codes.shape[0], weight.in_features
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+        if not self._dequantize(weight.codes.data_ptr(), weight.scales.data_ptr(),
+                                weight.zeros.data_ptr() if weight.zeros is not None else None, weight.bits,
+                                out.data_ptr(), n, k, weight.group_size, torch.get_num_threads()):
+            raise ValueError(f"quant dequantize: the kernel refused {weight.bits}-bit weights [{n}, {k}] in groups of "
+                             f"{weight.group_size}")
+        return out
+
+    @staticmethod
+    def _check_weight(weight: KernelWeight) -> None:
+        n = weight.codes.shape[0]
+        k, groups = weight.in_features, weight.in_features // weight.group_size
+        expected_codes = (n, k if weight.bits == 8 else k // 2)
+        if weight.codes.dtype != torch.uint8 or tuple(weight.codes.shape) != expected_codes:
+            raise ValueError(f"quant gemv: codes must be uint8 {expected_codes}")
+        for name, tensor in (("scales", weight.scales), ("zeros", weight.zeros)):
+            if tensor is not None and (tensor.dtype != torch.float16 or tuple(tensor.shape) != (n, groups)
+                                       or not tensor.is_contiguous()):
+                raise ValueError(f"quant gemv: {name} must be contiguous float16 {(n, groups)}")
 
 
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:

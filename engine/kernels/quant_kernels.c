@@ -79,6 +79,8 @@ typedef __m512 vec;
 INLINE vec vzero(void) { return _mm512_setzero_ps(); }
 INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+INLINE vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+INLINE void vstore_bf16(uint16_t *p, vec v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 INLINE vec vset1(float v) { return _mm512_set1_ps(v); }
 INLINE float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 INLINE vec vloadf(const float *p) { return _mm512_loadu_ps(p); }
@@ -92,6 +94,12 @@ typedef __m256 vec;
 INLINE vec vzero(void) { return _mm256_setzero_ps(); }
 INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+INLINE vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+INLINE void vstore_bf16(uint16_t *p, vec v) {
+    float values[8];
+    _mm256_storeu_ps(values, v);
+    for (int l = 0; l < 8; l++) p[l] = f32_to_bf16(values[l]);
+}
 INLINE vec vset1(float v) { return _mm256_set1_ps(v); }
 INLINE float vsum(vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -172,6 +180,18 @@ INLINE void q8_tile(const uint8_t *codes, const RowParams *rp, const Prepared *p
 #define Q8_LANES 8 /* R * MR */
 
 /* ---- 4 bits ----------------------------------------------------------------------------------------------- */
+/* One block's codes in input order (128 inputs, or the 64-input tail), portable. */
+INLINE void q4_unpack_scalar(const uint8_t *bytes, int64_t inputs, uint8_t *codes) {
+    if (inputs == 128) { /* word w holds inputs w, 32 + w, 64 + w, 96 + w in its four nibbles */
+        for (int w = 0; w < 32; w++) {
+            const unsigned word = (unsigned)bytes[2 * w] | (unsigned)bytes[2 * w + 1] << 8;
+            for (int t = 0; t < 4; t++) codes[32 * t + w] = (uint8_t)((word >> (4 * t)) & 0xf);
+        }
+    } else { /* the 64-input tail: byte j holds inputs j and 32 + j */
+        for (int j = 0; j < 32; j++) codes[j] = bytes[j] & 0xf, codes[32 + j] = bytes[j] >> 4;
+    }
+}
+
 #if ISA == 512
 #define Q4_OFFSET 128.0f
 #define Q4_NEEDS_FLOAT 0
@@ -241,18 +261,7 @@ INLINE void q4_tile(const uint8_t *packed, const RowParams *rp, const uint16_t *
 #define Q4_NEEDS_FLOAT 1
 #define Q4_LANES 4
 /* AVX2: each block's nibbles go to a buffer in input order and are widened 8 at a time. */
-INLINE void q4_unpack(const uint8_t *bytes, int64_t inputs, uint8_t *codes) {
-    if (inputs == 128) { /* word w holds inputs w, 32 + w, 64 + w, 96 + w in its four nibbles */
-        for (int w = 0; w < 32; w++) {
-            const unsigned word = (unsigned)bytes[2 * w] | (unsigned)bytes[2 * w + 1] << 8;
-            for (int t = 0; t < 4; t++) codes[32 * t + w] = (uint8_t)((word >> (4 * t)) & 0xf);
-        }
-    } else { /* the 64-input tail: byte j holds inputs j and 32 + j */
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)bytes), nibble = _mm256_set1_epi8(0x0f);
-        _mm256_storeu_si256((__m256i *)codes, _mm256_and_si256(raw, nibble));
-        _mm256_storeu_si256((__m256i *)(codes + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble));
-    }
-}
+#define q4_unpack q4_unpack_scalar
 
 INLINE void q4_tile(const uint8_t *packed, const RowParams *rp, const uint16_t *x, const Prepared *p,
                     const uint16_t *bias, uint16_t *y, int64_t o, int64_t r0, const int R, const int MR, int64_t n,
@@ -349,6 +358,38 @@ int quant_gemv_bf16(const void *weight, const void *scales, const void *zeros, i
     }
     free(p.xf), free(p.xsum);
     return !failed;
+}
+
+/* The weight itself, w = (q - zero) * scale rounded to bf16 [n, k]: for many rows, one GEMM on it beats
+ * the GEMV's per-row work (see NATIVE_MAX_ROWS in layers/quantization.py). Returns 0 for shapes the layouts
+ * do not cover. */
+int quant_dequantize_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
+                          int64_t k, int64_t group, int num_threads) {
+    if (n < 1 || group < 1 || k % group) return 0;
+    if (bits == 8 ? group % LANES != 0 : (bits != 4 || k % 64 || (group != 32 && group % 64))) return 0;
+    const int64_t groups = k / group;
+    const float midpoint = bits == 8 ? 128.0f : 8.0f;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t o = 0; o < n; o++) {
+        uint8_t unpacked[128] __attribute__((aligned(32)));
+        const uint8_t *row = (const uint8_t *)weight + o * (bits == 8 ? k : k / 2);
+        uint16_t *dst = (uint16_t *)out + o * k;
+        for (int64_t c = 0; c < k; c += bits == 8 ? 128 : (k - c >= 128 ? 128 : 64)) {
+            const int64_t inputs = bits == 8 ? (k - c >= 128 ? 128 : k - c) : (k - c >= 128 ? 128 : 64);
+            const uint8_t *codes = row + c;
+            if (bits == 4) {
+                q4_unpack_scalar(row + c / 2, inputs, unpacked);
+                codes = unpacked;
+            }
+            for (int64_t j = 0; j < inputs; j += LANES) {
+                const int64_t g = (c + j) / group;
+                const float scale = f16_to_f32(((const uint16_t *)scales)[o * groups + g]);
+                const float zero = zeros != NULL ? f16_to_f32(((const uint16_t *)zeros)[o * groups + g]) : midpoint;
+                vstore_bf16(dst + c + j, vmul(vsub(vload_u8(codes + j), vset1(zero)), vset1(scale)));
+            }
+        }
+    }
+    return 1;
 }
 
 #else

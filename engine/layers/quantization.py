@@ -21,7 +21,7 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
   w = (q - 8) * scale + offset takes any zero point as offset = (8 - zero) * scale (gate_up at M=1 57 µs);
 - `native` (bfloat16 activations on CPU, the rest: grouped or asymmetric int8 such as GGUF Q8_0 and GPTQ
   8-bit, int4 groups torch lacks such as per-channel GPTQ group -1): engine/kernels/quant.py's GEMV
-  (AVX-512 BF16 or AVX2) below NATIVE_MAX_ROWS rows, dequantise-then-GEMM above;
+  (AVX-512 BF16 or AVX2) below NATIVE_MAX_ROWS rows, its dequantisation to bf16 and one GEMM above;
 - `dequant`: everything else (other devices, other groupings): the codes stay packed (two 4-bit codes a
   byte) and are dequantised to the activation dtype for each call, exact but slow.
 Activations should be bfloat16 on CPU: with float32 both torch kernels run about 5x slower.
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
-from llmctl.engine.kernels.quant import KernelWeight, fits_float16, load_quant_kernels, unpack_q4
+from llmctl.engine.kernels.quant import KernelWeight, fits_float16, load_quant_kernels
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -53,10 +53,10 @@ logger = logging.getLogger(__name__)
 # scale finite and costs at most 3e-5 absolute error in groups whose largest weight is below 4e-4 (int4).
 FP16_TINY, FP16_MAX = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max
 INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel accepts
-# The native GEMV streams the weight once but its work grows with the rows; from about 32 rows dequantising
-# to bfloat16 and running one GEMM is faster (1536x576, one thread: 16 rows 617 against 1493 µs, 64 rows
-# 3542 against 1588 µs).
-NATIVE_MAX_ROWS = 32
+# The native GEMV streams the weight once but its work grows with the rows; from about 8 rows dequantising
+# to bfloat16 (the native kernel) and running one GEMM is faster (1536x576, one thread: 8 rows 723 against
+# 824 µs, 16 rows 1425 against 831 µs, 64 rows 4933 against 984 µs).
+NATIVE_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -254,10 +254,7 @@ def _kernel_weight(layer: LinearBase) -> KernelWeight:
 
 
 def _dequantize_installed(layer: LinearBase, dtype: torch.dtype) -> torch.Tensor:
-    if layer.quant_bits == 4:
-        codes = unpack_q4(layer.weight, layer.in_features) if layer.quant_layout == "native" else unpack_int4(layer.weight)
-    else:
-        codes = layer.weight
+    codes = unpack_int4(layer.weight) if layer.quant_bits == 4 else layer.weight
     shape = (layer.out_features, layer.in_features // layer.quant_group_size, layer.quant_group_size)
     zeros = layer.weight_zero[..., None] if layer.weight_zero is not None else float(1 << (layer.quant_bits - 1))
     grouped = (codes.view(shape).float() - zeros) * layer.weight_scale.float()[..., None]
@@ -278,6 +275,8 @@ def apply_grouped_weight(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     elif layout == "native" and rows.shape[0] < NATIVE_MAX_ROWS:
         return layer.quant_kernels.gemv(_kernel_weight(layer), rows.contiguous(), layer.bias).reshape(
             *x.shape[:-1], layer.out_features)
+    elif layout == "native":
+        out = F.linear(rows.contiguous(), layer.quant_kernels.dequantize(_kernel_weight(layer)))
     else:
         out = F.linear(rows, _dequantize_installed(layer, rows.dtype))
     if layer.bias is not None:
