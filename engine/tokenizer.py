@@ -53,6 +53,63 @@ GGUF_PRE_TOKENIZERS = {
 }
 
 
+def _gguf_byte_level_bpe(metadata: dict[str, Any], tokens: list[str], source: str):
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ModelLoadError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported (supported: "
+                             f"{', '.join(GGUF_PRE_TOKENIZERS)}); give a tokenizer folder with --tokenizer")
+    merges = [tuple(str(m).split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
+    if not merges or any(len(m) != 2 for m in merges):
+        raise ModelLoadError(f"{source}: GGUF tokenizer lacks valid tokenizer.ggml.merges")
+    backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre == "llama-bpe"))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gguf_sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], source: str):
+    """SentencePiece BPE as Hugging Face's Llama conversion builds it: "▁" for spaces (and one prepended
+    unless add_space_prefix is false), merges from the scores (a piece's score ranks the merges that make
+    it, as SentencePiece merges the highest-scoring pair first), unknown characters through <0xXX> bytes."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
+
+    scores = list(metadata.get("tokenizer.ggml.scores") or [])
+    if len(scores) != len(tokens):
+        raise ModelLoadError(f"{source}: GGUF SentencePiece tokenizer needs one tokenizer.ggml.scores entry per token")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unknown = metadata.get("tokenizer.ggml.unknown_token_id")
+    backend = Backend(models.BPE(vocab, sentencepiece_merges(vocab, scores), fuse_unk=True, byte_fallback=True,
+                                 unk_token=tokens[unknown] if unknown is not None else None))
+    steps = [normalizers.Replace(" ", SPIECE_SPACE)]
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend(SPIECE_SPACE))
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(content=" ", left=1, right=0)])
+    return backend
+
+
+SPIECE_SPACE = "\u2581"
+
+
+def sentencepiece_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary is a merge; merges rank by the merged piece's
+    score (highest first), then by longer left and right pieces, then by the pieces' ids (the order Hugging
+    Face's SentencePiece conversion gives them)."""
+    ranked = []
+    for piece, index in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[index], -len(left), -len(right), index, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
 def _gguf_pre_tokenizer(pre: str):
     from tokenizers import Regex, pre_tokenizers
 
@@ -107,26 +164,22 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], source: str = "GGUF file") -> "Tokenizer":
         """The tokenizer a GGUF file describes (`tokenizer.ggml.*`): llama.cpp's "gpt2" model, a byte-level
-        BPE (tokens in id order, merges "a b" by rank), with the pre-tokenizer its `tokenizer.ggml.pre` names;
-        control tokens are special, `add_bos_token` prefixes BOS, the end-of-turn token also ends a sequence."""
-        from tokenizers import AddedToken, decoders, models, processors
-        from tokenizers import Tokenizer as Backend
+        BPE (tokens in id order, merges "a b" by rank), with the pre-tokenizer its `tokenizer.ggml.pre` names,
+        or its "llama" model, SentencePiece BPE (tokens with scores, byte fallback); control tokens are
+        special, `add_bos_token` prefixes BOS, the end-of-turn token also ends a sequence."""
+        from tokenizers import AddedToken, processors
 
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: gpt2, "
-                                 "byte-level BPE); give a tokenizer folder with --tokenizer")
-        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-        if pre not in GGUF_PRE_TOKENIZERS:
-            raise ModelLoadError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported (supported: "
-                                 f"{', '.join(GGUF_PRE_TOKENIZERS)}); give a tokenizer folder with --tokenizer")
         tokens = [str(t) for t in metadata.get("tokenizer.ggml.tokens") or []]
-        merges = [tuple(str(m).split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
-        if not tokens or not merges or any(len(m) != 2 for m in merges):
-            raise ModelLoadError(f"{source}: GGUF tokenizer lacks tokenizer.ggml.tokens or valid tokenizer.ggml.merges")
-        backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre == "llama-bpe"))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
+        if not tokens:
+            raise ModelLoadError(f"{source}: GGUF tokenizer lacks tokenizer.ggml.tokens")
+        if kind == "gpt2":
+            backend = _gguf_byte_level_bpe(metadata, tokens, source)
+        elif kind == "llama":
+            backend = _gguf_sentencepiece_bpe(metadata, tokens, source)
+        else:
+            raise ModelLoadError(f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: gpt2, "
+                                 "byte-level BPE; llama, SentencePiece BPE); give a tokenizer folder with --tokenizer")
         types = list(metadata.get("tokenizer.ggml.token_type") or [])
         backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                     for i, kind in enumerate(types) if kind == GGUF_CONTROL_TOKEN])

@@ -165,7 +165,9 @@ def test_generate_runs_a_gguf_file_with_its_own_tokenizer(chat_gguf):
 
 
 def test_unsupported_tokenizer_model_is_refused_with_the_tokenizer_hint():
-    with pytest.raises(ModelLoadError, match="GGUF tokenizer model 'llama' is not supported.*--tokenizer"):
+    with pytest.raises(ModelLoadError, match="GGUF tokenizer model 'bert' is not supported.*--tokenizer"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(ModelLoadError, match="needs one tokenizer.ggml.scores entry per token"):
         Tokenizer.from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
 
 
@@ -203,3 +205,42 @@ def test_a_quantised_file_runs_in_bfloat16_by_default_and_tracks_the_reference(t
     for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:3]):
         expected = reference_logits(reference, prompt, tokens)
         assert (ours.float() - expected).abs().max().item() < 0.05 * expected.abs().max().item() + 0.05
+
+
+def sentencepiece_style_gguf_metadata():
+    """A SentencePiece-style BPE (byte fallback, "▁" for spaces) trained with tokenizers, written as llama.cpp's
+    "llama" vocabulary: tokens by id, scores ranking each merged piece by its merge's rank, token types."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, trainers
+
+    backend = Backend(models.BPE(byte_fallback=True, fuse_unk=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1, right=0)])
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
+    backend.train_from_iterator(TOKENIZER_TEXT * 20, trainer)
+    model = json.loads(backend.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda item: item[1])]
+    rank = {"".join(m if isinstance(m, list) else m.split(" ")): r for r, m in enumerate(model["merges"])}
+    metadata = {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [-float(rank[t]) if t in rank else -1e6 for t in tokens],
+        "tokenizer.ggml.token_type": [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t in bytes_ else 1
+                                      for t in tokens],
+        "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    return metadata, backend
+
+
+def test_sentencepiece_vocabulary_from_scores_encodes_like_its_merges():
+    metadata, reference = sentencepiece_style_gguf_metadata()
+    ours = Tokenizer.from_gguf(metadata)
+    texts = TOKENIZER_TEXT + ["  two  spaces\nnew line", "unseen ☃ Ω≈ç√ and 12345"]
+    for text in texts:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == reference.encode(text, add_special_tokens=False).ids
+        assert ours.decode(ids) == text
+    assert ours.encode("hi")[0] == 1 and ours.eos_token_ids == frozenset({2})
+    assert any(t.startswith("<0x") for t in (metadata["tokenizer.ggml.tokens"][i] for i in ours.encode("☃")))
