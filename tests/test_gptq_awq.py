@@ -419,6 +419,14 @@ def test_on_the_fly_quantization_of_a_quantised_checkpoint_is_refused(tiny_model
             num_kv_blocks=8)
 
 
+@pytest.mark.parametrize("scheme", [Scheme("gptq"), Scheme("awq")])
+def test_tensor_parallel_shards_are_refused(scheme):
+    from llmctl.engine.parallel import TensorParallel
+
+    with pytest.raises(ModelLoadError, match="cannot be split over tensor-parallel ranks"):
+        QKVLinear(128, 64, 32, False, method(scheme), torch.float32, TensorParallel(0, 2), head_dim=16)
+
+
 def test_fused_shards_with_different_act_orders_are_refused(tiny_models, tmp_path):
     folder = tmp_path / "gptq"
     write_quantised_checkpoint(tiny_models["llama"], folder, Scheme("gptq", desc_act=True))
