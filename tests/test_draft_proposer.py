@@ -235,3 +235,15 @@ def test_default_draft_works_offline_with_the_embedded_model_and_keeps_greedy_ou
     assert _greedy_tokens(llm, prompts) == plain
     stats = llm.engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0, "a trained draft agrees with its target sometimes"
+
+
+def test_generate_takes_the_default_draft_from_the_flag():
+    from test_generate_cli import run_cli
+
+    ok = run_cli("generate", "--speculative-config", '{"model": "default-draft", "num_speculative_tokens": 2}',
+                 "--json", "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--max-model-len", "128", "ROMEO:")
+    assert ok.returncode == 0, ok.stderr
+    assert '"completion_tokens": 6' in ok.stdout
+    bad = run_cli("generate", "--speculative-config", '{"model": "/no/such/draft", "num_speculative_tokens": 2}', "hi")
+    assert bad.returncode == 2 and "draft model folder /no/such/draft does not exist" in bad.stderr
+    assert "Traceback" not in bad.stderr
