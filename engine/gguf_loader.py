@@ -98,15 +98,24 @@ class GGUFFile:
     def _refuse_unsupported(self) -> None:
         if int(self.metadata.get(f"{self.arch}.expert_count", 0) or 0):
             raise ModelLoadError(f"{self.path.name}: mixture-of-experts GGUF models are not supported")
-        if "rope_freqs.weight" in self.tensors:
-            raise ModelLoadError(f"{self.path.name}: per-frequency RoPE factors (rope_freqs, Llama 3.1 scaling) are "
-                                 "not supported in GGUF files; load the Hugging Face checkpoint instead")
         key, value = (self.metadata.get(f"{self.arch}.attention.{k}") for k in ("key_length", "value_length"))
         if key is not None and value is not None and key != value:
             raise ModelLoadError(f"{self.path.name}: attention key_length {key} != value_length {value}")
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self.metadata.get(f"{self.arch}.rope.scaling.type", "none")
+        freqs = self.tensors.get("rope_freqs.weight")
+        if freqs is not None:
+            if kind not in ("none", "llama3"):
+                raise ModelLoadError(f"{self.path.name}: rope_freqs with rope scaling type {kind!r} is not supported")
+            # Llama 3.x: the converter stores the llama3 scaling as one divisor per rotary frequency
+            factors = _dequantized(np.ascontiguousarray(freqs.data).view(np.uint8).reshape(1, -1), freqs).flatten()
+            rotary = int(self._arch_value("attention.key_length", 0)) or (
+                int(self._arch_value("embedding_length")) // int(self._arch_value("attention.head_count")))
+            if factors.numel() != rotary // 2:
+                raise ModelLoadError(f"{self.path.name}: rope_freqs has {factors.numel()} factors, expected "
+                                     f"{rotary // 2} (head dim {rotary})")
+            return {"rope_type": "rope_freqs", "factors": factors.tolist()}
         if kind == "none":
             return None
         if kind == "linear":
@@ -127,6 +136,8 @@ class GGUFFile:
         heads = int(self._arch_value("attention.head_count"))
         kv_heads = int(self._arch_value("attention.head_count_kv", heads))
         for gguf_name, tensor in self.tensors.items():
+            if gguf_name == "rope_freqs.weight":
+                continue  # read into the config's rope scaling
             name = hf_name(gguf_name, self.path.name)
             rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
             raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1)

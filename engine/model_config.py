@@ -130,7 +130,7 @@ class ModelConfig:
         if self.hidden_act not in ("silu", "swish"):
             raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported (only silu)")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ("default", "llama3", "linear"):
+        if rope_type not in ("default", "llama3", "linear", "rope_freqs"):
             raise ModelLoadError(f"{source}: rope_scaling type {rope_type!r} is not supported "
                                  "(supported: default, linear, llama3)")
         if self.quant_method is not None and self.quant_method not in CHECKPOINT_QUANT_METHODS:

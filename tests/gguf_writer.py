@@ -89,6 +89,25 @@ def llama_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: one divisor per rotary frequency."""
+    import math
+
+    factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    original = scaling.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_tokenizer(writer, tokenizer_folder: Path, pre: str = "default") -> None:
     """tokenizer.json (byte-level BPE) as llama.cpp's gpt2 vocabulary: tokens by id, merges, types."""
     data = json.loads((tokenizer_folder / "tokenizer.json").read_text())
@@ -142,6 +161,9 @@ def write_gguf(source: Path, path: Path, types: dict[str, str], tokenizer_folder
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or config  # transformers 5 nests it
     writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    scaling = rope if rope.get("rope_type") == "llama3" else (config.get("rope_scaling") or {})
+    if scaling.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, rope.get("rope_theta", 10000.0), scaling))
     if tokenizer_folder is not None:
         write_tokenizer(writer, tokenizer_folder)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])

@@ -47,13 +47,17 @@ def layouts(llm) -> dict[str, str]:
 
 
 # llama: untied lm_head, q/k rows permuted in the file; qwen2: tied lm_head, q/k/v biases; qwen3: q/k norms
+# llama3: the llama3 rope scaling as the file's rope_freqs divisors
 @pytest.mark.parametrize("arch, kind, layout", [("llama", "Q8_0", "dequant"), ("qwen2", "Q4_0", "int4pack"),
                                                 ("llama", "Q4_1", "int4pack"), ("qwen3", "BF16", "float"),
-                                                ("mistral", "F16", "float")])
+                                                ("mistral", "F16", "float"), ("llama3", "F32", "float")])
 def test_greedy_tokens_and_logits_match_the_dequantised_reference(tiny_models, tmp_path, arch, kind, layout):
     from transformers import AutoModelForCausalLM
 
-    source = tiny_models[arch] if arch != "llama" else make_tiny_model(tmp_path / "llama", "llama", rope_scaling=None)
+    if arch == "llama":
+        source = make_tiny_model(tmp_path / "llama", "llama", rope_scaling=None)
+    else:
+        source = tiny_models["llama" if arch == "llama3" else arch]
     path = tmp_path / f"model-{kind}.gguf"
     held = write_gguf(source, path, {}, default_type=kind)
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
@@ -61,7 +65,7 @@ def test_greedy_tokens_and_logits_match_the_dequantised_reference(tiny_models, t
     found = layouts(llm)
     assert {v for k, v in found.items() if k != "lm_head"} == {layout}
     unquantised = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    check_against_reference(llm, reference_model(source, held), None if kind in ("F16", "BF16") else unquantised,
+    check_against_reference(llm, reference_model(source, held), None if kind in ("F32", "F16", "BF16") else unquantised,
                             prompts=3)
 
 

@@ -15,6 +15,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict[str,
         return (inv_freq / float(scaling["factor"])).float()
     if rope_type == "llama3":
         return _llama3_scale(inv_freq, scaling).float()
+    if rope_type == "rope_freqs":  # a GGUF file's per-frequency divisors (llama.cpp's rope_freqs tensor)
+        return (inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)).float()
     return inv_freq.float()
 
 
