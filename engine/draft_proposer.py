@@ -42,6 +42,7 @@ from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_token
 from llmctl.engine.ngram_proposer import AdaptiveProposer
+from llmctl.engine.parallel import TensorParallel
 from llmctl.engine.sampler import Sampler, row_argmax
 from llmctl.engine.scheduler import ScheduledSeq
 from llmctl.engine.sequence import Sequence
@@ -131,7 +132,10 @@ class DraftProposer(AdaptiveProposer):
         self.runner = ModelRunner(replace(
             target, model_config=draft.config, model_folder=draft.folder, block_size=block_size,
             num_kv_blocks=num_blocks, max_num_seqs=min(target.max_num_seqs, config.disable_by_batch_size),
-            quantization=None, extra_kv_bytes_per_token=0))
+            quantization=None, extra_kv_bytes_per_token=0,
+            # Whole in the engine's process, as vLLM's draft (its tensor-parallel size 1): the ranks run the
+            # target only, and the draft's pool shares the block ids, not the heads.
+            tensor_parallel=TensorParallel.single()))
         self.sampler = Sampler(self.runner.make_generator(target.seed + 1))  # for unseeded requests' drafts
         self._states: dict[int, _DraftState] = {}
         logger.info("draft model %s: %d layers, %.1f MiB of weights", draft.folder, draft.config.num_layers,

@@ -116,6 +116,20 @@ def test_the_pools_are_sized_together_on_the_same_block_ids(target, small_draft)
     assert engine.executor.kv_cache_bytes + engine.proposer.kv_cache_bytes <= budget
 
 
+def test_the_draft_runs_whole_in_the_engines_process_under_tensor_parallelism(target, small_draft):
+    """With a tensor-parallel target the draft is not sharded (rank 0 runs it whole, as vLLM's draft)."""
+    from dataclasses import replace
+
+    from llmctl.engine.parallel import TensorParallel
+
+    engine = LLMEngine(EngineArgs(model=str(target), max_model_len=128, max_num_seqs=4, block_size=16))
+    config = SpeculativeConfig("draft_model", 2, model=str(small_draft))
+    draft = DraftModel.load(str(small_draft), engine.model_config, target, 128)
+    runner_config = replace(engine.executor.runner.config, tensor_parallel=TensorParallel(0, 2))
+    proposer = DraftProposer(config, draft, runner_config, engine.executor.num_blocks, 16, engine.block_manager)
+    assert proposer.runner.config.tensor_parallel.size == 1
+
+
 # ---- exactness ----------------------------------------------------------------------------------
 def test_the_model_as_its_own_draft_accepts_every_greedy_draft():
     model = str(default_model_path())
