@@ -178,8 +178,15 @@ def tp_prompts(vocab: int) -> list[list[int]]:
     return make_prompts(vocab)
 
 
+# Runs besides the architectures' plain ones: name -> (model, extra engine arguments).
+QUANTISED_RUNS = {"llama-int4-g32": ("llama", {"quantization": "int4-g32"})}
+
+
 def _generate_every_model(tp: TensorParallel, folders: dict[str, str]):
-    return {arch: greedy_run(folder, tp, tp_prompts(512), NEW_TOKENS, **ENGINE) for arch, folder in folders.items()}
+    runs = {name: (folder, {}) for name, folder in folders.items()}
+    runs.update({name: (folders[arch], extra) for name, (arch, extra) in QUANTISED_RUNS.items()})
+    return {name: greedy_run(folder, tp, tp_prompts(512), NEW_TOKENS, **ENGINE, **extra)
+            for name, (folder, extra) in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +219,15 @@ def test_tp2_greedy_matches_tp1_and_transformers(tp_runs, arch):
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                       do_sample=False)[0, len(prompt):]
         assert tokens == expected.tolist(), f"a {len(prompt)}-token prompt diverged from transformers"
+
+
+def test_tp2_int4_matches_tp1_int4(tp_runs):
+    """--quantization int4-g32 with 2 ranks: each rank quantises its own part, and with groups of 32 that never
+    straddle a shard boundary the codes and scales are TP=1's, so the greedy tokens are too."""
+    _, single, sharded = tp_runs
+    one, (rank0, rank1) = single["llama-int4-g32"], (sharded[0]["llama-int4-g32"], sharded[1]["llama-int4-g32"])
+    assert rank0["tokens"] == rank1["tokens"] == one["tokens"]
+    plain = single["llama"]["logits"]
+    assert max(np.abs(q - f).max() for q, f in zip(one["logits"], plain)) > 1e-2  # int4 really ran
+    for ours, theirs in zip(rank0["logits"], one["logits"]):
+        assert np.abs(ours - theirs).max() < 1e-3
