@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from llmctl.engine.errors import EngineArgsError
 
@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization.py).
+DEFAULT_MASTER_PORT = 29500  # torchrun's
 ON_THE_FLY_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128",
                             "int4-asym", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym")
 
@@ -68,6 +69,18 @@ class EngineArgs:
               '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B} (n-gram prompt '
               'lookup) or {"model": PATH, "num_speculative_tokens": K} (a draft model with the same tokenizer; '
               '"default-draft": the one shipped for the embedded model).', cli_type=str)
+    # Tensor parallelism (engine/multiproc_executor.py). Under torchrun its environment variables give the
+    # rendezvous (see ParallelConfig.resolve); the flags are for launching without it.
+    tensor_parallel_size: int = _arg(1, "Ranks the model is sharded over (one process each; 1: in-process).",
+                                     short="-tp")
+    nnodes: int = _arg(1, "Machines the ranks span; each runs the same command with its --node-rank.")
+    node_rank: int = _arg(0, "This machine's index among --nnodes (0 runs the engine; others run model ranks "
+                             "only and exit when rank 0 stops).")
+    master_addr: str = _arg("127.0.0.1", "Address of node 0, where ranks meet (torch.distributed rendezvous).")
+    master_port: Optional[int] = _arg(None, "Port on node 0 where ranks meet (default: a free one on one node, "
+                                            f"{DEFAULT_MASTER_PORT} with --nnodes > 1).")
+    # Python-only: how long a rank waits in a step's collective for the others before the engine fails.
+    collective_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,11 +109,22 @@ class EngineArgs:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise EngineArgsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         SpeculativeConfig.parse(self.speculative_config)
+        self.parallel_for({})
 
     @property
     def speculative(self) -> Optional["SpeculativeConfig"]:
         """The validated speculative-decoding settings (None: off)."""
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def parallel(self) -> "ParallelConfig":
+        """Where this process's ranks are (torchrun's environment honoured when started under it)."""
+        import os
+
+        return self.parallel_for(os.environ)
+
+    def parallel_for(self, environ: Mapping[str, str]) -> "ParallelConfig":
+        return ParallelConfig.resolve(self, environ)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -204,6 +228,79 @@ def _check_method_keys(value: dict[str, Any]) -> None:
     elif value.get("model") is not None:
         raise EngineArgsError(f"speculative_config: method {value['method']!r} takes no \"model\" "
                               '(a draft model is method "draft_model")')
+
+
+TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The ranks of one engine and where they run. World size = tensor_parallel_size, split evenly over
+    `nnodes` machines: node k holds global ranks k * ranks_per_node ... (k + 1) * ranks_per_node - 1;
+    rank 0 (node 0) is the engine's process. Launched by llmctl (`torchrun` False), node 0 starts its
+    other ranks with torch.multiprocessing and a node k > 0 starts all of its own; under torchrun every
+    process already is one rank (`rank`), and nothing is started."""
+
+    world_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: rank 0 picks a free one (one node)
+    collective_timeout_s: float = 30.0
+    torchrun: bool = False
+    rank: Optional[int] = None  # under torchrun: this process's global rank
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this machine holds."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+
+    @property
+    def runs_engine(self) -> bool:
+        """This process is rank 0: scheduler, sampler and the rank-0 model shard."""
+        return (self.rank or 0) == 0 if self.torchrun else self.node_rank == 0
+
+    @classmethod
+    def resolve(cls, args: "EngineArgs", environ: Mapping[str, str]) -> "ParallelConfig":
+        _positive("tensor_parallel_size", args.tensor_parallel_size)
+        _positive("nnodes", args.nnodes)
+        port = args.master_port if args.master_port is not None else 0 if args.nnodes == 1 else DEFAULT_MASTER_PORT
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise EngineArgsError(f"master_port must be in 0..65535, got {port!r}")
+        if not args.collective_timeout_s > 0:
+            raise EngineArgsError("collective_timeout_s must be > 0")
+        if all(key in environ for key in TORCHRUN_KEYS):
+            return cls._from_torchrun(args, environ)
+        if not 0 <= args.node_rank < args.nnodes:
+            raise EngineArgsError(f"node_rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), "
+                                  f"got {args.node_rank}")
+        if args.tensor_parallel_size % args.nnodes:
+            raise EngineArgsError(f"tensor_parallel_size ({args.tensor_parallel_size}) must be a multiple of nnodes "
+                                  f"({args.nnodes}): every node holds the same number of ranks")
+        if port == 0 and args.nnodes > 1:
+            raise EngineArgsError("master_port 0 (a free port) works on one node only: the other nodes must be "
+                                  "told the port; give --master-port")
+        return cls(args.tensor_parallel_size, args.nnodes, args.node_rank, args.master_addr, port,
+                   args.collective_timeout_s)
+
+    @classmethod
+    def _from_torchrun(cls, args: "EngineArgs", environ: Mapping[str, str]) -> "ParallelConfig":
+        try:
+            rank, world, local_world, group_rank, port = (int(environ[key]) for key in (
+                "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"))
+        except ValueError as exc:
+            raise EngineArgsError(f"torchrun's environment is not numeric: {exc}") from None
+        if args.tensor_parallel_size not in (1, world):
+            raise EngineArgsError(f"tensor_parallel_size {args.tensor_parallel_size} differs from torchrun's "
+                                  f"WORLD_SIZE {world}: one rank per torchrun process")
+        if world % local_world:
+            raise EngineArgsError(f"torchrun's WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}")
+        return cls(world, world // local_world, group_rank, environ["MASTER_ADDR"], port, args.collective_timeout_s,
+                   torchrun=True, rank=rank)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

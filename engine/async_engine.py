@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]
 StepListener = Callable[[StepInfo, dict[str, float]], None]
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# An idle engine thread wakes this often to ask the model side whether it can still step (a
+# tensor-parallel rank that died between requests turns the server unhealthy within this much).
+HEALTH_CHECK_INTERVAL_S = 1.0
 _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "NCCL error")
 
 
@@ -206,6 +209,12 @@ class AsyncLLMEngine:
             loaded.set()
         self._start_requested.wait()
         try:
+            self._serve()
+        finally:
+            self.engine.shutdown()  # the other ranks (tensor parallel) stop with the engine thread
+
+    def _serve(self) -> None:
+        try:
             if self._warm and not self._stopping:
                 self._warm_up()
             self._stats = self.engine.get_stats()
@@ -337,8 +346,8 @@ class AsyncLLMEngine:
 
     def _loop_once(self) -> bool:
         with self._lock:
-            while not self._inbox and not self.engine.has_unfinished_requests() and not self._stopping:
-                self._wakeup.wait()
+            if not self._inbox and not self.engine.has_unfinished_requests() and not self._stopping:
+                self._wakeup.wait(HEALTH_CHECK_INTERVAL_S)
             commands = list(self._inbox)
             self._inbox.clear()
             stopping = self._stopping
@@ -346,6 +355,7 @@ class AsyncLLMEngine:
             self._apply(kind, payload)
         if stopping:
             return False
+        self.engine.check_health()
         self._expire_deadlines()
         step = self._step() if self.engine.has_unfinished_requests() else None
         stats = self.engine.get_stats()  # one snapshot per iteration, for readers and listeners alike
@@ -420,7 +430,7 @@ class AsyncLLMEngine:
         return step
 
     def _recover(self, exc: Exception) -> None:
-        if any(marker in str(exc) for marker in _FATAL_MARKERS):
+        if isinstance(exc, EngineDeadError) or any(marker in str(exc) for marker in _FATAL_MARKERS):
             raise exc
         self._consecutive_failures += 1
         if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:

@@ -64,6 +64,11 @@ class EngineDeadError(EngineError):
     """The engine hit a fatal failure and no longer serves requests."""
 
 
+class RankFailedError(EngineDeadError):
+    """A tensor-parallel rank died, hung past the collective timeout, or failed inside a step: the
+    ranks are out of step, so the engine stops (the server reports unhealthy and exits non-zero)."""
+
+
 # What torch raises when an allocation fails: `torch.OutOfMemoryError` (CUDA, and other devices'
 # caching allocators), a plain RuntimeError from the CPU allocator ("[enforce fail at
 # alloc_cpu.cpp:127] ... DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes"

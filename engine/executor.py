@@ -6,11 +6,12 @@ answers sizes (KV blocks, block size, bytes), makes per-request generators on th
 drops state kept between steps (past a rollback, after a failed or out-of-memory step, or when the
 engine goes idle). Nothing else of the runner is the engine's business.
 
-`UniProcExecutor` runs the one `ModelRunner` in this process. A multi-rank executor (tensor
-parallel) keeps this method set: every rank runs the forward on the batch's ids, positions and
-block tables, and the driver rank (in this process) samples, so the `SamplingRow`s, which hold what
-cannot cross a process boundary (a request's `torch.Generator`, logits-processor closures), never
-leave the engine's process.
+`UniProcExecutor` runs the one `ModelRunner` in this process. `MultiprocExecutor`
+(engine/multiproc_executor.py, tensor parallel) keeps this method set: every rank runs the forward on
+the batch's ids, positions and block tables, and the driver rank (in this process) samples, so the
+`SamplingRow`s, which hold what cannot cross a process boundary (a request's `torch.Generator`,
+logits-processor closures), never leave the engine's process. `check_health` raises when the model
+side can no longer step (a rank died); `shutdown` stops what the executor started.
 """
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ class Executor(Protocol):
 
     def release_after_out_of_memory(self) -> None: ...
 
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
 
 class UniProcExecutor:
-    """The runner in this process (the only executor today)."""
+    """The runner in this process (tensor_parallel_size 1)."""
 
     def __init__(self, config: RunnerConfig):
         self.runner = ModelRunner(config)
@@ -80,3 +85,9 @@ class UniProcExecutor:
         self.runner.release_kept_state()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def check_health(self) -> None:
+        """In-process: the runner cannot fail apart from the engine."""
+
+    def shutdown(self) -> None:
+        """Nothing was started."""

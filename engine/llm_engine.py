@@ -78,6 +78,64 @@ def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> 
     return dtype
 
 
+def model_path(args: EngineArgs) -> Path:
+    """The model folder (or .gguf file) the arguments name, checked to exist."""
+    folder = Path(args.model) if args.model else default_model_path()
+    if not folder.exists():
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    if not is_gguf(folder) and not folder.is_dir():
+        raise ModelLoadError(f"{folder} is not a folder (give the Hugging Face model folder or a .gguf file)")
+    return folder
+
+
+def max_batched_tokens(args: EngineArgs) -> int:
+    return args.max_num_batched_tokens or max(2048, args.block_size or 16)
+
+
+def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
+    limit = config.max_position_embeddings
+    if args.max_model_len is None:
+        return limit
+    if args.max_model_len > limit:
+        raise EngineArgsError(f"max_model_len {args.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {limit}")
+    return args.max_model_len
+
+
+def build_runner_config(args: EngineArgs, folder: Path, model_config: ModelConfig, device: torch.device,
+                        extra_kv_bytes_per_token: int = 0) -> RunnerConfig:
+    return RunnerConfig(
+        model_config=model_config, model_folder=folder, device=device,
+        dtype=resolve_dtype(args.dtype, model_config, device), block_size=args.block_size,
+        max_model_len=resolve_max_model_len(args, model_config), max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max_batched_tokens(args), kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+        load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
+        quantization=args.quantization, extra_kv_bytes_per_token=extra_kv_bytes_per_token,
+    )
+
+
+def runner_config(args: EngineArgs) -> RunnerConfig:
+    """The model side's settings from the engine's alone (no tokenizer): what a node k > 0 builds its ranks'
+    runners from, the same flags giving the same settings as on node 0."""
+    folder = model_path(args)
+    model_config = GGUFFile(folder).model_config() if is_gguf(folder) else ModelConfig.from_pretrained(folder)
+    return build_runner_config(args, folder, model_config, resolve_device(args.device))
+
+
+def default_executor_class(args: EngineArgs) -> Callable[[RunnerConfig], Executor]:
+    """In-process for one rank; the multi-rank executor (rank 0 here) for tensor_parallel_size > 1."""
+    parallel = args.parallel
+    if parallel.world_size == 1:
+        return UniProcExecutor
+    if not parallel.runs_engine:
+        raise EngineArgsError(f"node_rank {parallel.node_rank} runs model ranks only: start `llmctl serve` there "
+                              "with the same flags (the engine, and generate or bench, run on node 0)")
+    from llmctl.engine.multiproc_executor import multiproc_executor_for
+
+    return multiproc_executor_for(parallel, args.num_threads)
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """What a step ran (no `request_ids`: nothing was scheduled) and the outputs it produced. The
@@ -141,22 +199,18 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, executor_class: Callable[[RunnerConfig], Executor] = UniProcExecutor):
+    def __init__(self, args: EngineArgs, executor_class: Optional[Callable[[RunnerConfig], Executor]] = None):
         """`executor_class` builds the executor from the runner's configuration (vLLM's seam for
-        other executors; the in-process one by default)."""
+        other executors; default: in-process, or `MultiprocExecutor` with tensor_parallel_size > 1)."""
         args.validate()
         self.args = args
-        folder = Path(args.model) if args.model else default_model_path()
-        if not folder.exists():
-            raise ModelLoadError(f"model folder {folder} does not exist")
+        folder = model_path(args)
         if is_gguf(folder):
             gguf = GGUFFile(folder)
             self.model_config = gguf.model_config()
             self.tokenizer = None if args.skip_tokenizer_init else (
                 Tokenizer.from_pretrained(Path(args.tokenizer)) if args.tokenizer
                 else Tokenizer.from_gguf(gguf.metadata, folder.name))
-        elif not folder.is_dir():
-            raise ModelLoadError(f"{folder} is not a folder (give the Hugging Face model folder or a .gguf file)")
         else:
             self.model_config = ModelConfig.from_pretrained(folder)
             self.tokenizer = (None if args.skip_tokenizer_init
@@ -166,34 +220,30 @@ class LLMEngine:
         device = resolve_device(args.device)
         if device.type == "cpu":
             tune_cpu_allocator()
-        self.max_model_len = self._resolve_max_model_len(args)
+        self.max_model_len = resolve_max_model_len(args, self.model_config)
         speculative = args.speculative
         draft = None
         if speculative is not None and speculative.model is not None:
+            if args.tensor_parallel_size > 1:
+                raise EngineArgsError("a draft model (speculative_config \"model\") with tensor_parallel_size > 1 is "
+                                      "not supported yet; the ngram method is")
             draft = DraftModel.load(speculative.model, self.model_config, Path(args.tokenizer or folder),
                                     self.max_model_len)
         dtype = resolve_dtype(args.dtype, self.model_config, device)
-        runner_config = RunnerConfig(
-            model_config=self.model_config, model_folder=folder, device=device,
-            dtype=dtype, block_size=args.block_size,
-            max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=self._max_batched_tokens(args), kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-            load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
-            quantization=args.quantization, extra_kv_bytes_per_token=draft.kv_bytes_per_token(dtype) if draft else 0,
-        )
-        self.executor: Executor = executor_class(runner_config)
+        config = build_runner_config(args, folder, self.model_config, device,
+                             extra_kv_bytes_per_token=draft.kv_bytes_per_token(dtype) if draft else 0)
+        self.executor: Executor = (executor_class or default_executor_class(args))(config)
         self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
                                           args.enable_prefix_caching)
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=self._max_batched_tokens(args),
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched_tokens(args),
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, policy=args.scheduling_policy,
             batch_wait_timeout_s=args.batch_wait_timeout_ms / 1000.0, long_prompt_penalty=args.long_prompt_penalty,
         ), self.block_manager)
         self.proposer: Optional[NgramProposer | DraftProposer] = None
         if draft is not None:  # its pool has the target's block ids, so it comes after the target's runner
-            self.proposer = DraftProposer(speculative, draft, runner_config, self.executor.num_blocks,
+            self.proposer = DraftProposer(speculative, draft, config, self.executor.num_blocks,
                                           self.executor.block_size, self.block_manager)
         elif speculative is not None:
             self.proposer = NgramProposer(speculative)
@@ -207,18 +257,6 @@ class LLMEngine:
                                     self.eos_token_ids, self.tokenizer.bos_token_id if self.tokenizer else None)
 
     # ---- configuration ------------------------------------------------------------------------
-    def _resolve_max_model_len(self, args: EngineArgs) -> int:
-        limit = self.model_config.max_position_embeddings
-        if args.max_model_len is None:
-            return limit
-        if args.max_model_len > limit:
-            raise EngineArgsError(f"max_model_len {args.max_model_len} exceeds the model's "
-                                  f"max_position_embeddings {limit}")
-        return args.max_model_len
-
-    def _max_batched_tokens(self, args: EngineArgs) -> int:
-        return args.max_num_batched_tokens or max(2048, args.block_size or 16)
-
     def _eos_ids(self) -> frozenset[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
             return self.tokenizer.eos_token_ids
@@ -315,6 +353,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` when the model side can no longer step (a tensor-parallel rank died)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop what the executor started (the other ranks' processes). The engine serves no more steps."""
+        self.executor.shutdown()
 
     # ---- stepping -----------------------------------------------------------------------------
     def step(self) -> StepInfo:

@@ -71,6 +71,37 @@ def _prompt_logprobs(logits: torch.Tensor, rows: list[PromptRow]) -> dict[int, l
     return result
 
 
+@dataclass
+class StepInputs:
+    """What the forward of one step reads, and all of it: plain tensors and integer lists, the same on
+    every rank (a multi-rank executor sends exactly these). Rows in forward order (1-token rows first)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes in the pool
+    logits_indices: torch.Tensor  # [num_logits] int64: the token rows whose logits come back
+    seq_ids: list[int]  # per row
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+
+    def attention_batch(self, block_size: int) -> CommonAttentionMetadata:
+        return CommonAttentionMetadata(seq_ids=self.seq_ids, query_lens=self.query_lens,
+                                       context_lens=self.context_lens, block_tables=self.block_tables,
+                                       slot_mapping=self.slot_mapping, block_size=block_size)
+
+
+@dataclass
+class PreparedStep:
+    """The driver's view of a step: the batch as scheduled, the rows in forward order, the forward's
+    inputs, and the prompt tokens whose log-probs the logits after the sampled ones hold."""
+
+    scheduled: list[ScheduledSeq]
+    order: list[ScheduledSeq]
+    inputs: StepInputs
+    prompt_rows: list[PromptRow]
+
+
 def _unmeasured(work) -> int:
     """Run `work` where no device memory budget applies: nothing to measure."""
     work()
@@ -102,6 +133,8 @@ class RunnerConfig:
     verify: bool
     enforce_eager: bool = False
     quantization: Optional[str] = None  # EngineArgs.quantization: weight-only linears quantised on load
+    # This process's rank: the model, the attention heads and the KV pool are this rank's shard.
+    tensor_parallel: TensorParallel = TensorParallel.single()
     # KV bytes per token of a second pool on the same block ids (a draft model's): the pools are sized
     # together, so a block costs both.
     extra_kv_bytes_per_token: int = 0
@@ -258,7 +291,8 @@ class ModelRunner:
         seq.block_table = [i % scratch_blocks for i in range(-(-cfg.max_model_len // self.block_size))]
         try:
             with torch.inference_mode():
-                return self.memory.growth(lambda: self._forward([ScheduledSeq(seq, tokens)], scratch, None))
+                inputs, _ = self._prepare([ScheduledSeq(seq, tokens)])
+                return self.memory.growth(lambda: self._run(inputs, scratch, None))
         except torch.cuda.OutOfMemoryError as exc:
             raise EngineArgsError(
                 f"out of memory in the profile step ({tokens} new tokens of a {cfg.max_model_len}-token context) "
@@ -273,17 +307,36 @@ class ModelRunner:
         return [torch.zeros(shape, dtype=self.config.dtype, device=self.device) for _ in range(layers)]
 
     # ---- one step -----------------------------------------------------------------------------
+    # execute = prepare (the batch as plain tensors, on the driver) -> forward (every rank, on those
+    # tensors alone) -> sample (the driver). A multi-rank executor sends `StepInputs` to the other ranks
+    # between the first two.
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
         """Run the batch: sample every row that finished its known tokens (`rows[i]` says how; a verify
         row is sampled after each of its last k + 1 inputs), and score prompt tokens for the rows that
         asked for prompt log-probs. The output's lists are aligned with `scheduled`."""
-        order, logits, prompt_rows = self._forward(scheduled, self.kv_caches, self.graphs)
+        step = self.prepare(scheduled)
+        return self.sample(step, self.forward(step.inputs), rows)
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> "PreparedStep":
+        # 1-token rows first: the decode fast paths take the leading ones (CommonAttentionMetadata.num_single)
+        order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
+        inputs, prompt_rows = self._prepare(order)
+        return PreparedStep(scheduled, order, inputs, prompt_rows)
+
+    @torch.inference_mode()
+    def forward(self, inputs: "StepInputs") -> torch.Tensor:
+        """The logits of the step's sampled (and prompt-scored) positions; every rank runs this."""
+        return self._run(inputs, self.kv_caches, self.graphs)
+
+    @torch.inference_mode()
+    def sample(self, step: "PreparedStep", logits: torch.Tensor, rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
+        scheduled = step.scheduled
         batch_index = {id(item): i for i, item in enumerate(scheduled)}
         positions: list[SamplingRow] = []
         owners: list[int] = []  # the batch row of each sampled position
         drafts: list[DraftSpan] = []  # verify rows whose drafts came with their distribution
-        for item in order:
+        for item in step.order:
             if item.num_samples and item.spec_draft_probs is not None:
                 drafts.append(DraftSpan(len(positions), item.spec_token_ids, item.spec_draft_probs))
             for j in range(item.num_samples):
@@ -302,7 +355,7 @@ class ModelRunner:
                     continue  # past a rejected draft
                 result.sampled_token_ids[owner].append(token)
                 result.logprobs[owner].append(entry)
-        scored = _prompt_logprobs(logits[len(positions):], prompt_rows)
+        scored = _prompt_logprobs(logits[len(positions):], step.prompt_rows)
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = scored.get(item.seq.seq_id, [])
         return result
@@ -312,25 +365,22 @@ class ModelRunner:
         """Run the batch and return the logits after the last input of each row that samples, in
         `scheduled`'s order ([rows that sample, vocab]), for a caller that draws the tokens itself (the
         draft proposer). Rows that verify drafts or want prompt log-probs are not for this."""
-        order, logits, _ = self._forward(scheduled, self.kv_caches, self.graphs)
-        sampling = [item for item in order if item.num_samples]
+        step = self.prepare(scheduled)
+        logits = self.forward(step.inputs)
+        sampling = [item for item in step.order if item.num_samples]
         index = {id(item): i for i, item in enumerate(sampling)}
         return logits[[index[id(item)] for item in scheduled if item.num_samples]]
 
-    def _forward(self, scheduled: list[ScheduledSeq], kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]):
-        # 1-token rows first: the decode fast paths take the leading ones (CommonAttentionMetadata.num_single)
-        order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
-        input_ids, positions, batch, logits_indices, prompt_rows = self._prepare(order)
+    def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]) -> torch.Tensor:
+        batch = inputs.attention_batch(self.block_size)
         meta = self.attention.build_metadata(batch)
         if graphs is not None and graphs.can_run(batch):
-            logits = graphs.run(input_ids, positions, kv_caches, meta, logits_indices)
-        else:
-            logits = self.model(input_ids, positions, kv_caches, meta, self.attention, logits_indices)
-        return order, logits, prompt_rows
+            return graphs.run(inputs.input_ids, inputs.positions, kv_caches, meta, inputs.logits_indices)
+        return self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention, inputs.logits_indices)
 
-    def _prepare(self, order: list[ScheduledSeq]):
-        """Token ids, positions, slot mapping and logits indices of the batch, and its rows described
-        for the attention backend."""
+    def _prepare(self, order: list[ScheduledSeq]) -> tuple["StepInputs", list[PromptRow]]:
+        """Token ids, positions, slot mapping and logits indices of the batch, its rows (query and context
+        lengths, block tables), and the prompt tokens to score."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -356,10 +406,10 @@ class ModelRunner:
                 prompt_rows.extend(PromptRow(seq.seq_id, row + p - start, p + 1, seq.token_ids[p + 1], wanted)
                                    for p in range(start, last))
         logits_indices.extend(r.row for r in prompt_rows)
-        batch = CommonAttentionMetadata(seq_ids=[s.seq.seq_id for s in order], query_lens=query_lens,
-                                        context_lens=context_lens, block_tables=[s.seq.block_table for s in order],
-                                        slot_mapping=self._tensor(slots), block_size=bs)
-        return self._tensor(ids), self._tensor(positions), batch, self._tensor(logits_indices), prompt_rows
+        inputs = StepInputs(self._tensor(ids), self._tensor(positions), self._tensor(slots),
+                            self._tensor(logits_indices), [s.seq.seq_id for s in order], query_lens, context_lens,
+                            [s.seq.block_table for s in order])
+        return inputs, prompt_rows
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

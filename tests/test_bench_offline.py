@@ -92,7 +92,7 @@ def test_throughput_json_on_a_tiny_model(capsys, tiny_models):
                    "--input-len", "24", "--output-len", "6", "--range-ratio", "0.5", "--repeats", "2",
                    "--dtype", "float32", "--json")
     assert doc["schema_version"] == 1 and doc["benchmark"] == "throughput" and doc["device"] == "cpu"
-    assert doc["dtype"] == "float32" and doc["enable_prefix_caching"] is False
+    assert doc["dtype"] == "float32" and doc["enable_prefix_caching"] is False and doc["tensor_parallel_size"] == 1
     work = doc["workload"]
     assert work["source"] == "random" and work["num_prompts"] == 12 and work["range_ratio"] == 0.5
     expected = offline.random_requests(12, 24, 6, 0.5, 512, 0)
@@ -258,3 +258,13 @@ def test_without_a_speculative_config_the_documents_say_none(capsys, tiny_models
                    "--input-len", "8", "--output-len", "3", "--num-iters-warmup", "0", "--num-iters", "1",
                    "--dtype", "float32", "--json")
     assert doc["speculative_config"] is None and doc["spec_decode"] is None
+
+
+def test_throughput_reports_the_tensor_parallel_size(capsys, tiny_models):
+    from llmctl.bench.report import render_throughput
+
+    doc = run_json(capsys, "bench", "throughput", "--model", str(tiny_models["llama"]), "--num-prompts", "4",
+                   "--input-len", "8", "--output-len", "3", "--dtype", "float32", "-tp", "2", "--json")
+    assert doc["tensor_parallel_size"] == 2 and doc["workload"]["output_tokens"] == 12
+    render_throughput(doc)
+    assert "float32, cpu, tensor parallel 2)" in capsys.readouterr().out

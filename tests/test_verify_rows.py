@@ -178,7 +178,7 @@ class ProtocolOnly:
             setattr(self, name, getattr(inner, name))
         self.kv_cache_bytes = inner.kv_cache_bytes
         for name in ("execute", "make_generator", "truncate_kept_state", "release_kept_state",
-                     "release_after_out_of_memory"):
+                     "release_after_out_of_memory", "check_health", "shutdown"):
             setattr(self, name, self._recorded(name, getattr(inner, name)))
 
     def _recorded(self, name, method):

@@ -289,6 +289,8 @@ def release(engine: EngineRun) -> None:
 
     import torch
 
+    if engine.llm is not None:
+        engine.llm.engine.shutdown()  # tensor parallel: the other ranks' processes stop now
     engine.llm = None
     gc.collect()
     if torch.cuda.is_available():
@@ -301,5 +303,6 @@ def header(kind: str, info: ModelInfo, args: Any, engine: EngineRun) -> dict[str
     return {"schema_version": SCHEMA_VERSION, "llmctl_version": __version__, "benchmark": kind,
             "model": info.label, "load_format": args.load_format, "device": engine.device, "dtype": engine.dtype,
             "max_model_len": info.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
-            "max_num_seqs": args.max_num_seqs, "engine_load_s": round(engine.load_s, 3),
+            "max_num_seqs": args.max_num_seqs, "tensor_parallel_size": args.tensor_parallel_size,
+            "engine_load_s": round(engine.load_s, 3),
             "speculative_config": None if args.speculative is None else asdict(args.speculative)}

@@ -123,7 +123,8 @@ def render_latency(doc: dict[str, Any]) -> None:
 def _summary_line(doc: dict[str, Any]) -> None:
     w = doc["workload"]
     shape = (f"{w['num_prompts']} prompts" if doc["benchmark"] == "throughput" else f"batch {w['batch_size']}")
-    text = (f"{doc['model']} ({doc['load_format']} weights, {doc['dtype']}, {doc['device']}): {shape}, "
+    text = (f"{doc['model']} ({doc['load_format']} weights, {doc['dtype']}, {doc['device']}, "
+            f"tensor parallel {doc['tensor_parallel_size']}): {shape}, "
             f"{w['prompt_tokens']} prompt + {w['output_tokens']} output tokens")
     ratio = doc.get("ratio_vs_transformers")
     if ratio:

@@ -1,7 +1,9 @@
 """Run the server: load the engine (errors surface before the port opens), then uvicorn.
 
 Owns process-level behaviour: signal handling for a graceful drain (stop accepting, let in-flight
-requests finish within the shutdown timeout, exit 0) and the "listening on" line.
+requests finish within the shutdown timeout, exit 0), the "listening on" line, and, with tensor
+parallelism, the node roles: a node with --node-rank > 0 runs model ranks only (no HTTP server) until
+rank 0 stops them, and a server whose engine lost a rank reports unhealthy for a moment, then exits 1.
 """
 
 from __future__ import annotations
@@ -14,19 +16,24 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import uvicorn
 
 from llmctl.engine.args import EngineArgs
-from llmctl.engine.errors import EngineError
+from llmctl.engine.errors import EngineError, RankFailedError
 from llmctl.errors import UserError
 from llmctl.engine.async_engine import AsyncLLMEngine
 from llmctl.server.app import ServerSettings, build_app
 from llmctl.server.connections import ConnectionLimits, guarded_protocol
 
 logger = logging.getLogger(__name__)
+
+# After a tensor-parallel rank failed: /health answers 503 this long (so a load balancer or an operator
+# sees why), then the server stops and exits 1 for its supervisor to restart it.
+RANK_FAILURE_GRACE_S = 3.0
 
 
 class _GracefulServer(uvicorn.Server):
@@ -151,9 +158,28 @@ def load_engines(engine_args: EngineArgs, fallback: Optional[FallbackModel], **o
     return primary, fallback_engine
 
 
+def _stop_after_rank_failure(server: uvicorn.Server, engines: list[AsyncLLMEngine], failed: threading.Event) -> None:
+    """Watch the engines; the first one that died of a lost rank stops the server (after the grace)."""
+    while not server.should_exit:
+        dead = next((e.dead_error for e in engines if isinstance(e.dead_error, RankFailedError)), None)
+        if dead is not None:
+            logger.critical("%s; the server stops in %g s (exit 1)", dead, RANK_FAILURE_GRACE_S)
+            time.sleep(RANK_FAILURE_GRACE_S)
+            failed.set()
+            server.should_exit = True
+            return
+        time.sleep(0.25)
+
+
 def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting_requests: int | None,
                request_timeout_s: float | None, fallback: Optional[FallbackModel] = None) -> int:
     settings.validate()
+    parallel = engine_args.parallel
+    if not parallel.runs_engine:
+        return _run_worker_node(engine_args)
+    if fallback is not None and parallel.world_size > 1:
+        raise UserError("--fallback-model with --tensor-parallel-size > 1 is not supported (one tensor-parallel "
+                        "engine per server)")
     check_bindable(settings.host, settings.port)
     engine, fallback_engine = load_engines(engine_args, fallback, max_waiting_requests=max_waiting_requests,
                                            request_timeout_s=request_timeout_s)
@@ -161,10 +187,26 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting
     level = logging.getLogger("llmctl").getEffectiveLevel()
     server = _GracefulServer(uvicorn_config(app, settings, log_level=max(level, logging.INFO),
                                             access_log=level <= logging.INFO))
+    rank_failed = threading.Event()
+    threading.Thread(target=_stop_after_rank_failure, args=(server, [engine, fallback_engine][: 1 + bool(fallback_engine)],
+                                                            rank_failed), name="llmctl-rank-failure", daemon=True).start()
     try:
         server.run()
     except SystemExit:  # uvicorn exits when it cannot bind (taken since check_bindable)
         pass
     if not server.started:
         raise UserError(f"could not listen on {settings.host}:{settings.port} (port in use, or not permitted?)")
-    return 0
+    return 1 if rank_failed.is_set() else 0
+
+
+def _run_worker_node(engine_args: EngineArgs) -> int:
+    """--node-rank > 0 (or a torchrun rank > 0): this machine's model ranks, no HTTP server."""
+    from llmctl.engine.llm_engine import runner_config
+    from llmctl.engine.multiproc_executor import run_worker_node
+
+    parallel = engine_args.parallel
+    sys.stderr.write(f"llmctl serve: node {parallel.node_rank} of {parallel.nnodes}: ranks "
+                     f"{parallel.node_ranks.start}-{parallel.node_ranks.stop - 1} joining "
+                     f"{parallel.master_addr}:{parallel.master_port}\n")
+    sys.stderr.flush()
+    return run_worker_node(runner_config(engine_args), parallel, engine_args.num_threads)

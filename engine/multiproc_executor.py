@@ -1,0 +1,467 @@
+"""`MultiprocExecutor`: the `Executor` over several ranks (tensor parallelism), on torch.distributed.
+
+Rank 0 lives in the engine's process: the scheduler, block manager and sampler stay there, and so do
+the `SamplingRow`s (generators, logits-processor closures never cross a process boundary). The other
+ranks only run the model: node 0 starts its ranks 1..n-1 with torch.multiprocessing (spawn), a node
+k > 0 (`run_worker_node`) starts all of its own, and under torchrun every process already is a rank.
+
+Each step the driver flattens the batch once (`ModelRunner.prepare` -> `StepInputs`), sends it to
+every rank as one fixed 8-integer header and one int64 payload (ids, positions, slots, logits rows,
+the rows' lengths and block tables, and the kept-state truncations queued since the last step), and
+every rank runs `ModelRunner.forward` on it; the sharded model's collectives run between ranks on
+the model group; the driver samples from its (gathered) logits.
+
+Three process groups, because their waits differ:
+- the default group (gloo): start-up only (agreeing on the KV pool size), waiting up to
+  `LOAD_TIMEOUT_S` for the slowest rank's weights;
+- the control group (gloo, CPU tensors on every device): the step messages. The timeout is local to
+  each process: on the driver it is the collective timeout (a rank that stopped reading fails the
+  step), on a worker it is `IDLE_TIMEOUT_S`, because a worker waits there for as long as the server
+  sits idle;
+- the model group (gloo on CPU, NCCL on CUDA): the model's all-reduces and gathers, with the
+  collective timeout on every rank.
+
+Faults: a rank that exits closes its connections, so the driver's next (or current) collective fails
+at once; a rank that hangs fails it after the collective timeout (30 s by default). Either way the
+executor is failed from then on (a multi-rank step that broke half-way leaves the ranks out of step,
+so nothing retries) and raises `RankFailedError`, an `EngineDeadError`. Between steps a thread
+watches node 0's worker processes, and `check_health` reports a dead one (the server polls it).
+Workers ignore SIGINT (a terminal's Ctrl-C reaches the whole process group; the driver drains first,
+then stops them), and the kernel kills them when their parent dies (PR_SET_PDEATHSIG), so no rank
+outlives the engine. SIGTERM stops a worker (so systemd units want KillMode=mixed: SIGTERM to the
+server, which drains and stops its ranks).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from llmctl.engine.args import ParallelConfig
+from llmctl.engine.errors import EngineError, RankFailedError
+from llmctl.engine.model_runner import ModelRunner, RunnerConfig, StepInputs
+from llmctl.engine.parallel import TensorParallel
+from llmctl.engine.sampler import SamplingRow
+from llmctl.engine.scheduler import ModelRunnerOutput, ScheduledSeq
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300.0  # ranks on other machines may be started by hand after node 0
+LOAD_TIMEOUT_S = 1800.0  # the slowest rank's weight load
+IDLE_TIMEOUT_S = 30 * 24 * 3600.0  # a worker waits this long for the next step (the server may be idle)
+STOP_TIMEOUT_S = 10.0  # after the stop message, before a worker is killed
+
+EXECUTE, STOP = 1, 2
+HEADER_LEN = 8  # command, payload length, tokens, logits rows, rows, block-table width, truncations, release
+
+
+def _joined_key(rank: int) -> str:
+    """The rendezvous-store key a rank sets once its process runs (before the process groups form)."""
+    return f"llmctl/joined/{rank}"
+
+
+@dataclass(frozen=True)
+class _Groups:
+    control: object
+    model: object
+
+
+# ---- the step message -----------------------------------------------------------------------------
+def pack_step(inputs: StepInputs, truncations: list[tuple[int, int]], release: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header and payload (int64, CPU) that carry one step to the other ranks."""
+    width = max((len(t) for t in inputs.block_tables), default=0)
+    tables = torch.full((len(inputs.block_tables), width), -1, dtype=torch.long)
+    for i, table in enumerate(inputs.block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    rows = torch.tensor([inputs.seq_ids, inputs.query_lens, inputs.context_lens], dtype=torch.long).reshape(-1)
+    flat_truncations = torch.tensor(truncations, dtype=torch.long).reshape(-1)
+    payload = torch.cat([inputs.input_ids.cpu(), inputs.positions.cpu(), inputs.slot_mapping.cpu(),
+                         inputs.logits_indices.cpu(), rows, tables.reshape(-1), flat_truncations])
+    header = torch.tensor([EXECUTE, payload.numel(), inputs.input_ids.numel(), inputs.logits_indices.numel(),
+                           len(inputs.seq_ids), width, len(truncations), int(release)], dtype=torch.long)
+    return header, payload
+
+
+def unpack_step(header: torch.Tensor, payload: torch.Tensor,
+                device: torch.device) -> tuple[StepInputs, list[tuple[int, int]], bool]:
+    _, _, tokens, logits, rows, width, truncations, release = header.tolist()
+    parts = payload.split([tokens, tokens, tokens, logits, 3 * rows, rows * width, 2 * truncations])
+    ids, positions, slots, logits_indices = (p.to(device) for p in parts[:4])
+    seq_ids, query_lens, context_lens = parts[4].reshape(3, rows).tolist() if rows else ([], [], [])
+    tables = [[b for b in row if b >= 0] for row in parts[5].reshape(rows, width).tolist()]
+    inputs = StepInputs(ids, positions, slots, logits_indices, seq_ids, query_lens, context_lens, tables)
+    return inputs, [tuple(t) for t in parts[6].reshape(-1, 2).tolist()], bool(release)
+
+
+# ---- process set-up ---------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when its parent exits (however it exits)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent died before prctl: nobody is left to stop us
+        os._exit(1)
+
+
+def _threads_per_rank(parallel: ParallelConfig, num_threads: Optional[int]) -> int:
+    """CPU: the node's threads (--num-threads, else every core) divided between its ranks."""
+    total = num_threads or os.cpu_count() or 1
+    return max(1, total // parallel.ranks_per_node)
+
+
+def _rank_device(device: torch.device, parallel: ParallelConfig, rank: int) -> torch.device:
+    """CUDA: one GPU per rank, the rank's index on its node; CPU: the CPU."""
+    if device.type != "cuda":
+        return device
+    local = rank - parallel.node_ranks.start
+    if local >= torch.cuda.device_count():
+        raise EngineError(f"rank {rank} needs GPU {local} on its node, which has {torch.cuda.device_count()}")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def _store(parallel: ParallelConfig, rank: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.world_size, is_master=rank == 0,
+                         timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
+
+
+def _connect(parallel: ParallelConfig, rank: int, device: torch.device, store, control_timeout_s: float) -> _Groups:
+    import torch.distributed as dist
+
+    world = parallel.world_size
+    if store is None:  # torchrun: its agent hosts the store at MASTER_ADDR:MASTER_PORT
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+    ranks = list(range(world))
+    control = dist.new_group(ranks, timeout=timedelta(seconds=control_timeout_s), backend="gloo")
+    model = dist.new_group(ranks, timeout=timedelta(seconds=parallel.collective_timeout_s),
+                           backend="nccl" if device.type == "cuda" else "gloo")
+    return _Groups(control, model)
+
+
+def _agree_num_blocks(num_blocks: int) -> int:
+    """Every rank's pool has the same block count on CPU; on CUDA free memory may differ per GPU, so the
+    engine uses the smallest (a rank's blocks past it are never addressed)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([num_blocks], dtype=torch.long)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())
+
+
+def _rank_config(config: RunnerConfig, parallel: ParallelConfig, rank: int, groups: _Groups) -> RunnerConfig:
+    return replace(config, device=_rank_device(config.device, parallel, rank),
+                   tensor_parallel=TensorParallel(rank, parallel.world_size, groups.model))
+
+
+# ---- a rank that only runs the model ----------------------------------------------------------------
+class _Worker:
+    def __init__(self, rank: int, runner: ModelRunner, groups: _Groups):
+        self.rank = rank
+        self.runner = runner
+        self.groups = groups
+
+    def serve(self) -> None:
+        """Run steps until the driver says stop (returns) or goes away (raises)."""
+        import torch.distributed as dist
+
+        header = torch.empty(HEADER_LEN, dtype=torch.long)
+        while True:
+            dist.broadcast(header, 0, group=self.groups.control)
+            if header[0].item() == STOP:
+                return
+            payload = torch.empty(int(header[1].item()), dtype=torch.long)
+            dist.broadcast(payload, 0, group=self.groups.control)
+            inputs, truncations, release = unpack_step(header, payload, self.runner.device)
+            if release:
+                self.runner.release_kept_state()
+            for seq_id, num_tokens in truncations:
+                self.runner.truncate_kept_state(seq_id, num_tokens)
+            self.runner.forward(inputs)
+
+
+def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_threads: int) -> None:
+    """A worker rank's process: join, load its shard, agree on the pool, serve steps. Exits 0 when the
+    driver stopped it, 1 when the driver went away or this rank failed (the reason logged)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group: rank 0 drains, then stops us
+    logging.basicConfig(format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    if config.device.type == "cpu":
+        torch.set_num_threads(num_threads)
+    try:
+        store = None if parallel.torchrun else _store(parallel, rank)
+        if store is not None:
+            store.set(_joined_key(rank), str(os.getpid()))
+        groups = _connect(parallel, rank, config.device, store, IDLE_TIMEOUT_S)
+        runner = ModelRunner(_rank_config(config, parallel, rank, groups))
+        _agree_num_blocks(runner.num_blocks)
+        _Worker(rank, runner, groups).serve()
+    except BaseException as exc:  # noqa: BLE001 - a worker's failure is its exit code and its log line
+        logger.error("rank %d stops: %s: %s", rank, type(exc).__name__, " ".join(str(exc).split())[:500])
+        os._exit(1)
+    _destroy_process_group()
+    os._exit(0)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the peers may already be gone
+            pass
+
+
+def _spawn(ranks: range, parallel: ParallelConfig, config: RunnerConfig, num_threads: int) -> dict[int, object]:
+    context = torch.multiprocessing.get_context("spawn")
+    processes = {}
+    for rank in ranks:
+        process = context.Process(target=_worker_main, args=(rank, parallel, config, num_threads),
+                                  name=f"llmctl-rank-{rank}", daemon=True)
+        process.start()
+        processes[rank] = process
+    return processes
+
+
+def _stop(processes: dict[int, object], timeout_s: float) -> None:
+    """Wait for the processes to exit, then terminate, then kill what is left."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes.values():
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes.values():
+        if process.is_alive():
+            process.terminate()
+            process.join(2.0)
+        if process.is_alive():
+            process.kill()
+            process.join(2.0)
+
+
+# ---- the driver (rank 0, in the engine's process) -----------------------------------------------------
+class MultiprocExecutor:
+    """The `Executor` of a tensor-parallel engine; rank 0 runs here."""
+
+    def __init__(self, config: RunnerConfig, parallel: ParallelConfig, num_threads: Optional[int] = None):
+        if not parallel.runs_engine:
+            raise EngineError("only rank 0 (node 0) runs the engine; other nodes run run_worker_node")
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the default process group is per process
+            raise EngineError("a tensor-parallel engine already runs in this process (one per process)")
+        self.parallel = parallel
+        self.fault: Optional[RankFailedError] = None
+        self._closed = False
+        self._serving = False  # start-up done: every rank reads step messages
+        self._truncations: list[tuple[int, int]] = []
+        self._release = False
+        self._processes: dict[int, object] = {}
+        threads = _threads_per_rank(parallel, num_threads)
+        if config.device.type == "cpu":
+            torch.set_num_threads(threads)
+        try:
+            self._start(config, threads)
+        except BaseException:
+            self.shutdown()
+            raise
+        atexit.register(self.shutdown)  # an offline LLM's ranks stop with the interpreter
+        self._watcher = threading.Thread(target=self._watch, name="llmctl-rank-watch", daemon=True)
+        self._watcher.start()
+        logger.info("tensor parallel: %d ranks on %d node(s), %s", parallel.world_size, parallel.nnodes,
+                    "NCCL" if self.device.type == "cuda" else f"gloo, {threads} thread(s) per rank")
+
+    def _start(self, config: RunnerConfig, threads: int) -> None:
+        store = None
+        if not self.parallel.torchrun:
+            store = _store(self.parallel, 0)
+            self.parallel = replace(self.parallel, master_port=store.port)  # port 0: the one it picked
+            local = range(1, self.parallel.ranks_per_node)
+            self._processes = _spawn(local, self.parallel, config, threads)
+            self._wait_for_ranks(store)
+        try:
+            self.groups = _connect(self.parallel, 0, config.device, store, self.parallel.collective_timeout_s)
+            self.runner = ModelRunner(_rank_config(config, self.parallel, 0, self.groups))
+            self.num_blocks = _agree_num_blocks(self.runner.num_blocks)
+            self._serving = True
+        except EngineError:
+            raise
+        except RuntimeError as exc:  # gloo/NCCL: a rank went away during start-up
+            raise self._failure("start-up", exc) from None
+        self.block_size = self.runner.block_size
+        self.device = self.runner.device
+        self.dtype = config.dtype
+
+    def _wait_for_ranks(self, store) -> None:
+        """Until every rank has joined the store: node 0's workers (a dead one fails at once) and the other
+        nodes' (logged every 30 s while missing, given up after JOIN_TIMEOUT_S)."""
+        missing = set(range(1, self.parallel.world_size))
+        start = last_note = time.monotonic()
+        while missing:
+            self._raise_for_dead_process("start-up")
+            missing = {r for r in missing if not store.check([_joined_key(r)])}
+            now = time.monotonic()
+            if missing and now - start > JOIN_TIMEOUT_S:
+                raise RankFailedError(f"rank(s) {sorted(missing)} did not join {self.parallel.master_addr}:"
+                                      f"{self.parallel.master_port} within {JOIN_TIMEOUT_S:g} s (is every node's "
+                                      "command running with the same --nnodes and --master-addr/--master-port?)")
+            if missing and now - last_note > 30:
+                logger.warning("waiting for rank(s) %s to join at %s:%d", sorted(missing), self.parallel.master_addr,
+                               self.parallel.master_port)
+                last_note = now
+            time.sleep(0.05)
+
+    # ---- faults -------------------------------------------------------------------------------------
+    def _dead_processes(self) -> list[str]:
+        return [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                for rank, p in self._processes.items() if p.exitcode is not None]
+
+    def _raise_for_dead_process(self, when: str) -> None:
+        dead = self._dead_processes()
+        if dead:
+            raise RankFailedError(f"tensor-parallel {when} failed: {'; '.join(dead)} (its log says why)")
+
+    def _failure(self, when: str, exc: BaseException) -> RankFailedError:
+        for process in self._processes.values():
+            process.join(0.2)  # a rank that closed its connections is about to be reaped: name it
+        dead = self._dead_processes()
+        cause = "; ".join(dead) if dead else f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        return RankFailedError(f"tensor-parallel {when} failed: {cause}; the ranks are out of step, the engine "
+                               "stops")
+
+    def _watch(self) -> None:
+        """Between steps: the first worker process that exits fails the executor."""
+        sentinels = {p.sentinel: rank for rank, p in self._processes.items()}
+        if not sentinels:
+            return
+        ready = multiprocessing.connection.wait(list(sentinels))
+        rank = sentinels[ready[0]]
+        process = self._processes[rank]
+        process.join(1.0)  # the sentinel closes as the process exits, a moment before its exit code is known
+        if not self._closed and self.fault is None:
+            self.fault = RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                                         f"{process.exitcode}")
+            logger.critical("%s", self.fault)
+
+    def check_health(self) -> None:
+        """Raise the executor's fault (a rank died, or a step's collective failed)."""
+        if self.fault is not None:
+            raise self.fault
+
+    # ---- the Executor methods -------------------------------------------------------------------------
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Rank 0's pool (every rank holds one of the same size, its KV heads' share)."""
+        return self.num_blocks * self.runner.bytes_per_block
+
+    def execute(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
+        self.check_health()
+        step = self.runner.prepare(scheduled)
+        try:
+            self._send(step.inputs)
+            logits = self.runner.forward(step.inputs)
+        except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
+            self.fault = self._failure("step", exc)
+            raise self.fault from None
+        return self.runner.sample(step, logits, rows)
+
+    def _send(self, inputs: StepInputs) -> None:
+        import torch.distributed as dist
+
+        header, payload = pack_step(inputs, self._truncations, self._release)
+        dist.broadcast(header, 0, group=self.groups.control)
+        dist.broadcast(payload, 0, group=self.groups.control)
+        self._truncations, self._release = [], False
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return self.runner.make_generator(seed)
+
+    def truncate_kept_state(self, seq_id: int, num_tokens: int) -> None:
+        """Here at once, on the other ranks with the next step (nothing runs on them in between)."""
+        self.runner.truncate_kept_state(seq_id, num_tokens)
+        self._truncations.append((seq_id, num_tokens))
+
+    def release_kept_state(self) -> None:
+        self.runner.release_kept_state()
+        self._truncations, self._release = [], True
+
+    def release_after_out_of_memory(self) -> None:
+        # Unreachable in practice: an out-of-memory inside a multi-rank forward is a fault (see execute);
+        # one in the driver's sampling leaves the workers waiting for the next step, which is in step.
+        self.release_kept_state()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def shutdown(self) -> None:
+        """Tell every rank to stop, wait for node 0's workers (killing those that do not exit), close the
+        groups. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        # Before start-up finished the workers are not reading step messages: they are stopped, not told.
+        told = self._serving and self.fault is None
+        if told:
+            import torch.distributed as dist
+
+            try:
+                dist.broadcast(torch.tensor([STOP] + [0] * (HEADER_LEN - 1), dtype=torch.long), 0,
+                               group=self.groups.control)
+            except RuntimeError as exc:
+                told = False
+                logger.warning("could not tell every rank to stop: %s", " ".join(str(exc).split())[:200])
+        _stop(self._processes, STOP_TIMEOUT_S if told else 0.0)  # after a fault, nobody waits for a hung rank
+        _destroy_process_group()
+
+
+def multiproc_executor_for(parallel: ParallelConfig, num_threads: Optional[int]):
+    """The `executor_class` LLMEngine takes: builds a MultiprocExecutor for `parallel`."""
+    def build(config: RunnerConfig) -> MultiprocExecutor:
+        return MultiprocExecutor(config, parallel, num_threads)
+    return build
+
+
+# ---- a node k > 0 -----------------------------------------------------------------------------------
+def run_worker_node(config: RunnerConfig, parallel: ParallelConfig, num_threads: Optional[int]) -> int:
+    """Node k > 0 (or a torchrun rank > 0): run this machine's ranks until rank 0 stops them. Returns the
+    exit code: 0 when every rank was stopped by rank 0, 1 when one failed or rank 0 went away. SIGTERM or
+    SIGINT here stops this node's ranks (which fails the engine on node 0)."""
+    threads = _threads_per_rank(parallel, num_threads)
+    if parallel.torchrun:
+        _worker_main(parallel.rank, parallel, config, threads)  # exits the process
+    processes = _spawn(parallel.node_ranks, parallel, config, threads)
+    stopping = threading.Event()
+
+    def on_signal(sig, frame):
+        logger.warning("received %s: stopping this node's ranks", signal.Signals(sig).name)
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        remaining = {p.sentinel: p for p in processes.values()}
+        while remaining and not stopping.is_set():
+            for sentinel in multiprocessing.connection.wait(list(remaining), timeout=0.5):
+                remaining.pop(sentinel)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop(processes, 0.0 if stopping.is_set() else STOP_TIMEOUT_S)
+    codes = {rank: p.exitcode for rank, p in processes.items()}
+    logger.info("node %d: ranks exited %s", parallel.node_rank, codes)
+    return 0 if not stopping.is_set() and all(code == 0 for code in codes.values()) else 1
