@@ -109,7 +109,8 @@ def report(
         "results": [{**r.to_dict(), "area": areas[r.id], "title": titles[r.id]} for r in results],
         "plan": {"expect_gpus": plan.expect_gpus, "model": str(plan.model) if plan.model else None,
                  "gpu_memory_utilization": plan.gpu_memory_utilization, "thresholds": plan.thresholds.to_dict(),
-                 "server": plan.server},
+                 "server": plan.server, "tensor_parallel_size": plan.tensor_parallel_size,
+                 "master_addr": plan.master_addr, "master_port": plan.master_port},
     }
 
 

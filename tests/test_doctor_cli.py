@@ -176,3 +176,21 @@ def test_pcie_load_probe_without_cuda_returns_an_empty_sample_with_the_reason():
     if not torch.cuda.is_available():
         sample = measure_under_load(view, 1.0)
         assert sample.readings == {} and sample.note == "torch has no usable CUDA"
+
+
+def test_tp_rendezvous_from_the_command_line_and_the_environment(capsys, monkeypatch):
+    """-tp / --master-port reach the plan (and the JSON report); LLMCTL_TENSOR_PARALLEL_SIZE is the same setting."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code = run(["doctor", "--only", "tp-rendezvous", "-tp", "2", "--master-port", str(port), "--json"])
+        report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["results"][0]["status"] == "fail"
+    assert f"127.0.0.1:{port} is in use" in report["results"][0]["summary"]
+    assert (report["plan"]["tensor_parallel_size"], report["plan"]["master_port"]) == (2, port)
+    monkeypatch.setenv("LLMCTL_TENSOR_PARALLEL_SIZE", "1")
+    assert run(["doctor", "--only", "tp-rendezvous", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "skip"
