@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections import deque
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from llmctl.engine.args import SpeculativeConfig
 from llmctl.engine.sequence import Sequence
@@ -29,18 +28,33 @@ MIN_ACCEPTANCE = 0.2
 
 def find_ngram_continuation(token_ids: list[int] | np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
     """Up to `k` tokens after an earlier occurrence of the last n tokens, for the longest n in
-    [min_n, max_n] that occurs earlier; [] when none does. O(len * n) per n tried: 1.6 ms for 4096
-    tokens with no match at n = 5..1 (measured on a loaded 2-core host), beside a step of tens of ms."""
+    [min_n, max_n] that occurs earlier; [] when none does.
+
+    One pass finds the earlier positions holding the last token; each is then extended backwards (at
+    most max_n - 1 compares over the survivors) to the length of the suffix it matches. CPU time per
+    call, 300 tokens: 28 us (a sliding-window compare per n took 124 us; a batch-1 decode step of the
+    embedded model is about 2.5 ms); 4096 tokens with no match at n = 5..1: 0.15 ms (was 0.91 ms)."""
     tokens = np.asarray(token_ids)
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        # Windows starting at 0 .. len-1-n: each has a token after it, and none is the suffix itself.
-        windows = sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+    length = len(tokens)
+    max_n = min(max_n, length - 1)
+    if max_n < min_n:
+        return []
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # last positions of earlier 1-gram matches
+    matched = np.ones(len(ends), dtype=np.int64)  # suffix length each one matches, up to max_n
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, max_n):
+        alive &= ends >= back
+        alive[alive] = tokens[ends[alive] - back] == tokens[length - 1 - back]
+        if not alive.any():
+            break
+        matched += alive
+    for n in range(max_n, min_n - 1, -1):
+        hits = ends[matched >= n]
         if hits.size:
             # The most recent occurrence with k tokens after it (in a repeated text, the nearest copy), else
             # the earliest (the longest continuation there is).
-            full = hits[hits + n + k <= len(tokens)]
-            start = int(full[-1] if full.size else hits[0]) + n
+            full = hits[hits + 1 + k <= length]
+            start = int(full[-1] if full.size else hits[0]) + 1
             return tokens[start:start + k].tolist()
     return []
 

@@ -74,6 +74,25 @@ def test_the_longest_suffix_ngram_gives_the_tokens_after_its_latest_full_occurre
     assert find_ngram_continuation([5], 3, 1, 2) == []
 
 
+def _continuation_by_hand(tokens: list[int], max_n: int, min_n: int, k: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts:
+            full = [s for s in starts if s + n + k <= len(tokens)]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start:start + k]
+    return []
+
+
+def test_the_continuation_matches_a_by_hand_search_on_random_sequences():
+    rng = random.Random(3)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.randrange(1, 6)) for _ in range(rng.randrange(1, 30))]
+        max_n = rng.randrange(1, 6)
+        min_n, k = rng.randrange(1, max_n + 1), rng.randrange(1, 6)
+        assert find_ngram_continuation(tokens, max_n, min_n, k) == _continuation_by_hand(tokens, max_n, min_n, k)
+
+
 def _decoding(seq_id: int, tokens: list[int]) -> Sequence:
     seq = Sequence(seq_id, f"r{seq_id}", 0, tokens[:-1], SamplingParams())
     seq.append_token(tokens[-1])
@@ -120,7 +139,7 @@ def test_the_proposer_is_linear_in_the_sequence_length():
     for _ in range(20):
         find_ngram_continuation(tokens, 5, 1, 4)  # no match at any n: the worst case, every n scanned
     per_call = (time.perf_counter() - start) / 20
-    assert per_call < 0.05  # measured 1.6 ms for 4096 tokens (0.4 ms for 512) on a loaded 2-core host
+    assert per_call < 0.05  # measured 0.15 ms of CPU for 4096 tokens
 
 
 # ---- acceptance rule --------------------------------------------------------------------------
