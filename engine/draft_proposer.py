@@ -29,16 +29,19 @@ round; a preempted sequence (blocks gone) starts from nothing.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import safe_open
 
 from llmctl.engine.args import SpeculativeConfig
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.loader import find_weight_files
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_token
 from llmctl.engine.ngram_proposer import AdaptiveProposer
@@ -107,6 +110,20 @@ class DraftModel:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return kv_bytes_per_token(self.config, dtype)
 
+    def weight_bytes(self, dtype: torch.dtype) -> int:
+        """What its weights take in `dtype`: from the tensor shapes of a safetensors checkpoint, from the
+        file sizes (scaled from the checkpoint's dtype) of a pickled one."""
+        element = torch.empty((), dtype=dtype).element_size()
+        stored = getattr(torch, str(self.config.checkpoint_dtype or "float32").replace("torch.", ""), torch.float32)
+        total = 0
+        for path in find_weight_files(self.folder):
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as weights:
+                    total += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys()) * element
+            else:
+                total += path.stat().st_size * element // torch.empty((), dtype=stored).element_size()
+        return total
+
 
 @dataclass
 class _DraftState:
@@ -132,7 +149,7 @@ class DraftProposer(AdaptiveProposer):
         self.runner = ModelRunner(replace(
             target, model_config=draft.config, model_folder=draft.folder, block_size=block_size,
             num_kv_blocks=num_blocks, max_num_seqs=min(target.max_num_seqs, config.disable_by_batch_size),
-            quantization=None, extra_kv_bytes_per_token=0,
+            quantization=None, extra_kv_bytes_per_token=0, extra_reserved_bytes=0,
             # Whole in the engine's process, as vLLM's draft (its tensor-parallel size 1): the ranks run the
             # target only, and the draft's pool shares the block ids, not the heads.
             tensor_parallel=TensorParallel.single()))

@@ -103,7 +103,7 @@ def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
 
 
 def build_runner_config(args: EngineArgs, folder: Path, model_config: ModelConfig, device: torch.device,
-                        extra_kv_bytes_per_token: int = 0) -> RunnerConfig:
+                        extra_kv_bytes_per_token: int = 0, extra_reserved_bytes: int = 0) -> RunnerConfig:
     return RunnerConfig(
         model_config=model_config, model_folder=folder, device=device,
         dtype=resolve_dtype(args.dtype, model_config, device), block_size=args.block_size,
@@ -112,6 +112,7 @@ def build_runner_config(args: EngineArgs, folder: Path, model_config: ModelConfi
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
         quantization=args.quantization, extra_kv_bytes_per_token=extra_kv_bytes_per_token,
+        extra_reserved_bytes=extra_reserved_bytes,
     )
 
 
@@ -231,7 +232,8 @@ class LLMEngine:
                                     self.max_model_len)
         dtype = resolve_dtype(args.dtype, self.model_config, device)
         config = build_runner_config(args, folder, self.model_config, device,
-                             extra_kv_bytes_per_token=draft.kv_bytes_per_token(dtype) if draft else 0)
+                             extra_kv_bytes_per_token=draft.kv_bytes_per_token(dtype) if draft else 0,
+                             extra_reserved_bytes=draft.weight_bytes(dtype) if draft else 0)
         self.executor: Executor = (executor_class or default_executor_class(args))(config)
         self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
                                           args.enable_prefix_caching)

@@ -138,6 +138,9 @@ class RunnerConfig:
     # KV bytes per token of a second pool on the same block ids (a draft model's): the pools are sized
     # together, so a block costs both.
     extra_kv_bytes_per_token: int = 0
+    # Device bytes another model of this process takes after this runner has planned (a draft's weights):
+    # held out of the --gpu-memory-utilization budget.
+    extra_reserved_bytes: int = 0
     # This process's rank: the model, the attention heads and the KV pool are this rank's shard.
     tensor_parallel: TensorParallel = TensorParallel.single()
 
@@ -236,7 +239,8 @@ class ModelRunner:
     def _budget_bytes(self, peak: int) -> int:
         """Bytes --gpu-memory-utilization leaves for what is not allocated yet, less the profiled peak."""
         free, total = self.memory.free_and_total()
-        return int(total * self.config.gpu_memory_utilization) - (total - free) - peak
+        return (int(total * self.config.gpu_memory_utilization) - (total - free) - peak
+                - self.config.extra_reserved_bytes)
 
     def _capture_graphs(self, graphs: DecodeGraphs, peak: int) -> None:
         """Capture every decode-graph bucket now, within GRAPH_SHARE of the budget and leaving room for one

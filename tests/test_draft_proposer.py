@@ -116,6 +116,23 @@ def test_the_pools_are_sized_together_on_the_same_block_ids(target, small_draft)
     assert engine.executor.kv_cache_bytes + engine.proposer.kv_cache_bytes <= budget
 
 
+def test_on_a_device_budget_the_drafts_weights_and_kv_come_out_of_it(target, small_draft, monkeypatch):
+    """The CUDA start-up plan run on the CPU with fake memory numbers: the target plans its pool after
+    holding back the draft's weights (loaded after it plans) and pricing each block with both models' K/V."""
+    from test_cuda_logic import MIB, cpu_runner_with_device_memory
+
+    llm, _, _ = cpu_runner_with_device_memory(monkeypatch, target, total=100 * MIB, used=40 * MIB, peak=5 * MIB,
+                                              per_row=0, max_model_len=256, max_num_seqs=256, enforce_eager=True,
+                                              speculative_config=_spec(small_draft))
+    runner, draft_runner = llm.engine.executor.runner, llm.engine.proposer.runner
+    estimate = DraftModel.load(str(small_draft), ModelConfig.from_pretrained(target), target, 256).weight_bytes(
+        torch.float32)
+    assert estimate == draft_runner.weight_bytes  # what the draft's parameters really took
+    budget = 90 * MIB - 40 * MIB - 5 * MIB - estimate
+    per_block = int((runner.bytes_per_block + draft_runner.bytes_per_block) * 1.5)  # + the kept decode K/V share
+    assert runner.num_blocks == draft_runner.num_blocks == budget // per_block
+
+
 def test_the_draft_runs_whole_in_the_engines_process_under_tensor_parallelism(target, small_draft):
     """With a tensor-parallel target the draft is not sharded (rank 0 runs it whole, as vLLM's draft)."""
     from dataclasses import replace
