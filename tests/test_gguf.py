@@ -248,3 +248,19 @@ def test_sentencepiece_vocabulary_from_scores_encodes_like_its_merges():
         assert ours.decode(ids) == text
     assert ours.encode("hi")[0] == 1 and ours.eos_token_ids == frozenset({2})
     assert any(t.startswith("<0x") for t in (metadata["tokenizer.ggml.tokens"][i] for i in ours.encode("☃")))
+
+
+def test_serve_answers_the_openai_client_from_a_gguf_file(chat_gguf):
+    import openai
+    from server_helpers import running_server
+
+    path, source = chat_gguf
+    with running_server(path, engine_options={"max_model_len": 128}) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        completion = client.completions.create(model=model, prompt="To be, or not", max_tokens=4, temperature=0)
+        assert completion.usage.prompt_tokens == len(Tokenizer.from_pretrained(source).encode("To be, or not"))
+        assert completion.usage.completion_tokens == 4
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3, temperature=0)
+        assert chat.usage.completion_tokens == 3  # the chat template came from the file's metadata
