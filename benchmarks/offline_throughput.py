@@ -40,8 +40,9 @@ def make_model(folder: Path, dtype: str) -> Path:
     return folder
 
 
-def run_worker(python: str, system: str, model: Path, dtype: str, args, extra_env: dict[str, str]) -> dict:
-    command = [python, str(WORKER), "--system", system, "--model", str(model), "--dtype", dtype,
+def run_worker(python: str, system: str, model: Path, dtype: str, args, extra_env: dict[str, str],
+               extra_args: tuple[str, ...] = ()) -> dict:
+    command = [python, str(WORKER), "--system", system, "--model", str(model), "--dtype", dtype, *extra_args,
                "--vocab", str(SMOLLM_135M["vocab_size"]), "--num-prompts", str(args.num_prompts),
                "--output-len", str(args.output_len), "--workloads", args.workloads, "--repeats", str(args.repeats)]
     if args.threads:

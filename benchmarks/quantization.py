@@ -1,0 +1,235 @@
+"""Quantised decode on CPU: llmctl bf16 / int8 / int4 beside llama.cpp (the same model converted to GGUF
+bf16, Q8_0 and Q4_0) and vLLM-CPU bf16, ratios in one run.
+
+Model: SmolLM-135M's shape with seeded random weights (offline_throughput.py's), saved in bfloat16; every
+system loads that folder (llama.cpp: its GGUF conversions, made by llama.cpp's own converter and
+`llama-quantize`; llmctl's GGUF rows load the same files where llmctl reads GGUF). Workloads:
+`single` = one 128-token prompt and 128 output tokens, `batched` = 64 prompts of 32-256 tokens (144 on
+average) and 128 output tokens each. Rate = output tokens / wall time of the whole workload (prefill
+included) for every system: llama.cpp through `llama-batched-bench` (-npp 128 -npl 1 and -npp 144 -npl 64,
+-ntg 128, its B*TG / T). Pairs compared: bf16 - bf16, int8 - Q8_0 (both 8-bit symmetric; Q8_0 has a scale
+per 32 weights, ours per row) and int4-g32 - Q4_0 (both symmetric 4-bit in groups of 32).
+
+Bandwidth: the machine's read bandwidth as `llmctl bench --cpu` measures it (a sum over a large buffer), and
+the weight bytes each batch-1 token streams (every linear and the lm_head in its stored form) times the
+single-stream rate, a lower bound on what the decode streams (prefill is in the time).
+
+    python benchmarks/quantization.py [--llamacpp DIR [--llamacpp-no-repack]] [--vllm-python VENV/bin/python]
+        [--schemes bf16,int8,int4-g32,int4] [--workloads single,batched] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from offline_throughput import SMOLLM_135M, VLLM_ENV, make_model, run_worker, summarize
+
+# llmctl scheme -> the llama.cpp type it is compared with
+PEER_TYPE = {"bf16": "bf16", "int8": "Q8_0", "int4-g32": "Q4_0"}
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "llmctl" / "default_model"
+WORKLOAD_SHAPES = {"single": (128, 1), "batched": (144, 64)}  # prompt tokens, sequences (llama-batched-bench)
+
+
+def stored_bytes_per_token(scheme: str) -> int:
+    """Bytes of every linear weight (and scales) a batch-1 token reads, in llmctl's stored form."""
+    c = SMOLLM_135M
+    hidden, inter, kv = c["hidden_size"], c["intermediate_size"], c["hidden_size"] * c["num_key_value_heads"] // c["num_attention_heads"]
+    shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * c["num_hidden_layers"]
+    shapes.append((c["vocab_size"], hidden))  # the (tied) lm_head
+    total = 0
+    for out_features, in_features in shapes:
+        weights = out_features * in_features
+        if scheme == "bf16":
+            total += 2 * weights
+        elif scheme == "int8":  # int8pack: a byte a weight, one bf16 scale a row
+            total += weights + 2 * out_features
+        else:  # int4pack: half a byte a weight, a bf16 scale and offset a group
+            group = 128 if scheme in ("int4", "int4-asym") else int(re.search(r"g(\d+)", scheme).group(1))
+            total += weights // 2 + 4 * weights // group
+    return total
+
+
+def read_bandwidth_gbs() -> float:
+    """`llmctl bench --cpu`'s memory-read figure: the median GB/s of a sum over 256 MiB or 4x the LLC."""
+    import statistics
+
+    import torch
+
+    from llmctl.bench import kernels
+    from llmctl.bench.hardware import _cpu_caches
+
+    caches = _cpu_caches()
+    llc = caches.get(max(caches)) if caches else 32 << 20
+    measured = kernels.memory_read(kernels.Timer(0.5, 7), torch.device("cpu"), max(256 << 20, 4 * llc), peak_key=None)
+    return statistics.median(measured.values)
+
+
+# ---- llama.cpp ---------------------------------------------------------------------------------------------
+
+def convert_to_gguf(llamacpp: Path, folder: Path, out: Path) -> None:
+    """llama.cpp's own converter (vendored in its tree) run by this Python, which has torch and transformers.
+    The folder carries the embedded model's byte-level BPE tokenizer (the converter pads the vocabulary to
+    the model's); its pre-tokenizer is declared GPT-2's (it is byte-level BPE), and the SentencePiece path
+    is skipped (no tokenizer.model, and no sentencepiece package here)."""
+    tree = llamacpp / "src" / "vendor" / "llama.cpp"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL / name, folder / name)
+    script = f"""
+import sys
+sys.path[:0] = [{str(tree)!r}, {str(tree / 'gguf-py')!r}]
+import conversion.base as base
+def no_sentencepiece(self):
+    raise FileNotFoundError("no tokenizer.model")
+for name in dir(base):
+    cls = getattr(base, name)
+    if isinstance(cls, type) and hasattr(cls, "get_vocab_base_pre"):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    if isinstance(cls, type) and "_set_vocab_sentencepiece" in vars(cls):
+        cls._set_vocab_sentencepiece = no_sentencepiece
+import convert_hf_to_gguf as conv
+sys.argv = ["convert_hf_to_gguf.py", {str(folder)!r}, "--outfile", {str(out)!r}, "--outtype", "bf16"]
+conv.main()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"GGUF conversion failed: {proc.stderr.strip().splitlines()[-3:]}")
+
+
+def llama_env(llamacpp: Path) -> dict[str, str]:
+    return {**os.environ, "LD_LIBRARY_PATH": str(llamacpp / "bin")}
+
+
+def quantize_gguf(llamacpp: Path, source: Path, kind: str) -> Path:
+    out = source.with_name(f"model-{kind}.gguf")
+    subprocess.run([str(llamacpp / "bin" / "llama-quantize"), str(source), str(out), kind], check=True,
+                   capture_output=True, text=True, env=llama_env(llamacpp))
+    return out
+
+
+def llama_batched_rate(llamacpp: Path, gguf: Path, workload: str, output_len: int, threads: int,
+                       no_repack: bool) -> float:
+    """Output tokens / s of `llama-batched-bench` for the workload's shape: B * TG / T (prefill included).
+    `no_repack` (-nr) keeps the weights in their GGUF layout: on hosts that hide AMX's tile state from the
+    process (some VMs), llama.cpp's AMX repacked path dies of SIGILL on its first tile instruction."""
+    prompt, sequences = WORKLOAD_SHAPES[workload]
+    command = [str(llamacpp / "bin" / "llama-batched-bench"), "-m", str(gguf), "-c", str(sequences * (prompt + output_len) + 64),
+               "-npp", str(prompt), "-ntg", str(output_len), "-npl", str(sequences), "-np", str(sequences),
+               "-t", str(threads), "-tb", str(threads), *(["-nr"] if no_repack else [])]
+    proc = subprocess.run(command, capture_output=True, text=True, env=llama_env(llamacpp), timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"llama-batched-bench failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
+    return parse_batched_bench(proc.stdout + proc.stderr)
+
+
+def parse_batched_bench(text: str) -> float:
+    """B * TG / T from the markdown table llama-batched-bench prints."""
+    header, rows = None, []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if "S_TG t/s" in cells:
+            header = cells
+        elif header and len(cells) == len(header) and cells[0].isdigit():
+            rows.append(dict(zip(header, cells)))
+    if not rows:
+        raise SystemExit("llama-batched-bench printed no result table")
+    row = rows[-1]
+    return int(row["B"]) * int(row["TG"]) / float(row["T s"])
+
+
+# ---- the run -----------------------------------------------------------------------------------------------
+
+def llmctl_reads_gguf() -> bool:
+    return importlib.util.find_spec("llmctl.engine.gguf_loader") is not None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schemes", default="bf16,int8,int4-g32,int4", help="llmctl: bf16 and --quantization names")
+    parser.add_argument("--workloads", default="single,batched")
+    parser.add_argument("--llamacpp", type=Path, help="llama.cpp peer dir (../shared/tools/setup-llamacpp.sh DIR)")
+    parser.add_argument("--llamacpp-no-repack", action="store_true",
+                        help="run llama.cpp with -nr (needed where its AMX path dies of SIGILL)")
+    parser.add_argument("--vllm-python", help="Python of a venv with vllm-cpu (../shared/tools/setup-vllm-cpu.sh)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    args.repeats, args.device = 1, "cpu"
+    workloads = args.workloads.split(",")
+    rows: list[dict] = []
+    bandwidth = read_bandwidth_gbs()
+    print(f"read bandwidth: {bandwidth:.1f} GB/s", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="llmctl-quant-bench-") as tmp:
+        folder = make_model(Path(tmp) / "model", "bfloat16")
+        gguf: dict[str, Path] = {}
+        if args.llamacpp:  # converted first, so a failing conversion stops the run before the long part
+            gguf["bf16"] = Path(tmp) / "model-bf16.gguf"
+            convert_to_gguf(args.llamacpp, folder, gguf["bf16"])
+            for kind in ("Q8_0", "Q4_0"):
+                gguf[kind] = quantize_gguf(args.llamacpp, gguf["bf16"], kind)
+        for scheme in args.schemes.split(","):
+            print(f"running llmctl {scheme} ...", file=sys.stderr, flush=True)
+            extra = [] if scheme == "bf16" else ["--quantization", scheme]
+            run = run_worker(sys.executable, "ours", folder, "bfloat16", args, {}, tuple(extra))
+            rows += [dict(r, system="llmctl", scheme=scheme) for r in summarize({("ours", "bfloat16"): run}, workloads)]
+        if args.vllm_python:
+            print("running vLLM-CPU bf16 ...", file=sys.stderr, flush=True)
+            run = run_worker(args.vllm_python, "vllm", folder, "bfloat16", args, VLLM_ENV)
+            rows += [dict(r, system="vLLM-CPU", scheme="bf16") for r in summarize({("vllm", "bfloat16"): run}, workloads)]
+        if args.llamacpp:
+            for kind, path in gguf.items():
+                for workload in workloads:
+                    print(f"running llama.cpp {kind} {workload} ...", file=sys.stderr, flush=True)
+                    rate = llama_batched_rate(args.llamacpp, path, workload, args.output_len, args.threads,
+                                              args.llamacpp_no_repack)
+                    rows.append({"system": "llama.cpp", "scheme": kind, "workload": workload, "tokens_per_s": rate})
+                if kind != "bf16" and llmctl_reads_gguf():
+                    print(f"running llmctl GGUF {kind} ...", file=sys.stderr, flush=True)
+                    try:
+                        run = run_worker(sys.executable, "ours", path, "bfloat16", args, {})
+                    except SystemExit as failure:  # the other rows still print
+                        print(f"llmctl could not run the GGUF {kind} file: {failure}", file=sys.stderr, flush=True)
+                        continue
+                    rows += [dict(r, system="llmctl", scheme=f"gguf {kind}")
+                             for r in summarize({("ours", "bfloat16"): run}, workloads)]
+    print_table(rows, bandwidth)
+    if args.json:
+        args.json.write_text(json.dumps({"read_bandwidth_gbs": bandwidth, "rows": rows}, indent=2))
+
+
+def print_table(rows: list[dict], bandwidth: float) -> None:
+    def rate(system: str, scheme: str, workload: str):
+        return next((r["tokens_per_s"] for r in rows if (r["system"], r["scheme"], r["workload"]) == (system, scheme, workload)), None)
+
+    header = f"{'workload':<8} {'system':<10} {'scheme':<12} {'tok/s':>8} {'vs llama.cpp':>18} {'vs vLLM bf16':>13} {'weights GB/s':>13}"
+    print(f"read bandwidth (llmctl bench --cpu's memory read): {bandwidth:.1f} GB/s")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        peer = PEER_TYPE.get(r["scheme"]) if r["system"] == "llmctl" else None
+        if r["scheme"].startswith("gguf "):
+            peer = r["scheme"][5:]
+        peer_rate = rate("llama.cpp", peer, r["workload"]) if peer else None
+        vllm = rate("vLLM-CPU", "bf16", r["workload"])
+        vs_llama = f"{r['tokens_per_s'] / peer_rate:.2f}x ({peer})" if peer_rate else "-"
+        vs_vllm = f"{r['tokens_per_s'] / vllm:.2f}x" if vllm and r["system"] == "llmctl" else "-"
+        streamed = "-"
+        if r["system"] == "llmctl" and r["workload"] == "single" and not r["scheme"].startswith("gguf"):
+            gbs = stored_bytes_per_token(r["scheme"]) * r["tokens_per_s"] / 1e9
+            streamed = f"{gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
+        print(f"{r['workload']:<8} {r['system']:<10} {r['scheme']:<12} {r['tokens_per_s']:>8.1f} {vs_llama:>18} "
+              f"{vs_vllm:>13} {streamed:>13}")
+
+
+if __name__ == "__main__":
+    main()
