@@ -30,6 +30,7 @@ class Executor(Protocol):
     block_size: int
     device: torch.device
     dtype: torch.dtype
+    weight_bytes: int  # what the model's tensors occupy (rank 0's share with tensor parallelism)
 
     @property
     def kv_cache_bytes(self) -> int: ...
@@ -58,6 +59,7 @@ class UniProcExecutor:
         self.block_size = self.runner.block_size
         self.device = self.runner.device
         self.dtype = config.dtype
+        self.weight_bytes = self.runner.weight_bytes
 
     @property
     def kv_cache_bytes(self) -> int:

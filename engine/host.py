@@ -7,6 +7,10 @@ fresh memory: measured here, a 2048-token prefill step ran 1.25 s with the defau
 large thresholds, and fp32 conversion of a decode step's logits took 10 ms instead of 0.6 ms. This
 is what vLLM's CPU guide gets from preloading tcmalloc; `mallopt` gets it without a preload.
 Freed memory then stays with the process, so peak RSS is unchanged but not returned between runs.
+That includes what loading frees (each full-precision weight a quantised linear replaced, and its
+quantisation temporaries): `release_free_heap` hands it back once the weights are in place. Measured
+here, a 4-layer hidden-512 model's growth in anonymous RSS: int8 44 MB before, 14 MB after (its
+weights: 14 MB); int4-g32 67 MB before (more than bf16's 55), 9 MB after.
 """
 
 from __future__ import annotations
@@ -40,3 +44,15 @@ def tune_cpu_allocator() -> bool:
         return False
     logger.debug("glibc malloc thresholds raised: %s", tuned)
     return tuned
+
+
+def release_free_heap() -> bool:
+    """Return the C heap's free pages to the kernel (`malloc_trim(0)`, which the raised trim threshold
+    does not stop); False where it does not apply (not glibc)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim(0) == 1
+    except (OSError, AttributeError):
+        return False

@@ -27,7 +27,7 @@ from llmctl.engine.gguf_loader import GGUFFile, is_gguf
 from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.executor import Executor, UniProcExecutor
-from llmctl.engine.model_runner import RunnerConfig
+from llmctl.engine.model_runner import RunnerConfig, quantization_label
 from llmctl.engine.ngram_proposer import NgramProposer, SpecDecodeStats
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeCounts
 from llmctl.engine.sampler import SamplingRow
@@ -167,6 +167,10 @@ class ModelInfo:
     tokenizer: Optional[Tokenizer]  # None with skip_tokenizer_init
     eos_token_ids: frozenset[int]
     bos_token_id: Optional[int]
+    dtype: str  # the weights' and activations' dtype ("bfloat16")
+    quantization: Optional[str]  # --quantization or the checkpoint's scheme (GPTQ, AWQ, ...); None: full precision
+    weight_bytes: int  # what the parameters occupy (quantised linears at their quantised size)
+    kv_cache_bytes: int  # the paged KV pool
 
 
 @dataclass
@@ -255,8 +259,12 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_oom_retries = 0  # steps retried smaller after running out of memory
         self.num_capacity_errors = 0  # requests finished because they did not fit even alone
-        self.model_info = ModelInfo(str(folder), self.max_model_len, self.vocab_size, self.tokenizer,
-                                    self.eos_token_ids, self.tokenizer.bos_token_id if self.tokenizer else None)
+        self.model_info = ModelInfo(
+            model=str(folder), max_model_len=self.max_model_len, vocab_size=self.vocab_size, tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids, bos_token_id=self.tokenizer.bos_token_id if self.tokenizer else None,
+            dtype=str(self.executor.dtype).replace("torch.", ""),
+            quantization=quantization_label(args.quantization, self.model_config),
+            weight_bytes=self.executor.weight_bytes, kv_cache_bytes=self.executor.kv_cache_bytes)
 
     # ---- configuration ------------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:

@@ -18,6 +18,7 @@ from llmctl.engine.cuda_graphs import DecodeGraphs, maybe_decode_graphs
 from llmctl.engine.device_memory import device_memory
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.gguf_loader import is_gguf
+from llmctl.engine.host import release_free_heap
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
 from llmctl.engine.layers.compressed_tensors import compressed_tensors_method
@@ -145,6 +146,29 @@ class RunnerConfig:
     tensor_parallel: TensorParallel = TensorParallel.single()
 
 
+def quantization_label(quantization: Optional[str], mc: ModelConfig) -> Optional[str]:
+    """How the linears are quantised: `--quantization`, else the checkpoint's own scheme, else None."""
+    return quantization or (mc.quantization.describe() if mc.quantization else mc.quant_method)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """What the model's tensors occupy, each storage once: parameters, buffers and the tensors a linear
+    method keeps beside them. int8 linears hold 1 byte per weight plus scales; the bf16 and fp32 CPU
+    methods hold the weight twice, plain for one row and packed for more. A packed copy's storage is
+    opaque (oneDNN/MKL layout) and counts as its layer's weight (MKL's own size is its reserved
+    buffer, many times the pages it touches: a 64x128 fp32 pack reports 7.9 MB and adds 0.3 MB RSS)."""
+    storages: dict[tuple[str, int], int] = {}
+    for module in model.modules():
+        attributes = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False), *attributes]:
+            if tensor.layout == torch._mkldnn:
+                storages[("packed", id(tensor))] = module.weight.numel() * tensor.element_size()
+                continue
+            storage = tensor.untyped_storage()
+            storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
 class ModelRunner:
     def __init__(self, config: RunnerConfig):
         self.config = config
@@ -166,10 +190,11 @@ class ModelRunner:
                                  device=self.device, load_format=config.load_format, seed=config.seed,
                                  linear_method=linear_method, kernels=kernels, verify=config.verify,
                                  lm_head_method=lm_head_method, tp=tp)
-        # What the parameters occupy (shared ones once): int8 linears hold 1 byte per weight plus scales.
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        quantized = config.quantization or (mc.quantization.describe() if mc.quantization else mc.quant_method)
-        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, quantized or config.dtype)
+        if self.device.type == "cpu":
+            release_free_heap()  # what loading freed (full-precision weights a quantised linear replaced)
+        self.weight_bytes = model_bytes(self.model)  # this rank's
+        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20,
+                    quantization_label(config.quantization, mc) or config.dtype)
         # Start-up, in this order on every device: measure the worst-case forward (where a device memory
         # budget applies), capture the decode graphs within that budget, then size the KV pool from what is
         # left and allocate it. The profile peak and the graphs' memory both come out of

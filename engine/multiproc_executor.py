@@ -307,6 +307,7 @@ class MultiprocExecutor:
         self.block_size = self.runner.block_size
         self.device = self.runner.device
         self.dtype = config.dtype
+        self.weight_bytes = self.runner.weight_bytes  # rank 0's share, as kv_cache_bytes is its pool
 
     def _wait_for_ranks(self, store) -> None:
         """Until every rank has joined the store: node 0's workers (a dead one fails at once) and the other

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from llmctl.errors import UserError
-from llmctl.output import is_interactive, print_json, stderr_console, stdout_console
+from llmctl.output import format_bytes, is_interactive, print_json, stderr_console, stdout_console
 from llmctl.prompt_file import PromptSpec
 
 
@@ -36,13 +36,14 @@ def run_generate(args, job: GenerateJob) -> None:
         outputs = _run_streaming(llm, prompts, params)
     else:
         outputs = _run_batch(llm, prompts, params, err)
+    memory = _memory(llm.engine.model_info)
     for index, (spec, output) in enumerate(zip(job.specs, outputs)):
         if job.json_output:
-            print_json(_as_json(index, spec, output))
+            print_json({**_as_json(index, spec, output), **memory})
         elif not streaming:
             _print_text(index, spec, output, len(outputs))
     if not job.json_output and is_interactive(err):
-        _print_summary(err, outputs)
+        _print_summary(err, outputs, memory)
     failed = [(index, output.error) for index, output in enumerate(outputs) if output.error is not None]
     if failed:  # the others were printed; these did not fit in memory even alone
         index, error = failed[0]
@@ -182,9 +183,18 @@ def _as_json(index: int, spec: PromptSpec, output) -> dict[str, Any]:
     }
 
 
-def _print_summary(err, outputs) -> None:
+def _memory(info) -> dict[str, Any]:
+    """What the engine holds, on every JSON line: the weights (quantised linears at their quantised
+    size) and the KV pool, in bytes."""
+    return {"dtype": info.dtype, "quantization": info.quantization, "weight_bytes": info.weight_bytes,
+            "kv_cache_bytes": info.kv_cache_bytes}
+
+
+def _print_summary(err, outputs, memory: dict[str, Any]) -> None:
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     starts = min(o.metrics.arrival_time for o in outputs)
     ends = max(o.metrics.finished_time or starts for o in outputs)
     rate = tokens / (ends - starts) if ends > starts else 0.0
-    err.print(f"[dim]{len(outputs)} prompt(s), {tokens} tokens, {rate:.1f} tok/s[/dim]")
+    err.print(f"[dim]{len(outputs)} prompt(s), {tokens} tokens, {rate:.1f} tok/s; weights "
+              f"{format_bytes(memory['weight_bytes'])} ({memory['quantization'] or memory['dtype']}), KV cache "
+              f"{format_bytes(memory['kv_cache_bytes'])}[/dim]")

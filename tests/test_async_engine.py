@@ -87,6 +87,10 @@ def test_model_info_is_read_only_and_names_the_models_facts(engine):
     assert info.tokenizer is engine.engine.tokenizer and info.bos_token_id == info.tokenizer.bos_token_id
     assert info.eos_token_ids == engine.engine.eos_token_ids and info.eos_token_ids
     assert info.model.endswith("default_model")
+    executor = engine.engine.executor
+    assert (info.weight_bytes, info.kv_cache_bytes) == (executor.weight_bytes, executor.kv_cache_bytes)
+    assert info.kv_cache_bytes == executor.num_blocks * executor.runner.bytes_per_block > 0
+    assert info.dtype == str(executor.dtype).removeprefix("torch.") and info.quantization is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.max_model_len = 1
 

@@ -152,15 +152,29 @@ def bf16_runner(tiny_models, **kwargs):
     return llm.engine.executor.runner
 
 
+def parameter_bytes(runner) -> int:
+    """Parameters and buffers (the RoPE tables), without the linear methods' packed copies."""
+    tensors = [*runner.model.parameters(), *runner.model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_bf16_weight_bytes_count_the_packed_copies(tiny_models):
+    full = bf16_runner(tiny_models)
+    linears = [m for m in full.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.packed is not None for m in linears)
+    # the oneDNN method keeps each linear twice: the plain weight (one row) and a packed copy (more rows)
+    assert full.weight_bytes == parameter_bytes(full) + sum(2 * m.weight.numel() for m in linears)
+
+
 def test_int8_weights_are_stored_quantised(tiny_models):
     full, int8 = bf16_runner(tiny_models), bf16_runner(tiny_models, quantization="int8")
     linears = [m for m in int8.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.weight.dtype is torch.int8 for m in linears)
     linear_elements = sum(m.weight.numel() for m in linears)
-    # every linear weight went from 2 bytes to 1 (+ one bf16 scale per output row); nothing else changed
+    # every linear weight went from 2 bytes to 1 (+ one bf16 scale per output row) and has no packed copy
     scales = sum(m.weight_scale.numel() for m in linears) * 2
-    assert int8.weight_bytes == full.weight_bytes - linear_elements + scales
-    assert int8.weight_bytes < 0.7 * full.weight_bytes
+    assert int8.weight_bytes == parameter_bytes(full) - linear_elements + scales
+    assert int8.weight_bytes < 0.4 * full.weight_bytes
 
 
 def test_int4_weights_are_stored_packed(tiny_models):
@@ -170,7 +184,7 @@ def test_int4_weights_are_stored_packed(tiny_models):
     linear_elements = sum(m.in_features * m.out_features for m in linears)
     # 2 bytes -> half a byte per weight, plus a bf16 scale and zero per group of 32
     extra = sum(m.weight_scales_and_zeros.numel() for m in linears) * 2
-    assert int4.weight_bytes == full.weight_bytes - 2 * linear_elements + linear_elements // 2 + extra
+    assert int4.weight_bytes == parameter_bytes(full) - 2 * linear_elements + linear_elements // 2 + extra
 
 
 def test_int4_group_that_does_not_divide_the_inputs_is_refused(tiny_models):

@@ -186,6 +186,9 @@ class EngineRun:
     device: str
     dtype: str
     load_s: float
+    quantization: Optional[str] = None
+    weight_bytes: int = 0  # the engine's parameters (quantised linears at their quantised size)
+    kv_cache_bytes: int = 0  # its paged KV pool
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -195,9 +198,10 @@ def load_engine(args: Any) -> EngineRun:
     args.skip_tokenizer_init = True
     started = time.perf_counter()
     llm = LLM.from_engine_args(args)
-    executor = llm.engine.executor
-    return EngineRun(llm, str(executor.device), str(executor.dtype).replace("torch.", ""),
-                     time.perf_counter() - started)
+    load_s = time.perf_counter() - started
+    info = llm.engine.model_info
+    return EngineRun(llm, str(llm.engine.executor.device), info.dtype, load_s, quantization=info.quantization,
+                     weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache_bytes)
 
 
 def _params(output_len: int):
@@ -302,7 +306,9 @@ def header(kind: str, info: ModelInfo, args: Any, engine: EngineRun) -> dict[str
 
     return {"schema_version": SCHEMA_VERSION, "llmctl_version": __version__, "benchmark": kind,
             "model": info.label, "load_format": args.load_format, "device": engine.device, "dtype": engine.dtype,
-            "max_model_len": info.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
+            "quantization": engine.quantization, "weight_bytes": engine.weight_bytes,
+            "kv_cache_bytes": engine.kv_cache_bytes, "max_model_len": info.max_model_len,
+            "enable_prefix_caching": args.enable_prefix_caching,
             "max_num_seqs": args.max_num_seqs, "tensor_parallel_size": args.tensor_parallel_size,
             "engine_load_s": round(engine.load_s, 3),
             "speculative_config": None if args.speculative is None else asdict(args.speculative)}

@@ -123,9 +123,12 @@ def render_latency(doc: dict[str, Any]) -> None:
 def _summary_line(doc: dict[str, Any]) -> None:
     w = doc["workload"]
     shape = (f"{w['num_prompts']} prompts" if doc["benchmark"] == "throughput" else f"batch {w['batch_size']}")
-    text = (f"{doc['model']} ({doc['load_format']} weights, {doc['dtype']}, {doc['device']}, "
+    weights = f"{doc['quantization']} weights" if doc.get("quantization") else "weights"
+    text = (f"{doc['model']} ({doc['load_format']} {weights}, {doc['dtype']}, {doc['device']}, "
             f"tensor parallel {doc['tensor_parallel_size']}): {shape}, "
             f"{w['prompt_tokens']} prompt + {w['output_tokens']} output tokens")
+    if doc.get("weight_bytes"):
+        text += (f"; weights {format_bytes(doc['weight_bytes'])}, KV cache {format_bytes(doc['kv_cache_bytes'])}")
     ratio = doc.get("ratio_vs_transformers")
     if ratio:
         key, value = next(iter(ratio.items()))

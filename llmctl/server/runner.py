@@ -1,9 +1,10 @@
 """Run the server: load the engine (errors surface before the port opens), then uvicorn.
 
 Owns process-level behaviour: signal handling for a graceful drain (stop accepting, let in-flight
-requests finish within the shutdown timeout, exit 0), the "listening on" line, and, with tensor
-parallelism, the node roles: a node with --node-rank > 0 runs model ranks only (no HTTP server) until
-rank 0 stops them, and a server whose engine lost a rank reports unhealthy for a moment, then exits 1.
+requests finish within the shutdown timeout, exit 0), the line per loaded model with its weight and
+KV-cache bytes, the "listening on" line, and, with tensor parallelism, the node roles: a node with
+--node-rank > 0 runs model ranks only (no HTTP server) until rank 0 stops them, and a server whose engine
+lost a rank reports unhealthy for a moment, then exits 1.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import uvicorn
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.errors import EngineError, RankFailedError
 from llmctl.errors import UserError
-from llmctl.engine.async_engine import AsyncLLMEngine
+from llmctl.output import format_bytes
+from llmctl.engine.async_engine import AsyncLLMEngine, ModelInfo
 from llmctl.server.app import ServerSettings, build_app
 from llmctl.server.connections import ConnectionLimits, guarded_protocol
 
@@ -66,6 +68,14 @@ class _GracefulServer(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             sys.stderr.write(f"llmctl serve: listening on http://{host}:{port} (model warming up; GET /health)\n")
             sys.stderr.flush()
+
+
+def memory_line(info: ModelInfo) -> str:
+    """The start-up line that says what a loaded model holds: weights (quantised linears at their
+    quantised size) and the KV pool."""
+    return (f"llmctl serve: {info.model}: weights {format_bytes(info.weight_bytes)} "
+            f"({info.quantization or info.dtype}), KV cache {format_bytes(info.kv_cache_bytes)} "
+            f"({info.dtype}, {info.max_model_len} tokens max per sequence)")
 
 
 def uvicorn_config(app, settings: ServerSettings, **overrides) -> uvicorn.Config:
@@ -183,6 +193,9 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting
     check_bindable(settings.host, settings.port)
     engine, fallback_engine = load_engines(engine_args, fallback, max_waiting_requests=max_waiting_requests,
                                            request_timeout_s=request_timeout_s)
+    for loaded in (fallback_engine, engine):
+        if loaded is not None:
+            sys.stderr.write(memory_line(loaded.model_info) + "\n")
     app = build_app(engine, settings, fallback_engine=fallback_engine)
     level = logging.getLogger("llmctl").getEffectiveLevel()
     server = _GracefulServer(uvicorn_config(app, settings, log_level=max(level, logging.INFO),
