@@ -19,7 +19,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization.py).
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 ON_THE_FLY_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128",
-                            "int4-asym", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym")
+                            "int4-asym", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym", "fp8")
 
 
 def _arg(default: Any, help: str, **cli: Any) -> Any:
@@ -59,9 +59,10 @@ class EngineArgs:
     verify: bool = _arg(False, "Check weight files against the folder's SHA256SUMS first.")
     num_threads: Optional[int] = _arg(None, "CPU threads for torch.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs for decode steps (CUDA).")
-    quantization: Optional[str] = _arg(None, "Quantise the linear weights on load (weight-only): int8 "
-                                             "(per output channel), int4-g32|g64|g128 (grouped, symmetric, CPU; "
-                                             "int4: g128), int4[-gN]-asym (with a zero point per group). "
+    quantization: Optional[str] = _arg(None, "Quantise the linear weights on load: int8 (weight-only, per "
+                                             "output channel), int4-g32|g64|g128 (weight-only, grouped, "
+                                             "symmetric; int4: g128), int4[-gN]-asym (with a zero point per "
+                                             "group), fp8 (e4m3 weights and activations, CUDA sm_89+). "
                                              "Default: none.")
     # A JSON string (flag, env) or a mapping (Python, YAML); validated into `speculative` below.
     speculative_config: Optional[Any] = _arg(

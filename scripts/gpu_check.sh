@@ -3,8 +3,10 @@
 # it (tests/test_cuda_engine.py under -W error::UserWarning: default start-up with every decode graph captured
 # within --gpu-memory-utilization, no empty graph, graph-vs-eager logits, prefill with a cached prefix and with a
 # sliding window against the CPU float32 reference with SDPA's math kernel off), `llmctl bench --gpu --json
-# --quick`, the other CUDA-marked tests, the offline throughput benchmark on cuda and a short `llmctl serve` +
-# `llmctl bench serve` run. Each step has its own timeout and all share one 7.5-minute deadline; a step that
+# --quick`, the quantised linears on CUDA (tests/test_quant_cuda.py: int8/int4 on torch's CUDA kernels and fp8
+# on the fp8 tensor cores against their dequantised references; then `bench throughput --quantization fp8`,
+# whose report must name the quantisation and its weight/KV bytes), the other CUDA-marked tests, the offline
+# throughput benchmark on cuda and a short `llmctl serve` + `llmctl bench serve` run. Each step has its own timeout and all share one 7.5-minute deadline; a step that
 # fails or times out is reported and the others still run; a summary table comes last. Each step's verdict
 # (scripts/gpu_check_steps.sh) needs more than an exit status where one can lie: doctor must exit 0 or 1 with
 # its JSON report and no traceback, bench must write its JSON report. Installs nothing from the network.
@@ -94,7 +96,12 @@ step tp_nccl 120 verdict_pytest_or_skip "$errdir/tp_nccl.log" "$PY" -m pytest -q
     tests/test_cuda_tensor_parallel.py
 tail -n 8 "$errdir/tp_nccl.log"
 step bench_gpu 150 verdict_bench_json "$out/bench_gpu.json" "$PY" -m llmctl.cli bench --gpu --json --quick
-mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py | grep -v "test_cuda_engine.py\|test_cuda_tensor_parallel.py")
+# The quant step's files stay in $errdir (the device tool brings 8 back); their tails and figures reach the log.
+step quant 120 verdict_pytest_ran "$errdir/quant.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_quant_cuda.py
+tail -n 15 "$errdir/quant.log"
+step quant_bench 60 verdict_offline_json "$errdir/quant_bench.json" "$PY" -m llmctl.cli bench throughput --device cuda \
+    --dtype bfloat16 --quantization fp8 --num-prompts 32 --input-len 128 --output-len 64 --json
+mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py | grep -v "test_cuda_engine.py\|test_cuda_tensor_parallel.py\|test_quant_cuda.py")
 step pytest 210 verdict_pytest "$out/pytest.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m cuda \
     --continue-on-collection-errors "${cuda_tests[@]}"
 tail -n 15 "$out/pytest.log"
@@ -146,17 +153,17 @@ sys.exit(code or (server.returncode != 0))
 PY
 step serve 120 verdict_exit0 - "$PY" /tmp/gpu_check_serve.py "$out"
 
-"$PY" - "$out" "$steps" <<'PY'
+"$PY" - "$out" "$steps" "$errdir" <<'PY'
 """The summary: one row per step with its key figures, then the bench --gpu table and the H200 gates."""
 import json, sys
 from pathlib import Path
 
-out, steps = Path(sys.argv[1]), Path(sys.argv[2])
+out, steps, scratch = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 
 
-def load(name):
+def load(name, folder=out):
     try:
-        return json.loads((out / name).read_text())
+        return json.loads((folder / name).read_text())
     except (OSError, ValueError):
         return None
 
@@ -171,8 +178,12 @@ def figures(name):
         rows = [f"{r['name']} {r['median']:,.4g} {r['unit']}" + (f" ({r['pct_of_peak']}%)" if r["pct_of_peak"] else "")
                 for r in doc["results"] if r["device"] == "cuda:0" and r["name"] in keep]
         return "; ".join(rows) + (f"; {len(doc['errors'])} errors" if doc["errors"] else "")
-    if name in ("pytest", "engine") and (out / f"{name}.log").exists():
-        lines = [l for l in (out / f"{name}.log").read_text().splitlines() if l.strip()]
+    if name == "quant_bench" and (doc := load("quant_bench.json", scratch)):
+        return (f"fp8 weights {doc['weight_bytes'] / 2**20:,.1f} MiB, KV cache {doc['kv_cache_bytes'] / 2**20:,.0f} MiB, "
+                f"{doc['output_tokens_per_second']['mean']:,.0f} output tok/s")
+    log = (scratch if name == "quant" else out) / f"{name}.log"
+    if name in ("pytest", "engine", "quant") and log.exists():
+        lines = [l for l in log.read_text().splitlines() if l.strip()]
         return lines[-1].strip("= ") if lines else ""
     if name == "offline" and (rows := load("offline.json")):
         return "; ".join(f"{r['system']} {r['dtype']} {r['workload']} {r['tokens_per_s']:,.0f} tok/s" for r in rows)

@@ -66,6 +66,16 @@ verdict_bench_json() {
     else echo "ok (exit 0)"; fi
 }
 
+# verdict_offline_json: `llmctl bench throughput/latency ... --json` exits 0 with its report, which names the
+# quantisation and the weight and KV-cache bytes it ran with (a run that fell back silently would not).
+verdict_offline_json() {
+    local rc=$1 out=$2 err=$3
+    if (( rc != 0 )); then echo "FAILED (exit $rc)"
+    elif ! _json_report "$out" quantization weight_bytes kv_cache_bytes output_tokens_per_second; then
+        echo "FAILED (exit 0 without a bench report naming quantization, weight and KV bytes)"
+    else echo "ok (exit 0)"; fi
+}
+
 # verdict_pytest: pytest exits 0 when every selected test passed or skipped; 5 means nothing was collected.
 verdict_pytest() {
     case $1 in

@@ -63,6 +63,21 @@ def test_bench_step_needs_its_json_report(tmp_path, stub, status):
     assert row[:2] == ["bench_gpu", status]
 
 
+OFFLINE_REPORT = {"quantization": "fp8", "weight_bytes": 1, "kv_cache_bytes": 2, "output_tokens_per_second": {}}
+
+
+@pytest.mark.parametrize("stub, status", [
+    (f"print({json.dumps(OFFLINE_REPORT)!r})", "ok (exit 0)"),
+    # a report without the quantisation and bytes (an older llmctl, or a run that did not quantise) is not proof
+    (f"print({json.dumps({'output_tokens_per_second': {}})!r})",
+     "FAILED (exit 0 without a bench report naming quantization, weight and KV bytes)"),
+    ("raise SystemExit(2)", "FAILED (exit 2)"),
+])
+def test_quant_bench_step_needs_the_quantised_report(tmp_path, stub, status):
+    (row,) = run_steps(tmp_path, f'step quant_bench 60 verdict_offline_json "$out/quant_bench.json" {py(stub)}')
+    assert row[:2] == ["quant_bench", status]
+
+
 @pytest.mark.parametrize("code, status", [(0, "ok (exit 0)"), (1, "FAILED (exit 1: tests failed)"),
                                           (5, "FAILED (exit 5: no tests collected)"), (4, "FAILED (exit 4: pytest error)")])
 def test_pytest_step_verdicts(tmp_path, code, status):

@@ -22,6 +22,8 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
 - `native` (bfloat16 activations on CPU, the rest: grouped or asymmetric int8 such as GGUF Q8_0 and GPTQ
   8-bit, int4 groups torch lacks such as per-channel GPTQ group -1): engine/kernels/quant.py's GEMV
   (AVX-512 BF16 or AVX2) below NATIVE_MAX_ROWS rows, its dequantisation to bf16 and one GEMM above;
+- on CUDA, `int4pack-cuda` (tinygemm) and `int8pack-cuda` (engine/layers/quantization_cuda.py, which also
+  holds `--quantization fp8`);
 - `dequant`: everything else (other devices, other groupings): the codes stay packed (two 4-bit codes a
   byte) and are dequantised to the activation dtype for each call, exact but slow.
 Activations should be bfloat16 on CPU: with float32 both torch kernels run about 5x slower.
@@ -46,6 +48,8 @@ from torch import nn
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.kernels.quant import KernelWeight, fits_float16, load_quant_kernels
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+from llmctl.engine.layers.quantization_cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
+                                                    install_cuda_layout)
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +180,8 @@ def _float16_scales(scales: torch.Tensor) -> torch.Tensor:
 # ---- run-time layouts -------------------------------------------------------------------------------
 
 def _choose_layout(weight: GroupedIntWeight, dtype: torch.dtype, device: torch.device) -> str:
+    if device.type == "cuda":
+        return cuda_layout(weight, dtype) or "dequant"
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
         # torch's kernels where they apply: at M=1 int8pack ran as fast as the native kernel and int4pack
         # faster (hot 1536x576, one thread: 57 µs against 70-87 µs), see benchmarks/README.md
@@ -230,17 +236,18 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
         _register(layer, "weight_scale", weight.scales[:, 0].to(dtype))
     elif layout == "int4pack":
         packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-        scales = weight.scales.float()
-        offsets = (weight.midpoint - weight.zero_points()) * scales  # tinygemm: w = (q - 8) * scale + offset
         _register(layer, "weight", packed)
-        _register(layer, "weight_scales_and_zeros",
-                  torch.stack([scales, offsets], dim=-1).transpose(0, 1).to(dtype))
+        _register(layer, "weight_scales_and_zeros", tinygemm_scales_and_offsets(weight, dtype))
     elif layout == "native":
         packed = load_quant_kernels().pack(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size)
         _register(layer, "weight", packed.codes)
         _register(layer, "weight_scale", packed.scales)
         _register(layer, "weight_zero", packed.zeros)
         layer.quant_kernels = load_quant_kernels()
+    elif layout in CUDA_LAYOUTS:
+        for name, tensor in install_cuda_layout(layer, weight, layout, dtype,
+                                                tinygemm_scales_and_offsets(weight, dtype)).items():
+            _register(layer, name, tensor)
     else:
         _register(layer, "weight", pack_int4(weight.codes) if weight.bits == 4 else weight.codes)
         _register(layer, "weight_scale", weight.scales)
@@ -251,6 +258,14 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
 def _kernel_weight(layer: LinearBase) -> KernelWeight:
     return KernelWeight(layer.weight, layer.weight_scale, layer.weight_zero, layer.quant_bits, layer.quant_group_size,
                         layer.in_features)
+
+
+def tinygemm_scales_and_offsets(weight: GroupedIntWeight, dtype: torch.dtype) -> torch.Tensor:
+    """[in / group, out, 2] (scale, offset) pairs for tinygemm's int4 kernels (CPU and CUDA), whose
+    w = (q - 8) * scale + offset takes any zero point as offset = (8 - zero) * scale."""
+    scales = weight.scales.float()
+    offsets = (weight.midpoint - weight.zero_points()) * scales
+    return torch.stack([scales, offsets], dim=-1).transpose(0, 1).to(dtype)
 
 
 def _dequantize_installed(layer: LinearBase, dtype: torch.dtype) -> torch.Tensor:
@@ -277,6 +292,8 @@ def apply_grouped_weight(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
             *x.shape[:-1], layer.out_features)
     elif layout == "native":
         out = F.linear(rows.contiguous(), layer.quant_kernels.dequantize(_kernel_weight(layer)))
+    elif layout in CUDA_LAYOUTS:
+        out = apply_cuda_layout(layer, rows)
     else:
         out = F.linear(rows, _dequantize_installed(layer, rows.dtype))
     if layer.bias is not None:
@@ -325,14 +342,14 @@ ON_THE_FLY_SCHEMES = _on_the_fly_schemes()
 
 def quantized_linear_method(quantization: str, device: torch.device, dtype: torch.dtype) -> LinearMethod:
     """The linear method for `--quantization` (names from `EngineArgs`' ON_THE_FLY_QUANTIZATIONS)."""
-    if quantization not in ON_THE_FLY_SCHEMES:
+    if quantization not in ON_THE_FLY_SCHEMES and quantization != "fp8":
         raise EngineArgsError(f"quantization {quantization!r} is not supported (supported: "
                               f"{', '.join(ON_THE_FLY_SCHEMES)})")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise EngineArgsError(f"--quantization {quantization} needs a float dtype, got {dtype}")
+    if quantization == "fp8":
+        return fp8_linear_method(device, dtype)
     bits, group_size, symmetric = ON_THE_FLY_SCHEMES[quantization]
-    if bits == 4 and device.type != "cpu":
-        raise EngineArgsError(f"--quantization {quantization} runs on CPU only (device {device})")
     if device.type == "cpu" and dtype is torch.float32:
         logger.warning("quantised weights with float32 activations run about 5x slower than with bfloat16 "
                        "(--dtype bfloat16)")
