@@ -93,18 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     if "bf16" not in rows:
         rows.insert(0, "bf16")
     ids = held_out_ids(args.corpus, args.max_tokens)
-    results = [perplexity(q, ids, args.seq_len) for q in rows]
-    base = next(r for r in results if r["quantization"] == "bf16")["ppl"]
-    missed = []
-    print(f"{'quantization':14} {'perplexity':>10} {'vs bf16':>8} {'weights MiB':>11} {'tokens':>7} {'s':>6}")
-    for r in results:
-        r["relative_to_bf16"] = r["ppl"] / base - 1
-        goal = GOALS.get(r["quantization"])
+    print(f"{'quantization':14} {'perplexity':>10} {'vs bf16':>8} {'weights MiB':>11} {'tokens':>7} {'s':>6}", flush=True)
+    results, missed = [], []
+    for quantization in sorted(rows, key=lambda q: q != "bf16"):  # bf16 first: the others are relative to it
+        r = perplexity(quantization, ids, args.seq_len)
+        r["relative_to_bf16"] = r["ppl"] / (results[0]["ppl"] if results else r["ppl"]) - 1
+        results.append(r)
+        goal = GOALS.get(quantization)
         verdict = "" if goal is None else f"  goal <= +{goal:.0%}: " + ("ok" if r["relative_to_bf16"] <= goal else "MISSED")
         if goal is not None and r["relative_to_bf16"] > goal:
-            missed.append(r["quantization"])
-        print(f"{r['quantization']:14} {r['ppl']:10.3f} {r['relative_to_bf16']:+8.2%} {r['weight_bytes'] / 2**20:11.2f} "
-              f"{r['tokens_scored']:7d} {r['seconds']:6.1f}{verdict}")
+            missed.append(quantization)
+        print(f"{quantization:14} {r['ppl']:10.3f} {r['relative_to_bf16']:+8.2%} {r['weight_bytes'] / 2**20:11.2f} "
+              f"{r['tokens_scored']:7d} {r['seconds']:6.1f}{verdict}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 1 if missed else 0

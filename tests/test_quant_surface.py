@@ -185,3 +185,19 @@ def test_quantised_weights_occupy_their_quantised_size(eight_mb_model):
         # Measured here: the growth exceeds the weight bytes by 0.3 MB (the engine's own allocations); with
         # the memory loading freed kept by the allocator, int8 grew 8 MB more than its weights.
         assert abs(figures["growth"] - figures["weight_bytes"]) < 2_000_000, (full, int8, int4)
+
+
+# ---- benchmarks/quant_quality.py's scoring windows -----------------------------------------------------
+def test_perplexity_windows_score_every_token_after_the_first_once_with_half_a_window_of_context():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quant_quality.py"
+    spec = importlib.util.spec_from_file_location("quant_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for num_tokens in (2, 511, 512, 513, 1300):
+        plan = module.windows(num_tokens, 512, 256)
+        scored = [begin + p for begin, end, first in plan for p in range(first, end - begin)]
+        assert scored == list(range(1, num_tokens))
+        assert all(first >= 256 for _, _, first in plan[1:]) and all(end - begin <= 512 for begin, end, _ in plan)
