@@ -150,3 +150,26 @@ def test_two_node_launch_on_this_machine_serves_a_completion():
             if proc.poll() is None:
                 proc.kill()
     assert "node 1 of 2: ranks 1-1 joining 127.0.0.1" in node1.stderr.read()
+
+
+def test_under_torchrun_each_process_is_one_rank_and_rank_0_serves():
+    """torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) places the ranks: llmctl starts
+    none itself; rank 1 runs the model only. Stopping torchrun stops both ranks."""
+    port = free_port()
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "llmctl.cli",
+                              "serve", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(agent, base)
+        ranks = _children(agent.pid)
+        assert len(ranks) == 2 and not [pid for pid in ranks if _rank_pids(pid)]  # llmctl spawned no rank
+        assert _complete(base)
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(60)  # torchrun's own exit status for a signalled run
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert not [pid for pid in ranks if _alive(pid)]
+    assert "node 0 of 1: rank 1 (torchrun) joining 127.0.0.1" in agent.stderr.read()

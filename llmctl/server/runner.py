@@ -218,8 +218,9 @@ def _run_worker_node(engine_args: EngineArgs) -> int:
     from llmctl.engine.multiproc_executor import run_worker_node
 
     parallel = engine_args.parallel
-    sys.stderr.write(f"llmctl serve: node {parallel.node_rank} of {parallel.nnodes}: ranks "
-                     f"{parallel.node_ranks.start}-{parallel.node_ranks.stop - 1} joining "
+    ranks = (f"rank {parallel.rank} (torchrun)" if parallel.torchrun
+             else f"ranks {parallel.node_ranks.start}-{parallel.node_ranks.stop - 1}")
+    sys.stderr.write(f"llmctl serve: node {parallel.node_rank} of {parallel.nnodes}: {ranks} joining "
                      f"{parallel.master_addr}:{parallel.master_port}\n")
     sys.stderr.flush()
     return run_worker_node(runner_config(engine_args), parallel, engine_args.num_threads)
