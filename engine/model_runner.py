@@ -142,8 +142,6 @@ class RunnerConfig:
     # Device bytes another model of this process takes after this runner has planned (a draft's weights):
     # held out of the --gpu-memory-utilization budget.
     extra_reserved_bytes: int = 0
-    # This process's rank: the model, the attention heads and the KV pool are this rank's shard.
-    tensor_parallel: TensorParallel = TensorParallel.single()
 
 
 def quantization_label(quantization: Optional[str], mc: ModelConfig) -> Optional[str]:
