@@ -107,11 +107,18 @@ def pack_awq(q: Quantised) -> dict[str, torch.Tensor]:
             "scales": torch.from_numpy(q.scales.copy())}
 
 
-def group_index(in_features: int, group_size: int, act_order: bool, rng: np.random.Generator) -> np.ndarray:
+def group_index(in_features: int, group_size: int, act_order: bool, rng: np.random.Generator,
+                blocks: int = 1) -> np.ndarray:
+    """`blocks`: the act-order permutation stays within each of that many equal input blocks (so a
+    tensor-parallel split of the inputs in `blocks` parts keeps every group on one rank)."""
     group = in_features if group_size == -1 else group_size
     if not act_order:
         return np.arange(in_features) // group
-    perm = rng.permutation(in_features)  # the order GPTQ quantised the inputs in
+    if blocks == 1:
+        perm = rng.permutation(in_features)  # the order GPTQ quantised the inputs in
+    else:
+        width = in_features // blocks
+        perm = np.concatenate([block * width + rng.permutation(width) for block in range(blocks)])
     g_idx = np.empty(in_features, dtype=np.int64)
     g_idx[perm] = np.arange(in_features) // group
     return g_idx
@@ -125,6 +132,7 @@ class Scheme:
     sym: bool = True
     desc_act: bool = False
     checkpoint_format: str = "gptq"
+    order_blocks: int = 1  # act-order permutations within this many input blocks (group_index's `blocks`)
 
     @property
     def quantization_config(self) -> dict:
@@ -170,7 +178,8 @@ def write_quantised_checkpoint(source, folder, scheme: Scheme, seed: int = 0) ->
             continue
         weight = state.pop(name)
         if shared_input(module) not in orders:
-            orders[shared_input(module)] = group_index(weight.shape[1], scheme.group_size, scheme.desc_act, rng)
+            orders[shared_input(module)] = group_index(weight.shape[1], scheme.group_size, scheme.desc_act, rng,
+                                                       scheme.order_blocks)
         q = scheme.quantise(weight, orders[shared_input(module)])
         state.update({f"{module}.{key}": tensor for key, tensor in q.tensors.items()})
         dequantised[module] = q.dequantised
@@ -417,14 +426,6 @@ def test_on_the_fly_quantization_of_a_quantised_checkpoint_is_refused(tiny_model
     with pytest.raises(EngineArgsError, match="--load-format dummy cannot fill a pre-quantised"):
         LLM(str(folder), skip_tokenizer_init=True, device="cpu", load_format="dummy", max_model_len=64,
             num_kv_blocks=8)
-
-
-@pytest.mark.parametrize("scheme", [Scheme("gptq"), Scheme("awq")])
-def test_tensor_parallel_shards_are_refused(scheme):
-    from llmctl.engine.parallel import TensorParallel
-
-    with pytest.raises(ModelLoadError, match="cannot be split over tensor-parallel ranks"):
-        QKVLinear(128, 64, 32, False, method(scheme), torch.float32, TensorParallel(0, 2), head_dim=16)
 
 
 def test_fused_shards_with_different_act_orders_are_refused(tiny_models, tmp_path):

@@ -18,8 +18,11 @@ from llmctl.engine.layers.linear import (
     QKVLinear,
     RowLinear,
     UnquantizedLinearMethod,
+    rank_columns,
+    rank_rows,
 )
-from llmctl.engine.layers.quantization import quantized_linear_method
+from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.quantization import GroupedIntWeight, quantized_linear_method, rank_grouped_part
 from llmctl.engine.parallel import TensorParallel, TensorParallelError
 from tp_helpers import greedy_run, run_ranks
 
@@ -148,6 +151,56 @@ def test_quantised_shards_quantise_their_own_part(quantization):
         assert error < (0.02 if quantization == "int8" else 0.15), f"relative error {error:.3f}"
 
 
+def act_order(in_features: int, group_size: int, blocks: int, seed: int = 0) -> torch.Tensor:
+    """A GPTQ-style input order (column j holds input perm[j]) drawn within each of `blocks` input blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    width = in_features // blocks
+    return torch.cat([block * width + torch.randperm(width, generator=generator) for block in range(blocks)])
+
+
+def full_grouped(out_features: int, in_features: int, group_size: int, perm=None) -> GroupedIntWeight:
+    torch.manual_seed(0)
+    weight = GroupedIntWeight.quantize(torch.randn(out_features, in_features), 4, group_size, symmetric=False)
+    return GroupedIntWeight(weight.codes, weight.scales, weight.zeros, 4, group_size, perm)
+
+
+# layer -> (builder, whole checkpoint [out, in], group size, act-order blocks or None)
+NARROWED = {
+    "qkv": (lambda tp: QKVLinear(64, 32, 16, False, PLAIN, F32, tp, head_dim=8), (64, 64), 16, 1),
+    "gate_up": (lambda tp: MergedColumnLinear(64, [32, 32], False, PLAIN, F32, tp), (64, 64), 32, None),
+    "lm_head-padded": (lambda tp: ColumnLinear(64, 35, False, PLAIN, F32, tp, padded=True), (35, 64), 32, None),
+    "row": (lambda tp: RowLinear(64, 16, False, PLAIN, F32, tp), (16, 64), 16, None),
+    "row-act-order": (lambda tp: RowLinear(64, 16, False, PLAIN, F32, tp), (16, 64), 16, 2),
+    "row-per-channel": (lambda tp: RowLinear(64, 16, False, PLAIN, F32, tp), (16, 64), 64, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NARROWED))
+def test_a_grouped_weights_rank_part_dequantises_to_the_full_weights_part(name):
+    """Pre-quantised checkpoints: the whole checkpoint's GroupedIntWeight narrowed to a rank (output rows per
+    fused shard, a row-parallel layer's input columns, act-order permutation and all) dequantises to that
+    rank's part of the full dequantised weight, the part the unquantised method loads."""
+    build, shape, group, blocks = NARROWED[name]
+    perm = None if blocks is None else act_order(shape[1], group, blocks)
+    full = full_grouped(*shape, group, perm)
+    for tp in ranks():
+        layer = build(tp)
+        part = rank_grouped_part(layer, full, "test")
+        assert (part.out_features, part.in_features) == (layer.out_features, layer.in_features)
+        expected = rank_columns(layer, rank_rows(layer, full.dequantize()))
+        torch.testing.assert_close(part.dequantize(), expected, rtol=0, atol=0)
+
+
+def test_a_grouped_weight_whose_groups_straddle_two_ranks_is_refused():
+    with pytest.raises(ModelLoadError, match=r"GPTQLinearMethod: a row-parallel linear's 48 inputs per .* group "
+                                             r"size 32 \(a group would straddle two ranks\)"):
+        rank_grouped_part(RowLinear(96, 16, False, PLAIN, F32, TensorParallel(0, 2)),
+                          full_grouped(16, 96, 32), "GPTQLinearMethod")
+    scattered = full_grouped(16, 64, 16, act_order(64, 16, blocks=1))  # one order over all the inputs
+    with pytest.raises(ModelLoadError, match="GPTQLinearMethod: act-order .* hold inputs of two tensor-parallel ranks"):
+        rank_grouped_part(RowLinear(64, 16, False, PLAIN, F32, TensorParallel(1, 2)), scattered, "GPTQLinearMethod")
+
+
 def test_a_whole_model_loads_into_two_shards(tiny_models):
     """The loader's name mapping fills every shard's parameters on both ranks (nothing left missing)."""
     from llmctl.engine.loader import build_model
@@ -180,6 +233,16 @@ def tp_prompts(vocab: int) -> list[list[int]]:
 
 # Runs besides the architectures' plain ones: name -> (model, extra engine arguments).
 QUANTISED_RUNS = {"llama-int4-g32": ("llama", {"quantization": "int4-g32"})}
+# Pre-quantised checkpoints of the llama model (qwen2 for a q/k/v bias), written by the tests' packers.
+# desc_act: act-order within each half of the inputs, so the row-parallel o/down_proj keep whole groups.
+CHECKPOINT_SCHEMES = {"gptq-4bit-g32": ("llama", dict(method="gptq")),
+                      "gptq-4bit-g16-asym-act-order": ("qwen2", dict(method="gptq", group_size=16, sym=False,
+                                                                     desc_act=True, order_blocks=2)),
+                      "awq-g32": ("llama", dict(method="awq"))}
+# GGUF: name -> (default type, types by tensor suffix); F16 (like Q6_K) runs dequantised, narrowed like a plain weight
+GGUF_FILES = {"gguf-Q8_0": ("Q8_0", {}), "gguf-Q4_0-F16": ("Q4_0", {"attn_v.weight": "F16", "ffn_down.weight": "F16"})}
+COMPRESSED = {"compressed-w4a16-g32-asym": dict(bits=4, symmetric=False, strategy="group", group_size=32)}
+PRE_QUANTISED = [*CHECKPOINT_SCHEMES, *GGUF_FILES, *COMPRESSED]
 
 
 def _generate_every_model(tp: TensorParallel, folders: dict[str, str]):
@@ -189,11 +252,28 @@ def _generate_every_model(tp: TensorParallel, folders: dict[str, str]):
             for name, (folder, extra) in runs.items()}
 
 
+def write_pre_quantised(tiny_models, root) -> dict[str, str]:
+    from gguf_writer import write_gguf
+    from test_compressed_tensors import compress_with_library
+    from test_gptq_awq import Scheme, write_quantised_checkpoint
+
+    written = {name: root / name for name in PRE_QUANTISED}
+    for name, (arch, scheme) in CHECKPOINT_SCHEMES.items():
+        write_quantised_checkpoint(tiny_models[arch], written[name], Scheme(**scheme))
+    for name, (default_type, types) in GGUF_FILES.items():
+        written[name] = root / f"{name}.gguf"
+        write_gguf(tiny_models["llama"], written[name], types, default_type=default_type)
+    for name, scheme in COMPRESSED.items():
+        compress_with_library(tiny_models["llama"], written[name], **scheme)
+    return {name: str(path) for name, path in written.items()}
+
+
 @pytest.fixture(scope="module")
 def tp_runs(tiny_models, tmp_path_factory):
     folders = {arch: str(tiny_models[arch]) for arch in ARCHS if arch in tiny_models}
     folders["llama-1kv"] = str(make_tiny_model(tmp_path_factory.mktemp("tp") / "llama-1kv", "llama",
                                                num_key_value_heads=1))
+    folders.update(write_pre_quantised(tiny_models, tmp_path_factory.mktemp("tp-quantised")))
     single = _generate_every_model(TensorParallel.single(), folders)
     sharded = run_ranks(_generate_every_model, 2, folders, timeout=300)
     return folders, single, sharded
@@ -229,5 +309,19 @@ def test_tp2_int4_matches_tp1_int4(tp_runs):
     assert rank0["tokens"] == rank1["tokens"] == one["tokens"]
     plain = single["llama"]["logits"]
     assert max(np.abs(q - f).max() for q, f in zip(one["logits"], plain)) > 1e-2  # int4 really ran
+    for ours, theirs in zip(rank0["logits"], one["logits"]):
+        assert np.abs(ours - theirs).max() < 1e-3
+
+
+@pytest.mark.parametrize("name", PRE_QUANTISED)
+def test_tp2_pre_quantised_checkpoint_matches_tp1(tp_runs, name):
+    """GPTQ (with and without act-order), AWQ, GGUF (Q8_0; Q4_0 with F16 dequantised) and compressed-tensors
+    with 2 ranks: each rank unpacks the whole packed tensors and keeps its rows / input columns, whose groups
+    stay whole, so each rank computes with TP=1's codes and scales and the greedy tokens are TP=1's."""
+    _, single, sharded = tp_runs
+    one, (rank0, rank1) = single[name], (sharded[0][name], sharded[1][name])
+    assert rank0["tokens"] == rank1["tokens"] == one["tokens"]
+    arch = CHECKPOINT_SCHEMES[name][0] if name in CHECKPOINT_SCHEMES else "llama"
+    assert max(np.abs(q - f).max() for q, f in zip(one["logits"], single[arch]["logits"])) > 1e-3  # quantised
     for ours, theirs in zip(rank0["logits"], one["logits"]):
         assert np.abs(ours - theirs).max() < 1e-3

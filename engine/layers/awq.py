@@ -76,7 +76,7 @@ class AWQLinearMethod(CheckpointQuantizedLinearMethod):
 
     def checkpoint_tensors(self, layer: LinearBase) -> dict[str, CheckpointTensor]:
         per_word = BITS_PER_WORD // AWQ_BITS
-        inputs, outputs = layer.in_features, layer.out_features
+        inputs, outputs = layer.checkpoint_in_features, layer.checkpoint_out_features
         groups = inputs // group_size_of(self.config.group_size, inputs)
         return {
             "qweight": CheckpointTensor((inputs, outputs // per_word), torch.int32, output_dim=1, output_pack=per_word),
@@ -85,7 +85,7 @@ class AWQLinearMethod(CheckpointQuantizedLinearMethod):
         }
 
     def grouped_weight(self, layer: LinearBase) -> GroupedIntWeight:
-        inputs = layer.in_features
+        inputs = layer.checkpoint_in_features
         group = group_size_of(self.config.group_size, inputs)
         codes = unpack_int32(layer.qweight.data, AWQ_BITS, dim=1, order=AWQ_PACK_ORDER).t()  # [out, in]
         zeros = unpack_int32(layer.qzeros.data, AWQ_BITS, dim=1, order=AWQ_PACK_ORDER)

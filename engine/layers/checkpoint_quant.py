@@ -7,7 +7,9 @@ holds the outputs and how many outputs one element of it packs), loads each fuse
 gate/up) into its slice of them, and after loading unpacks them into the engine's one quantised form,
 `GroupedIntWeight` (engine/layers/quantization.py), which `install_grouped_weight` turns into the
 layer's run-time layout (torch's int4/int8 CPU kernels where they apply); the checkpoint tensors are
-dropped then, so only the installed form stays in memory. The format modules
+dropped then, so only the installed form stays in memory. With tensor parallelism every rank loads the
+linear's whole checkpoint tensors (the layer's `checkpoint_*` sizes), unpacks them, and installs only its
+part (`rank_grouped_part`): packing along the outputs or the inputs never has to line up with a rank. The format modules
 (`gptq.py`, `awq.py`) say only how their tensors are laid out and what the codes mean.
 """
 
@@ -20,8 +22,9 @@ import torch
 from torch import nn
 
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.linear import LinearBase, ShardId, copy_checked, new_parameter
-from llmctl.engine.layers.quantization import GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight
+from llmctl.engine.layers.linear import LinearBase, ShardId, copy_checked, new_parameter, rank_part, register_bias
+from llmctl.engine.layers.quantization import (GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
+                                               rank_grouped_part)
 
 BITS_PER_WORD = 32
 
@@ -60,9 +63,11 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Optional[Sequ
 
 
 class CheckpointQuantizedLinearMethod(GroupedIntLinearMethod):
-    """A linear whose checkpoint tensors are quantised: subclasses name the tensors
-    (`checkpoint_tensors`) and turn them into a `GroupedIntWeight` (`grouped_weight`); the forward is the
-    grouped form's (`GroupedIntLinearMethod`)."""
+    """A linear whose checkpoint tensors are quantised: subclasses name the tensors (`checkpoint_tensors`,
+    the whole checkpoint's: `layer.checkpoint_in_features` / `checkpoint_out_features`) and turn them into a
+    `GroupedIntWeight` (`grouped_weight`); the forward is the grouped form's (`GroupedIntLinearMethod`)."""
+
+    shards_by_rank = True  # each rank unpacks the whole tensors, then keeps its part
 
     def checkpoint_tensors(self, layer: LinearBase) -> dict[str, CheckpointTensor]:
         raise NotImplementedError
@@ -80,16 +85,12 @@ class CheckpointQuantizedLinearMethod(GroupedIntLinearMethod):
         for tensor_name, spec in self.checkpoint_tensors(layer).items():
             self._check_shards_pack(layer, tensor_name, spec)
             new_parameter(layer, tensor_name, torch.empty(spec.shape, dtype=spec.dtype), self.weight_loader,
-                          shard_ids=shards, output_offsets=layer.output_offsets, output_dim=spec.output_dim,
-                          output_pack=spec.output_pack)
-        if bias:
-            new_parameter(layer, "bias", torch.empty(layer.out_features, dtype=dtype), self.weight_loader,
-                          shard_ids=shards, output_offsets=layer.output_offsets, output_dim=0, output_pack=1)
-        else:
-            layer.bias = None
+                          shard_ids=shards, output_offsets=layer.checkpoint_output_offsets,
+                          output_dim=spec.output_dim, output_pack=spec.output_pack)
+        register_bias(layer, bias, dtype, self.weight_loader, output_dim=0, output_pack=1)
 
     def _check_shards_pack(self, layer: LinearBase, tensor_name: str, spec: CheckpointTensor) -> None:
-        for shard_id, (start, size) in layer.output_offsets.items():
+        for shard_id, (start, size) in layer.checkpoint_output_offsets.items():
             if start % spec.output_pack or size % spec.output_pack:
                 where = "" if shard_id is None else f" (shard {shard_id!r})"
                 raise ModelLoadError(f"{self.name}: a linear's {size} outputs{where} are not a multiple of the "
@@ -97,7 +98,8 @@ class CheckpointQuantizedLinearMethod(GroupedIntLinearMethod):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
         """One checkpoint tensor into its shard's slice; a tensor without an output dimension (g_idx) has
-        one row per shard, in shard order."""
+        one row per shard, in shard order. The bias keeps this rank's rows (`rank_part`)."""
+        loaded = rank_part(param, loaded, shard_id)
         if param.output_dim is None:
             target = param.data[list(param.output_offsets).index(shard_id)]
         else:
@@ -107,7 +109,7 @@ class CheckpointQuantizedLinearMethod(GroupedIntLinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         # install_grouped_weight drops the checkpoint tensors: only the run-time form stays in memory
-        install_grouped_weight(layer, self.grouped_weight(layer))
+        install_grouped_weight(layer, rank_grouped_part(layer, self.grouped_weight(layer), self.name))
 
 
 def regroup(per_group: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:

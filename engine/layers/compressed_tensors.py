@@ -11,7 +11,8 @@ Per quantised linear the checkpoint holds (compressed_tensors' PackedQuantizatio
 - `weight_shape` int [2]: the unpacked [out, in].
 w = (q - zp) * scale, i.e. (code - zero code) * scale, which is the engine's `GroupedIntWeight`. The weight
 loaders unpack each (fused) shard into uint8 codes and zero codes on load; after loading the layer gets its
-kernel-backed form from `install_grouped_weight`. The `compressed-tensors` package is not needed at run
+kernel-backed form from `install_grouped_weight`. With tensor parallelism every rank unpacks the whole
+checkpoint tensors and installs its part (`rank_grouped_part`). The `compressed-tensors` package is not needed at run
 time: it is the tests' reference packer.
 """
 
@@ -26,8 +27,9 @@ from torch import nn
 
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.linear import (LinearBase, LinearMethod, ShardId, WeightShapeError, copy_checked,
-                                         new_parameter)
-from llmctl.engine.layers.quantization import GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight
+                                         new_parameter, rank_part, register_bias)
+from llmctl.engine.layers.quantization import (GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
+                                               rank_grouped_part)
 
 SUPPORTED_FORMAT = "pack-quantized"
 SUPPORTED_BITS = (4, 8)
@@ -131,34 +133,35 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
 class CompressedTensorsLinearMethod(GroupedIntLinearMethod):
     """`pack-quantized` weight-only linears: loads every shard's packed codes, scales and zero points into
     uint8 codes [out, in], float32 scales [out, groups] and uint8 zero codes [out, groups], then installs them
-    as the engine's grouped integer weight."""
+    as the engine's grouped integer weight (the whole checkpoint's, of which each tensor-parallel rank keeps
+    its part)."""
+
+    shards_by_rank = True
 
     def __init__(self, scheme: PackedScheme):
         self.scheme = scheme
 
     def group_size(self, layer: LinearBase) -> int:
-        group = self.scheme.group_size or layer.in_features
-        if layer.in_features % group:
-            raise ModelLoadError(f"compressed-tensors group_size {group} does not divide a linear's "
-                                 f"{layer.in_features} inputs")
+        inputs = layer.checkpoint_in_features
+        group = self.scheme.group_size or inputs
+        if inputs % group:
+            raise ModelLoadError(f"compressed-tensors group_size {group} does not divide a linear's {inputs} inputs")
         return group
 
     def create_weights(self, layer: LinearBase, bias: bool, dtype: torch.dtype) -> None:
-        groups = layer.in_features // self.group_size(layer)
-        shards = dict(shard_ids=tuple(layer.output_offsets), output_offsets=layer.output_offsets)
-        new_parameter(layer, "weight_packed", torch.empty(layer.out_features, layer.in_features, dtype=torch.uint8),
-                      self.load_packed, **shards)
-        new_parameter(layer, "weight_scale", torch.empty(layer.out_features, groups, dtype=torch.float32),
-                      self.load_rows, **shards)
+        inputs, outputs = layer.checkpoint_in_features, layer.checkpoint_out_features
+        groups = inputs // self.group_size(layer)
+        shards = dict(shard_ids=tuple(layer.output_offsets), output_offsets=layer.checkpoint_output_offsets)
+        new_parameter(layer, "weight_packed", torch.empty(outputs, inputs, dtype=torch.uint8), self.load_packed,
+                      **shards)
+        new_parameter(layer, "weight_scale", torch.empty(outputs, groups, dtype=torch.float32), self.load_rows,
+                      **shards)
         new_parameter(layer, "weight_shape", torch.empty(0, dtype=torch.int64), self.check_shape, **shards,
-                      in_features=layer.in_features)
+                      in_features=inputs)
         if not self.scheme.symmetric:
-            new_parameter(layer, "weight_zero_point", torch.empty(layer.out_features, groups, dtype=torch.uint8),
+            new_parameter(layer, "weight_zero_point", torch.empty(outputs, groups, dtype=torch.uint8),
                           self.load_zero_points, **shards)
-        if bias:
-            new_parameter(layer, "bias", torch.empty(layer.out_features, dtype=dtype), self.load_rows, **shards)
-        else:
-            layer.bias = None
+        register_bias(layer, bias, dtype, self.load_rows)
 
     def load_packed(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
         start, size = param.output_offsets[shard_id]
@@ -172,8 +175,9 @@ class CompressedTensorsLinearMethod(GroupedIntLinearMethod):
 
     @staticmethod
     def load_rows(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+        """Scales (whole checkpoint rows) or the bias (this rank's rows, `rank_part`)."""
         start, size = param.output_offsets[shard_id]
-        copy_checked(param.data.narrow(0, start, size), loaded)
+        copy_checked(param.data.narrow(0, start, size), rank_part(param, loaded, shard_id))
 
     @staticmethod
     def check_shape(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
@@ -186,7 +190,8 @@ class CompressedTensorsLinearMethod(GroupedIntLinearMethod):
         zeros = None if self.scheme.symmetric else layer.weight_zero_point.data
         weight = GroupedIntWeight(codes=layer.weight_packed.data, scales=layer.weight_scale.data, zeros=zeros,
                                   bits=self.scheme.bits, group_size=self.group_size(layer))
-        install_grouped_weight(layer, weight)  # drops the loading form's parameters
+        # drops the loading form's parameters
+        install_grouped_weight(layer, rank_grouped_part(layer, weight, "compressed-tensors"))
 
 
 def compressed_tensors_method(config: dict[str, Any]) -> tuple[LinearMethod, bool]:

@@ -10,7 +10,9 @@ layer picks its run-time form once all are in.
 - every other type (Q6_K, Q5_K, Q5_0, ... and F32/F16/BF16) is dequantised by the gguf package to the
   model dtype and runs as an unquantised linear (logged once per type): the engine has no grouped kernel
   for 5/6-bit codes, and Q6_K tensors are the minority of a Q4_K_M file (attn_v, ffn_down, output).
-A fused layer whose shards mix 4- and 8-bit types runs dequantised too.
+A fused layer whose shards mix 4- and 8-bit types runs dequantised too. With tensor parallelism every rank
+decodes the layer's whole tensors and keeps its part (`rank_grouped_part`, or `rank_rows`/`rank_columns` of
+the dequantised weight, as the unquantised method would have loaded it).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch
 from torch import nn
 
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.linear import LinearBase, LinearMethod, ShardId, copy_checked, new_parameter
-from llmctl.engine.layers.quantization import GroupedIntWeight, apply_grouped_weight, install_grouped_weight
+from llmctl.engine.layers.linear import (LinearBase, LinearMethod, ShardId, copy_checked, new_parameter, rank_columns,
+                                         rank_part, rank_rows, register_bias)
+from llmctl.engine.layers.quantization import (GroupedIntWeight, apply_grouped_weight, install_grouped_weight,
+                                               rank_grouped_part)
 
 logger = logging.getLogger(__name__)
 
@@ -134,20 +138,19 @@ class GGUFLinearMethod(LinearMethod):
     shard; after loading, a grouped integer weight where the types allow it, else the dequantised
     weight run by `unquantized` (the fastest unquantised method for the model dtype)."""
 
+    shards_by_rank = True  # each rank decodes the whole tensors, then keeps its part
+
     def __init__(self, unquantized: LinearMethod):
         self.unquantized = unquantized
         self.dequantised_types: set[str] = set()  # logged once each
 
     def create_weights(self, layer: LinearBase, bias: bool, dtype: torch.dtype) -> None:
         staged: dict[ShardId, dict[str, object]] = {}
-        shards = dict(shard_ids=tuple(layer.output_offsets), output_offsets=layer.output_offsets, staged=staged)
+        shards = dict(shard_ids=tuple(layer.output_offsets), output_offsets=layer.checkpoint_output_offsets,
+                      staged=staged)
         new_parameter(layer, "qweight", torch.empty(0, dtype=torch.uint8), self.stage_rows, **shards)
         new_parameter(layer, "qweight_type", torch.empty(0, dtype=torch.int64), self.stage_type, **shards)
-        if bias:
-            new_parameter(layer, "bias", torch.empty(layer.out_features, dtype=dtype), self.load_bias,
-                          shard_ids=shards["shard_ids"], output_offsets=layer.output_offsets)
-        else:
-            layer.bias = None
+        register_bias(layer, bias, dtype, self.load_bias)
 
     @staticmethod
     def stage_rows(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
@@ -166,25 +169,27 @@ class GGUFLinearMethod(LinearMethod):
     @staticmethod
     def load_bias(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
         start, size = param.output_offsets[shard_id]
-        copy_checked(param.data.narrow(0, start, size), loaded)
+        copy_checked(param.data.narrow(0, start, size), rank_part(param, loaded, shard_id))
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         staged = layer.qweight.staged
         shards = [(staged[shard]["type"], staged[shard]["raw"]) for shard in layer.output_offsets]
         weight = grouped_weight(shards)
+        inputs = layer.checkpoint_in_features
         if weight is not None:
-            if weight.in_features != layer.in_features:
+            if weight.in_features != inputs:
                 raise ModelLoadError(f"a GGUF tensor of {weight.in_features} columns does not fit a linear of "
-                                     f"{layer.in_features} inputs")
-            install_grouped_weight(layer, weight)
+                                     f"{inputs} inputs")
+            install_grouped_weight(layer, rank_grouped_part(layer, weight, "GGUF"))
             return
-        full = torch.cat([dequantize_raw(raw, name, layer.in_features) for name, raw in shards])
+        full = rank_columns(layer, rank_rows(layer, torch.cat([dequantize_raw(raw, name, inputs)
+                                                               for name, raw in shards])))
         for name in sorted({name for name, _ in shards} - {"F32", "F16", "BF16"} - self.dequantised_types):
             logger.info("GGUF %s linears are dequantised to %s on load (no grouped kernel for them)", name,
                         layer.params_dtype)
             self.dequantised_types.add(name)
         del layer.qweight, layer.qweight_type
-        layer.weight = nn.Parameter(full.to(layer.params_dtype), requires_grad=False)
+        layer.weight = nn.Parameter(full.to(layer.params_dtype).contiguous(), requires_grad=False)
         self.unquantized.process_weights_after_loading(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:

@@ -133,13 +133,13 @@ class GPTQLinearMethod(CheckpointQuantizedLinearMethod):
         if not self.config.desc_act:
             # Without act-order g_idx is i / group: a checkpoint that omits it loads with that one, and one
             # that has it is still read (and must then group its inputs evenly).
-            group = group_size_of(self.config.group_size, layer.in_features)
-            layer.g_idx.data.copy_(torch.arange(layer.in_features) // group)
+            inputs = layer.checkpoint_in_features
+            layer.g_idx.data.copy_(torch.arange(inputs) // group_size_of(self.config.group_size, inputs))
             layer.g_idx.shard_ids = ()
 
     def checkpoint_tensors(self, layer: LinearBase) -> dict[str, CheckpointTensor]:
         per_word = BITS_PER_WORD // self.config.bits
-        inputs, outputs = layer.in_features, layer.out_features
+        inputs, outputs = layer.checkpoint_in_features, layer.checkpoint_out_features
         if inputs % per_word:
             raise ModelLoadError(f"GPTQ: a linear's {inputs} inputs are not a multiple of the {per_word} codes "
                                  "an int32 word packs")
@@ -153,7 +153,7 @@ class GPTQLinearMethod(CheckpointQuantizedLinearMethod):
         }
 
     def grouped_weight(self, layer: LinearBase) -> GroupedIntWeight:
-        bits, inputs = self.config.bits, layer.in_features
+        bits, inputs = self.config.bits, layer.checkpoint_in_features
         group = group_size_of(self.config.group_size, inputs)
         codes = unpack_int32(layer.qweight.data, bits, dim=0).t()  # [out, in]
         zeros = unpack_int32(layer.qzeros.data, bits, dim=1).to(torch.int16) + ZERO_OFFSETS[self.config.checkpoint_format]

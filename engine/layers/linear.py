@@ -103,6 +103,22 @@ def rank_part(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> t
     return part
 
 
+def rank_rows(layer: "LinearBase", full: torch.Tensor) -> torch.Tensor:
+    """This rank's output rows of `full`, whose dim 0 holds every shard's full checkpoint rows in shard order
+    (`layer.checkpoint_output_offsets`): the same parts `rank_part` keeps, shard by shard."""
+    if full.shape[0] != sum(part.full for part in layer.checkpoint_rows.values()):
+        raise WeightShapeError(tuple(full.shape), (sum(p.full for p in layer.checkpoint_rows.values()),
+                                                   *full.shape[1:]))
+    parts = [part.take(full.narrow(0, layer.checkpoint_output_offsets[shard_id][0], part.full), 0)
+             for shard_id, part in layer.checkpoint_rows.items()]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def rank_columns(layer: "LinearBase", full: torch.Tensor) -> torch.Tensor:
+    """This rank's input columns of `full` [rows, checkpoint inputs] (a row-parallel layer's part)."""
+    return full if layer.checkpoint_cols is None else layer.checkpoint_cols.take(full, 1)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
     """Whole-tensor copy: embeddings, norms, and any parameter without a loader of its own."""
     if shard_id is not None:
@@ -129,17 +145,26 @@ def register_weight_and_bias(layer: "LinearBase", weight: torch.Tensor, bias: bo
     shards = dict(shard_ids=tuple(layer.output_offsets), output_offsets=layer.output_offsets,
                   checkpoint_rows=layer.checkpoint_rows)
     new_parameter(layer, "weight", weight, weight_loader, checkpoint_cols=layer.checkpoint_cols, **shards)
-    if bias:
-        new_parameter(layer, "bias", weight.new_empty(layer.out_features), weight_loader, checkpoint_cols=None,
-                      zero_on_this_rank=layer.checkpoint_cols is not None and layer.tp.rank > 0, **shards)
-    else:
+    register_bias(layer, bias, weight.dtype, weight_loader)
+
+
+def register_bias(layer: "LinearBase", bias: bool, dtype: torch.dtype, weight_loader, **attributes) -> None:
+    """An [out] bias of this rank's rows (or None), whose `weight_loader` takes each checkpoint shard through
+    `rank_part`: a row-parallel layer's rank 0 keeps it, the others hold zeros."""
+    if not bias:
         layer.bias = None
+        return
+    new_parameter(layer, "bias", torch.empty(layer.out_features, dtype=dtype), weight_loader,
+                  shard_ids=tuple(layer.output_offsets), output_offsets=layer.output_offsets,
+                  checkpoint_rows=layer.checkpoint_rows, checkpoint_cols=None,
+                  zero_on_this_rank=layer.checkpoint_cols is not None and layer.tp.rank > 0, **attributes)
 
 
 class LinearMethod:
     """How one kind of linear stores, loads, prepares and applies its weights (subclass all four)."""
 
-    # Its loaders take each checkpoint tensor through `rank_part`, so a tensor-parallel layer may use it.
+    # It keeps only this rank's part (its loaders take each checkpoint tensor through `rank_part`, or it
+    # narrows the whole unpacked weight after loading), so a tensor-parallel layer may use it.
     shards_by_rank = False
 
     def create_weights(self, layer: "LinearBase", bias: bool, dtype: torch.dtype) -> None:
@@ -258,9 +283,14 @@ class LinearBase(nn.Module):
             for shard_id, part in output_sizes.items()}
         self.out_features = sum(part.size for part in self.checkpoint_rows.values())
         self.output_offsets: dict[ShardId, tuple[int, int]] = {}  # shard -> (first output row, rows)
-        start = 0
+        # the same for the whole checkpoint (every rank's rows): where pre-quantised methods load each shard
+        self.checkpoint_output_offsets: dict[ShardId, tuple[int, int]] = {}
+        start = full_start = 0
         for shard_id, part in self.checkpoint_rows.items():
             self.output_offsets[shard_id], start = (start, part.size), start + part.size
+            self.checkpoint_output_offsets[shard_id], full_start = (full_start, part.full), full_start + part.full
+        self.checkpoint_out_features = full_start
+        self.checkpoint_in_features = input_part.full if input_part is not None else self.in_features
         self.method = method
         self.params_dtype = dtype  # the activations' dtype (a quantised method's weights have their own)
         method.create_weights(self, bias, dtype)

@@ -47,7 +47,7 @@ from torch import nn
 
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.kernels.quant import KernelWeight, fits_float16, load_quant_kernels
-from llmctl.engine.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+from llmctl.engine.layers.linear import (CheckpointSlice, LinearBase, LinearMethod, UnquantizedLinearMethod, rank_rows)
 from llmctl.engine.layers.quantization_cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
                                                     install_cuda_layout)
 
@@ -147,6 +147,38 @@ class GroupedIntWeight:
         restored[:, self.perm] = weight
         return restored
 
+    def columns(self, part: CheckpointSlice, what: str) -> "GroupedIntWeight":
+        """The weight of inputs [part.start, part.start + part.size) only (a row-parallel rank's part). Its
+        groups must lie wholly inside or outside the part (after the act-order permutation, if any), else
+        refused: `what` names the layer's method. One group per row (per channel) splits into a smaller one."""
+        if part.start == 0 and part.size == self.in_features:
+            return self
+        inputs = torch.arange(self.in_features, device=self.codes.device)
+        original = inputs if self.perm is None else self.perm  # the input each column holds
+        kept = (original >= part.start) & (original < part.start + part.size)
+        if self.num_groups == 1:
+            group_size, kept_groups = part.size, torch.ones(1, dtype=torch.bool, device=kept.device)
+        else:
+            if part.size % self.group_size:
+                raise ModelLoadError(f"{what}: a row-parallel linear's {part.size} inputs per tensor-parallel rank "
+                                     f"are not a multiple of its group size {self.group_size} (a group would "
+                                     "straddle two ranks); use a tensor-parallel size that divides the groups")
+            per_group = kept.view(self.num_groups, self.group_size)
+            kept_groups = per_group.all(dim=1)
+            if not torch.equal(kept_groups, per_group.any(dim=1)):
+                raise ModelLoadError(f"{what}: act-order (g_idx) groups of a row-parallel linear hold inputs of two "
+                                     "tensor-parallel ranks; run this checkpoint with --tensor-parallel-size 1")
+            group_size = self.group_size
+        columns = kept.nonzero().squeeze(1)
+        perm = None
+        if self.perm is not None:
+            perm = self.perm[columns] - part.start
+            if torch.equal(perm, torch.arange(part.size, device=perm.device)):
+                perm = None
+        return GroupedIntWeight(codes=self.codes[:, columns].contiguous(), scales=self.scales[:, kept_groups],
+                                zeros=None if self.zeros is None else self.zeros[:, kept_groups],
+                                bits=self.bits, group_size=group_size, perm=perm)
+
     @classmethod
     def quantize(cls, weight: torch.Tensor, bits: int, group_size: int, symmetric: bool = True) -> "GroupedIntWeight":
         """Round-to-nearest quantisation of a float weight [out, in]. Symmetric: scale = max|w| / (2^(bits-1) - 1)
@@ -168,6 +200,18 @@ class GroupedIntWeight:
             zeros = torch.round(-low / scales.float()).clamp(0, top)
             codes = (torch.round(groups / scales.float()[..., None]) + zeros[..., None]).clamp(0, top)
         return cls(codes.to(torch.uint8).view(out_features, in_features), scales, zeros, bits, group_size)
+
+
+def rank_grouped_part(layer: LinearBase, weight: GroupedIntWeight, what: str) -> GroupedIntWeight:
+    """This rank's part of the whole checkpoint's `weight` (every shard's full rows, all inputs): the output
+    rows `rank_part` would keep per shard, then a row-parallel layer's inputs (`GroupedIntWeight.columns`).
+    Rows past a shard's end (the padded vocabulary) get scale 0, i.e. weight 0."""
+    if layer.tp.is_single:
+        return weight
+    zeros = None if weight.zeros is None else rank_rows(layer, weight.zeros)
+    rows = GroupedIntWeight(codes=rank_rows(layer, weight.codes), scales=rank_rows(layer, weight.scales), zeros=zeros,
+                            bits=weight.bits, group_size=weight.group_size, perm=weight.perm)
+    return rows if layer.checkpoint_cols is None else rows.columns(layer.checkpoint_cols, what)
 
 
 def _float16_scales(scales: torch.Tensor) -> torch.Tensor:
