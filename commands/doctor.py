@@ -8,7 +8,9 @@ from typing import Any, Optional
 
 import typer
 
+from llmctl import engine_options as eo
 from llmctl.config import ConfigOption
+from llmctl.engine.args import DEFAULT_MASTER_PORT
 
 _STYLES = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "info": "cyan"}
 
@@ -47,9 +49,9 @@ def doctor(
         help="Override thresholds (YAML: a 'thresholds:' mapping); defaults in docs/doctor.md.",
     ),
     server: Optional[str] = typer.Option(None, "--server", metavar="URL", help="Also check a running llmctl serve (server-ready): health, alerted metrics, /v1 auth."),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1, help="Planned tensor-parallel ranks (tp-rendezvous: port and /dev/shm for them)."),
-    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Planned rendezvous address of node 0 (tp-rendezvous)."),
-    master_port: int = typer.Option(29500, "--master-port", min=0, max=65535, help="Planned rendezvous port on node 0 (tp-rendezvous; 0: a free one at start)."),
+    tensor_parallel_size: eo.engine_flag("tensor_parallel_size", min=1) = 1,
+    master_addr: eo.engine_flag("master_addr") = "127.0.0.1",
+    master_port: eo.engine_flag("master_port", min=0, max=65535) = None,
 ) -> None:
     """Check this host against the 24-item LLM inference preflight checklist (reads only, changes nothing).
 
@@ -73,7 +75,8 @@ def doctor(
         raise UserError(f"--server {server}: give the server's URL, e.g. http://10.0.0.5:8000")
     checks = select(parse_ids(only, "--only"), parse_ids(skip, "--skip"), server=server is not None)
     plan = Plan(expect_gpus, model, gpu_memory_utilization, thresholds or Thresholds(), server,
-                tensor_parallel_size=tensor_parallel_size, master_addr=master_addr, master_port=master_port)
+                tensor_parallel_size=tensor_parallel_size, master_addr=master_addr,
+                master_port=DEFAULT_MASTER_PORT if master_port is None else master_port)
     report = _run(checks, plan, strict, with_facts=json)
     _render(report, json)
     raise typer.Exit(report["summary"]["exit_code"])

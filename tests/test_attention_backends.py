@@ -57,9 +57,10 @@ class Driver:
     @torch.inference_mode()
     def step(self, rows: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
         """One forward of `rows` (sequence, query tokens) in this order: per row, [tokens, vocab] logits."""
-        ids, positions, batch, _, _ = self.runner._prepare([ScheduledSeq(seq, n) for seq, n in rows])
-        meta = self.runner.attention.build_metadata(batch)
-        logits = self.runner.model(ids, positions, self.runner.kv_caches, meta, self.runner.attention,
+        inputs, _ = self.runner._prepare([ScheduledSeq(seq, n) for seq, n in rows])
+        ids = inputs.input_ids
+        meta = self.runner.attention.build_metadata(inputs.attention_batch(self.runner.block_size))
+        logits = self.runner.model(ids, inputs.positions, self.runner.kv_caches, meta, self.runner.attention,
                                    torch.arange(ids.shape[0]))
         self.last_meta = meta
         out, start = [], 0
