@@ -15,6 +15,7 @@ part (`rank_grouped_part`): packing along the outputs or the inputs never has to
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -62,19 +63,20 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Optional[Sequ
     return codes.reshape(merged).to(torch.uint8)
 
 
-class CheckpointQuantizedLinearMethod(GroupedIntLinearMethod):
+class CheckpointQuantizedLinearMethod(GroupedIntLinearMethod, ABC):
     """A linear whose checkpoint tensors are quantised: subclasses name the tensors (`checkpoint_tensors`,
     the whole checkpoint's: `layer.checkpoint_in_features` / `checkpoint_out_features`) and turn them into a
     `GroupedIntWeight` (`grouped_weight`); the forward is the grouped form's (`GroupedIntLinearMethod`)."""
 
     shards_by_rank = True  # each rank unpacks the whole tensors, then keeps its part
 
+    @abstractmethod
     def checkpoint_tensors(self, layer: LinearBase) -> dict[str, CheckpointTensor]:
-        raise NotImplementedError
+        """The checkpoint tensors of this format, by name, for the whole (unsharded) layer."""
 
+    @abstractmethod
     def grouped_weight(self, layer: LinearBase) -> GroupedIntWeight:
         """The loaded checkpoint tensors (layer parameters of their names) as a `GroupedIntWeight`."""
-        raise NotImplementedError
 
     @property
     def name(self) -> str:
