@@ -123,6 +123,7 @@ class RunningServer:
 
         gc.collect()
         grown = rss_mib() - rss_before_mib
+        print(f"RSS growth after the attack: {grown:.0f} MiB (bound {rss_bound_mib:.0f} MiB)")
         assert grown < rss_bound_mib, f"RSS grew by {grown:.0f} MiB (bound {rss_bound_mib:.0f} MiB)"
 
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:

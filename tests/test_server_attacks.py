@@ -370,13 +370,30 @@ def _shrink_server_send_buffer(srv, client: tuple) -> None:
 
 def test_a_maximal_token_id_prompt_is_refused_without_stalling_the_server():
     # 8 MiB of token ids (4.2 M numbers): the C JSON parser and pydantic held the GIL ~0.7 s for it.
+    # The body is built first: the test's own 4.2 M-item list would otherwise count as server growth.
+    count = (8 * 1024 * 1024 - len('{"prompt": [], "max_tokens": 1}') + 1) // 2
+    body = ('{"prompt": [' + ",".join(["1"] * count) + '], "max_tokens": 1}').encode()
+    assert len(body) == 8 * 1024 * 1024
     with running_server() as srv:
         before = rss_mib()
-        count = (8 * 1024 * 1024 - len('{"prompt": [], "max_tokens": 1}') + 1) // 2
-        body = ('{"prompt": [' + ",".join(["1"] * count) + '], "max_tokens": 1}').encode()
-        assert len(body) == 8 * 1024 * 1024
         worst, responses = _worst_health_latency_while_refusing(srv, body, "an 8 MiB token-id prompt")
         assert worst < 0.3
         for response in responses:
             assert response.status_code == 400 and "JSON array of" in response.json()["error"]["message"]
         srv.assert_recovered(before, rss_bound_mib=128)
+
+
+@pytest.mark.parametrize("body, kind", [
+    (b'{"prompt": [1, 2, 3, 4], "max_tokens": 1}', "array"),
+    (b'{"messages": [{"role": "user", "content": [1, 2, 3, 4]}]}', "array"),
+    (b'{"logit_bias": {"1": 1, "2": 1, "3": 1, "4": 1}}', "object"),
+])
+def test_the_thread_parser_refuses_any_container_past_the_limit_while_parsing(body, kind):
+    from starlette.exceptions import HTTPException
+
+    from llmctl.server.json_body import _parse_in_python
+
+    assert json.loads(body) and _parse_in_python(body, 4) == json.loads(body)
+    with pytest.raises(HTTPException) as refused:
+        _parse_in_python(body, 3)
+    assert refused.value.status_code == 400 and f"JSON {kind} of more than 3 items" in refused.value.detail

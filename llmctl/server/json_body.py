@@ -52,25 +52,33 @@ def _refuse_constant(name: str) -> Any:
 
 def _parse_in_python(body: bytes, array_limit: int | None) -> Any:
     decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+    if array_limit is not None:
+        # Counted while parsing, so an oversized array is refused at its (limit+1)-th item instead of
+        # after the whole list is built: the 4.2 M-id body used to peak ~70 MiB above the idle RSS.
+        decoder.parse_array = _limited(json.decoder.JSONArray, array_limit, "array")
+        decoder.parse_object = _limited(json.decoder.JSONObject, array_limit, "object")
     decoder.scan_once = json.scanner.py_make_scanner(decoder)  # bytecode: the GIL is released between values
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise json.JSONDecodeError(f"the body is not UTF-8 ({exc.reason})", "", exc.start) from None
-    value = decoder.decode(text)
-    if array_limit is not None:
-        _refuse_oversized(value, array_limit)
-    return value
+    return decoder.decode(text)
 
 
-def _refuse_oversized(value: Any, limit: int) -> None:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if len(item) > limit if isinstance(item, (list, dict)) else False:
-            raise HTTPException(400, f"the body holds a JSON {'array' if isinstance(item, list) else 'object'} of "
-                                     f"{len(item)} items; no valid request to this model has more than {limit}")
-        if isinstance(item, list):
-            stack.extend(v for v in item if isinstance(v, (list, dict)))
-        elif isinstance(item, dict):
-            stack.extend(v for v in item.values() if isinstance(v, (list, dict)))
+def _limited(parse: Callable, limit: int, kind: str) -> Callable:
+    """`parse` (the stdlib's JSONArray or JSONObject) refusing its container's (limit+1)-th value."""
+    def parse_limited(s_and_end: tuple, *args: Any) -> Any:
+        scan_index = 0 if kind == "array" else 1  # JSONObject(s_and_end, strict, scan_once, ...)
+        scan_once, count = args[scan_index], 0
+
+        def counting_scan(text: str, end: int) -> Any:
+            nonlocal count
+            count += 1
+            if count > limit:
+                raise HTTPException(400, f"the body holds a JSON {kind} of more than {limit} items; "
+                                         f"no valid request to this model has more than {limit}")
+            return scan_once(text, end)
+
+        return parse(s_and_end, *args[:scan_index], counting_scan, *args[scan_index + 1:])
+
+    return parse_limited
