@@ -162,20 +162,35 @@ def test_the_model_as_its_own_draft_accepts_every_greedy_draft():
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
 
 
+@pytest.fixture(scope="module")
+def small_drafts(tmp_path_factory) -> dict[str, Path]:
+    """Per architecture a smaller draft of the same vocabulary: 1 layer, half the MLP, other weights."""
+    root = tmp_path_factory.mktemp("small-drafts")
+    return {arch: make_tiny_model(root / arch, arch, seed=7, num_hidden_layers=1, intermediate_size=64)
+            for arch in ("llama", "mistral", "qwen2", "qwen3")}
+
+
 @pytest.mark.parametrize("own", [True, False], ids=["own-draft", "small-draft"])
-def test_greedy_outputs_match_with_chunked_prefill_preemption_and_prefix_hits(target, small_draft, own):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_outputs_match_with_chunked_prefill_preemption_and_prefix_hits(tiny_models, small_drafts, arch, own):
+    """Each architecture, with the model as its own draft and with a smaller one: a mixed batch with
+    chunked prefill (48-token budget), preemption (14 blocks) and prefix-cache hits (a shared 40-token
+    prefix) gives plain decoding's greedy tokens, and every block comes back."""
+    target = tiny_models[arch]
     shared = list(range(40, 80))  # 40 tokens: two full 16-token blocks shared between prompts
     prompts = [shared + [5, 6, 7], list(range(100, 160)), shared + [9], [3, 4, 5, 3, 4, 5, 3], shared + [11, 12]]
-    settings = dict(model=str(target), dtype="float32", block_size=16, num_kv_blocks=14, max_model_len=128,
-                    max_num_batched_tokens=48, max_num_seqs=5, num_threads=1)
+    settings = dict(model=str(target), skip_tokenizer_init=True, dtype="float32", block_size=16, num_kv_blocks=14,
+                    max_model_len=128, max_num_batched_tokens=48, max_num_seqs=5, num_threads=1)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = _greedy_tokens(LLM(**settings), prompts, params)
-    llm = LLM(**settings, speculative_config=_spec(target if own else small_draft, 3))
+    llm = LLM(**settings, speculative_config=_spec(target if own else small_drafts[arch], 3))
     assert _greedy_tokens(llm, prompts, params) == plain
     stats = llm.engine.get_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["spec_decode_num_drafts"] > 0
     if own:
         assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    else:
+        assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], "no rollback ran"
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     llm.engine.block_manager.check_invariants([])
 
