@@ -24,6 +24,12 @@ same draws as without speculation would have consumed for it, and the output sta
 The draft's K/V of a rejected draft are simply overwritten later: what the draft holds per sequence is
 its fed tokens (the known ones, then its drafts), compared with the sequence's tokens at the next
 round; a preempted sequence (blocks gone) starts from nothing.
+
+A draft forward that runs out of memory costs the round, never the requests: the round's drafts are
+dropped (its sequences decode one token in the step), its lookahead blocks go back, and the next rounds
+run smaller, as the target's steps do after an OOM (`Scheduler.shrink_after_oom`): half the catch-up
+tokens while a catch-up row is longer than a block, else half the sequences, else no drafting; the caps
+double back every `OOM_RECOVERY_STEPS` rounds.
 """
 
 from __future__ import annotations
@@ -40,14 +46,14 @@ from safetensors import safe_open
 
 from llmctl.engine.args import SpeculativeConfig
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.errors import EngineArgsError, ModelLoadError, is_out_of_memory
 from llmctl.engine.loader import find_weight_files
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_token
 from llmctl.engine.ngram_proposer import AdaptiveProposer
 from llmctl.engine.parallel import TensorParallel
 from llmctl.engine.sampler import Sampler, row_argmax
-from llmctl.engine.scheduler import ScheduledSeq
+from llmctl.engine.scheduler import OOM_RECOVERY_STEPS, ScheduledSeq
 from llmctl.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -146,6 +152,7 @@ class DraftProposer(AdaptiveProposer):
         super().__init__(config)
         self.blocks = blocks
         self.max_tokens_per_round = target.max_num_batched_tokens
+        self.block_size = block_size
         self.runner = ModelRunner(replace(
             target, model_config=draft.config, model_folder=draft.folder, block_size=block_size,
             num_kv_blocks=num_blocks, max_num_seqs=min(target.max_num_seqs, config.disable_by_batch_size),
@@ -155,6 +162,11 @@ class DraftProposer(AdaptiveProposer):
             tensor_parallel=TensorParallel.single()))
         self.sampler = Sampler(self.runner.make_generator(target.seed + 1))  # for unseeded requests' drafts
         self._states: dict[int, _DraftState] = {}
+        # Lowered after a draft forward ran out of memory (None: not lowered): the catch-up tokens and the
+        # sequences one round drafts for.
+        self._token_cap: Optional[int] = None
+        self._seq_cap: Optional[int] = None
+        self._rounds_since_shrink = 0
         logger.info("draft model %s: %d layers, %.1f MiB of weights", draft.folder, draft.config.num_layers,
                     self.runner.weight_bytes / 2**20)
 
@@ -172,11 +184,65 @@ class DraftProposer(AdaptiveProposer):
             seq.spec_token_ids, seq.spec_draft_probs = [], None
         if not small:
             return
-        wanted = [(seq, self._num_drafts(seq)) for seq in running]
+        self._relax_caps()
+        wanted = [(seq, k) for seq, k in ((seq, self._num_drafts(seq)) for seq in running) if k]
+        if self._seq_cap is not None:
+            wanted = wanted[:self._seq_cap]
         # Slots for the last known token and the first k - 1 drafts: what the draft writes this round.
-        wanted = [(seq, k) for seq, k in wanted if k and self.blocks.allocate(seq, 1, num_lookahead_tokens=k - 1)]
-        if wanted:
-            self._draft(wanted)
+        wanted = [(seq, k) for seq, k in wanted if self.blocks.allocate(seq, 1, num_lookahead_tokens=k - 1)]
+        wanted, rows = self._catch_up_rows(wanted)
+        if not wanted:
+            return
+        try:
+            self._draft(wanted, rows)
+        except Exception as exc:  # noqa: BLE001 - only allocation failures are handled here
+            if not is_out_of_memory(exc):
+                raise
+            cause = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        else:
+            return
+        # Outside the except block, so the traceback (and the activations its frames hold) is gone.
+        self._after_out_of_memory(wanted, rows, cause)
+
+    def _relax_caps(self) -> None:
+        """Double lowered caps back every `OOM_RECOVERY_STEPS` rounds (one that reaches the configured
+        value is dropped)."""
+        if self._token_cap is None and self._seq_cap is None:
+            return
+        self._rounds_since_shrink += 1
+        if self._rounds_since_shrink < OOM_RECOVERY_STEPS:
+            return
+        self._rounds_since_shrink = 0
+        if self._token_cap is not None:
+            self._token_cap = None if 2 * self._token_cap >= self.max_tokens_per_round else 2 * self._token_cap
+        if self._seq_cap is not None:
+            limit = self.runner.config.max_num_seqs
+            self._seq_cap = None if 2 * self._seq_cap >= limit else max(1, 2 * self._seq_cap)
+
+    def _after_out_of_memory(self, wanted: list[tuple[Sequence, int]], rows: list[ScheduledSeq],
+                             cause: str) -> None:
+        """A draft forward ran out of memory: no drafts this round (the sequences decode one token in the
+        step), the round's lookahead blocks back, and smaller rounds for a while."""
+        for seq, _ in wanted:
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
+            self.blocks.free_lookahead(seq)
+            state = self._states.get(seq.seq_id)
+            if state is not None:  # its shadow counts only the K/V forwards that finished wrote
+                state.drafts, state.probs = [], []
+        self.runner.release_kept_state()  # the kept decode K/V may be half-updated
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.num_oom_skips += 1
+        longest = max(row.num_new_tokens for row in rows)
+        if longest > self.block_size:
+            self._token_cap = max(self.block_size, sum(row.num_new_tokens for row in rows) // 2)
+        else:
+            self._seq_cap = len(wanted) // 2  # 0: not even one sequence's round fits, none until the caps relax
+        self._rounds_since_shrink = 0
+        logger.warning("out of memory in the draft model's forward for %d sequence(s) (%s); these decode without "
+                       "drafts this step, and draft rounds take at most %s token(s) and %s sequence(s) for a while",
+                       len(wanted), cause, self._token_cap or self.max_tokens_per_round,
+                       self.runner.config.max_num_seqs if self._seq_cap is None else self._seq_cap)
 
     def _num_drafts(self, seq: Sequence) -> int:
         """K, within the model's positions and the request's max_tokens (the token after the drafts is the
@@ -188,13 +254,24 @@ class DraftProposer(AdaptiveProposer):
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return max(room, 0)
 
-    def _draft(self, wanted: list[tuple[Sequence, int]]) -> None:
-        rows, budget = [], self.max_tokens_per_round
-        for seq, _ in wanted:
+    def _catch_up_rows(self, wanted: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]],
+                                                                           list[ScheduledSeq]]:
+        """One row per sequence over the tokens its draft has not seen, within the round's token budget
+        (a row that reaches the sequence's end samples the first draft); the sequences the budget leaves
+        out get no drafts this round and their lookahead back."""
+        kept, rows, budget = [], [], self._token_cap or self.max_tokens_per_round
+        for seq, k in wanted:
+            if not budget:
+                self.blocks.free_lookahead(seq)
+                continue
             state = self._catch_up_state(seq)
             take = min(seq.num_tokens - state.shadow.num_computed_tokens, budget)
             budget -= take
-            rows.append(ScheduledSeq(state.shadow, take))  # samples the first draft once it reaches the end
+            kept.append((seq, k))
+            rows.append(ScheduledSeq(state.shadow, take))
+        return kept, rows
+
+    def _draft(self, wanted: list[tuple[Sequence, int]], rows: list[ScheduledSeq]) -> None:
         active = [(seq, k, self._states[seq.seq_id]) for (seq, k), row in zip(wanted, rows) if row.samples]
         logits = self._run(rows)
         for row in rows:  # catch-up rows hold known tokens only
@@ -214,6 +291,8 @@ class DraftProposer(AdaptiveProposer):
             seq.spec_token_ids = state.drafts
             seq.spec_draft_probs = torch.stack(state.probs) if state.probs else None
             state.drafts, state.probs = [], []
+            if not seq.spec_token_ids:  # still catching up: its lookahead would outlive the step
+                self.blocks.free_lookahead(seq)
 
     def _catch_up_state(self, seq: Sequence) -> _DraftState:
         """The sequence's draft state, its shadow holding the sequence's tokens and, as computed, the

@@ -554,4 +554,5 @@ class LLMEngine:
         # (queued, preempted or held back by dynamic batching); O(1), unlike a pass over the queue.
         stats["num_waiting_requests"] = len(self.requests) - stats["num_running_requests"]
         return {**stats, **self.spec_stats.as_stats(), "num_requests": len(self.requests),
-                "num_oom_retries": self.num_oom_retries, "num_capacity_errors": self.num_capacity_errors}
+                "num_oom_retries": self.num_oom_retries, "num_capacity_errors": self.num_capacity_errors,
+                "num_draft_oom_skips": self.proposer.num_oom_skips if self.proposer else 0}

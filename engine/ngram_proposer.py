@@ -68,6 +68,7 @@ class AdaptiveProposer:
         # seq_id -> the last WINDOW drafts' (drafted, accepted) counts; seq_ids whose drafting is off.
         self._history: dict[int, deque[tuple[int, int]]] = {}
         self._disabled: set[int] = set()
+        self.num_oom_skips = 0  # rounds dropped because a draft forward ran out of memory (a draft model's)
 
     def _start_round(self, running: list[Sequence]) -> bool:
         """Forget sequences that stopped running; False when the batch is too large to draft for."""

@@ -195,6 +195,61 @@ def test_greedy_outputs_match_with_chunked_prefill_preemption_and_prefix_hits(ti
     llm.engine.block_manager.check_invariants([])
 
 
+# ---- out of memory in the draft's forward --------------------------------------------------------
+def _oom_settings(target: Path) -> dict:
+    return dict(model=str(target), dtype="float32", block_size=16, num_kv_blocks=64, max_model_len=128,
+                max_num_batched_tokens=96, max_num_seqs=4, num_threads=1)
+
+
+def test_a_draft_forward_out_of_memory_drops_that_rounds_drafts_and_shrinks_the_rounds(target, small_draft, caplog):
+    """The CPU allocator's own failure (a real 16 TiB allocation) in the draft's last MLP whenever a draft
+    forward has more than 20 tokens: the first sequence's 61-token catch-up fails, the rounds shrink to 30
+    tokens (fails again), then to 16 (one block: the catch-up runs in chunks), and drafting goes on from
+    there. The requests finish with plain decoding's greedy tokens, nothing leaks, one warning per
+    failed round."""
+    from test_oom_recovery import InjectedOOM
+
+    prompts = [list(range(100, 160)), list(range(200, 250))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = _greedy_tokens(LLM(**_oom_settings(target)), prompts, params)
+    llm = LLM(**_oom_settings(target), speculative_config=_spec(small_draft, 3))
+    oom = InjectedOOM(llm.engine.proposer.runner, max_tokens=20, kind="cpu")
+    try:
+        with caplog.at_level("WARNING", logger="llmctl.engine.draft_proposer"):
+            assert _greedy_tokens(llm, prompts, params) == plain
+    finally:
+        oom.remove()
+    stats = llm.engine.get_stats()
+    assert [tokens for tokens, _ in oom.events] == [61, 30], oom.events
+    assert stats["num_draft_oom_skips"] == len(oom.events) and stats["num_oom_retries"] == 0
+    assert stats["spec_decode_num_drafts"] > 0, "drafting resumed on the smaller rounds"
+    warnings = [r for r in caplog.records if "out of memory in the draft model's forward" in r.getMessage()]
+    assert len(warnings) == len(oom.events) and not any(r.exc_info for r in warnings)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    llm.engine.block_manager.check_invariants([])
+
+
+def test_a_draft_that_never_fits_stops_drafting_and_the_requests_decode_on(target, small_draft):
+    """Every draft forward out of memory (CUDA's error): after the rounds shrank to one sequence and
+    then none, the requests decode without drafts, with plain decoding's greedy tokens."""
+    from test_oom_recovery import InjectedOOM
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = _greedy_tokens(LLM(**_oom_settings(target)), prompts, params)
+    llm = LLM(**_oom_settings(target), speculative_config=_spec(small_draft, 3))
+    oom = InjectedOOM(llm.engine.proposer.runner, max_tokens=0)
+    try:
+        assert _greedy_tokens(llm, prompts, params) == plain
+    finally:
+        oom.remove()
+    stats = llm.engine.get_stats()
+    assert len(oom.events) == stats["num_draft_oom_skips"] == 2  # rounds of 3 sequences, then of 1, then none
+    assert stats["spec_decode_num_drafts"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    llm.engine.block_manager.check_invariants([])
+
+
 # ---- sampled drafts ---------------------------------------------------------------------------
 def _decoding_engine(target: Path, draft: Path, params: list[SamplingParams]) -> LLMEngine:
     engine = LLMEngine(EngineArgs(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=4,

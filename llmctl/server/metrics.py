@@ -99,6 +99,8 @@ class _EngineStatsCollector(Collector):
             ("llmctl:num_preemptions", "Sequences preempted (KV cache full).", stats.get("num_preemptions", 0)),
             ("llmctl:num_oom_retries", "Engine steps that ran out of memory and were retried smaller.",
              stats.get("num_oom_retries", 0)),
+            ("llmctl:num_draft_oom_skips", "Draft-model rounds dropped (those sequences decoded without drafts) "
+             "because the draft's forward ran out of memory.", stats.get("num_draft_oom_skips", 0)),
             ("llmctl:num_capacity_errors", "Requests finished with a capacity error (503): out of memory "
              "even alone at the smallest chunk.", stats.get("num_capacity_errors", 0)),
             ("llmctl:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (whole blocks).",
