@@ -46,7 +46,7 @@ class InjectedOOM:
     def _note_batch(self, _module, args) -> None:
         _ids, positions, _kv, meta = args[:4]
         self._context = int(positions.max()) + 1  # the longest context in the batch
-        self._seqs = meta.num_single + len(meta.prefills)
+        self._seqs = meta.num_rows
 
     def _allocate(self, _module, args) -> None:
         tokens = args[0].shape[0]

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -29,9 +30,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "LLMCTL_DISABLE_CPU_KERNELS"
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-# q, q row stride, k_pool, v_pool, tables, table stride, lens, out, 6 sizes, scale, window, threads
+# q, q row stride, k_pool, v_pool, tables, table stride, lens, starts, qlens, out, 6 sizes, scale, window, threads
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
-_DECODE_ARGTYPES = [_POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _POINTER, _POINTER] + [_INT64] * 6 \
+_PAGED_ARGTYPES = [_POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64] + [_POINTER] * 4 + [_INT64] * 6 \
     + [ctypes.c_float, _INT64, ctypes.c_int]
 
 
@@ -50,7 +51,7 @@ class CpuKernels:
                 functions[dtype] = function
             return functions
 
-        self._decode = bind("paged_decode_attention", _DECODE_ARGTYPES)
+        self._paged = bind("paged_attention", _PAGED_ARGTYPES)
         self._rms_norm = bind("rms_norm", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int])
         self._silu_and_mul = bind("silu_and_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
         self._write_kv = bind("write_kv", [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
@@ -137,7 +138,7 @@ class CpuKernels:
                               tables[1].data_ptr(), torch.get_num_threads())
 
     def supports_decode(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return dtype in self._decode and head_dim % 32 == 0 and num_heads // num_kv_heads <= self.max_group
+        return dtype in self._paged and head_dim % 32 == 0 and num_heads // num_kv_heads <= self.max_group
 
     def paged_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
@@ -147,38 +148,99 @@ class CpuKernels:
         q [seqs, heads, head_dim]; pools [kv_heads, blocks, block_size, head_dim]; block_tables
         [seqs, width] int64; context_lens [seqs] int64 (the new token included). Returns [seqs, heads, head_dim].
         """
-        seqs, heads, head_dim = q.shape
-        kv_heads, num_blocks, block_size, pool_dim = k_pool.shape
-        if q.dtype not in self._decode or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-            raise ValueError(f"paged_decode_attention: unsupported dtypes {q.dtype}/{k_pool.dtype}/{v_pool.dtype}")
-        if pool_dim != head_dim or heads % kv_heads or v_pool.shape != k_pool.shape:
-            raise ValueError("paged_decode_attention: q and the pools disagree on heads or head_dim")
-        if block_size & (block_size - 1):
-            raise ValueError(f"paged_decode_attention: block size {block_size} is not a power of two")
-        if not self.supports_decode(q.dtype, heads, kv_heads, head_dim):
-            raise ValueError(f"paged_decode_attention: head_dim {head_dim} or group {heads // kv_heads} not supported")
-        if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or block_tables.dim() != 2 \
-                or block_tables.shape[0] != seqs or context_lens.shape != (seqs,):
-            raise ValueError("paged_decode_attention: block_tables [seqs, width] and context_lens [seqs] must be int64")
-        shortest, longest = (int(v) for v in torch.aminmax(context_lens)) if seqs else (1, 0)
+        rows = self.paged_rows(block_tables, context_lens, k_pool.shape[2])
+        return self.paged_attention(q, k_pool, v_pool, rows, scale, window)
+
+    def paged_rows(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                   query_starts: Optional[torch.Tensor] = None,
+                   query_lens: Optional[torch.Tensor] = None) -> "PagedRows":
+        """A step's rows for `paged_attention`, checked once (every layer's call reuses them).
+
+        block_tables [rows, width] int64; context_lens [rows] int64 (each row's new tokens included). Row
+        r's queries are tokens query_starts[r] .. + query_lens[r] - 1 of q (both int64 [rows]; without them
+        row r is token r alone), query j seeing the first context_lens[r] - query_lens[r] + j + 1 keys.
+        """
+        rows = block_tables.shape[0] if block_tables.dim() == 2 else -1
+        if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 or rows < 0 \
+                or context_lens.shape != (rows,):
+            raise ValueError("paged_attention: block_tables [rows, width] and context_lens [rows] must be int64")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"paged_attention: block size {block_size} is not a power of two")
+        shortest, longest = (int(v) for v in torch.aminmax(context_lens)) if rows else (1, 0)
         if longest > block_tables.shape[1] * block_size:
-            raise ValueError("paged_decode_attention: a context is longer than its block table")
+            raise ValueError("paged_attention: a context is longer than its block table")
         if shortest < 1:
-            raise ValueError("paged_decode_attention: every context holds at least the new token")
+            raise ValueError("paged_attention: every context holds at least the new token")
         lowest, highest = (int(v) for v in torch.aminmax(block_tables)) if block_tables.numel() else (0, -1)
-        if lowest < 0 or highest >= num_blocks:
-            raise ValueError("paged_decode_attention: a block id lies outside the pool")
+        if lowest < 0:
+            raise ValueError("paged_attention: a block id lies outside the pool")
+        if (query_starts is None) != (query_lens is None):
+            raise ValueError("paged_attention: query_starts and query_lens come together")
+        tokens = rows
+        if query_lens is not None:
+            if query_starts.dtype != torch.int64 or query_lens.dtype != torch.int64 \
+                    or query_starts.shape != (rows,) or query_lens.shape != (rows,):
+                raise ValueError("paged_attention: query_starts and query_lens must be int64 [rows]")
+            if rows and (int(query_lens.min()) < 1 or int(query_starts.min()) < 0):
+                raise ValueError("paged_attention: every row has a query token at a token index >= 0")
+            if rows and bool((query_lens > context_lens).any()):
+                raise ValueError("paged_attention: a row has more query tokens than its context")
+            tokens = int((query_starts + query_lens).max()) if rows else 0
+            query_starts, query_lens = query_starts.contiguous(), query_lens.contiguous()
+        return PagedRows(block_tables.contiguous(), context_lens.contiguous(), block_size, query_starts, query_lens,
+                         tokens, highest)
+
+    def paged_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: "PagedRows",
+                        scale: float, window: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal attention of `rows`' query tokens over their paged K/V, each query computed exactly as a
+        one-token decode at its position (bitwise: a verify row's outputs are its one-by-one decodes').
+
+        q [tokens, heads, head_dim]; pools [kv_heads, blocks, block_size, head_dim]. Written into `out`
+        (contiguous, q's shape and dtype; only the rows' tokens) when given; returns it.
+        """
+        tokens, heads, head_dim = q.shape
+        kv_heads, num_blocks, block_size, pool_dim = k_pool.shape
+        if q.dtype not in self._paged or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+            raise ValueError(f"paged_attention: unsupported dtypes {q.dtype}/{k_pool.dtype}/{v_pool.dtype}")
+        if pool_dim != head_dim or heads % kv_heads or v_pool.shape != k_pool.shape:
+            raise ValueError("paged_attention: q and the pools disagree on heads or head_dim")
+        if block_size != rows.block_size:
+            raise ValueError(f"paged_attention: the rows are of block size {rows.block_size}, the pool's {block_size}")
+        if not self.supports_decode(q.dtype, heads, kv_heads, head_dim):
+            raise ValueError(f"paged_attention: head_dim {head_dim} or group {heads // kv_heads} not supported")
+        if rows.highest_block >= num_blocks:
+            raise ValueError("paged_attention: a block id lies outside the pool")
+        if rows.num_tokens > tokens or (rows.query_lens is None and rows.num_tokens != tokens):
+            raise ValueError(f"paged_attention: the rows' query tokens do not fit q's {tokens}")
         if q.stride(2) != 1 or q.stride(1) != head_dim:  # rows may be apart (a view into qkv), heads not
             q = q.contiguous()
         k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()
-        block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
-        out = q.new_empty(seqs, heads, head_dim)
-        if seqs:
-            self._decode[q.dtype](
-                q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
-                block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, head_dim,
-                num_blocks, block_size, scale, window or 0, torch.get_num_threads())
+        if out is None:
+            out = q.new_empty(tokens, heads, head_dim)
+        elif out.shape != (tokens, heads, head_dim) or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError("paged_attention: out must be a contiguous tensor of q's shape and dtype")
+        count = rows.block_tables.shape[0]
+        if count:
+            ranges = rows.query_starts, rows.query_lens
+            self._paged[q.dtype](
+                q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), rows.block_tables.data_ptr(),
+                rows.block_tables.shape[1], rows.context_lens.data_ptr(),
+                *(r.data_ptr() if r is not None else None for r in ranges), out.data_ptr(), count, heads, kv_heads,
+                head_dim, num_blocks, block_size, scale, window or 0, torch.get_num_threads())
         return out
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """A step's rows for `CpuKernels.paged_attention`, from `CpuKernels.paged_rows` (checked there)."""
+
+    block_tables: torch.Tensor  # [rows, width] int64, contiguous
+    context_lens: torch.Tensor  # [rows] int64
+    block_size: int
+    query_starts: Optional[torch.Tensor]  # [rows] int64, or None: row r is token r
+    query_lens: Optional[torch.Tensor]
+    num_tokens: int  # q must hold at least this many tokens
+    highest_block: int  # the pool must hold more blocks than this
 
 
 def _check_rows(name: str, x: torch.Tensor, width: int, functions: dict) -> None:

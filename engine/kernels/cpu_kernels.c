@@ -123,76 +123,109 @@ INLINE void score_row(const void *q, int64_t q_offset, const void *k_pool, int64
 
 #define MAX_GROUP 16
 
-/* Decode attention straight from the paged pool: one query token per sequence.
- *   q       [num_seqs, num_heads, head_dim], rows `q_stride` elements apart (a view into a fused qkv
+/* Paged attention straight from the pool for rows of a few query tokens (decodes, speculative verify
+ * rows, short prefill chunks), each query computed exactly as a one-token decode at its position.
+ *   q       [tokens, num_heads, head_dim], token rows `q_stride` elements apart (a view into a fused qkv
  *           output needs no copy; head_dim % 32 == 0, num_heads / num_kv_heads <= 16)
  *   k_pool, v_pool  [num_kv_heads, num_blocks, block_size, head_dim] (the torch backend's layout;
  *           block_size a power of two)
- *   tables  [num_seqs, table_stride] block ids;  lens [num_seqs] context lengths (new token included)
- *   out     [num_seqs, num_heads, head_dim]
- * One work item per (sequence, KV head) serves the head's whole query group, so each K/V row is
- * read from memory once. Scores and softmax are float32; `window` > 0 keeps the last `window` keys. */
-INLINE void decode_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *tables,
-                             int64_t table_stride, const int64_t *lens, void *out, int64_t num_seqs,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
-                             int64_t block_size, float scale, int64_t window, int num_threads, const int bf16) {
+ *   tables  [num_rows, table_stride] block ids;  lens [num_rows] context lengths (new tokens included)
+ *   starts, qlens [num_rows]: row r's queries are tokens starts[r] .. starts[r] + qlens[r] - 1 of q and
+ *           out; query j sees the first lens[r] - qlens[r] + j + 1 keys (causal). NULL: row r is one
+ *           query, token r.
+ *   out     [tokens, num_heads, head_dim] (only the rows' tokens written)
+ * One work item per (row, KV head) serves the head's query group of every query token of the row, so
+ * each K/V row is read from memory once. Scores and softmax are float32; `window` > 0 keeps each
+ * query's last `window` keys. A query's scores, softmax sums and weighted V sums run over its own keys
+ * in the same order and chunking whatever the row's other queries: a verify row's outputs are bitwise
+ * those of one-token decodes at its positions (what makes greedy speculation exact in bf16). */
+INLINE void paged_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *tables,
+                            int64_t table_stride, const int64_t *lens, const int64_t *starts, const int64_t *qlens,
+                            void *out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t num_blocks, int64_t block_size, float scale, int64_t window, int num_threads,
+                            const int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int block_shift = __builtin_ctzll((unsigned long long)block_size);
+    const int64_t tokens_per_chunk = MAX_GROUP / group; /* >= 1: the V sums of this many query tokens at once */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
+    for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
         const int64_t seq = item / num_kv_heads, head = item % num_kv_heads;
-        const int64_t len = lens[seq];
-        const int64_t first = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - first;
-        const int64_t q_offset = seq * q_stride + head * group * head_dim;
-        const int64_t out_offset = (seq * num_heads + head * group) * head_dim;
+        const int64_t len = lens[seq], count = qlens != NULL ? qlens[seq] : 1, start = starts != NULL ? starts[seq] : seq;
+        /* query j's keys are positions [first_j, end_j): both rise with j, so at any key position the
+         * queries that see it are one contiguous run of j */
+        const int64_t end0 = len - count + 1;
+        const int64_t first = (window > 0 && end0 > window) ? end0 - window : 0;
+        const int64_t n = len - first; /* positions [first, len): every key some query sees */
         const int64_t *table = tables + seq * table_stride;
-        const int64_t head_base = head * num_blocks;
-        /* each key's row offset [n], then scores [group][n]; block_size is a power of two (no division:
-         * a 64-bit idiv per row cost more than the memory traffic) */
-        int64_t *rows = malloc(sizeof(int64_t) * (size_t)(n + 1) + sizeof(float) * (size_t)(group * n + 1));
+        const int64_t head_base = head * num_blocks, queries = count * group;
+        /* each key's row offset [n]; per query token its key range [lo, hi) in t = position - first; then
+         * 1 / softmax sum per query and scores [queries][n] (query (j, g) at row j * group + g) */
+        int64_t *rows = malloc(sizeof(int64_t) * (size_t)(n + 2 * count + 1) + sizeof(float) * (size_t)(queries * (n + 1) + 1));
         if (rows == NULL) continue; /* not at these sizes */
-        float *scores = (float *)(rows + n + 1);
+        int64_t *lo = rows + n, *hi = lo + count;
+        float *inverse = (float *)(hi + count), *scores = inverse + queries;
+        for (int64_t j = 0; j < count; j++) {
+            const int64_t end = end0 + j;
+            lo[j] = ((window > 0 && end > window) ? end - window : 0) - first;
+            hi[j] = end - first;
+        }
         for (int64_t t = 0; t < n; t++) {
             const int64_t pos = first + t;
             rows[t] = (((head_base + table[pos >> block_shift]) << block_shift) + (pos & (block_size - 1))) * head_dim;
         }
+        /* block_size is a power of two above: no division (a 64-bit idiv per row cost more than the memory traffic) */
+        int64_t ja = 0, jb = 0; /* the query tokens that see key t: [ja, jb) */
         for (int64_t t = 0; t < n; t++) {
             if (t + PREFETCH_ROWS < n) { /* V rows are read next: start them too */
                 prefetch_row(k_pool, rows[t + PREFETCH_ROWS], head_dim, bf16);
                 prefetch_row(v_pool, rows[t + PREFETCH_ROWS], head_dim, bf16);
             }
-            score_row(q, q_offset, k_pool, rows[t], group, head_dim, scale, scores + t, n, bf16);
+            while (jb < count && lo[jb] <= t) jb++;
+            while (ja < jb && hi[ja] <= t) ja++;
+            for (int64_t j = ja; j < jb; j++)
+                score_row(q, (start + j) * q_stride + head * group * head_dim, k_pool, rows[t], group, head_dim, scale,
+                          scores + j * group * n + t, n, bf16);
         }
-        float inverse[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) {
-            const float total = softmax_numerators(scores + g * n, n);
-            inverse[g] = total > 0.0f ? 1.0f / total : 0.0f;
-        }
-        for (int64_t d = 0; d < head_dim; d += 16) { /* a 16-wide column slice of the output at a time */
-            __m512 acc[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
-            for (int64_t t = 0; t < n; t++) {
-                const __m512 v = load16(v_pool, rows[t] + d, bf16);
-                for (int64_t g = 0; g < group; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + t]), v, acc[g]);
+        for (int64_t j = 0; j < count; j++)
+            for (int64_t g = 0; g < group; g++) {
+                const float total = softmax_numerators(scores + (j * group + g) * n + lo[j], hi[j] - lo[j]);
+                inverse[j * group + g] = total > 0.0f ? 1.0f / total : 0.0f;
             }
-            for (int64_t g = 0; g < group; g++)
-                store16(out, out_offset + g * head_dim + d, _mm512_mul_ps(acc[g], _mm512_set1_ps(inverse[g])), bf16);
+        for (int64_t j0 = 0; j0 < count; j0 += tokens_per_chunk) { /* query tokens [j0, j1) share the V reads */
+            const int64_t j1 = j0 + tokens_per_chunk < count ? j0 + tokens_per_chunk : count;
+            for (int64_t d = 0; d < head_dim; d += 16) { /* a 16-wide column slice of the output at a time */
+                __m512 acc[MAX_GROUP];
+                for (int64_t c = 0; c < (j1 - j0) * group; c++) acc[c] = _mm512_setzero_ps();
+                int64_t ca = j0, cb = j0;
+                for (int64_t t = lo[j0]; t < hi[j1 - 1]; t++) {
+                    while (cb < j1 && lo[cb] <= t) cb++;
+                    while (ca < cb && hi[ca] <= t) ca++;
+                    const __m512 v = load16(v_pool, rows[t] + d, bf16);
+                    for (int64_t c = (ca - j0) * group; c < (cb - j0) * group; c++)
+                        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(j0 * group + c) * n + t]), v, acc[c]);
+                }
+                for (int64_t c = 0; c < (j1 - j0) * group; c++) {
+                    const int64_t j = j0 + c / group, g = c % group;
+                    store16(out, ((start + j) * num_heads + head * group + g) * head_dim + d,
+                            _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse[j0 * group + c])), bf16);
+                }
+            }
         }
         free(rows);
     }
 }
 
-#define DECODE_ARGS                                                                                           \
+#define PAGED_ARGS                                                                                            \
     const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *tables, int64_t table_stride,      \
-        const int64_t *lens, void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,           \
-        int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window, int num_threads
-#define DECODE_PASS                                                                                           \
-    q, q_stride, k_pool, v_pool, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_dim,          \
-        num_blocks, block_size, scale, window, num_threads
+        const int64_t *lens, const int64_t *starts, const int64_t *qlens, void *out, int64_t num_rows, int64_t num_heads,   \
+        int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window,        \
+        int num_threads
+#define PAGED_PASS                                                                                            \
+    q, q_stride, k_pool, v_pool, tables, table_stride, lens, starts, qlens, out, num_rows, num_heads, num_kv_heads,     \
+        head_dim, num_blocks, block_size, scale, window, num_threads
 
-void paged_decode_attention_bf16(DECODE_ARGS) { decode_attention(DECODE_PASS, 1); }
-void paged_decode_attention_f32(DECODE_ARGS) { decode_attention(DECODE_PASS, 0); }
+void paged_attention_bf16(PAGED_ARGS) { paged_attention(PAGED_PASS, 1); }
+void paged_attention_f32(PAGED_ARGS) { paged_attention(PAGED_PASS, 0); }
 
 /* ---- fused elementwise ops: one pass over memory instead of torch's 3-8 ops, same rounding ---- */
 

@@ -1,16 +1,18 @@
 """Paged attention in plain torch (CPU, and the CUDA fallback): head-major pool, kept decode K/V.
 
-Rows of one query token (decodes, a 1-token prefill chunk) run batched: through the native CPU decode
-kernel where it serves the model (it reads each sequence's K/V where it lies in the pool), else over the
-kept decode K/V of `DecodeWorkspace`. Every other row (a prefill chunk, with or without a cached prefix,
-or a speculative verify row of k+1 tokens on an existing context) runs through SDPA on its own, its
-context gathered from the pool.
+Where the native CPU attention kernel serves the model, every row of at most `NATIVE_MAX_QUERY` query
+tokens (decodes, speculative verify rows of k+1 tokens, short prefill chunks) runs in one call of it: it
+reads each row's K/V where it lies in the pool and computes each query exactly as a one-token decode at
+its position, so a verify row's outputs are bitwise those of decoding its tokens one by one. Without the
+kernel, rows of one query token run batched over the kept decode K/V of `DecodeWorkspace`. Every other
+row (a longer prefill chunk, with or without a cached prefix; without the kernel, a verify row too) runs
+through SDPA on its own, its context gathered from the pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,12 @@ import torch.nn.functional as F
 from llmctl.engine.layers.attention.common import CommonAttentionMetadata
 from llmctl.engine.layers.attention.decode_workspace import WORKSPACE_SHARE, DecodeWorkspace, WorkspacePlan
 from llmctl.engine.layers.attention.paged import gather_head_major, write_head_major
+
+# The longest row the native kernel takes: it scores each query against its keys one by one, SDPA
+# batches a row's queries into GEMMs. Measured (benchmarks/verify_attention.py --crossover, thread CPU
+# time, one thread, bf16, context 512): SDPA / native 2.1-2.4x at 1-2 query tokens, 1.2-1.3x at 5,
+# 0.8-1.0x at 8, 0.5x at 16. Up to 8 keeps every verify row of k <= 7 drafts native, i.e. exact.
+NATIVE_MAX_QUERY = 8
 
 
 @dataclass
@@ -33,12 +41,15 @@ class PrefillSpan:
 @dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_rows: int
     num_single: int  # the first rows are single-token queries
-    single_block_tables: torch.Tensor  # [num_single, blocks of the longest context] int64 (padded with 0)
-    single_context_lens: torch.Tensor  # [num_single] int64
-    prefills: list[PrefillSpan]
+    prefills: list[PrefillSpan]  # the rows SDPA runs
+    native: Any = None  # the native kernel's rows (`PagedRows`), None without the kernel
+    # Without the kernel, the leading 1-token rows over the kept decode K/V:
+    single_block_tables: Optional[torch.Tensor] = None  # [num_single, blocks of the longest context] int64
+    single_context_lens: Optional[torch.Tensor] = None  # [num_single] int64
     single_bias: Optional[torch.Tensor] = None  # [1, num_single, 1, padded context] float32: 0 or -inf
-    workspace: Optional[WorkspacePlan] = None  # None with the native decode kernel
+    workspace: Optional[WorkspacePlan] = None
 
 
 class TorchAttention:
@@ -94,8 +105,10 @@ class TorchAttention:
 
     # ---- per step ---------------------------------------------------------------------------------
     def build_metadata(self, batch: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        """Shared by all layers: the 1-token rows' block tables (trimmed to the longest context), the
-        workspace plan and the mask; one span per other row."""
+        """Shared by all layers: the rows the native kernel or the kept decode K/V serve, and one span per
+        other row."""
+        if self.decode_kernel is not None:
+            return self._native_metadata(batch)
         device, n = batch.device, batch.num_single
         spans, row = [], n
         for length, context, table in zip(batch.query_lens[n:], batch.context_lens[n:], batch.block_tables[n:]):
@@ -105,13 +118,44 @@ class TorchAttention:
         num_blocks = -(-max(lens, default=0) // batch.block_size)
         tables = [table[:num_blocks] + [0] * (num_blocks - len(table[:num_blocks])) for table in batch.block_tables[:n]]
         meta = TorchAttentionMetadata(
-            slot_mapping=batch.slot_mapping, num_single=n, prefills=spans,
+            slot_mapping=batch.slot_mapping, num_rows=batch.num_rows, num_single=n, prefills=spans,
             single_block_tables=torch.tensor(tables, dtype=torch.long, device=device).view(n, num_blocks),
             single_context_lens=torch.tensor(lens, dtype=torch.long, device=device))
-        if n and self.decode_kernel is None:
+        if n:
             meta.workspace = self.workspace.plan(batch.seq_ids[:n], lens, meta.single_context_lens,
                                                  meta.single_block_tables, batch.block_size)
             meta.single_bias = self._decode_bias(meta.single_context_lens, meta.workspace)
+        return meta
+
+    def _native_metadata(self, batch: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        """Rows of up to NATIVE_MAX_QUERY tokens for the native kernel (tables trimmed to their longest
+        context), a span for each longer one."""
+        device = batch.device
+        spans, starts, native = [], [], []
+        start = 0
+        for i, (length, context, table) in enumerate(zip(batch.query_lens, batch.context_lens, batch.block_tables)):
+            if length <= NATIVE_MAX_QUERY:
+                native.append(i)
+                starts.append(start)
+            else:
+                spans.append(PrefillSpan(start, length, context, torch.tensor(table, dtype=torch.long, device=device)))
+            start += length
+        meta = TorchAttentionMetadata(slot_mapping=batch.slot_mapping, num_rows=batch.num_rows,
+                                      num_single=batch.num_single, prefills=spans)
+        if not native:
+            return meta
+        lens = [batch.context_lens[i] for i in native]
+        num_blocks = -(-max(lens) // batch.block_size)
+        tables = [batch.block_tables[i][:num_blocks] for i in native]
+        tables = [table + [0] * (num_blocks - len(table)) for table in tables]
+        counts = [batch.query_lens[i] for i in native]
+        ranges = (None, None)  # a decode-only step: row r is token r
+        if batch.num_single != len(native) or len(native) != batch.num_rows:
+            ranges = (torch.tensor(starts, dtype=torch.long, device=device),
+                      torch.tensor(counts, dtype=torch.long, device=device))
+        meta.native = self.decode_kernel.paged_rows(
+            torch.tensor(tables, dtype=torch.long, device=device).view(len(native), num_blocks),
+            torch.tensor(lens, dtype=torch.long, device=device), batch.block_size, *ranges)
         return meta
 
     def _decode_bias(self, lens: torch.Tensor, plan: WorkspacePlan) -> torch.Tensor:
@@ -135,9 +179,9 @@ class TorchAttention:
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
         if self.decode_kernel is not None:
             self.decode_kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
-            write_head_major(k_cache, k, meta.slot_mapping)
-            write_head_major(v_cache, v, meta.slot_mapping)
+            return self._native(q, k, v, k_cache, v_cache, meta)
+        write_head_major(k_cache, k, meta.slot_mapping)
+        write_head_major(v_cache, v, meta.slot_mapping)
         if not meta.prefills:
             return self._single(q, k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
@@ -149,11 +193,19 @@ class TorchAttention:
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
         return out
 
+    def _native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+        """The native kernel's rows in one call, written in place among the SDPA rows' outputs."""
+        out = q.new_empty(q.shape) if meta.prefills or meta.native is None else None
+        if meta.native is not None:
+            out = self.decode_kernel.paged_attention(q, k_cache, v_cache, meta.native, self.scale, self.window, out)
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.length)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
+        return out
+
     def _single(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
-        if self.decode_kernel is not None:
-            return self.decode_kernel.paged_decode_attention(q, k_cache, v_cache, meta.single_block_tables,
-                                                             meta.single_context_lens, self.scale, self.window)
         batch = q.shape[0]
         plan = meta.workspace
         keys, values = self.workspace.keys_and_values(k, v, k_cache, v_cache, plan)
