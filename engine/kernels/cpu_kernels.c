@@ -63,7 +63,7 @@ INLINE __m512 as_stored(__m512 x, const int bf16) { return bf16 ? round_bf16(x) 
 
 /* Decode attention is memory-bound with little work per row: without prefetching the next rows
  * the kernel stalls on DRAM latency (measured: 2.2 ms against 1.6 ms per 64-sequence layer). */
-#define PREFETCH_ROWS 8
+#define PREFETCH_ROWS 16 /* the next block of key rows, while this one is scored */
 INLINE void prefetch_row(const void *src, int64_t offset, int64_t n, const int bf16) {
     const char *start = bf16 ? (const char *)((const uint16_t *)src + offset) : (const char *)((const float *)src + offset);
     for (int64_t b = 0; b < n * (bf16 ? 2 : 4); b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
@@ -100,28 +100,103 @@ INLINE float softmax_numerators(float *s, int64_t n) {
     return _mm512_reduce_add_ps(total);
 }
 
-/* q . k for each query of the group against one key row: scores[g * stride] <- dot * scale. */
-INLINE void score_row(const void *q, int64_t q_offset, const void *k_pool, int64_t k_offset, int64_t group,
-                      int64_t head_dim, float scale, float *scores, int64_t stride, const int bf16) {
-    for (int64_t g = 0; g < group; g++) {
-        __m512 acc = _mm512_setzero_ps();
+/* Sixteen float32 sums, lane i holding _mm512_reduce_add_ps(a[i]) exactly: the same pairs added in the
+ * same order (upper 256 bits + lower, then upper 128 + lower, then elements two apart, then neighbours),
+ * sixteen reductions interleaved so the adds fill whole vectors (a reduction per key cost more than the
+ * dot products themselves). */
+INLINE __m512 reduce_add16(const __m512 *a) {
+    __m512 s[8], u[4], w[2];
+    for (int m = 0; m < 8; m++) /* lanes 0-7: key 2m's halves summed, 8-15: key 2m+1's */
+        s[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE), _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44));
+    for (int p = 0; p < 4; p++) /* 128-bit lane L: key 4p + L's quarters summed */
+        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], 0xDD), _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], 0x88));
+    for (int r = 0; r < 2; r++) /* lane L: [key 8r + L: e0 + e2, e1 + e3, key 8r + 4 + L: the same] */
+        w[r] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * r], u[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * r], u[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* element 4L + e: key 4e + L; put key k at element k */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+/* dst[i] <- (q . key i) * scale for the sixteen key rows at `rows` (lanes `live` stored). */
+INLINE void score_block(const void *q, int64_t q_offset, const void *k_pool, const int64_t *rows, int64_t head_dim,
+                        float scale, float *dst, __mmask16 live, const int bf16) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) {
+        acc[i] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
         if (bf16) { /* bf16 pair products summed in float32, without widening the key row */
-            const uint16_t *qg = (const uint16_t *)q + q_offset + g * head_dim;
-            const uint16_t *k = (const uint16_t *)k_pool + k_offset;
+            const uint16_t *qg = (const uint16_t *)q + q_offset, *k = (const uint16_t *)k_pool + rows[i];
             for (int64_t d = 0; d < head_dim; d += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + d), (__m512bh)_mm512_loadu_si512(k + d));
-            scores[g * stride] = _mm512_reduce_add_ps(acc) * scale;
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(qg + d), (__m512bh)_mm512_loadu_si512(k + d));
             continue;
         }
 #endif
         for (int64_t d = 0; d < head_dim; d += 16)
-            acc = _mm512_fmadd_ps(load16(q, q_offset + g * head_dim + d, bf16), load16(k_pool, k_offset + d, bf16), acc);
-        scores[g * stride] = _mm512_reduce_add_ps(acc) * scale;
+            acc[i] = _mm512_fmadd_ps(load16(q, q_offset + d, bf16), load16(k_pool, rows[i] + d, bf16), acc[i]);
     }
+    _mm512_mask_storeu_ps(dst, live, _mm512_mul_ps(reduce_add16(acc), _mm512_set1_ps(scale)));
 }
 
 #define MAX_GROUP 16
+#define V_QUERIES 12 /* queries whose 32-column output slices stay in registers: 24 of the 32 */
+
+/* acc[c] += p_c[t] * V[t][d .. d + 32) for t in [from, to), each query c only over its keys [lo[c], hi[c])
+ * (`masked`; else all of them see every key): in ascending t, one fused multiply-add per key, whichever
+ * other queries share the pass. */
+INLINE void weigh_values(__m512 *acc, const void *v_pool, const int64_t *rows, int64_t d, const float *const *p,
+                         const int64_t *lo, const int64_t *hi, int64_t from, int64_t to, const int count,
+                         const int masked, const int bf16) {
+    for (int64_t t = from; t < to; t++) {
+        const __m512 v0 = load16(v_pool, rows[t] + d, bf16), v1 = load16(v_pool, rows[t] + d + 16, bf16);
+        for (int c = 0; c < count; c++) {
+            const __m512 weight = _mm512_set1_ps(p[c][t]);
+            const __mmask16 live = !masked || (t >= lo[c] && t < hi[c]) ? 0xffff : 0;
+            acc[2 * c] = _mm512_mask3_fmadd_ps(weight, v0, acc[2 * c], live);
+            acc[2 * c + 1] = _mm512_mask3_fmadd_ps(weight, v1, acc[2 * c + 1], live);
+        }
+    }
+}
+
+/* The weighted V sums of `count` queries (their score rows p[c], key ranges [lo[c], hi[c])), stored
+ * divided by their softmax sums at out_offsets[c]: 32 output columns at a time, the keys every query
+ * sees in a pass without masks. */
+INLINE void attend_values(const void *v_pool, const int64_t *rows, int64_t head_dim, const float *const *p,
+                          const int64_t *lo, const int64_t *hi, const float *inverse, void *out,
+                          const int64_t *out_offsets, const int count, const int bf16) {
+    int64_t first = lo[0], last = hi[0], common_from = lo[0], common_to = hi[0];
+    for (int c = 1; c < count; c++) {
+        first = lo[c] < first ? lo[c] : first, last = hi[c] > last ? hi[c] : last;
+        common_from = lo[c] > common_from ? lo[c] : common_from, common_to = hi[c] < common_to ? hi[c] : common_to;
+    }
+    if (common_to < common_from) common_to = common_from = last;
+    for (int64_t d = 0; d < head_dim; d += 32) {
+        __m512 acc[2 * V_QUERIES];
+        for (int c = 0; c < 2 * count; c++) acc[c] = _mm512_setzero_ps();
+        weigh_values(acc, v_pool, rows, d, p, lo, hi, first, common_from, count, 1, bf16);
+        weigh_values(acc, v_pool, rows, d, p, lo, hi, common_from, common_to, count, 0, bf16);
+        weigh_values(acc, v_pool, rows, d, p, lo, hi, common_to, last, count, 1, bf16);
+        for (int c = 0; c < count; c++) {
+            const __m512 scale = _mm512_set1_ps(inverse[c]);
+            store16(out, out_offsets[c] + d, _mm512_mul_ps(acc[2 * c], scale), bf16);
+            store16(out, out_offsets[c] + d + 16, _mm512_mul_ps(acc[2 * c + 1], scale), bf16);
+        }
+    }
+}
+
+/* attend_values with the query count a constant (the accumulators live in registers). */
+INLINE void attend_values_of(const void *v_pool, const int64_t *rows, int64_t head_dim, const float *const *p,
+                             const int64_t *lo, const int64_t *hi, const float *inverse, void *out,
+                             const int64_t *out_offsets, int count, const int bf16) {
+    switch (count) {
+#define V_CASE(Q) case Q: attend_values(v_pool, rows, head_dim, p, lo, hi, inverse, out, out_offsets, Q, bf16); break;
+        V_CASE(1) V_CASE(2) V_CASE(3) V_CASE(4) V_CASE(5) V_CASE(6)
+        V_CASE(7) V_CASE(8) V_CASE(9) V_CASE(10) V_CASE(11) V_CASE(12)
+#undef V_CASE
+        default: break; /* never: callers pass 1 .. V_QUERIES */
+    }
+}
 
 /* Paged attention straight from the pool for rows of a few query tokens (decodes, speculative verify
  * rows, short prefill chunks), each query computed exactly as a one-token decode at its position.
@@ -146,71 +221,56 @@ INLINE void paged_attention(const void *q, int64_t q_stride, const void *k_pool,
                             const int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int block_shift = __builtin_ctzll((unsigned long long)block_size);
-    const int64_t tokens_per_chunk = MAX_GROUP / group; /* >= 1: the V sums of this many query tokens at once */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < num_rows * num_kv_heads; item++) {
         const int64_t seq = item / num_kv_heads, head = item % num_kv_heads;
         const int64_t len = lens[seq], count = qlens != NULL ? qlens[seq] : 1, start = starts != NULL ? starts[seq] : seq;
-        /* query j's keys are positions [first_j, end_j): both rise with j, so at any key position the
-         * queries that see it are one contiguous run of j */
+        /* query j's keys are positions [first_j, end_j), both rising with j */
         const int64_t end0 = len - count + 1;
         const int64_t first = (window > 0 && end0 > window) ? end0 - window : 0;
-        const int64_t n = len - first; /* positions [first, len): every key some query sees */
+        const int64_t n = len - first, padded = (n + 15) & ~(int64_t)15; /* positions [first, len) */
         const int64_t *table = tables + seq * table_stride;
         const int64_t head_base = head * num_blocks, queries = count * group;
-        /* each key's row offset [n]; per query token its key range [lo, hi) in t = position - first; then
-         * 1 / softmax sum per query and scores [queries][n] (query (j, g) at row j * group + g) */
-        int64_t *rows = malloc(sizeof(int64_t) * (size_t)(n + 2 * count + 1) + sizeof(float) * (size_t)(queries * (n + 1) + 1));
+        /* each key's row offset [padded] (the last repeated past n); per query (j, g), at c = j * group + g:
+         * its key range [lo, hi) in t = position - first, its output offset, 1 / its softmax sum, its
+         * score row, and the scores [queries][padded] */
+        int64_t *rows = malloc(sizeof(int64_t) * (size_t)(padded + 3 * queries) + sizeof(float *) * (size_t)queries
+                               + sizeof(float) * (size_t)(queries * (padded + 1)));
         if (rows == NULL) continue; /* not at these sizes */
-        int64_t *lo = rows + n, *hi = lo + count;
-        float *inverse = (float *)(hi + count), *scores = inverse + queries;
-        for (int64_t j = 0; j < count; j++) {
-            const int64_t end = end0 + j;
-            lo[j] = ((window > 0 && end > window) ? end - window : 0) - first;
-            hi[j] = end - first;
+        int64_t *lo = rows + padded, *hi = lo + queries, *out_offsets = hi + queries;
+        const float **p = (const float **)(out_offsets + queries);
+        float *inverse = (float *)(p + queries), *scores = inverse + queries;
+        for (int64_t c = 0; c < queries; c++) {
+            const int64_t j = c / group, end = end0 + j;
+            lo[c] = ((window > 0 && end > window) ? end - window : 0) - first;
+            hi[c] = end - first;
+            out_offsets[c] = ((start + j) * num_heads + head * group + c % group) * head_dim;
+            p[c] = scores + c * padded;
         }
+        /* block_size is a power of two: no division (a 64-bit idiv per row cost more than the memory traffic) */
         for (int64_t t = 0; t < n; t++) {
             const int64_t pos = first + t;
             rows[t] = (((head_base + table[pos >> block_shift]) << block_shift) + (pos & (block_size - 1))) * head_dim;
         }
-        /* block_size is a power of two above: no division (a 64-bit idiv per row cost more than the memory traffic) */
-        int64_t ja = 0, jb = 0; /* the query tokens that see key t: [ja, jb) */
-        for (int64_t t = 0; t < n; t++) {
-            if (t + PREFETCH_ROWS < n) { /* V rows are read next: start them too */
-                prefetch_row(k_pool, rows[t + PREFETCH_ROWS], head_dim, bf16);
-                prefetch_row(v_pool, rows[t + PREFETCH_ROWS], head_dim, bf16);
+        for (int64_t t = n; t < padded; t++) rows[t] = rows[n - 1];
+        /* every query scores every key of the row (a few past its own range, unused) */
+        for (int64_t t = 0; t < n; t += 16) {
+            for (int64_t ahead = t + 16; ahead < t + 16 + PREFETCH_ROWS && ahead < n; ahead++) { /* and their V rows */
+                prefetch_row(k_pool, rows[ahead], head_dim, bf16);
+                prefetch_row(v_pool, rows[ahead], head_dim, bf16);
             }
-            while (jb < count && lo[jb] <= t) jb++;
-            while (ja < jb && hi[ja] <= t) ja++;
-            for (int64_t j = ja; j < jb; j++)
-                score_row(q, (start + j) * q_stride + head * group * head_dim, k_pool, rows[t], group, head_dim, scale,
-                          scores + j * group * n + t, n, bf16);
+            const __mmask16 live = tail_mask(n - t);
+            for (int64_t c = 0; c < queries; c++)
+                score_block(q, (start + c / group) * q_stride + (head * group + c % group) * head_dim, k_pool, rows + t,
+                            head_dim, scale, scores + c * padded + t, live, bf16);
         }
-        for (int64_t j = 0; j < count; j++)
-            for (int64_t g = 0; g < group; g++) {
-                const float total = softmax_numerators(scores + (j * group + g) * n + lo[j], hi[j] - lo[j]);
-                inverse[j * group + g] = total > 0.0f ? 1.0f / total : 0.0f;
-            }
-        for (int64_t j0 = 0; j0 < count; j0 += tokens_per_chunk) { /* query tokens [j0, j1) share the V reads */
-            const int64_t j1 = j0 + tokens_per_chunk < count ? j0 + tokens_per_chunk : count;
-            for (int64_t d = 0; d < head_dim; d += 16) { /* a 16-wide column slice of the output at a time */
-                __m512 acc[MAX_GROUP];
-                for (int64_t c = 0; c < (j1 - j0) * group; c++) acc[c] = _mm512_setzero_ps();
-                int64_t ca = j0, cb = j0;
-                for (int64_t t = lo[j0]; t < hi[j1 - 1]; t++) {
-                    while (cb < j1 && lo[cb] <= t) cb++;
-                    while (ca < cb && hi[ca] <= t) ca++;
-                    const __m512 v = load16(v_pool, rows[t] + d, bf16);
-                    for (int64_t c = (ca - j0) * group; c < (cb - j0) * group; c++)
-                        acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(j0 * group + c) * n + t]), v, acc[c]);
-                }
-                for (int64_t c = 0; c < (j1 - j0) * group; c++) {
-                    const int64_t j = j0 + c / group, g = c % group;
-                    store16(out, ((start + j) * num_heads + head * group + g) * head_dim + d,
-                            _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse[j0 * group + c])), bf16);
-                }
-            }
+        for (int64_t c = 0; c < queries; c++) {
+            const float total = softmax_numerators(scores + c * padded + lo[c], hi[c] - lo[c]);
+            inverse[c] = total > 0.0f ? 1.0f / total : 0.0f;
         }
+        for (int64_t c = 0; c < queries; c += V_QUERIES)
+            attend_values_of(v_pool, rows, head_dim, p + c, lo + c, hi + c, inverse + c, out, out_offsets + c,
+                             (int)(queries - c < V_QUERIES ? queries - c : V_QUERIES), bf16);
         free(rows);
     }
 }

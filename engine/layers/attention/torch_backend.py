@@ -21,10 +21,11 @@ from llmctl.engine.layers.attention.common import CommonAttentionMetadata
 from llmctl.engine.layers.attention.decode_workspace import WORKSPACE_SHARE, DecodeWorkspace, WorkspacePlan
 from llmctl.engine.layers.attention.paged import gather_head_major, write_head_major
 
-# The longest row the native kernel takes: it scores each query against its keys one by one, SDPA
-# batches a row's queries into GEMMs. Measured (benchmarks/verify_attention.py --crossover, thread CPU
-# time, one thread, bf16, context 512): SDPA / native 2.1-2.4x at 1-2 query tokens, 1.2-1.3x at 5,
-# 0.8-1.0x at 8, 0.5x at 16. Up to 8 keeps every verify row of k <= 7 drafts native, i.e. exact.
+# The longest row the native kernel takes: it computes each query as its own decode, SDPA batches a
+# row's queries into GEMMs. Measured (benchmarks/verify_attention.py --crossover, thread CPU time, one
+# thread, bf16, context 512, embedded / SmolLM-135M heads): SDPA / native 4.3 / 4.2x at 1 query token,
+# 2.2 / 1.6x at 5, 1.5 / 1.2x at 8, 1.2 / 0.9x at 12, 0.9 / 0.75x at 16. Up to 8 keeps every verify row
+# of k <= 7 drafts native (exact) and where it wins.
 NATIVE_MAX_QUERY = 8
 
 
