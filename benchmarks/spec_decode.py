@@ -1,23 +1,32 @@
 """Tokens/s with and without speculation on the embedded model (`llmctl/default_model`).
 
-n-gram (batch 1): the model is prompted with a passage it has already seen repeated (a prompt-lookup
-workload; the embedded 4-layer model copies little of it, and drafts mostly once its own text repeats). Draft model (`--draft`):
-the shipped `default-draft` proposes for Shakespeare speaker prompts ("ROMEO:\n", ...), greedy and
-sampled (temperature 0.8, seeded), at batch 1 and batch 8 (`disable_by_batch_size`'s default).
+n-gram (default, batch 1), two prompt-lookup workloads:
+  * `rewrite`: answers that copy the prompt. For each Shakespeare speaker line ("ROMEO:\n", ...) the
+    passage is the model's own greedy continuation of it (`--passage-tokens`); the prompt is the line,
+    the passage, then the line again, so the model's answer repeats text the prompt holds (the model
+    writes what it wrote after that line before). The 4-layer model does not copy an arbitrary passage
+    (see `repeat`), but it does reproduce its own.
+  * `repeat`: a fixed Shakespeare passage repeated three times, which the model mostly does not copy
+    (it drafts once its own text repeats itself): the workload before `rewrite`, kept for comparison.
+Draft model (`--draft`): the shipped `default-draft` proposes for the speaker lines, greedy and sampled
+(temperature 0.8, seeded), at batch 1 and batch 8 (`disable_by_batch_size`'s default).
+Batched (`--batched`): 64 `rewrite` prompts at once: no speculation, n-gram with the default
+`disable_by_batch_size` (8: drafting off while more run, so the cost left is the proposer's check), and
+n-gram forced on (`disable_by_batch_size` 64: verify rows in a compute-bound batch).
 
-    python benchmarks/spec_decode.py [--k 4] [--max-tokens 128] [--repeats 3] [--json]
+    python benchmarks/spec_decode.py [--k 4] [--max-tokens 128] [--repeats 3] [--num-threads N] [--json]
     python benchmarks/spec_decode.py --draft [--draft-k 2] [--max-tokens 96] [--json]
-    python benchmarks/spec_decode.py --batched [--k 4] [--max-tokens 64] [--repeats 3] [--num-threads N] [--json]
+    python benchmarks/spec_decode.py --batched [--k 4] [--max-tokens 64] [--repeats 3] [--json]
+    python benchmarks/spec_decode.py --quick [--draft | --batched]   # a small run that checks it all works
 
-`--batched`: 64 prompt-lookup prompts at once, no speculation against n-gram with the default
-`disable_by_batch_size` (8: drafting off while more run, so the cost left is the proposer's check)
-and n-gram forced on (`disable_by_batch_size` 64: verify rows in a compute-bound batch). The engines
-are built once and their passes interleaved (A B C A B C ...), best of `--repeats` each, so a load
-change on a shared host hits all three alike; wall-clock and CPU-time rates are both printed.
-
-Prints tok/s of both runs (same engine settings, best of `--repeats`), the speed-up, the acceptance
-rate (accepted / drafted tokens) and the mean accepted length (tokens per verify row, the model's own
-token included). Checks greedy outputs are identical with and without speculation.
+Every mode builds its engines once and interleaves their passes (A B A B ...), best of `--repeats`
+each, so a load change on a shared host hits every side alike. It prints wall-clock tokens/s and
+tokens per CPU second (process time: on a shared host a pass waits for the cores far longer than it
+computes; with `--num-threads 1` CPU seconds are a load-independent measure), both speed-ups, the
+acceptance rate (accepted / drafted tokens), the mean accepted length (tokens per verify row, the
+model's own token included), the share of output tokens that came from accepted drafts, and whether
+greedy outputs are identical with and without speculation. Acceptance does not depend on the host's
+load; the rates do, so compare them on an idle host.
 """
 
 from __future__ import annotations
@@ -25,146 +34,166 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Optional
 
 from llmctl.engine import LLM, SamplingParams
 
 PASSAGE = ("ROMEO: But, soft! what light through yonder window breaks? It is the east, and Juliet is the sun. "
            "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.\n")
-
-
 SPEAKERS = ["ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING RICHARD III:\n", "MENENIUS:\n", "NURSE:\n",
             "GLOUCESTER:\n", "QUEEN ELIZABETH:\n"]
+MAX_MODEL_LEN = 512
 
 
-def ngram_config(k: int) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+def ngram_config(k: int, **extra) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2, **extra}
 
 
-def run(speculative: dict | None, prompts: list[str], params: SamplingParams, repeats: int) -> dict:
-    """Best-of-`repeats` output tok/s of one engine over `prompts` (all at once), its outputs and its
-    spec-decode counters over every repeat."""
-    llm = LLM(device="cpu", max_model_len=512, **({"speculative_config": speculative} if speculative else {}))
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-    best, tokens = float("inf"), []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        best = min(best, time.perf_counter() - start)
-        tokens = [o.outputs[0].token_ids for o in outputs]
-    stats = llm.engine.get_stats()
-    drafts, drafted = stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"]
-    accepted = stats["spec_decode_num_accepted_tokens"]
-    return {"tok_s": sum(map(len, tokens)) / best, "tokens": tokens,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0}
+def make_engine(speculative: Optional[dict], num_threads: Optional[int], max_num_seqs: int = 256) -> LLM:
+    return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, num_threads=num_threads,
+               **({"speculative_config": speculative} if speculative else {}))
 
 
-def compare(speculative: dict, prompts: list[str], params: SamplingParams, repeats: int) -> dict:
-    plain, spec = run(None, prompts, params, repeats), run(speculative, prompts, params, repeats)
-    return {"no_spec_tok_s": round(plain["tok_s"], 1), "spec_tok_s": round(spec["tok_s"], 1),
-            "speedup": round(spec["tok_s"] / plain["tok_s"], 2), "acceptance_rate": round(spec["acceptance_rate"], 3),
-            "mean_accepted_length": round(spec["mean_accepted_length"], 2),
-            # Sampled outputs differ run to run by design (the same distribution, not the same draws).
-            "outputs_identical": plain["tokens"] == spec["tokens"] if params.greedy else None}
+def rewrite_prompts(llm: LLM, count: int, passage_tokens: int) -> list[list[int]]:
+    """`count` prompts (speaker lines cycled): the line, the model's greedy continuation of it, the line
+    again (token ids, so the passage is exactly the tokens the model wrote)."""
+    lines = [llm.engine.tokenizer.encode(s) for s in SPEAKERS[:count]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=passage_tokens, ignore_eos=True)
+    passages = [o.outputs[0].token_ids for o in llm.generate(lines, greedy)]
+    prompts = [line + passage + line for line, passage in zip(lines, passages)]
+    return [prompts[i % len(prompts)] for i in range(count)]
 
 
-def draft_rows(k: int, max_tokens: int, repeats: int) -> list[dict]:
-    config = {"model": "default-draft", "num_speculative_tokens": k}
-    rows = []
-    for batch in (1, len(SPEAKERS)):
-        for temperature in (0.0, 0.8):
-            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
-                                    seed=None if temperature == 0.0 else 1)
-            row = compare(config, SPEAKERS[:batch], params, repeats)
-            rows.append({"batch": batch, "temperature": temperature, "k": k, **row})
-    return rows
-
-
-def batched_prompts(count: int = 64) -> list[str]:
-    return [SPEAKERS[i % len(SPEAKERS)] + PASSAGE * (1 + i % 3) for i in range(count)]
-
-
-def batched_rows(k: int, max_tokens: int, repeats: int, num_threads: int | None) -> list[dict]:
-    prompts = batched_prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    configs = {"no speculation": None, "n-gram, disable_by_batch_size 8": ngram_config(k),
-               "n-gram forced on (disable_by_batch_size 64)": {**ngram_config(k), "disable_by_batch_size": 64}}
-    engines = {name: LLM(device="cpu", max_model_len=512, max_num_seqs=len(prompts), num_threads=num_threads,
-                         **({"speculative_config": c} if c else {})) for name, c in configs.items()}
+def measure(engines: dict[str, LLM], prompts: list, params: SamplingParams, repeats: int) -> dict[str, dict]:
+    """Per engine: best-of-`repeats` wall and CPU seconds over `prompts` (all at once), passes
+    interleaved; output token count, outputs, and the spec-decode counters of the timed passes."""
     for llm in engines.values():
         llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-    best = dict.fromkeys(engines, float("inf"))
-    best_cpu = dict.fromkeys(engines, float("inf"))
-    tokens: dict[str, list] = {}
+    before = {name: llm.engine.get_stats() for name, llm in engines.items()}
+    result = {name: {"wall": float("inf"), "cpu": float("inf")} for name in engines}
     for _ in range(repeats):
         for name, llm in engines.items():
             start, cpu_start = time.perf_counter(), time.process_time()
             outputs = llm.generate(prompts, params)
-            best[name] = min(best[name], time.perf_counter() - start)
-            # CPU seconds: on a shared host a pass waits for the cores far longer than it computes.
-            best_cpu[name] = min(best_cpu[name], time.process_time() - cpu_start)
-            tokens[name] = [o.outputs[0].token_ids for o in outputs]
-    base = sum(map(len, tokens["no speculation"])) / best["no speculation"]
-    base_cpu = sum(map(len, tokens["no speculation"])) / best_cpu["no speculation"]
-    rows = []
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            r = result[name]
+            r["wall"], r["cpu"] = min(r["wall"], wall), min(r["cpu"], cpu)
+            r["tokens"] = [o.outputs[0].token_ids for o in outputs]
     for name, llm in engines.items():
         stats = llm.engine.get_stats()
-        drafts, drafted = stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"]
-        accepted = stats["spec_decode_num_accepted_tokens"]
-        tok_s = sum(map(len, tokens[name])) / best[name]
-        cpu_tok_s = sum(map(len, tokens[name])) / best_cpu[name]
-        rows.append({"run": name, "batch": len(prompts), "k": k, "tok_s": round(tok_s, 1),
-                     "vs_no_spec": round(tok_s / base, 3), "tok_per_cpu_s": round(cpu_tok_s, 1),
-                     "cpu_vs_no_spec": round(cpu_tok_s / base_cpu, 3), "num_drafts": drafts,
-                     "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-                     "mean_accepted_length": round(1 + accepted / drafts, 2) if drafts else None,
-                     "outputs_identical": tokens[name] == tokens["no speculation"]})
+        result[name].update({key: stats[key] - before[name][key] for key in (
+            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")})
+    return result
+
+
+def summary(result: dict[str, dict], name: str, base: str, greedy: bool, repeats: int) -> dict:
+    """One engine's row against the `base` engine's: both rates, speed-ups and acceptance."""
+    r, b = result[name], result[base]
+    tokens, base_tokens = sum(map(len, r["tokens"])), sum(map(len, b["tokens"]))
+    drafts, drafted = r["spec_decode_num_drafts"], r["spec_decode_num_draft_tokens"]
+    accepted = r["spec_decode_num_accepted_tokens"]
+    tok_s, cpu_tok_s = tokens / r["wall"], tokens / r["cpu"]
+    base_tok_s, base_cpu_tok_s = base_tokens / b["wall"], base_tokens / b["cpu"]
+    return {"run": name, "no_spec_tok_s": round(base_tok_s, 1), "no_spec_tok_per_cpu_s": round(base_cpu_tok_s, 1),
+            "tok_s": round(tok_s, 1), "speedup": round(tok_s / base_tok_s, 3),
+            "tok_per_cpu_s": round(cpu_tok_s, 1), "cpu_speedup": round(cpu_tok_s / base_cpu_tok_s, 3),
+            "num_drafts": drafts // repeats,
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "mean_accepted_length": round(1 + accepted / drafts, 2) if drafts else None,
+            # Of the output tokens, the share that accepted drafts supplied (the rest: one per step).
+            "drafted_share": round(accepted / (tokens * repeats), 3),
+            # Sampled outputs differ run to run by design (the same distribution, not the same draws).
+            "outputs_identical": r["tokens"] == b["tokens"] if greedy else None}
+
+
+def ngram_rows(args) -> list[dict]:
+    engines = {"no speculation": make_engine(None, args.num_threads),
+               "n-gram": make_engine(ngram_config(args.k), args.num_threads)}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    workloads = {"rewrite": rewrite_prompts(engines["no speculation"], args.prompts, args.passage_tokens),
+                 "repeat": [PASSAGE * 3]}
+    rows = []
+    for workload, prompts in workloads.items():
+        # Batch 1: one prompt at a time, each timed as its own pass.
+        per_prompt = [measure(engines, [prompt], params, args.repeats) for prompt in prompts]
+        merged = {name: {key: (sum(p[name][key] for p in per_prompt) if key != "tokens"
+                               else [t for p in per_prompt for t in p[name]["tokens"]])
+                         for key in per_prompt[0][name]} for name in engines}
+        rows.append({"workload": workload, "batch": 1, "prompts": len(prompts), "k": args.k,
+                     **summary(merged, "n-gram", "no speculation", True, args.repeats)})
     return rows
 
 
-def main() -> None:
+def draft_rows(args) -> list[dict]:
+    config = {"model": "default-draft", "num_speculative_tokens": args.draft_k}
+    engines = {"no speculation": make_engine(None, args.num_threads),
+               "draft model": make_engine(config, args.num_threads)}
+    rows = []
+    for batch in sorted({1, args.prompts}):
+        for temperature in (0.0, 0.8):
+            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True,
+                                    seed=None if temperature == 0.0 else 1)
+            result = measure(engines, SPEAKERS[:batch], params, args.repeats)
+            row = summary(result, "draft model", "no speculation", params.greedy, args.repeats)
+            rows.append({"batch": batch, "temperature": temperature, "k": args.draft_k, **row})
+    return rows
+
+
+def batched_rows(args) -> list[dict]:
+    configs = {"no speculation": None, "n-gram, disable_by_batch_size 8": ngram_config(args.k),
+               f"n-gram forced on (disable_by_batch_size {args.batch})": ngram_config(
+                   args.k, disable_by_batch_size=args.batch)}
+    engines = {name: make_engine(c, args.num_threads, max_num_seqs=args.batch) for name, c in configs.items()}
+    prompts = rewrite_prompts(engines["no speculation"], args.batch, args.passage_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    result = measure(engines, prompts, params, args.repeats)
+    return [{"batch": len(prompts), "k": args.k, **summary(result, name, "no speculation", True, args.repeats)}
+            for name in engines]
+
+
+def print_rows(rows: list[dict], args) -> None:
+    for r in rows:
+        where = (f"{r['workload']}, batch 1 ({r['prompts']} prompts)" if "workload" in r
+                 else f"batch {r['batch']}" + (f", temperature {r['temperature']}" if "temperature" in r else ""))
+        print(f"{where}, {args.max_tokens} tokens, k={r['k']}, {r['run']}: {r['tok_s']} tok/s against "
+              f"{r['no_spec_tok_s']} ({r['speedup']}x), {r['tok_per_cpu_s']} tok per CPU s against "
+              f"{r['no_spec_tok_per_cpu_s']} ({r['cpu_speedup']}x); verify rows per pass {r['num_drafts']}, "
+              f"acceptance {r['acceptance_rate']}, mean accepted length {r['mean_accepted_length']}, "
+              f"drafted share {r['drafted_share']}; outputs identical: {r['outputs_identical']}")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (n-gram)")
-    parser.add_argument("--draft", action="store_true", help="the default-draft model on Shakespeare prompts")
+    parser.add_argument("--draft", action="store_true", help="the default-draft model on Shakespeare speaker lines")
     parser.add_argument("--draft-k", type=int, default=2, help="num_speculative_tokens (draft model)")
     parser.add_argument("--batched", action="store_true", help="64 sequences: n-gram off by batch size, and forced on")
     parser.add_argument("--num-threads", type=int, default=None,
-                        help="torch threads (--batched; 1 makes CPU seconds a load-independent measure)")
-    parser.add_argument("--max-tokens", type=int, default=128)
+                        help="torch threads (1 makes CPU seconds a load-independent measure)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="output tokens per prompt (default 128; "
+                        "--draft 96, --batched 64)")
+    parser.add_argument("--passage-tokens", type=int, default=128, help="the rewrite workload's passage length")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="small settings (a minute or two on a busy 2-core host): checks the script runs end to end")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    if args.batched:
-        rows = batched_rows(args.k, args.max_tokens, args.repeats, args.num_threads)
-        if args.json:
-            print(json.dumps(rows))
-            return
-        for r in rows:
-            print(f"batch {r['batch']}, {args.max_tokens} tokens, k={r['k']}, {r['run']}: {r['tok_s']} tok/s "
-                  f"({r['vs_no_spec']}x), {r['tok_per_cpu_s']} tok per CPU s ({r['cpu_vs_no_spec']}x); verify rows {r['num_drafts']}, acceptance {r['acceptance_rate']}, "
-                  f"mean accepted length {r['mean_accepted_length']}; outputs identical: {r['outputs_identical']}")
-        return
-    if args.draft:
-        rows = draft_rows(args.draft_k, args.max_tokens, args.repeats)
-        if args.json:
-            print(json.dumps(rows))
-            return
-        for r in rows:
-            print(f"default-draft, batch {r['batch']}, temperature {r['temperature']}, {args.max_tokens} tokens, "
-                  f"k={r['k']}: no speculation {r['no_spec_tok_s']} tok/s, draft {r['spec_tok_s']} tok/s "
-                  f"({r['speedup']}x); acceptance {r['acceptance_rate']}, mean accepted length "
-                  f"{r['mean_accepted_length']}; outputs identical: {r['outputs_identical']}")
-        return
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    row = compare(ngram_config(args.k), [PASSAGE * 3], params, args.repeats)
-    result = {"no_spec_tok_s": row["no_spec_tok_s"], "ngram_tok_s": row["spec_tok_s"],
-              **{k: v for k, v in row.items() if k not in ("no_spec_tok_s", "spec_tok_s")}}
+    args = parser.parse_args(argv)
+    default_tokens = 64 if args.batched else 96 if args.draft else 128
+    args.prompts, args.batch = len(SPEAKERS), 64
+    if args.quick:
+        args.max_tokens, args.passage_tokens, args.repeats = args.max_tokens or 16, 32, 1
+        args.prompts, args.batch = 2, 12  # batched: above disable_by_batch_size 8, so its gate is exercised
+    args.max_tokens = args.max_tokens or default_tokens
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    rows = batched_rows(args) if args.batched else draft_rows(args) if args.draft else ngram_rows(args)
     if args.json:
-        print(json.dumps(result))
-        return
-    print(f"batch 1, {args.max_tokens} tokens, k={args.k}: no speculation {result['no_spec_tok_s']} tok/s, "
-          f"n-gram {result['ngram_tok_s']} tok/s ({result['speedup']}x); acceptance {result['acceptance_rate']}, "
-          f"mean accepted length {result['mean_accepted_length']}; outputs identical: {result['outputs_identical']}")
+        print(json.dumps(rows))
+    else:
+        print_rows(rows, args)
 
 
 if __name__ == "__main__":
