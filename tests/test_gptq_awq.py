@@ -23,6 +23,7 @@ from test_quantization import assert_matches_reference, run_greedy, with_quantiz
 
 from llmctl.engine import LLM
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.kernels.quant import load_quant_kernels
 from llmctl.engine.layers.awq import AWQConfig
 from llmctl.engine.layers.checkpoint_quant import unpack_int32
 from llmctl.engine.layers.gptq import GPTQConfig
@@ -227,12 +228,15 @@ def test_checkpoint_matches_transformers_on_the_dequantised_weights(tiny_models,
     assert_matches_reference(llm, reference, unquantised, make_prompts(512)[:3], tolerance=1e-2)
 
 
-# bfloat16 on CPU runs torch's int4 kernel (int4pack) for 4-bit groups of 32..256 and its int8 kernel for
-# symmetric per-channel 8-bit; the act-order input permutation is applied to the activations first
+# bfloat16 on CPU runs the native kernels (engine/kernels/quant_kernels.c) where they build, else torch's
+# int4 kernel (int4pack) for 4-bit groups of 32..256 and its int8 kernel for symmetric per-channel 8-bit; the
+# act-order input permutation is applied to the activations first
+_NATIVE = load_quant_kernels() is not None
 BF16_LAYOUTS = {
-    "gptq-4bit-g32-asym-act-order": ("llama", Scheme("gptq", sym=False, desc_act=True), "int4pack"),
-    "gptq-8bit-channel-sym": ("qwen2", Scheme("gptq", bits=8, group_size=-1), "int8pack"),
-    "awq-g64": ("llama", Scheme("awq", group_size=64), "int4pack"),
+    "gptq-4bit-g32-asym-act-order": ("llama", Scheme("gptq", sym=False, desc_act=True),
+                                     "native" if _NATIVE else "int4pack"),
+    "gptq-8bit-channel-sym": ("qwen2", Scheme("gptq", bits=8, group_size=-1), "native" if _NATIVE else "int8pack"),
+    "awq-g64": ("llama", Scheme("awq", group_size=64), "native" if _NATIVE else "int4pack"),
 }
 
 

@@ -8,7 +8,8 @@ import torch
 
 from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.kernels.quant import load_quant_kernels, pack_q4, unpack_q4
+from llmctl.engine.kernels.quant import (deinterleave_codes, deinterleave_groups, interleave_codes, interleave_groups,
+                                         load_quant_kernels)
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.layers.quantization import (ON_THE_FLY_SCHEMES, GroupedIntLinearMethod, GroupedIntWeight,
                                                 install_grouped_weight, pack_int4, unpack_int4)
@@ -74,28 +75,30 @@ def test_int4_packing_round_trips():
     assert torch.equal(unpack_int4(packed), codes)
 
 
-NATIVE = "native" if load_quant_kernels() is not None else "dequant"  # bf16 layouts that need the kernels
+HAS_KERNELS = load_quant_kernels() is not None
 
 
 @pytest.mark.parametrize("shape, bits, group, asymmetric, permuted, layouts", [
-    # (float32 layout, bfloat16 layout)
-    ((32, 64), 8, 64, False, False, ("int8pack", "int8pack")),
-    ((32, 64), 8, 64, False, True, ("int8pack", "int8pack")),
-    ((32, 64), 8, 32, True, False, ("dequant", NATIVE)),      # grouped int8 with zeros (GPTQ 8-bit)
-    ((40, 256), 8, 32, False, False, ("dequant", NATIVE)),    # GGUF Q8_0: symmetric, groups of 32
-    ((32, 40), 8, 40, False, False, ("dequant", "dequant")),  # inputs no kernel takes
-    ((32, 128), 4, 32, False, False, ("int4pack", "int4pack")),
-    ((48, 128), 4, 64, True, True, ("int4pack", "int4pack")),
-    ((24, 64), 4, 32, True, False, ("dequant", NATIVE)),      # outputs not a multiple of 16
-    ((16, 576), 4, 576, False, True, ("dequant", NATIVE)),    # one group per row (GPTQ group_size -1)
-    ((32, 64), 4, 16, False, False, ("dequant", "dequant")),  # a group size no kernel takes
+    # (float32 layout, bfloat16 layout, bfloat16 layout without the native kernels)
+    ((32, 64), 8, 64, False, False, ("int8pack", "native", "int8pack")),
+    ((32, 64), 8, 64, False, True, ("int8pack", "native", "int8pack")),
+    ((32, 64), 8, 32, True, False, ("dequant", "native", "dequant")),      # grouped int8 with zeros (GPTQ 8-bit)
+    ((40, 256), 8, 32, False, False, ("dequant", "native", "dequant")),    # GGUF Q8_0: symmetric, groups of 32
+    ((32, 40), 8, 40, False, False, ("dequant", "native", "dequant")),     # inputs int8pack does not take
+    ((32, 42), 8, 42, False, False, ("dequant", "dequant", "dequant")),    # groups not whole 4-input chunks
+    ((32, 128), 4, 32, False, False, ("int4pack", "native", "int4pack")),
+    ((48, 128), 4, 64, True, True, ("int4pack", "native", "int4pack")),
+    ((24, 64), 4, 32, True, False, ("dequant", "native", "dequant")),      # outputs not a multiple of 16
+    ((16, 576), 4, 576, False, True, ("dequant", "native", "dequant")),    # one group per row (GPTQ group_size -1)
+    ((32, 64), 4, 16, False, False, ("dequant", "native", "dequant")),     # a group size torch lacks
+    ((32, 36), 4, 12, False, False, ("dequant", "dequant", "dequant")),    # groups not whole 8-input chunks
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 40])  # 40: the native layout's dequantise-then-GEMM rows (NATIVE_MAX_ROWS)
 def test_each_layout_matches_the_dequantised_reference(shape, bits, group, asymmetric, permuted, layouts, dtype, rows):
     weight = random_grouped(*shape, bits, group, asymmetric=asymmetric, permuted=permuted)
     layer, chosen = make_layer(weight, dtype, bias=True)
-    assert chosen == layouts[dtype is torch.bfloat16]
+    assert chosen == layouts[0 if dtype is torch.float32 else 1 if HAS_KERNELS else 2]
     x = torch.randn(rows, 2, shape[1]).to(dtype)
     expected = x.float() @ weight.dequantize().T + layer.bias.float()
     got = layer(x)
@@ -106,10 +109,16 @@ def test_each_layout_matches_the_dequantised_reference(shape, bits, group, asymm
 
 def test_install_replaces_the_loading_parameters():
     weight = random_grouped(32, 64, 4, 32)
-    layer, _ = make_layer(weight, bias=True)
+    layer, layout = make_layer(weight, dtype=torch.float32, bias=True)
     names = dict(layer.named_parameters())
-    assert set(names) == {"bias", "weight", "weight_scales_and_zeros"}
+    assert layout == "int4pack" and set(names) == {"bias", "weight", "weight_scales_and_zeros"}
     assert names["weight"].dtype is torch.uint8 and names["weight"].numel() == 32 * 64 // 2
+    if HAS_KERNELS:  # the native layout holds the codes (two 4-bit codes a byte) and float16 scales only
+        layer, layout = make_layer(random_grouped(24, 64, 4, 32), bias=True)
+        names = dict(layer.named_parameters())
+        assert layout == "native" and set(names) == {"bias", "weight", "weight_scale"}
+        assert names["weight"].dtype is torch.uint8 and names["weight"].numel() == 32 * 64 // 2  # 2 blocks of 16
+        assert names["weight_scale"].dtype is torch.float16 and names["weight_scale"].numel() == 32 * 2
 
 
 def test_install_refuses_a_weight_of_another_shape():
@@ -144,31 +153,46 @@ def kernels_or_skip(target):
     return kernels
 
 
-@pytest.mark.parametrize("in_features", [64, 128, 576, 1536])
-def test_the_4_bit_kernel_layout_round_trips(in_features):
-    codes = torch.randint(0, 16, (7, in_features), dtype=torch.uint8)
-    packed = pack_q4(codes)
-    assert packed.shape == (7, in_features // 2)
-    assert torch.equal(unpack_q4(packed, in_features), codes)
-    if in_features >= 128:  # word w of a 128-input block holds inputs w, 32 + w, 64 + w, 96 + w
-        word = int(packed[0, 2]) | int(packed[0, 3]) << 8
-        assert [(word >> 4 * t) & 0xF for t in range(4)] == [int(codes[0, 1 + 32 * t]) for t in range(4)]
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out_features, in_features", [(16, 64), (37, 576), (5, 24)])
+def test_the_interleaved_layout_round_trips(bits, out_features, in_features):
+    codes = torch.randint(0, 1 << bits, (out_features, in_features), dtype=torch.uint8)
+    packed = interleave_codes(codes, bits)
+    step = 4 if bits == 8 else 8  # inputs per 64-byte chunk of 16 rows
+    assert packed.shape == (-(-out_features // 16), in_features // step, 64) and packed.dtype is torch.uint8
+    assert torch.equal(deinterleave_codes(packed, bits, out_features), codes)
+    # chunk 1 of block 0, row 3: 16-bit word 2 * 3 + e holds (8 bits) inputs e and 2 + e in its bytes,
+    # (4 bits) inputs 2t + e in nibble t
+    for e in (0, 1):
+        word = int(packed[0, 1, 4 * 3 + 2 * e]) | int(packed[0, 1, 4 * 3 + 2 * e + 1]) << 8
+        parts = [(word >> bits * t) & ((1 << bits) - 1) for t in range(step // 2)]
+        assert parts == [int(codes[3, step + 2 * t + e]) for t in range(step // 2)]
+    scales = torch.randn(out_features, 3).half()
+    grouped = interleave_groups(scales)
+    assert grouped.shape == (-(-out_features // 16), 3, 16) and torch.equal(grouped[0, 2, 3], scales[3, 2])
+    assert torch.all(grouped[-1, :, (out_features - 1) % 16 + 1:] == 0)  # padded rows: scale 0
+    assert torch.equal(deinterleave_groups(grouped, out_features), scales)
 
 
 @pytest.mark.parametrize("target", ["native", "avx2"])
-@pytest.mark.parametrize("bits, group, asymmetric", [(8, 576, False), (8, 32, True), (8, 64, False), (4, 32, False),
-                                                     (4, 64, True), (4, 192, True), (4, 576, False)])
-def test_kernel_matches_the_dequantised_reference(target, bits, group, asymmetric):
+@pytest.mark.parametrize("bits, group, asymmetric, shape", [
+    (8, 576, False, (37, 576)), (8, 32, True, (37, 576)), (8, 64, False, (37, 576)), (4, 32, False, (37, 576)),
+    (4, 64, True, (37, 576)), (4, 192, True, (37, 576)), (4, 576, False, (37, 576)),
+    (8, 1536, False, (200, 1536)),  # per row over 1536 inputs: x blocks of 256 inside the one group
+    (8, 4, True, (19, 36)), (4, 8, False, (5, 24)),  # the smallest groups, one partial block of rows
+])
+def test_kernel_matches_the_dequantised_reference(target, bits, group, asymmetric, shape):
     kernels = kernels_or_skip(target)
-    weight = GroupedIntWeight.quantize(torch.randn(37, 576) * 0.05, bits, group, not asymmetric)
+    out_features, in_features = shape
+    weight = GroupedIntWeight.quantize(torch.randn(*shape) * 0.05, bits, group, not asymmetric)
     packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
     reference = weight.dequantize()
-    bias = torch.randn(37).bfloat16()
-    for rows in (1, 2, 3, 4, 5, 9):
-        x = torch.randn(rows, 576).bfloat16()
+    bias = torch.randn(out_features).bfloat16()
+    for rows in (1, 2, 3, 4, 5, 9, 17):
+        x = torch.randn(rows, in_features).bfloat16()
         expected = x.float() @ reference.T + bias.float()
         got = kernels.gemv(packed, x, bias)
-        assert got.dtype is torch.bfloat16 and got.shape == (rows, 37)
+        assert got.dtype is torch.bfloat16 and got.shape == (rows, out_features)
         # bf16 rounding of the output (2^-8 relative) is the only difference
         assert (got.float() - expected).abs().max().item() <= 8e-3 * expected.abs().max().item()
         assert torch.allclose(kernels.gemv(packed, x).float() + bias.float(), expected, rtol=1e-2,
@@ -176,24 +200,42 @@ def test_kernel_matches_the_dequantised_reference(target, bits, group, asymmetri
 
 
 @pytest.mark.parametrize("target", ["native", "avx2"])
-@pytest.mark.parametrize("bits, group, asymmetric", [(8, 32, True), (4, 32, False), (4, 64, True), (4, 576, False)])
-def test_kernel_dequantises_to_the_reference_in_bfloat16(target, bits, group, asymmetric):
+@pytest.mark.parametrize("bits, group, asymmetric, in_features", [
+    (8, 32, True, 576), (8, 576, False, 576), (4, 32, False, 576), (4, 64, True, 576), (4, 576, False, 576),
+    (8, 4, False, 36), (4, 8, True, 24)])
+def test_kernel_dequantises_to_the_reference_in_bfloat16(target, bits, group, asymmetric, in_features):
     kernels = kernels_or_skip(target)
-    weight = GroupedIntWeight.quantize(torch.randn(21, 576) * 0.05, bits, group, not asymmetric)
+    weight = GroupedIntWeight.quantize(torch.randn(21, in_features) * 0.05, bits, group, not asymmetric)
     got = kernels.dequantize(kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group))
     assert got.dtype is torch.bfloat16 and torch.equal(got, weight.dequantize().to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("target", ["native", "avx2"])
+def test_activations_are_scaled_per_block_not_per_row(target):
+    # inputs 0..31 are 10^4 times inputs 32..63; row 0's weights on the large inputs are all 0, so its output
+    # depends on the small inputs alone: one int16 scale for the whole row would round them all to 0
+    kernels = kernels_or_skip(target)
+    codes = torch.randint(0, 256, (16, 64), dtype=torch.uint8)
+    codes[0, :32] = 128  # the midpoint: weight 0
+    weight = GroupedIntWeight(codes, torch.full((16, 2), 0.01, dtype=torch.float16), None, 8, 32)
+    x = torch.cat([torch.randn(1, 32) * 1e3, torch.randn(1, 32) * 0.1], dim=1).bfloat16()
+    expected = x.float() @ weight.dequantize().T
+    got = kernels.gemv(kernels.pack(weight.codes, weight.scales, None, 8, 32), x).float()
+    assert (got[0, 0] - expected[0, 0]).abs() <= 8e-3 * expected[0, 0].abs()
+    assert (got - expected).abs().max() <= 8e-3 * expected.abs().max()
+
+
 @pytest.mark.parametrize("bits, group, in_features, message", [
-    (4, 32, 96, "4-bit weights need a multiple of 64 inputs, got 96"),
-    (4, 16, 64, "4-bit groups must be 32 or a multiple of 64 inputs, got 16"),
-    (8, 24, 96, "8-bit groups must be a multiple of 16 inputs, got 24"),
+    (4, 12, 36, "4-bit groups must be a multiple of 8 inputs, got 12"),
+    (8, 6, 36, "8-bit groups must be a multiple of 4 inputs, got 6"),
+    (4, 48, 64, "group size 48 does not divide the 64 inputs"),
+    (3, 32, 64, "3-bit codes are not supported"),
 ])
 def test_kernel_refuses_shapes_its_layouts_lack(bits, group, in_features, message):
     kernels = kernels_or_skip("native")
     codes = torch.zeros(8, in_features, dtype=torch.uint8)
     with pytest.raises(ValueError, match=message):
-        kernels.pack(codes, torch.ones(8, in_features // group), None, bits, group)
+        kernels.pack(codes, torch.ones(8, max(1, in_features // group)), None, bits, group)
 
 
 def test_kernel_refuses_inputs_it_cannot_read():

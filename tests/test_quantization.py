@@ -16,6 +16,7 @@ from test_parity import LogitRecorder, make_prompts, reference_logits
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.kernels.quant import load_quant_kernels
 from llmctl.engine.layers.linear import LinearBase
 from llmctl.engine.layers.quantization import ON_THE_FLY_SCHEMES, GroupedIntWeight
 
@@ -166,25 +167,42 @@ def test_bf16_weight_bytes_count_the_packed_copies(tiny_models):
     assert full.weight_bytes == parameter_bytes(full) + sum(2 * m.weight.numel() for m in linears)
 
 
+def quantised_linear_bytes(linear) -> int:
+    return sum(t.numel() * t.element_size() for t in linear.parameters())
+
+
+def padded_rows(linear) -> int:
+    return -(-linear.out_features // 16) * 16  # the native layout's blocks of 16 output rows
+
+
 def test_int8_weights_are_stored_quantised(tiny_models):
     full, int8 = bf16_runner(tiny_models), bf16_runner(tiny_models, quantization="int8")
     linears = [m for m in int8.model.modules() if isinstance(m, LinearBase)]
-    assert linears and all(m.weight.dtype is torch.int8 for m in linears)
-    linear_elements = sum(m.weight.numel() for m in linears)
-    # every linear weight went from 2 bytes to 1 (+ one bf16 scale per output row) and has no packed copy
-    scales = sum(m.weight_scale.numel() for m in linears) * 2
-    assert int8.weight_bytes == parameter_bytes(full) - linear_elements + scales
+    native = load_quant_kernels() is not None
+    assert linears and all(m.quant_layout == ("native" if native else "int8pack") for m in linears)
+    for m in linears:  # one byte a weight, one 16-bit scale per output row, no packed copy
+        rows = padded_rows(m) if native else m.out_features
+        assert m.weight.element_size() == 1 and m.weight.numel() == rows * m.in_features
+        assert m.weight_scale.element_size() == 2 and m.weight_scale.numel() == rows
+    linear_elements = sum(m.in_features * m.out_features for m in linears)
+    stored = sum(quantised_linear_bytes(m) for m in linears)
+    assert int8.weight_bytes == parameter_bytes(full) - 2 * linear_elements + stored
     assert int8.weight_bytes < 0.4 * full.weight_bytes
 
 
 def test_int4_weights_are_stored_packed(tiny_models):
     full, int4 = bf16_runner(tiny_models), bf16_runner(tiny_models, quantization="int4-g32")
     linears = [m for m in int4.model.modules() if isinstance(m, LinearBase)]
-    assert linears and all(m.weight.dtype is torch.uint8 for m in linears)
+    native = load_quant_kernels() is not None
+    assert linears and all(m.quant_layout == ("native" if native else "int4pack") for m in linears)
+    for m in linears:  # half a byte a weight, plus (native) a float16 scale or (int4pack) a bf16 scale and offset
+        rows, groups = padded_rows(m) if native else m.out_features, m.in_features // 32
+        assert m.weight.dtype is torch.uint8 and m.weight.numel() == rows * m.in_features // 2
+        scales = m.weight_scale if native else m.weight_scales_and_zeros
+        assert scales.element_size() == 2 and scales.numel() == rows * groups * (1 if native else 2)
     linear_elements = sum(m.in_features * m.out_features for m in linears)
-    # 2 bytes -> half a byte per weight, plus a bf16 scale and zero per group of 32
-    extra = sum(m.weight_scales_and_zeros.numel() for m in linears) * 2
-    assert int4.weight_bytes == parameter_bytes(full) - 2 * linear_elements + linear_elements // 2 + extra
+    stored = sum(quantised_linear_bytes(m) for m in linears)
+    assert int4.weight_bytes == parameter_bytes(full) - 2 * linear_elements + stored
 
 
 def test_int4_group_that_does_not_divide_the_inputs_is_refused(tiny_models):

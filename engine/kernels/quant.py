@@ -2,12 +2,15 @@
 
 Built on first use like `cpu_kernels.c` (same cache, `LLMCTL_DISABLE_CPU_KERNELS=1` turns them off) but as
 a library of its own, because it also builds for CPUs with AVX2 and no AVX-512 (the attention and norm
-kernels need AVX-512): `load_quant_kernels()` gives the AVX-512 body where the CPU has AVX512-BF16, the
-AVX2 + FMA + F16C body elsewhere, and None without a compiler or on other CPUs. `load_quant_kernels("avx2")`
-builds the AVX2 body on any x86 CPU that runs it (the tests check both bodies here).
+kernels need AVX-512): `load_quant_kernels()` gives the AVX-512 body where the CPU has AVX512-BW (with VNNI
+dot products where it has those), the AVX2 + FMA + F16C body elsewhere, and None without a compiler or on
+other CPUs. `load_quant_kernels("avx2")` builds the AVX2 body on any x86 CPU that runs it (the tests check
+both bodies here). Both bodies read one layout.
 
-`QuantKernels.pack` turns codes, scales and zeros into the kernel's layout (see the C source): 8-bit codes
-as they are, 4-bit codes four to a 16-bit word (`pack_q4`), scales and zeros as float16.
+`QuantKernels.pack` turns codes, scales and zeros into that layout (see the C source): output rows in
+blocks of 16, each block's codes in 64-byte chunks of 16 rows x 4 (8-bit) or 8 (4-bit) inputs
+(`interleave_codes`), scales and zeros as float16 [blocks, groups, 16] (`interleave_groups`); the padded
+rows of the last block have scale 0 and are never written.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("quant_kernels.c")
 TARGETS = {"native": FLAGS, "avx2": tuple(f for f in FLAGS if f != "-march=native") + ("-march=haswell",)}
 FP16 = torch.finfo(torch.float16)
+BLOCK, CHUNK = 16, 64  # output rows per block, bytes per chunk (quant_kernels.c)
+STEP = {8: 4, 4: 8}  # inputs per chunk
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -35,12 +40,13 @@ _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 class KernelWeight:
     """A grouped weight in the kernel's layout (all contiguous, on the CPU)."""
 
-    codes: torch.Tensor  # uint8 [n, k] (8 bits) or [n, k / 2] (4 bits)
-    scales: torch.Tensor  # float16 [n, groups]
-    zeros: Optional[torch.Tensor]  # float16 [n, groups] or None (the midpoint)
+    codes: torch.Tensor  # uint8 [blocks, k / STEP, 64]: 16 output rows x STEP inputs per 64 bytes
+    scales: torch.Tensor  # float16 [blocks, groups, 16]
+    zeros: Optional[torch.Tensor]  # float16 [blocks, groups, 16] or None (the midpoint)
     bits: int
     group_size: int
     in_features: int
+    out_features: int
 
 
 class QuantKernels:
@@ -58,14 +64,13 @@ class QuantKernels:
     @staticmethod
     def unsupported(bits: int, group_size: int, in_features: int) -> Optional[str]:
         """Why the kernels cannot run this weight shape (None: they can)."""
-        if bits == 8:
-            return None if group_size % 16 == 0 else f"8-bit groups must be a multiple of 16 inputs, got {group_size}"
-        if bits != 4:
+        if bits not in (4, 8):
             return f"{bits}-bit codes are not supported"
-        if in_features % 64:
-            return f"4-bit weights need a multiple of 64 inputs, got {in_features}"
-        if group_size != 32 and group_size % 64:
-            return f"4-bit groups must be 32 or a multiple of 64 inputs, got {group_size}"
+        step = STEP[bits]
+        if group_size < 1 or in_features % group_size:
+            return f"group size {group_size} does not divide the {in_features} inputs"
+        if group_size % step:
+            return f"{bits}-bit groups must be a multiple of {step} inputs, got {group_size}"
         return None
 
     def pack(self, codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], bits: int,
@@ -75,14 +80,13 @@ class QuantKernels:
         problem = self.unsupported(bits, group_size, k)
         if problem:
             raise ValueError(f"quant kernels: {problem}")
-        if bits == 4:
-            codes = pack_q4(codes)
-        return KernelWeight(codes.contiguous(), scales.to(torch.float16).contiguous(),
-                            None if zeros is None else zeros.to(torch.float16).contiguous(), bits, group_size, k)
+        return KernelWeight(interleave_codes(codes, bits), interleave_groups(scales.to(torch.float16)),
+                            None if zeros is None else interleave_groups(zeros.to(torch.float16)), bits, group_size,
+                            k, n)
 
     def gemv(self, weight: KernelWeight, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [m, k] bf16 @ the dequantised weight [n, k].T (+ bias [n]) -> bf16 [m, n], one pass over the weight."""
-        n, k = weight.codes.shape[0], weight.in_features
+        n, k = weight.out_features, weight.in_features
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError(f"quant gemv: the input must be a contiguous bf16 [m, {k}] CPU tensor, got "
                              f"{x.dtype} {tuple(x.shape)}")
@@ -104,7 +108,7 @@ class QuantKernels:
     def dequantize(self, weight: KernelWeight) -> torch.Tensor:
         """The bf16 weight [n, k] (for many rows: one GEMM on it is faster than the GEMV)."""
         self._check_weight(weight)
-        n, k = weight.codes.shape[0], weight.in_features
+        n, k = weight.out_features, weight.in_features
         out = torch.empty(n, k, dtype=torch.bfloat16)
         if not self._dequantize(weight.codes.data_ptr(), weight.scales.data_ptr(),
                                 weight.zeros.data_ptr() if weight.zeros is not None else None, weight.bits,
@@ -115,40 +119,62 @@ class QuantKernels:
 
     @staticmethod
     def _check_weight(weight: KernelWeight) -> None:
-        n = weight.codes.shape[0]
-        k, groups = weight.in_features, weight.in_features // weight.group_size
-        expected_codes = (n, k if weight.bits == 8 else k // 2)
-        if weight.codes.dtype != torch.uint8 or tuple(weight.codes.shape) != expected_codes:
-            raise ValueError(f"quant gemv: codes must be uint8 {expected_codes}")
+        blocks, k = -(-weight.out_features // BLOCK), weight.in_features
+        groups = (blocks, k // weight.group_size, BLOCK)
+        expected_codes = (blocks, k // STEP[weight.bits], CHUNK)
+        if weight.codes.dtype != torch.uint8 or tuple(weight.codes.shape) != expected_codes \
+                or not weight.codes.is_contiguous():
+            raise ValueError(f"quant gemv: codes must be contiguous uint8 {expected_codes}")
         for name, tensor in (("scales", weight.scales), ("zeros", weight.zeros)):
-            if tensor is not None and (tensor.dtype != torch.float16 or tuple(tensor.shape) != (n, groups)
+            if tensor is not None and (tensor.dtype != torch.float16 or tuple(tensor.shape) != groups
                                        or not tensor.is_contiguous()):
-                raise ValueError(f"quant gemv: {name} must be contiguous float16 {(n, groups)}")
+                raise ValueError(f"quant gemv: {name} must be contiguous float16 {groups}")
 
 
-def pack_q4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [n, k] (k a multiple of 64) -> the 4-bit kernel layout [n, k / 2] (see quant_kernels.c)."""
+def _padded_rows(values: torch.Tensor) -> torch.Tensor:
+    """[n, ...] -> [blocks * 16, ...], the added rows zero (scale 0: they compute 0 and are never stored)."""
+    n = values.shape[0]
+    padding = -n % BLOCK
+    if padding == 0:
+        return values
+    return torch.cat([values, values.new_zeros(padding, *values.shape[1:])])
+
+
+def interleave_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [n, k] -> the kernel's layout [blocks, k / STEP, 64] (see quant_kernels.c): per chunk,
+    16-bit word 2i + e of row i holds (8 bits) inputs e and 2 + e in its low and high byte, (4 bits)
+    inputs 2t + e in nibble t."""
     n, k = codes.shape
-    full = k // 128 * 128
-    blocks = codes[:, :full].reshape(n, k // 128, 4, 32).to(torch.int16)  # [row, block, nibble t, word w]
-    words = blocks[:, :, 0] | blocks[:, :, 1] << 4 | blocks[:, :, 2] << 8 | blocks[:, :, 3] << 12
-    packed = [words.contiguous().view(torch.uint8).reshape(n, full // 2)]  # little-endian words as bytes
-    if k > full:
-        tail = codes[:, full:].reshape(n, 2, 32)
-        packed.append(tail[:, 0] | tail[:, 1] << 4)
-    return torch.cat(packed, dim=1)
+    step = STEP[bits]
+    rows = _padded_rows(codes).to(torch.int32)
+    blocks = rows.shape[0] // BLOCK
+    # [block, row i, chunk, part, e] with input = chunk * step + 2 * part + e
+    parts = rows.view(blocks, BLOCK, k // step, step // 2, 2)
+    words = sum(parts[:, :, :, t, :] << (bits * t) for t in range(step // 2))  # [block, i, chunk, e]
+    words = words.permute(0, 2, 1, 3).to(torch.int16).contiguous()  # [block, chunk, i, e]
+    return words.view(torch.uint8).view(blocks, k // step, CHUNK)
 
 
-def unpack_q4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The inverse of `pack_q4`: uint8 codes [n, in_features]."""
-    n, full = packed.shape[0], in_features // 128 * 128
-    words = packed[:, :full // 2].contiguous().view(torch.int16).reshape(n, full // 128, 1, 32).to(torch.int32)
-    nibbles = (words >> torch.tensor([0, 4, 8, 12], dtype=torch.int32).view(1, 1, 4, 1)) & 0xF
-    parts = [nibbles.reshape(n, full)]
-    if in_features > full:
-        tail = packed[:, full // 2:]
-        parts += [tail & 0xF, tail >> 4]
-    return torch.cat(parts, dim=1).to(torch.uint8)
+def deinterleave_codes(packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
+    """The inverse of `interleave_codes`: uint8 codes [out_features, k]."""
+    blocks, chunks = packed.shape[:2]
+    step = STEP[bits]
+    words = packed.contiguous().view(torch.int16).view(blocks, chunks, BLOCK, 2).to(torch.int32) & 0xFFFF
+    shifts = torch.arange(step // 2, dtype=torch.int32) * bits
+    parts = (words[..., None, :] >> shifts.view(-1, 1)) & ((1 << bits) - 1)  # [block, chunk, i, part, e]
+    codes = parts.permute(0, 2, 1, 3, 4).reshape(blocks * BLOCK, chunks * step)
+    return codes[:out_features].to(torch.uint8)
+
+
+def interleave_groups(values: torch.Tensor) -> torch.Tensor:
+    """[n, groups] per-row group values -> [blocks, groups, 16]."""
+    rows = _padded_rows(values)
+    return rows.view(-1, BLOCK, rows.shape[1]).transpose(1, 2).contiguous()
+
+
+def deinterleave_groups(values: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of `interleave_groups`: [out_features, groups]."""
+    return values.transpose(1, 2).reshape(-1, values.shape[1])[:out_features]
 
 
 def fits_float16(values: torch.Tensor) -> bool:

@@ -1,30 +1,38 @@
 /* Weight-streaming GEMV for grouped integer weights with bfloat16 activations (llmctl's GroupedIntWeight),
  * built on first use by kernels/quant.py like cpu_kernels.c (-O3 -march=native -fopenmp) and called through
- * ctypes. An AVX-512 body (needs AVX512-BF16 for the 4-bit dot products) and an AVX2 + FMA + F16C body;
- * `quant_kernel_isa()` says which one was compiled (0: none, the engine keeps its torch paths).
+ * ctypes. An AVX-512 body (AVX512-BW; VNNI where the CPU has it) and an AVX2 + FMA + F16C body share one
+ * layout; `quant_kernel_isa()` says which one was compiled (0: none, the engine keeps its torch paths).
  *
  *   y[r, o] = sum_i x[r, i] * (q[o, i] - zero[o, i / group]) * scale[o, i / group]  (+ bias[o])
  *
- * is computed per output row and group as  scale * (D - (zero + offset) * xsum)  with D = sum x * (q + offset)
- * and xsum the group's sum of x (computed once per call), so the codes only need widening, never a
- * subtraction per element. The 4-bit AVX-512 body gets q + 128 as a bfloat16 for free: the bits
- * 0x4300 | q are exactly the float 128 + q for q < 128, so one OR turns a widened code into a bf16 operand
- * of the dot-product instruction (offset 128). Everywhere else codes are widened to float32 (offset 0).
+ * Layout (tinygemm's idea: output rows interleaved, so one vector holds 16 output rows and no horizontal
+ * sums are needed). The output rows go in blocks of 16 (the last block padded with zero-scale rows); a
+ * block's codes are chunks of 64 bytes, each 16 rows x STEP inputs read as 32 little-endian 16-bit words,
+ * word 2i + e belonging to row i:
+ *   8 bits (STEP 4):  low byte = input 4c + e, high byte = input 4c + 2 + e;
+ *   4 bits (STEP 8):  nibble t (from the lowest) = input 8c + 2t + e.
+ * codes uint8 [blocks, k / STEP, 64]; scales and zeros float16 [blocks, groups, 16] (zeros may be NULL: the
+ * midpoint 2^(bits-1)). A masked shift turns a chunk into words whose lane i pair (e = 0, 1) is row i's
+ * codes of two neighbouring inputs, so one int16 pair dot product (vpdpwssd: 16 rows x 2 inputs) takes
+ * x[2j], x[2j+1] broadcast as one 32-bit word.
  *
- * Layouts (packed by kernels/quant.py):
- *   8-bit: codes uint8 [n, k] as they are;
- *   4-bit: uint8 [n, k / 2]; each 128 inputs in 64 bytes read as 32 little-endian 16-bit words, word w
- *          holding inputs w, 32 + w, 64 + w, 96 + w in its nibbles from the lowest up; a trailing 64
- *          inputs (k % 128 == 64) in 32 bytes, byte j = code[j] | code[j + 32] << 4.
- *   scales, zeros: float16 [n, groups] (zeros may be NULL: the midpoint 2^(bits-1)).
- * Threads split the output rows; each thread streams its rows' bytes once for all the x rows
- * (x rows are taken in chunks of MAX_ROWS, re-reading a weight row from L1 for the next chunk).
+ * Activations: converted once per call to int16 per x block (B inputs inside one weight group, B <= 256),
+ * xq = round(x * 32767 / max|x_block|): an element's error is at most 2^-16 of its block's largest, far
+ * below bf16's own 2^-9 of each element. Per block and 16 rows the int32 dot products D = sum xq * q then
+ * give  scale * xscale * (D - zero * sum xq)  (exact integers up to the float conversion).
+ * Threads split the 16-row blocks; each thread streams its blocks once for all the x rows (x rows taken
+ * MR at a time, re-reading a tile of blocks from L1/L2 for the next rows).
  */
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
+#define BLOCK 16      /* output rows per block */
+#define CHUNK 64      /* bytes per chunk */
+#define X_BLOCK_MAX 256 /* 255 * 32767 * 256 < 2^31: the int32 dot products cannot overflow */
 
 INLINE float bf16_to_f32(uint16_t bits) {
     uint32_t wide = (uint32_t)bits << 16;
@@ -40,76 +48,111 @@ INLINE uint16_t f32_to_bf16(float value) { /* round to nearest even, NaN kept qu
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* Per call: x as float32 (for the float paths) and each row's per-group sums. */
+INLINE int64_t step_of(int bits) { return bits == 8 ? 4 : 8; }
+
+/* Inputs per x block: the group itself up to X_BLOCK_MAX, else its largest divisor that fits and is whole
+ * chunks (0: none). */
+static int64_t x_block_of(int64_t group, int bits) {
+    const int64_t step = step_of(bits);
+    if (group <= X_BLOCK_MAX) return group;
+    for (int64_t size = X_BLOCK_MAX; size >= step; size -= step)
+        if (group % size == 0 && size % step == 0) return size;
+    return 0;
+}
+
+/* Whether the layout covers this shape (the Python side checks first and explains). */
+static int covered(int bits, int64_t n, int64_t k, int64_t group) {
+    if ((bits != 4 && bits != 8) || n < 1 || group < 1 || k < 1 || k % group) return 0;
+    return group % step_of(bits) == 0 && x_block_of(group, bits) > 0;
+}
+
+/* Per call: x as int16 per x block, with each block's scale and code sum. */
 typedef struct {
-    float *xf;      /* [m, k] */
-    float *xsum;    /* [m, padded]: zeros past the last group */
-    int64_t padded; /* groups rounded up to 16, so the per-group loops need no tail */
+    int16_t *xq;     /* [m, k] */
+    float *xscale;   /* [m, x_blocks] */
+    float *xsum;     /* [m, x_blocks] (exact integers) */
+    int64_t x_block, x_blocks;
 } Prepared;
 
-INLINE int64_t pad16(int64_t count) { return (count + 15) / 16 * 16; }
-
-static int prepare(const uint16_t *x, int64_t m, int64_t k, int64_t group, int need_float, Prepared *p) {
-    const int64_t groups = k / group;
-    p->padded = pad16(groups);
-    p->xf = need_float ? (float *)malloc(sizeof(float) * (size_t)(m * k)) : NULL;
-    p->xsum = (float *)calloc((size_t)(m * p->padded), sizeof(float));
-    if ((need_float && p->xf == NULL) || p->xsum == NULL) {
-        free(p->xf), free(p->xsum);
+static int prepare(const uint16_t *x, int64_t m, int64_t k, int64_t x_block, Prepared *p) {
+    p->x_block = x_block, p->x_blocks = k / x_block;
+    p->xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k));
+    p->xscale = (float *)malloc(sizeof(float) * (size_t)(m * p->x_blocks));
+    p->xsum = (float *)malloc(sizeof(float) * (size_t)(m * p->x_blocks));
+    if (p->xq == NULL || p->xscale == NULL || p->xsum == NULL) {
+        free(p->xq), free(p->xscale), free(p->xsum);
         return 0;
     }
     for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            float sum = 0.0f;
-            for (int64_t i = g * group; i < (g + 1) * group; i++) {
-                const float v = bf16_to_f32(x[r * k + i]);
-                sum += v;
-                if (need_float) p->xf[r * k + i] = v;
+        for (int64_t b = 0; b < p->x_blocks; b++) {
+            const uint16_t *src = x + r * k + b * x_block;
+            int16_t *dst = p->xq + r * k + b * x_block;
+            float top = 0.0f;
+            for (int64_t i = 0; i < x_block; i++) top = fmaxf(top, fabsf(bf16_to_f32(src[i])));
+            const float inverse = top > 0.0f && top <= 3.0e38f ? 32767.0f / top : 0.0f;
+            int32_t sum = 0;
+            for (int64_t i = 0; i < x_block; i++) {
+                const int32_t q = (int32_t)lrintf(bf16_to_f32(src[i]) * inverse);
+                dst[i] = (int16_t)q, sum += q;
             }
-            p->xsum[r * p->padded + g] = sum;
+            p->xscale[r * p->x_blocks + b] = inverse > 0.0f ? top / 32767.0f : 0.0f;
+            p->xsum[r * p->x_blocks + b] = (float)sum;
         }
     return 1;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define ISA 512
 #define LANES 16
-typedef __m512 vec;
-INLINE vec vzero(void) { return _mm512_setzero_ps(); }
-INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-INLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-INLINE vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-INLINE void vstore_bf16(uint16_t *p, vec v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-INLINE vec vset1(float v) { return _mm512_set1_ps(v); }
-INLINE float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-INLINE vec vloadf(const float *p) { return _mm512_loadu_ps(p); }
-INLINE vec vload_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#define HALVES 1 /* vectors per 16-row block */
+#define TILE 8   /* (row blocks x x rows) per tile: independent accumulator chains */
+typedef __m512i ivec;
+typedef __m512 fvec;
+INLINE ivec iload(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+INLINE ivec iset16(short v) { return _mm512_set1_epi16(v); }
+INLINE ivec iand(ivec a, ivec b) { return _mm512_and_si512(a, b); }
+INLINE ivec isrl16(ivec a, int count) { return _mm512_srli_epi16(a, count); }
+INLINE ivec izero(void) { return _mm512_setzero_si512(); }
+INLINE ivec ipair(const int16_t *x) { int32_t v; memcpy(&v, x, 4); return _mm512_set1_epi32(v); }
+#if defined(__AVX512VNNI__)
+INLINE ivec idot(ivec acc, ivec w, ivec x) { return _mm512_dpwssd_epi32(acc, w, x); }
+#else
+INLINE ivec idot(ivec acc, ivec w, ivec x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }
+#endif
+INLINE fvec fcvt(ivec a) { return _mm512_cvtepi32_ps(a); }
+INLINE fvec fzero(void) { return _mm512_setzero_ps(); }
+INLINE fvec fset1(float v) { return _mm512_set1_ps(v); }
+INLINE fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE fvec ffnma(fvec a, fvec b, fvec c) { return _mm512_fnmadd_ps(a, b, c); }
+INLINE fvec fmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+INLINE fvec fsub(fvec a, fvec b) { return _mm512_sub_ps(a, b); }
+INLINE fvec fload_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE void fstore(float *p, fvec v) { _mm512_storeu_ps(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ISA 256
 #define LANES 8
-typedef __m256 vec;
-INLINE vec vzero(void) { return _mm256_setzero_ps(); }
-INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-INLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-INLINE vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-INLINE void vstore_bf16(uint16_t *p, vec v) {
-    float values[8];
-    _mm256_storeu_ps(values, v);
-    for (int l = 0; l < 8; l++) p[l] = f32_to_bf16(values[l]);
-}
-INLINE vec vset1(float v) { return _mm256_set1_ps(v); }
-INLINE float vsum(vec v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-INLINE vec vloadf(const float *p) { return _mm256_loadu_ps(p); }
-INLINE vec vload_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#define HALVES 2
+#define TILE 2
+typedef __m256i ivec;
+typedef __m256 fvec;
+INLINE ivec iload(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE ivec iset16(short v) { return _mm256_set1_epi16(v); }
+INLINE ivec iand(ivec a, ivec b) { return _mm256_and_si256(a, b); }
+INLINE ivec isrl16(ivec a, int count) { return _mm256_srli_epi16(a, count); }
+INLINE ivec izero(void) { return _mm256_setzero_si256(); }
+INLINE ivec ipair(const int16_t *x) { int32_t v; memcpy(&v, x, 4); return _mm256_set1_epi32(v); }
+INLINE ivec idot(ivec acc, ivec w, ivec x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+INLINE fvec fcvt(ivec a) { return _mm256_cvtepi32_ps(a); }
+INLINE fvec fzero(void) { return _mm256_setzero_ps(); }
+INLINE fvec fset1(float v) { return _mm256_set1_ps(v); }
+INLINE fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE fvec ffnma(fvec a, fvec b, fvec c) { return _mm256_fnmadd_ps(a, b, c); }
+INLINE fvec fmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+INLINE fvec fsub(fvec a, fvec b) { return _mm256_sub_ps(a, b); }
+INLINE fvec fload_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+INLINE void fstore(float *p, fvec v) { _mm256_storeu_ps(p, v); }
 #else
 #define ISA 0
 #endif
@@ -118,278 +161,207 @@ int quant_kernel_isa(void) { return ISA; }
 
 #if ISA
 
-/* One output row's scales and zero points (plus the code offset) as float32, zero-padded to `padded`
- * groups: per group the kernels then broadcast a float from memory instead of converting a float16. */
-typedef struct {
-    float *scale, *zero;
-} RowParams;
+#define VBYTES (CHUNK / HALVES) /* bytes of one vector: rows [h * LANES, (h + 1) * LANES) of a chunk */
 
-INLINE void load_row(const uint16_t *scales, const uint16_t *zeros, int64_t o, int64_t groups, float midpoint,
-                     float offset, RowParams *row) {
-    const uint16_t *s = scales + o * groups, *z = zeros != NULL ? zeros + o * groups : NULL;
-    for (int64_t g = 0; g < groups; g++) {
-        row->scale[g] = f16_to_f32(s[g]);
-        row->zero[g] = (z != NULL ? f16_to_f32(z[g]) : midpoint) + offset;
-    }
+/* Rows [first, first + LANES) of y[r] from the float accumulator, bias added, rounded to bf16; rows past
+ * n (the padded block) are not written. */
+INLINE void store_rows(uint16_t *y_row, const uint16_t *bias, int64_t first, int64_t n, fvec value) {
+    float values[LANES];
+    fstore(values, value);
+    const int64_t count = n - first < LANES ? n - first : LANES;
+    for (int64_t l = 0; l < count; l++)
+        y_row[first + l] = f32_to_bf16(values[l] + (bias != NULL ? bf16_to_f32(bias[first + l]) : 0.0f));
 }
 
-/* The x-sum correction of one output row: sum_g scale_g * (zero_g + offset) * xsum[g]. */
-INLINE float correction(const RowParams *row, const float *xsum, int64_t padded) {
-    vec total = vzero();
-    for (int64_t g = 0; g < padded; g += LANES)
-        total = vfma(vmul(vloadf(row->scale + g), vloadf(row->zero + g)), vloadf(xsum + g), total);
-    return vsum(total);
-}
-
-INLINE void store_row(uint16_t *y, int64_t n, int64_t r, int64_t o, float value, const uint16_t *bias) {
-    if (bias != NULL) value += bf16_to_f32(bias[o]);
-    y[r * n + o] = f32_to_bf16(value);
-}
-
-/* A tile is R output rows against MR x rows; R * MR independent accumulators hide the latency of the
- * multiply-add chains (one row at a time ran at about a quarter of the speed: each 64-input block waited on
- * the previous block's dot product). */
-#define ACC(i, r) acc[(i) * MR + (r)]
-
-/* ---- 8 bits: codes widened to float32 ---------------------------------------------------------------- */
-#define Q8_OFFSET 0.0f
-INLINE void q8_tile(const uint8_t *codes, const RowParams *rp, const Prepared *p, const uint16_t *bias, uint16_t *y,
-                    int64_t o, int64_t r0, const int R, const int MR, int64_t n, int64_t k, int64_t group) {
-    const int64_t groups = k / group;
-    vec acc[8], dot[8];
-    for (int a = 0; a < R * MR; a++) acc[a] = vzero();
-    for (int64_t g = 0; g < groups; g++) {
-        for (int a = 0; a < R * MR; a++) dot[a] = vzero();
-        for (int64_t c = g * group; c < (g + 1) * group; c += LANES) {
-            vec xs[4];
-            for (int r = 0; r < MR; r++) xs[r] = vloadf(p->xf + (r0 + r) * k + c);
-            for (int i = 0; i < R; i++) {
-                const vec w = vload_u8(codes + (o + i) * k + c);
-                for (int r = 0; r < MR; r++) dot[i * MR + r] = vfma(w, xs[r], dot[i * MR + r]);
-            }
-        }
-        for (int i = 0; i < R; i++) {
-            const vec scale = vset1(rp[i].scale[g]);
-            for (int r = 0; r < MR; r++) ACC(i, r) = vfma(dot[i * MR + r], scale, ACC(i, r));
-        }
-    }
-    for (int i = 0; i < R; i++)
+/* T row blocks (from `block`) against MR x rows (from r0): the whole k for each. */
+INLINE void gemv_tile(const int BITS, const int T, const int MR, const uint8_t *codes, const uint16_t *scales,
+                      const uint16_t *zeros, const Prepared *p, const uint16_t *bias, uint16_t *y, int64_t block,
+                      int64_t r0, int64_t n, int64_t k, int64_t group) {
+    const int64_t step = BITS == 8 ? 4 : 8, chunks = k / step, groups = k / group;
+    const int64_t chunks_per_x_block = p->x_block / step;
+    const ivec low8 = iset16(0x00ff), low4 = iset16(0x000f);
+    const fvec midpoint = fset1(BITS == 8 ? 128.0f : 8.0f);
+    fvec acc[T][MR][HALVES];
+    for (int t = 0; t < T; t++)
         for (int r = 0; r < MR; r++)
-            store_row(y, n, r0 + r, o + i, vsum(ACC(i, r)) - correction(&rp[i], p->xsum + (r0 + r) * p->padded, p->padded), bias);
-}
-#define Q8_LANES 8 /* R * MR */
-
-/* ---- 4 bits ----------------------------------------------------------------------------------------------- */
-/* One block's codes in input order (128 inputs, or the 64-input tail), portable. */
-INLINE void q4_unpack_scalar(const uint8_t *bytes, int64_t inputs, uint8_t *codes) {
-    if (inputs == 128) { /* word w holds inputs w, 32 + w, 64 + w, 96 + w in its four nibbles */
-        for (int w = 0; w < 32; w++) {
-            const unsigned word = (unsigned)bytes[2 * w] | (unsigned)bytes[2 * w + 1] << 8;
-            for (int t = 0; t < 4; t++) codes[32 * t + w] = (uint8_t)((word >> (4 * t)) & 0xf);
-        }
-    } else { /* the 64-input tail: byte j holds inputs j and 32 + j */
-        for (int j = 0; j < 32; j++) codes[j] = bytes[j] & 0xf, codes[32 + j] = bytes[j] >> 4;
-    }
-}
-
-#if ISA == 512
-#define Q4_OFFSET 128.0f
-#define Q4_NEEDS_FLOAT 0
-#define Q4_LANES 4
-/* Inputs in chunks of 32; chunk t of a 128-input block is nibble t of each of its 32 words, so one
- * shift and one ternary-logic op ((w >> 4t) & 0xf | 0x4300) give the 32 bf16 operands 128 + q: 11 ops per
- * 128 inputs with the dot products, where widening bytes (cvtepu8) took 18 and ran at two thirds the speed. */
-INLINE __m512bh q4_chunk(__m512i words, const int t) {
-    const __m512i shifted = t ? _mm512_srli_epi16(words, 4 * t) : words;
-    return (__m512bh)_mm512_ternarylogic_epi32(shifted, _mm512_set1_epi16(0x000f), _mm512_set1_epi16(0x4300), 0xea);
-}
-/* A trailing 64 inputs (k % 128 == 64) are 32 bytes, byte j = code[j] | code[j + 32] << 4. */
-INLINE __m512bh q4_tail_chunk(const uint8_t *bytes, const int t) {
-    __m256i raw = _mm256_loadu_si256((const __m256i *)bytes);
-    if (t) raw = _mm256_srli_epi16(raw, 4);
-    return (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(raw, _mm256_set1_epi8(0x0f))),
-                                     _mm512_set1_epi16(0x4300));
-}
-INLINE __m512bh load_x32(const uint16_t *x) { return (__m512bh)_mm512_loadu_si512((const void *)x); }
-
-INLINE void q4_tile(const uint8_t *packed, const RowParams *rp, const uint16_t *x, const Prepared *p,
-                    const uint16_t *bias, uint16_t *y, int64_t o, int64_t r0, const int R, const int MR, int64_t n,
-                    int64_t k, int64_t group) {
-    const int64_t chunks_per_group = group / 32, full_blocks = k / 128;
-    __m512 acc[4], dot[2][4];
-    for (int a = 0; a < R * MR; a++) acc[a] = dot[0][a] = dot[1][a] = _mm512_setzero_ps();
-#define Q4_CHUNK(operand_expr, chunk)                                                                   \
-    do {                                                                                                \
-        const int64_t j = (chunk);                                                                      \
-        __m512bh xs[4];                                                                                 \
-        for (int r = 0; r < MR; r++) xs[r] = load_x32(x + (r0 + r) * k + j * 32);                       \
-        for (int i = 0; i < R; i++) {                                                                   \
-            const __m512bh w = operand_expr;                                                            \
-            for (int r = 0; r < MR; r++) dot[j & 1][i * MR + r] = _mm512_dpbf16_ps(dot[j & 1][i * MR + r], w, xs[r]); \
-        }                                                                                               \
-        if ((j + 1) % chunks_per_group == 0) {                                                          \
-            const int64_t g = j / chunks_per_group;                                                     \
-            for (int i = 0; i < R; i++) {                                                               \
-                const __m512 scale = _mm512_set1_ps(rp[i].scale[g]);                                    \
-                for (int r = 0; r < MR; r++) {                                                          \
-                    const int a = i * MR + r;                                                           \
-                    acc[a] = _mm512_fmadd_ps(_mm512_add_ps(dot[0][a], dot[1][a]), scale, acc[a]);       \
-                    dot[0][a] = dot[1][a] = _mm512_setzero_ps();                                        \
-                }                                                                                       \
-            }                                                                                           \
-        }                                                                                               \
-    } while (0)
-    for (int64_t b = 0; b < full_blocks; b++) {
-        __m512i words[4];
-        for (int i = 0; i < R; i++) words[i] = _mm512_loadu_si512((const void *)(packed + (o + i) * (k / 2) + b * 64));
-        Q4_CHUNK(q4_chunk(words[i], 0), 4 * b);
-        Q4_CHUNK(q4_chunk(words[i], 1), 4 * b + 1);
-        Q4_CHUNK(q4_chunk(words[i], 2), 4 * b + 2);
-        Q4_CHUNK(q4_chunk(words[i], 3), 4 * b + 3);
-    }
-    if (k % 128) {
-        Q4_CHUNK(q4_tail_chunk(packed + (o + i) * (k / 2) + full_blocks * 64, 0), 4 * full_blocks);
-        Q4_CHUNK(q4_tail_chunk(packed + (o + i) * (k / 2) + full_blocks * 64, 1), 4 * full_blocks + 1);
-    }
-#undef Q4_CHUNK
-    for (int i = 0; i < R; i++)
-        for (int r = 0; r < MR; r++)
-            store_row(y, n, r0 + r, o + i, _mm512_reduce_add_ps(ACC(i, r)) - correction(&rp[i], p->xsum + (r0 + r) * p->padded, p->padded), bias);
-}
-#else
-#define Q4_OFFSET 0.0f
-#define Q4_NEEDS_FLOAT 1
-#define Q4_LANES 4
-/* AVX2: each block's nibbles go to a buffer in input order and are widened 8 at a time. */
-#define q4_unpack q4_unpack_scalar
-
-INLINE void q4_tile(const uint8_t *packed, const RowParams *rp, const uint16_t *x, const Prepared *p,
-                    const uint16_t *bias, uint16_t *y, int64_t o, int64_t r0, const int R, const int MR, int64_t n,
-                    int64_t k, int64_t group) {
-    (void)x;
-    __m256 acc[4], dot[4];
-    uint8_t unpacked[4][128] __attribute__((aligned(32)));
-    for (int a = 0; a < R * MR; a++) acc[a] = dot[a] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < k; c += 128) {
-        const int64_t inputs = k - c >= 128 ? 128 : 64;
-        for (int i = 0; i < R; i++) q4_unpack(packed + (o + i) * (k / 2) + c / 2, inputs, unpacked[i]);
-        for (int64_t j = 0; j < inputs; j += 8) {
-            for (int i = 0; i < R; i++) {
-                const __m256 w = vload_u8(unpacked[i] + j);
-                for (int r = 0; r < MR; r++) dot[i * MR + r] = _mm256_fmadd_ps(w, vloadf(p->xf + (r0 + r) * k + c + j), dot[i * MR + r]);
-            }
-            if ((c + j + 8) % group == 0)
-                for (int i = 0; i < R; i++) {
-                    const __m256 scale = _mm256_set1_ps(rp[i].scale[(c + j) / group]);
-                    for (int r = 0; r < MR; r++)
-                        ACC(i, r) = _mm256_fmadd_ps(dot[i * MR + r], scale, ACC(i, r)), dot[i * MR + r] = _mm256_setzero_ps();
+            for (int h = 0; h < HALVES; h++) acc[t][r][h] = fzero();
+    for (int64_t xb = 0; xb < p->x_blocks; xb++) {
+        ivec dot[T][MR][HALVES];
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < MR; r++)
+                for (int h = 0; h < HALVES; h++) dot[t][r][h] = izero();
+        for (int64_t c = xb * chunks_per_x_block; c < (xb + 1) * chunks_per_x_block; c++) {
+            const int16_t *xs = p->xq + r0 * k + c * step;
+            for (int t = 0; t < T; t++)
+                for (int h = 0; h < HALVES; h++) {
+                    const ivec words = iload(codes + ((block + t) * chunks + c) * CHUNK + h * VBYTES);
+                    if (BITS == 8) {
+                        const ivec lo = iand(words, low8), hi = isrl16(words, 8);
+                        for (int r = 0; r < MR; r++) {
+                            dot[t][r][h] = idot(dot[t][r][h], lo, ipair(xs + r * k));
+                            dot[t][r][h] = idot(dot[t][r][h], hi, ipair(xs + r * k + 2));
+                        }
+                    } else {
+                        const ivec n0 = iand(words, low4), n1 = iand(isrl16(words, 4), low4);
+                        const ivec n2 = iand(isrl16(words, 8), low4), n3 = isrl16(words, 12);
+                        for (int r = 0; r < MR; r++) {
+                            dot[t][r][h] = idot(dot[t][r][h], n0, ipair(xs + r * k));
+                            dot[t][r][h] = idot(dot[t][r][h], n1, ipair(xs + r * k + 2));
+                            dot[t][r][h] = idot(dot[t][r][h], n2, ipair(xs + r * k + 4));
+                            dot[t][r][h] = idot(dot[t][r][h], n3, ipair(xs + r * k + 6));
+                        }
+                    }
                 }
         }
+        const int64_t g = xb * p->x_block / group;
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < HALVES; h++) {
+                const int64_t at = ((block + t) * groups + g) * BLOCK + h * LANES;
+                const fvec scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
+                for (int r = 0; r < MR; r++) {
+                    const int64_t row = (r0 + r) * p->x_blocks + xb;
+                    const fvec exact = ffnma(zero, fset1(p->xsum[row]), fcvt(dot[t][r][h]));
+                    acc[t][r][h] = ffma(exact, fmul(scale, fset1(p->xscale[row])), acc[t][r][h]);
+                }
+            }
     }
-    for (int i = 0; i < R; i++)
+    for (int t = 0; t < T; t++)
         for (int r = 0; r < MR; r++)
-            store_row(y, n, r0 + r, o + i, vsum(ACC(i, r)) - correction(&rp[i], p->xsum + (r0 + r) * p->padded, p->padded), bias);
+            for (int h = 0; h < HALVES; h++)
+                store_rows(y + (r0 + r) * n, bias, (block + t) * BLOCK + h * LANES, n, acc[t][r][h]);
 }
-#endif
 
 /* x rows per pass: 4, 2 or 1 (the largest that fits the remaining rows) */
 INLINE int x_rows(int64_t remaining) { return remaining >= 4 ? 4 : remaining >= 2 ? 2 : 1; }
 
-/* Output rows one tile call covers: `lanes` accumulators shared among MR x rows. */
-INLINE int64_t tile_rows(int lanes, int MR) { return MR == 4 ? (lanes >= 8 ? 2 : 1) : lanes / MR; }
-
-/* The tile function with constant shapes (so its loops unroll): a full tile, or one row of a short one. */
-#define TILE_SHAPES(call, lanes)                                                          \
-    do {                                                                                  \
-        if (!full) {                                                                      \
-            if (MR == 4) call(1, 4); else if (MR == 2) call(1, 2); else call(1, 1);      \
-        } else if (MR == 4) call((lanes) >= 8 ? 2 : 1, 4);                               \
-        else if (MR == 2) call((lanes) / 2, 2);                                          \
-        else call(lanes, 1);                                                              \
+#define TILE_CALL(BITS, T, MR) gemv_tile(BITS, T, MR, codes, scales, zeros, p, bias, y, b, r0, n, k, group)
+#define WIDTHS(BITS, MR)                                                   \
+    do {                                                                   \
+        if (T == 8) TILE_CALL(BITS, 8, MR);                                \
+        else if (T == 4) TILE_CALL(BITS, 4, MR);                           \
+        else if (T == 2) TILE_CALL(BITS, 2, MR);                           \
+        else TILE_CALL(BITS, 1, MR);                                       \
     } while (0)
 
-/* Returns 0 (nothing computed) for shapes the layouts do not cover; the caller checks them first. */
-int quant_gemv_bf16(const void *weight, const void *scales, const void *zeros, int bits, const void *x,
-                    const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
-    if (m < 1 || n < 1 || group < 1 || k % group) return 0;
-    if (bits == 8 ? group % LANES != 0 : (bits != 4 || k % 64 || (group != 32 && group % 64))) return 0;
-    Prepared p;
-    if (!prepare((const uint16_t *)x, m, k, group, bits == 8 || Q4_NEEDS_FLOAT, &p)) return 0;
-    const int64_t groups = k / group;
-    const float midpoint = bits == 8 ? 128.0f : 8.0f, offset = bits == 8 ? Q8_OFFSET : Q4_OFFSET;
-    const int lanes = bits == 8 ? Q8_LANES : Q4_LANES;
-    const int64_t tile = lanes; /* output rows per tile (each call takes lanes / MR of them) */
-    const int64_t tiles = (n + tile - 1) / tile;
-    const uint16_t *b = (const uint16_t *)bias;
-    uint16_t *out = (uint16_t *)y;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        RowParams rp[8];
-        for (int i = 0; i < 8; i++) {
-            rp[i].scale = (float *)calloc((size_t)p.padded, sizeof(float));
-            rp[i].zero = (float *)calloc((size_t)p.padded, sizeof(float));
-            failed |= rp[i].scale == NULL || rp[i].zero == NULL;
+/* Blocks [block, block + width) against x rows [r0, r0 + MR), in tiles of constant shape (so their loops
+ * unroll and the accumulators stay in registers): up to TILE / MR blocks a tile, then halves for the rest. */
+static void run_rows(int bits, int MR, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                     const Prepared *p, const uint16_t *bias, uint16_t *y, int64_t block, int64_t width, int64_t r0,
+                     int64_t n, int64_t k, int64_t group) {
+    for (int64_t b = block; b < block + width;) {
+        int64_t T = TILE / MR > 8 ? 8 : TILE / MR;
+        if (T < 1) T = 1;
+        while (T > block + width - b) T /= 2;
+        if (bits == 8) {
+            if (MR == 1) WIDTHS(8, 1); else if (MR == 2) WIDTHS(8, 2); else WIDTHS(8, 4);
+        } else {
+            if (MR == 1) WIDTHS(4, 1); else if (MR == 2) WIDTHS(4, 2); else WIDTHS(4, 4);
         }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            if (failed) continue;
-            const int64_t first = t * tile, rows = n - first < tile ? n - first : tile;
-            for (int64_t i = 0; i < rows; i++)
-                load_row((const uint16_t *)scales, (const uint16_t *)zeros, first + i, groups, midpoint, offset, &rp[i]);
-            const int full = rows == tile;
+        b += T;
+    }
+}
+
+/* Returns 0 (nothing computed) for shapes the layout does not cover; the caller checks them first. */
+int quant_gemv_bf16(const void *weight, const void *scales_, const void *zeros_, int bits, const void *x,
+                    const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
+    if (m < 1 || !covered(bits, n, k, group)) return 0;
+    Prepared prepared, *p = &prepared;
+    if (!prepare((const uint16_t *)x, m, k, x_block_of(group, bits), p)) return 0;
+    const uint8_t *codes = (const uint8_t *)weight;
+    const uint16_t *scales = (const uint16_t *)scales_, *zeros = (const uint16_t *)zeros_;
+    const uint16_t *bias = (const uint16_t *)bias_;
+    uint16_t *y = (uint16_t *)y_;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    const int64_t threads = num_threads < 1 ? 1 : (num_threads > blocks ? blocks : num_threads);
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t me = omp_get_thread_num();
+        const int64_t first = blocks * me / threads, last = blocks * (me + 1) / threads;
+        /* TILE blocks at a time for all the x rows: the tile's codes are re-read from L1/L2 for later rows */
+        for (int64_t block = first; block < last; block += TILE) {
+            const int64_t width = last - block < TILE ? last - block : TILE;
             for (int64_t r0 = 0; r0 < m;) {
                 const int MR = x_rows(m - r0);
-                const int64_t step = full ? tile_rows(lanes, MR) : 1;
-                for (int64_t o = first; o < first + rows; o += step) {
-                    const RowParams *params = &rp[o - first];
-                    if (bits == 8) {
-#define Q8(RR, M) q8_tile((const uint8_t *)weight, params, &p, b, out, o, r0, RR, M, n, k, group)
-                        TILE_SHAPES(Q8, Q8_LANES);
-                    } else {
-#define Q4(RR, M) q4_tile((const uint8_t *)weight, params, (const uint16_t *)x, &p, b, out, o, r0, RR, M, n, k, group)
-                        TILE_SHAPES(Q4, Q4_LANES);
-                    }
-                }
+                run_rows(bits, MR, codes, scales, zeros, p, bias, y, block, width, r0, n, k, group);
                 r0 += MR;
             }
         }
-        for (int i = 0; i < 8; i++) free(rp[i].scale), free(rp[i].zero);
     }
-    free(p.xf), free(p.xsum);
-    return !failed;
+    free(p->xq), free(p->xscale), free(p->xsum);
+    return 1;
 }
 
-/* The weight itself, w = (q - zero) * scale rounded to bf16 [n, k]: for many rows, one GEMM on it beats
- * the GEMV's per-row work (see NATIVE_MAX_ROWS in layers/quantization.py). Returns 0 for shapes the layouts
- * do not cover. */
-int quant_dequantize_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
+/* One code of the layout: row i (of its block) at input j of chunk `chunk` (a chunk's 64 bytes). */
+INLINE uint32_t layout_code(const uint8_t *chunk, int64_t i, int64_t j, int bits) {
+    const uint8_t *lane = chunk + 4 * i; /* words 2i (e = 0) and 2i + 1 (e = 1) */
+    const uint32_t word = (uint32_t)lane[2 * (j & 1)] | (uint32_t)lane[2 * (j & 1) + 1] << 8;
+    return (word >> (bits * (j >> 1))) & ((1u << bits) - 1);
+}
+
+/* The weight itself, w = (q - zero) * scale rounded to bf16 [n, k]: for many rows, one GEMM on it can beat
+ * the GEMV's per-row work (see NATIVE_MAX_ROWS in layers/quantization.py). Per 16-row block the weight is
+ * dequantised with rows in the lanes (16 values per input) into a float buffer [k, 16], then each output
+ * row gathers its 16 inputs at a time from it. Returns 0 for shapes the layout does not cover. */
+int quant_dequantize_bf16(const void *weight, const void *scales_, const void *zeros_, int bits, void *out, int64_t n,
                           int64_t k, int64_t group, int num_threads) {
-    if (n < 1 || group < 1 || k % group) return 0;
-    if (bits == 8 ? group % LANES != 0 : (bits != 4 || k % 64 || (group != 32 && group % 64))) return 0;
-    const int64_t groups = k / group;
+    if (!covered(bits, n, k, group)) return 0;
+    const uint8_t *codes = (const uint8_t *)weight;
+    const uint16_t *scales = (const uint16_t *)scales_, *zeros = (const uint16_t *)zeros_;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, step = step_of(bits), chunks = k / step, groups = k / group;
     const float midpoint = bits == 8 ? 128.0f : 8.0f;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t o = 0; o < n; o++) {
-        uint8_t unpacked[128] __attribute__((aligned(32)));
-        const uint8_t *row = (const uint8_t *)weight + o * (bits == 8 ? k : k / 2);
-        uint16_t *dst = (uint16_t *)out + o * k;
-        for (int64_t c = 0; c < k; c += bits == 8 ? 128 : (k - c >= 128 ? 128 : 64)) {
-            const int64_t inputs = bits == 8 ? (k - c >= 128 ? 128 : k - c) : (k - c >= 128 ? 128 : 64);
-            const uint8_t *codes = row + c;
-            if (bits == 4) {
-                q4_unpack_scalar(row + c / 2, inputs, unpacked);
-                codes = unpacked;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *columns = (float *)malloc(sizeof(float) * (size_t)(k * BLOCK)); /* [k, 16] */
+        failed |= columns == NULL;
+#pragma omp for schedule(static)
+        for (int64_t block = 0; block < blocks; block++) {
+            if (columns == NULL) continue;
+            const int64_t rows = n - block * BLOCK < BLOCK ? n - block * BLOCK : BLOCK;
+            const uint8_t *base = codes + block * chunks * CHUNK;
+#if ISA == 512
+            const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t at = (block * groups + g) * BLOCK;
+                const __m512 scale = fload_f16(scales + at);
+                const __m512 zero = zeros != NULL ? fload_f16(zeros + at) : fset1(midpoint);
+                for (int64_t c = g * group / step; c < (g + 1) * group / step; c++) {
+                    const __m512i lanes = _mm512_loadu_si512((const void *)(base + c * CHUNK)); /* lane i: words 2i, 2i+1 */
+                    for (int j = 0; j < step; j++) {
+                        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(lanes, 16 * (j & 1) + bits * (j >> 1)), mask);
+                        _mm512_storeu_ps(columns + (c * step + j) * BLOCK,
+                                         _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), zero), scale));
+                    }
+                }
             }
-            for (int64_t j = 0; j < inputs; j += LANES) {
-                const int64_t g = (c + j) / group;
-                const float scale = f16_to_f32(((const uint16_t *)scales)[o * groups + g]);
-                const float zero = zeros != NULL ? f16_to_f32(((const uint16_t *)zeros)[o * groups + g]) : midpoint;
-                vstore_bf16(dst + c + j, vmul(vsub(vload_u8(codes + j), vset1(zero)), vset1(scale)));
+            const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                      _mm512_set1_epi32(BLOCK));
+            for (int64_t i = 0; i < rows; i++) {
+                uint16_t *dst = (uint16_t *)out + (block * BLOCK + i) * k;
+                int64_t j = 0;
+                for (; j + 16 <= k; j += 16)
+                    _mm256_storeu_si256((__m256i *)(dst + j),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_i32gather_ps(stride, columns + j * BLOCK + i, 4)));
+                for (; j < k; j++) dst[j] = f32_to_bf16(columns[j * BLOCK + i]);
             }
+#else
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t i = 0; i < rows; i++) {
+                    const int64_t at = (block * groups + g) * BLOCK + i;
+                    const float scale = _cvtsh_ss(scales[at]), zero = zeros != NULL ? _cvtsh_ss(zeros[at]) : midpoint;
+                    for (int64_t c = g * group / step; c < (g + 1) * group / step; c++)
+                        for (int64_t j = 0; j < step; j++)
+                            columns[(c * step + j) * BLOCK + i] = ((float)layout_code(base + c * CHUNK, i, j, bits) - zero) * scale;
+                }
+            for (int64_t i = 0; i < rows; i++) {
+                uint16_t *dst = (uint16_t *)out + (block * BLOCK + i) * k;
+                for (int64_t j = 0; j < k; j++) dst[j] = f32_to_bf16(columns[j * BLOCK + i]);
+            }
+#endif
         }
+        free(columns);
     }
-    return 1;
+    return !failed;
 }
 
 #else
@@ -397,6 +369,11 @@ int quant_gemv_bf16(const void *weight, const void *scales, const void *zeros, i
                     const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
     (void)weight, (void)scales, (void)zeros, (void)bits, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k,
         (void)group, (void)num_threads;
+    return 0;
+}
+int quant_dequantize_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
+                          int64_t k, int64_t group, int num_threads) {
+    (void)weight, (void)scales, (void)zeros, (void)bits, (void)out, (void)n, (void)k, (void)group, (void)num_threads;
     return 0;
 }
 #endif

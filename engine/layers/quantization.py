@@ -13,15 +13,16 @@ turns it into the fastest run-time layout this device offers and registers the l
 `GroupedIntWeight` and calls `install_grouped_weight`.
 
 Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS.md section 2):
-- `int8pack`: 8 bits, one group per row, symmetric: `torch._weight_int8pack_mm` (qkv 960x576 at M=1 43 µs
-  against about 80 µs for bf16 F.linear; it crashes when the inputs are not a multiple of 16, so those
-  fall through);
-- `int4pack`: 4 bits, groups of 32/64/128/256, output rows a multiple of 16, CPU: tinygemm's packing
-  (`torch._convert_weight_to_int4pack_for_cpu`) and `torch._weight_int4pack_mm_for_cpu`, whose
-  w = (q - 8) * scale + offset takes any zero point as offset = (8 - zero) * scale (gate_up at M=1 57 µs);
-- `native` (bfloat16 activations on CPU, the rest: grouped or asymmetric int8 such as GGUF Q8_0 and GPTQ
-  8-bit, int4 groups torch lacks such as per-channel GPTQ group -1): engine/kernels/quant.py's GEMV
-  (AVX-512 BF16 or AVX2) below NATIVE_MAX_ROWS rows, its dequantisation to bf16 and one GEMM above;
+- `native` (bfloat16 activations on CPU: every 4- and 8-bit weight whose groups are whole multiples of 8
+  (4-bit) or 4 (8-bit) inputs, per row or grouped, symmetric or with zero points, GGUF Q8_0/Q4_0/Q4_1/Q4_K,
+  GPTQ, AWQ): engine/kernels/quant.py's output-row-interleaved GEMV (AVX-512 or AVX2) below
+  NATIVE_MAX_ROWS rows, its dequantisation to bf16 and one GEMM above. At M=1 it ran 2.1x torch's int8pack
+  and 2.3x its int4pack (benchmarks/quant_kernels.py, benchmarks/README.md);
+- `int8pack` (float32 activations; 8 bits, one group per row, symmetric): `torch._weight_int8pack_mm`
+  (it crashes when the inputs are not a multiple of 16, so those fall through);
+- `int4pack` (float32 activations; 4 bits, groups of 32/64/128/256, output rows a multiple of 16):
+  tinygemm's packing (`torch._convert_weight_to_int4pack_for_cpu`) and `torch._weight_int4pack_mm_for_cpu`,
+  whose w = (q - 8) * scale + offset takes any zero point as offset = (8 - zero) * scale;
 - on CUDA, `int4pack-cuda` (tinygemm) and `int8pack-cuda` (engine/layers/quantization_cuda.py, which also
   holds `--quantization fp8`);
 - `dequant`: everything else (other devices, other groupings): the codes stay packed (two 4-bit codes a
@@ -57,10 +58,11 @@ logger = logging.getLogger(__name__)
 # scale finite and costs at most 3e-5 absolute error in groups whose largest weight is below 4e-4 (int4).
 FP16_TINY, FP16_MAX = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max
 INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel accepts
-# The native GEMV streams the weight once but its work grows with the rows; from about 8 rows dequantising
-# to bfloat16 (the native kernel) and running one GEMM is faster (1536x576, one thread: 8 rows 723 against
-# 824 µs, 16 rows 1425 against 831 µs, 64 rows 4933 against 984 µs).
-NATIVE_MAX_ROWS = 8
+# The native GEMV streams the weight once for all rows; its work grows with the rows. Below 16 rows it beat
+# dequantising to bfloat16 and one GEMM at every measured shape (one thread, 3072x576 int8 per row: 8 rows
+# 181 against 918 µs, 16 rows 338 against about 900 µs; int4 g32 8 rows 239 against 963 µs). From 16 rows
+# on the batched policy decides (dequantise-then-GEMM today).
+NATIVE_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -226,19 +228,19 @@ def _float16_scales(scales: torch.Tensor) -> torch.Tensor:
 def _choose_layout(weight: GroupedIntWeight, dtype: torch.dtype, device: torch.device) -> str:
     if device.type == "cuda":
         return cuda_layout(weight, dtype) or "dequant"
+    if device.type == "cpu" and dtype is torch.bfloat16:
+        # the native kernels first: at M=1 they ran 2.1x torch's int8pack and 2.3x its int4pack (hot 3072x576,
+        # one thread: int8 58 against 119 µs, int4 g32 54 against 124 µs; benchmarks/quant_kernels.py)
+        kernels = load_quant_kernels()
+        if (kernels is not None and kernels.unsupported(weight.bits, weight.group_size, weight.in_features) is None
+                and fits_float16(weight.scales) and (weight.zeros is None or fits_float16(weight.zeros))):
+            return "native"
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
-        # torch's kernels where they apply: at M=1 int8pack ran as fast as the native kernel and int4pack
-        # faster (hot 1536x576, one thread: 57 µs against 70-87 µs), see benchmarks/README.md
         if (weight.bits == 8 and weight.num_groups == 1 and weight.in_features % 16 == 0
                 and weight.is_symmetric()):
             return "int8pack"
         if weight.bits == 4 and weight.group_size in INT4PACK_GROUPS and weight.out_features % 16 == 0:
             return "int4pack"
-    if device.type == "cpu" and dtype is torch.bfloat16:
-        kernels = load_quant_kernels()
-        if (kernels is not None and kernels.unsupported(weight.bits, weight.group_size, weight.in_features) is None
-                and fits_float16(weight.scales) and (weight.zeros is None or fits_float16(weight.zeros))):
-            return "native"
     return "dequant"
 
 
@@ -301,7 +303,7 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
 
 def _kernel_weight(layer: LinearBase) -> KernelWeight:
     return KernelWeight(layer.weight, layer.weight_scale, layer.weight_zero, layer.quant_bits, layer.quant_group_size,
-                        layer.in_features)
+                        layer.in_features, layer.out_features)
 
 
 def tinygemm_scales_and_offsets(weight: GroupedIntWeight, dtype: torch.dtype) -> torch.Tensor:
