@@ -305,7 +305,7 @@ class Scheduler:
                     budget -= num_new + len(drafts)
                     index += 1
                     continue
-                seq.clear_drafts()  # no room for the lookahead: decode one token, never preempt for drafts
+                self._drop_drafts(seq)  # no room for the lookahead: decode one token, never preempt for drafts
             while not self.blocks.allocate(seq, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < index:
@@ -317,7 +317,17 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 index += 1
+        verifying = {id(item.seq) for item in out.scheduled if item.spec_token_ids}
+        for seq in self.running:  # the budget cut their drafts, or never reached them
+            if seq.spec_token_ids and id(seq) not in verifying:
+                self._drop_drafts(seq)
         return budget
+
+    def _drop_drafts(self, seq: Sequence) -> None:
+        """No verify row for `seq` this step: its drafts go, and so do the lookahead slots a draft model
+        reserved for them before the step (they would outlive it, and hold blocks others may need)."""
+        seq.clear_drafts()
+        self.blocks.free_lookahead(seq)
 
     def _drafts_to_verify(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens a decode of `seq` verifies this step: within the token budget, the model's

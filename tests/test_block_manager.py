@@ -274,10 +274,21 @@ class SchedulerBlockMachine(RuleBasedStateMachine):
             self.blocks_are_consistent()
 
     def _propose(self, data) -> None:
-        """A stand-in proposer: some decoding sequences get 1-4 draft tokens for the next step."""
+        """A stand-in proposer: some decoding sequences get 1-4 draft tokens for the next step. Some as a
+        draft model gets them: the slots its forwards write (the last token and the first k - 1 drafts)
+        reserved through the block manager first (no room: no drafts), and handed back when its round
+        yields none (a catch-up the round's budget cut, or a draft forward out of memory)."""
         for seq in self.scheduler.running:
-            if seq.num_uncomputed_tokens == 1 and data.draw(st.booleans(), label="propose"):
-                seq.spec_token_ids = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=4), label="drafts")
+            if seq.num_uncomputed_tokens != 1 or not data.draw(st.booleans(), label="propose"):
+                continue
+            drafts = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=4), label="drafts")
+            if data.draw(st.booleans(), label="draft model"):
+                if not self.bm.allocate(seq, 1, num_lookahead_tokens=len(drafts) - 1):
+                    continue
+                if data.draw(st.booleans(), label="draft round yields nothing"):
+                    self.bm.free_lookahead(seq)
+                    continue
+            seq.spec_token_ids = drafts
 
     def _forward(self, out) -> None:
         """The "forward pass": write each row's input tokens (drafts too) into its K/V slots."""

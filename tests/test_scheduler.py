@@ -367,6 +367,27 @@ def test_no_room_for_lookahead_decodes_one_token_instead_of_preempting():
     assert out.scheduled[0].spec_token_ids == [] and a.spec_token_ids == []
 
 
+def test_a_draft_models_reserved_lookahead_does_not_outlive_a_step_that_verifies_none_of_its_drafts():
+    """The draft proposer reserves its slots before the step (`allocate(seq, 1, k - 1)`); when the step's
+    budget cuts a sequence's drafts to none, or never reaches it, its drafts and those blocks go back."""
+    sched = make(budget=5, block_size=4)
+    a, b, c = decoding(sched, 3), decoding(sched, 3), decoding(sched, 3)  # 4 tokens each: one block
+    for seq in (a, b, c):
+        assert sched.blocks.allocate(seq, 1, num_lookahead_tokens=2)  # positions 3..5: a second block
+        seq.spec_token_ids = [1, 2, 3]
+    free_before = sched.blocks.num_free_blocks
+    out = sched.schedule()
+    # budget 5: a verifies its 3 drafts (the last token + 3), b decodes its one token (no budget left
+    # for a draft), c is never reached.
+    assert plan(out) == {a.seq_id: 4, b.seq_id: 1} and out.scheduled[0].spec_token_ids == [1, 2, 3]
+    assert b.spec_token_ids == c.spec_token_ids == [] and len(b.block_table) == len(c.block_table) == 1
+    assert sched.blocks.num_free_blocks == free_before + 2
+    sched.update_from_output(out, results(out, {a.seq_id: [1, 9, 0, 0], b.seq_id: [5]}))
+    for seq in (a, b, c):
+        assert len(seq.block_table) <= sched.blocks.blocks_needed(seq.num_tokens)
+    sched.blocks.check_invariants([a, b, c])
+
+
 def test_undo_returns_the_lookahead_blocks_of_a_verify_row():
     sched = make(budget=16, block_size=4)
     seq = decoding(sched, 3)
