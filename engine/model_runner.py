@@ -151,8 +151,9 @@ def quantization_label(quantization: Optional[str], mc: ModelConfig) -> Optional
 
 def model_bytes(model: torch.nn.Module) -> int:
     """What the model's tensors occupy, each storage once: parameters, buffers and the tensors a linear
-    method keeps beside them. int8 linears hold 1 byte per weight plus scales; the bf16 and fp32 CPU
-    methods hold the weight twice, plain for one row and packed for more. A packed copy's storage is
+    method keeps beside them. int8 linears hold 1 byte per weight plus scales; the AMX bf16 method holds
+    its tiles only; the oneDNN bf16 (no AMX) and fp32 CPU methods hold the weight twice, plain for one row
+    and packed for more. A packed copy's storage is
     opaque (oneDNN/MKL layout) and counts as its layer's weight (MKL's own size is its reserved
     buffer, many times the pages it touches: a 64x128 fp32 pack reports 7.9 MB and adds 0.3 MB RSS)."""
     storages: dict[tuple[str, int], int] = {}

@@ -2,7 +2,8 @@
 
 The engine runs without them (the torch paths stay correct everywhere); with them (`cpu_kernels_for`,
 handed to the model and its linear method when they are built), CPU decode attention reads the
-paged KV pool directly instead of gathering it into padded tensors. The build
+paged KV pool directly instead of gathering it into padded tensors, and bf16 linears run on AMX tiles
+where the CPU has them (`gemm_amx`, the weight in `pack_amx`'s layout). The build
 takes about a second and is cached per source, compiler and CPU (it uses `-march=native`) under
 `$LLMCTL_CACHE_DIR` or `~/.cache/llmctl`. No compiler, a failed build, a CPU without AVX-512, or
 `LLMCTL_DISABLE_CPU_KERNELS=1` means `load_cpu_kernels()` returns None and the torch path is used.
@@ -62,6 +63,11 @@ class CpuKernels:
         probe, probe_out = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
         # 0 where the CPU lacks the bf16 dot product (the library was built without it)
         self.has_gemv = bool(self._gemv(probe.data_ptr(), probe.data_ptr(), None, probe_out.data_ptr(), 1, 32, 1))
+        self._amx = library.gemm_amx_bf16
+        self._amx.argtypes = [_POINTER] * 4 + [_INT64] * 3 + [ctypes.c_int]
+        self._amx.restype = ctypes.c_int
+        # 0 without AMX tiles in the build, or where Linux refuses the tile state (older kernels, some VMs)
+        self.has_amx = self.has_gemv and bool(library.amx_enable())
         self._rotary = bind("rotary", [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -96,6 +102,33 @@ class CpuKernels:
         out = x.new_empty(1, n)
         self._gemv(weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
                    n, k, torch.get_num_threads())
+        return out
+
+    @staticmethod
+    def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+        """A bf16 weight [N, K] in `gemm_amx`'s layout: N padded to 64, K to 32, then AMX B tiles (16 pairs of
+        inputs x 16 outputs) [N / 32, K / 32, 2, 16, 16, 2], a 32-output pair's two tiles side by side."""
+        n, k = weight.shape
+        n_pad, k_pad = -(-n // 64) * 64, -(-k // 32) * 32
+        padded = torch.nn.functional.pad(weight, (0, k_pad - k, 0, n_pad - n))
+        return padded.view(n_pad // 32, 2, 16, k_pad // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+    def gemm_amx(self, packed: torch.Tensor, x: torch.Tensor, out_features: int,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [M, K] @ W.T (+ bias) in bfloat16 on AMX tiles, W given as `pack_amx(W)`. Each output element
+        depends only on its row of x (the same value whatever M is), so a verify row's linears equal
+        one-token decodes' and a row's result does not depend on the rest of its batch."""
+        m, k = x.shape if x.dim() == 2 else (0, -1)
+        n = out_features
+        if not self.has_amx or x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or not x.is_contiguous() \
+                or packed.shape != (-(-n // 64) * 2, -(-k // 32), 2, 16, 16, 2) or not packed.is_contiguous():
+            raise ValueError("gemm_amx: needs AMX, a contiguous bf16 input [M, K] and its weight from pack_amx")
+        if bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            raise ValueError("gemm_amx: the bias must be a contiguous bf16 [N]")
+        out = x.new_empty(m, n)
+        if m and not self._amx(packed.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None,
+                               out.data_ptr(), m, n, k, torch.get_num_threads()):
+            raise MemoryError("gemm_amx: no memory for the padded input")
         return out
 
     # ---- fused elementwise ops (any row count; torch's rounding in bf16) ---------------------------
