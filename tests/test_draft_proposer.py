@@ -310,6 +310,25 @@ def test_seeded_sampling_with_a_draft_is_reproducible(target, small_draft):
     assert runs[0][0].outputs[0].token_ids == runs[1][0].outputs[0].token_ids
 
 
+def test_a_draft_that_accepts_too_little_is_switched_off_for_that_request(target, small_draft):
+    """An unrelated draft (other random weights: its greedy guesses almost never match) drafts for each
+    sequence's first WINDOW verify rows only, then that sequence decodes without drafts; the model as
+    its own draft (every draft accepted) keeps drafting to the end."""
+    from llmctl.engine.ngram_proposer import WINDOW
+
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [20, 21, 22]]
+    for draft, switched_off in ((small_draft, True), (target, False)):
+        llm = LLM(str(target), dtype="float32", max_model_len=128, max_num_seqs=4, num_threads=1,
+                  speculative_config=_spec(draft, 3))
+        counts = [o.metrics.spec_decode for o in llm.generate(prompts, params)]
+        if switched_off:
+            assert all(c.num_drafts == WINDOW for c in counts), counts
+            assert all(c.num_accepted_tokens < 0.2 * c.num_draft_tokens for c in counts)
+        else:
+            assert all(c.num_drafts > WINDOW and c.num_accepted_tokens == c.num_draft_tokens for c in counts)
+
+
 def test_no_drafts_above_the_batch_size_gate(target, small_draft):
     engine = LLMEngine(EngineArgs(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=4,
                                   speculative_config=_spec(small_draft, 3, disable_by_batch_size=1)))
