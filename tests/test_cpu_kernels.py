@@ -51,7 +51,7 @@ def random_case(seed, dtype, seqs, kv_heads, group, dim, block_size, max_len):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seqs=st.integers(1, 9), kv_heads=st.integers(1, 4), group=st.sampled_from([1, 2, 3, 4, 8, 16]),
-       dim=st.sampled_from([32, 64, 128]), block_size=st.sampled_from([1, 8, 16, 32]),
+       dim=st.sampled_from([16, 32, 48, 64, 128]), block_size=st.sampled_from([1, 8, 16, 32]),
        max_len=st.integers(1, 300), window=st.sampled_from([None, 1, 7, 64]))
 def test_paged_decode_attention_matches_the_reference(seed, dtype, seqs, kv_heads, group, dim, block_size, max_len,
                                                       window):
@@ -135,7 +135,8 @@ def test_bad_arguments_are_refused_before_any_pointer_is_used(change, message):
 
 @needs_kernels
 def test_unsupported_head_dim_is_reported_not_run():
-    assert not KERNELS.supports_decode(torch.float32, 4, 2, 16)
+    assert not KERNELS.supports_decode(torch.float32, 4, 2, 24)
+    assert KERNELS.supports_decode(torch.float32, 4, 2, 16)
     assert not KERNELS.supports_decode(torch.float16, 4, 2, 64)
     assert not KERNELS.supports_decode(torch.float32, 64, 2, 64)  # a group of 32 queries per KV head
     assert KERNELS.supports_decode(torch.bfloat16, 9, 3, 64)

@@ -171,7 +171,7 @@ class CpuKernels:
                               tables[1].data_ptr(), torch.get_num_threads())
 
     def supports_decode(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return dtype in self._paged and head_dim % 32 == 0 and num_heads // num_kv_heads <= self.max_group
+        return dtype in self._paged and head_dim % 16 == 0 and num_heads // num_kv_heads <= self.max_group
 
     def paged_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,

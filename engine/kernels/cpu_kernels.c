@@ -128,8 +128,12 @@ INLINE void score_block(const void *q, int64_t q_offset, const void *k_pool, con
 #if defined(__AVX512BF16__)
         if (bf16) { /* bf16 pair products summed in float32, without widening the key row */
             const uint16_t *qg = (const uint16_t *)q + q_offset, *k = (const uint16_t *)k_pool + rows[i];
-            for (int64_t d = 0; d < head_dim; d += 32)
+            int64_t d = 0;
+            for (; d + 32 <= head_dim; d += 32)
                 acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(qg + d), (__m512bh)_mm512_loadu_si512(k + d));
+            if (d < head_dim) /* the last 16 of a head_dim = 16 (mod 32): zero pairs add +0 */
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(0xffff, qg + d),
+                                          (__m512bh)_mm512_maskz_loadu_epi16(0xffff, k + d));
             continue;
         }
 #endif
@@ -144,12 +148,12 @@ INLINE void score_block(const void *q, int64_t q_offset, const void *k_pool, con
 
 /* acc[c] += p_c[t] * V[t][d .. d + 32) for t in [from, to), each query c only over its keys [lo[c], hi[c])
  * (`masked`; else all of them see every key): in ascending t, one fused multiply-add per key, whichever
- * other queries share the pass. */
-INLINE void weigh_values(__m512 *acc, const void *v_pool, const int64_t *rows, int64_t d, const float *const *p,
-                         const int64_t *lo, const int64_t *hi, int64_t from, int64_t to, const int count,
-                         const int masked, const int bf16) {
+ * other queries share the pass. `upper` is 0 where the row ends at d + 16 (head_dim = 16 mod 32). */
+INLINE void weigh_values(__m512 *acc, const void *v_pool, const int64_t *rows, int64_t d, __mmask16 upper,
+                         const float *const *p, const int64_t *lo, const int64_t *hi, int64_t from, int64_t to,
+                         const int count, const int masked, const int bf16) {
     for (int64_t t = from; t < to; t++) {
-        const __m512 v0 = load16(v_pool, rows[t] + d, bf16), v1 = load16(v_pool, rows[t] + d + 16, bf16);
+        const __m512 v0 = load16(v_pool, rows[t] + d, bf16), v1 = load16m(v_pool, rows[t] + d + 16, upper, bf16);
         for (int c = 0; c < count; c++) {
             const __m512 weight = _mm512_set1_ps(p[c][t]);
             const __mmask16 live = !masked || (t >= lo[c] && t < hi[c]) ? 0xffff : 0;
@@ -172,15 +176,16 @@ INLINE void attend_values(const void *v_pool, const int64_t *rows, int64_t head_
     }
     if (common_to < common_from) common_to = common_from = last;
     for (int64_t d = 0; d < head_dim; d += 32) {
+        const __mmask16 upper = d + 32 <= head_dim ? 0xffff : 0;
         __m512 acc[2 * V_QUERIES];
         for (int c = 0; c < 2 * count; c++) acc[c] = _mm512_setzero_ps();
-        weigh_values(acc, v_pool, rows, d, p, lo, hi, first, common_from, count, 1, bf16);
-        weigh_values(acc, v_pool, rows, d, p, lo, hi, common_from, common_to, count, 0, bf16);
-        weigh_values(acc, v_pool, rows, d, p, lo, hi, common_to, last, count, 1, bf16);
+        weigh_values(acc, v_pool, rows, d, upper, p, lo, hi, first, common_from, count, 1, bf16);
+        weigh_values(acc, v_pool, rows, d, upper, p, lo, hi, common_from, common_to, count, 0, bf16);
+        weigh_values(acc, v_pool, rows, d, upper, p, lo, hi, common_to, last, count, 1, bf16);
         for (int c = 0; c < count; c++) {
             const __m512 scale = _mm512_set1_ps(inverse[c]);
             store16(out, out_offsets[c] + d, _mm512_mul_ps(acc[2 * c], scale), bf16);
-            store16(out, out_offsets[c] + d + 16, _mm512_mul_ps(acc[2 * c + 1], scale), bf16);
+            store16m(out, out_offsets[c] + d + 16, _mm512_mul_ps(acc[2 * c + 1], scale), upper, bf16);
         }
     }
 }
@@ -201,7 +206,7 @@ INLINE void attend_values_of(const void *v_pool, const int64_t *rows, int64_t he
 /* Paged attention straight from the pool for rows of a few query tokens (decodes, speculative verify
  * rows, short prefill chunks), each query computed exactly as a one-token decode at its position.
  *   q       [tokens, num_heads, head_dim], token rows `q_stride` elements apart (a view into a fused qkv
- *           output needs no copy; head_dim % 32 == 0, num_heads / num_kv_heads <= 16)
+ *           output needs no copy; head_dim % 16 == 0, num_heads / num_kv_heads <= 16)
  *   k_pool, v_pool  [num_kv_heads, num_blocks, block_size, head_dim] (the torch backend's layout;
  *           block_size a power of two)
  *   tables  [num_rows, table_stride] block ids;  lens [num_rows] context lengths (new tokens included)
