@@ -11,6 +11,7 @@ import torch
 from conftest import skip_unless_native_decode
 
 from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.layers.linear import AMXLinearMethod
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (1, 7, 16, 33, 64, 150, 220, 300)
@@ -181,3 +182,54 @@ def test_greedy_tokens_are_identical_with_and_without_ngram_speculation(tiny_mod
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # rollbacks ran
+
+
+
+BF16_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+class LogitsByPrefix:
+    """Each sampled position's logits, keyed by the output tokens before it (a verify row's positions
+    see its drafts as output already)."""
+
+    def __init__(self):
+        self.seen: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, output_ids, logits):
+        self.seen[tuple(output_ids)] = logits.detach().clone()
+        return logits
+
+
+@pytest.mark.parametrize("model", ["embedded", "llama", "mistral", "qwen2", "qwen3"])
+def test_bfloat16_greedy_speculation_gives_the_decodes_logits_bitwise(tiny_models, model):
+    """bf16 on CPU, where a verify row's values are exactly its one-token decodes': its linears run the
+    AMX kernel (each output row independent of the others) and its attention the native kernel (bitwise the
+    one-token decode at each position), so every position's logits equal plain decoding's bit for bit and
+    speculation changes no greedy token, near ties included. One request at a time, so each prompt's
+    prefill is the same chunk with and without speculation: a longer row's SDPA rounds by its chunking (in
+    a mixed batch with chunked prefill and preemption, bf16 tokens diverge at a near tie; with every row on
+    the native kernel they do not)."""
+    folder = None if model == "embedded" else str(tiny_models[model])
+    vocab = 2048 if model == "embedded" else 512
+    rng = random.Random(7)
+    phrases = [[rng.randrange(vocab) for _ in range(8)] for _ in range(3)]
+    prompts = [phrases[0] * 4, phrases[1] * 2 + phrases[2], [rng.randrange(vocab) for _ in range(30)]]
+    runs = {}
+    for name, extra in (("plain", {}), ("ngram", {"speculative_config": BF16_NGRAM})):
+        llm = LLM(folder, skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_num_seqs=1,
+                  max_model_len=256, **extra)
+        skip_unless_native_decode(llm)
+        layer = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        if not isinstance(layer.method, AMXLinearMethod):  # oneDNN rounds a row by the rows beside it
+            pytest.skip("bf16 linears are not the AMX kernel here (no AMX)")
+        recorders = [LogitsByPrefix() for _ in prompts]
+        params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logits_processors=[r])
+                  for r in recorders]
+        outputs = llm.generate(prompts, params)
+        runs[name] = ([o.outputs[0].token_ids for o in outputs], recorders, llm.engine.get_stats())
+    (want, plain, _), (got, spec, stats) = runs["plain"], runs["ngram"]
+    assert got == want
+    for prompt, expected, ours in zip(prompts, plain, spec):
+        for prefix, logits in expected.seen.items():
+            assert torch.equal(ours.seen[prefix], logits), f"{len(prompt)}-token prompt, position {len(prefix)}"
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # rollbacks ran
