@@ -54,9 +54,13 @@ def make_engine(speculative: Optional[dict], num_threads: Optional[int], max_num
                **({"speculative_config": speculative} if speculative else {}))
 
 
-def rewrite_prompts(llm: LLM, count: int, passage_tokens: int) -> list[list[int]]:
+def rewrite_prompts(num_threads: Optional[int], count: int, passage_tokens: int) -> list[list[int]]:
     """`count` prompts (speaker lines cycled): the line, the model's greedy continuation of it, the line
-    again (token ids, so the passage is exactly the tokens the model wrote)."""
+    again (token ids, so the passage is exactly the tokens the model wrote). Written by an engine of its own:
+    in a measured engine its prefix cache would then hold the passage's K/V from one-token decodes, which
+    differ in bf16 from the other engine's prefill of the same tokens, and the outputs compared would not
+    start from the same state."""
+    llm = make_engine(None, num_threads)
     lines = [llm.engine.tokenizer.encode(s) for s in SPEAKERS[:count]]
     greedy = SamplingParams(temperature=0.0, max_tokens=passage_tokens, ignore_eos=True)
     passages = [o.outputs[0].token_ids for o in llm.generate(lines, greedy)]
@@ -110,7 +114,7 @@ def ngram_rows(args) -> list[dict]:
     engines = {"no speculation": make_engine(None, args.num_threads),
                "n-gram": make_engine(ngram_config(args.k), args.num_threads)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    workloads = {"rewrite": rewrite_prompts(engines["no speculation"], args.prompts, args.passage_tokens),
+    workloads = {"rewrite": rewrite_prompts(args.num_threads, args.prompts, args.passage_tokens),
                  "repeat": [PASSAGE * 3]}
     rows = []
     for workload, prompts in workloads.items():
@@ -144,7 +148,7 @@ def batched_rows(args) -> list[dict]:
                f"n-gram forced on (disable_by_batch_size {args.batch})": ngram_config(
                    args.k, disable_by_batch_size=args.batch)}
     engines = {name: make_engine(c, args.num_threads, max_num_seqs=args.batch) for name, c in configs.items()}
-    prompts = rewrite_prompts(engines["no speculation"], args.batch, args.passage_tokens)
+    prompts = rewrite_prompts(args.num_threads, args.batch, args.passage_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     result = measure(engines, prompts, params, args.repeats)
     return [{"batch": len(prompts), "k": args.k, **summary(result, name, "no speculation", True, args.repeats)}
