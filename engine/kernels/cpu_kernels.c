@@ -461,7 +461,10 @@ INLINE void store_tile(const float *scratch, const void *bias, void *y, int64_t 
     }
 }
 
-/* Up to 16 rows: one A tile of m rows against a 64-output group's four B tiles per step. */
+/* Up to 16 rows: one A tile of m rows against a 64-output group's four B tiles per step. The weight
+ * streams from DRAM here (decode): its tiles two steps ahead are prefetched (cold, one thread, M = 1:
+ * gate_up 242 -> 228 us, qkv 80 -> 76 us, lm_head 3605 -> 3452 us; 4 or 8 steps no better). */
+#define AMX_PREFETCH_STEPS 2
 INLINE void amx_few_rows(const uint16_t *a, const uint16_t *w, const void *bias, void *y, int64_t m, int64_t n,
                          int64_t kp, int num_threads) {
     const int64_t steps = kp / 32, groups = (n + 63) / 64;
@@ -484,6 +487,11 @@ INLINE void amx_few_rows(const uint16_t *a, const uint16_t *w, const void *bias,
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t s = 0; s < steps; s++) {
+                if (s + AMX_PREFETCH_STEPS < steps)
+                    for (int line = 0; line < 1024; line += 32) {
+                        _mm_prefetch((const char *)(low + (s + AMX_PREFETCH_STEPS) * 1024 + line), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(high + (s + AMX_PREFETCH_STEPS) * 1024 + line), _MM_HINT_T0);
+                    }
                 _tile_loadd(4, a + s * 32, kp * 2);
                 _tile_loadd(6, low + s * 1024, 64);
                 _tile_loadd(7, low + s * 1024 + 512, 64);
