@@ -6,7 +6,7 @@ host's descheduling is not counted; with `--threads 2` the second OpenMP thread'
 figure (use one thread to compare kernels). "hot" reuses one weight (it stays in L2/L3); "cold" rotates
 through copies totalling `--cold-mib` so every call streams its weight from memory.
 
-    python benchmarks/quant_kernels.py                       # SmolLM-135M shapes, rows 1, 2, 4, 5, 8
+    python benchmarks/quant_kernels.py                       # SmolLM-135M shapes, rows 1, 2, 4, 5, 8 (~15 min)
     python benchmarks/quant_kernels.py --quick               # one shape, hot only (a smoke run)
     python benchmarks/quant_kernels.py --cold-mib 1024 --json kernels.json
 """
@@ -59,6 +59,9 @@ def best_us(calls, repeats: int, per_block: int) -> float:
 def measure(shape, scheme, rows_list, args, kernels) -> list[dict]:
     out_features, in_features = shape
     bits, group, symmetric = SCHEMES[scheme]
+    if group and in_features % group:
+        print(f"| {out_features}x{in_features} | {scheme} | - | groups of {group} do not divide {in_features} inputs |")
+        return []
     generator = torch.Generator().manual_seed(0)
     dense = torch.randn(out_features, in_features, generator=generator) * 0.05
     weight = GroupedIntWeight.quantize(dense, bits, group or in_features, symmetric)

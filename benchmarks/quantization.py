@@ -50,11 +50,11 @@ def stored_bytes_per_token(scheme: str) -> int:
         weights = out_features * in_features
         if scheme == "bf16":
             total += 2 * weights
-        elif scheme == "int8":  # int8pack: a byte a weight, one bf16 scale a row
+        elif scheme == "int8":  # the native layout: a byte a weight, one float16 scale a row
             total += weights + 2 * out_features
-        else:  # int4pack: half a byte a weight, a bf16 scale and offset a group
+        else:  # the native layout: half a byte a weight, a float16 scale (and zero point: -asym) a group
             group = 128 if scheme in ("int4", "int4-asym") else int(re.search(r"g(\d+)", scheme).group(1))
-            total += weights // 2 + 4 * weights // group
+            total += weights // 2 + (4 if scheme.endswith("-asym") else 2) * weights // group
     return total
 
 

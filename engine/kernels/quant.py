@@ -48,6 +48,22 @@ class KernelWeight:
     in_features: int
     out_features: int
 
+    def __post_init__(self) -> None:
+        """Checked once here (the dataclass is frozen), so a call checks only its activations."""
+        blocks, k = -(-self.out_features // BLOCK), self.in_features
+        groups = (blocks, k // self.group_size, BLOCK)
+        expected_codes = (blocks, k // STEP[self.bits], CHUNK)
+        if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != expected_codes \
+                or not self.codes.is_contiguous() or self.codes.device.type != "cpu":
+            raise ValueError(f"quant gemv: codes must be contiguous uint8 {expected_codes} CPU tensors")
+        for name, tensor in (("scales", self.scales), ("zeros", self.zeros)):
+            if tensor is not None and (tensor.dtype != torch.float16 or tuple(tensor.shape) != groups
+                                       or not tensor.is_contiguous() or tensor.device.type != "cpu"):
+                raise ValueError(f"quant gemv: {name} must be contiguous float16 {groups} CPU tensors")
+        # the kernel's weight arguments (the tensors above keep the memory alive)
+        object.__setattr__(self, "arguments", (self.codes.data_ptr(), self.scales.data_ptr(),
+                                               None if self.zeros is None else self.zeros.data_ptr(), self.bits))
+
 
 class QuantKernels:
     """Typed entry point of the built library; shapes and dtypes are checked before any pointer is passed."""
@@ -90,16 +106,13 @@ class QuantKernels:
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError(f"quant gemv: the input must be a contiguous bf16 [m, {k}] CPU tensor, got "
                              f"{x.dtype} {tuple(x.shape)}")
-        self._check_weight(weight)
         if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
             raise ValueError(f"quant gemv: the bias must be a contiguous bf16 [{n}]")
         out = x.new_empty(x.shape[0], n)
         if x.shape[0] == 0:
             return out
-        done = self._gemv(weight.codes.data_ptr(), weight.scales.data_ptr(),
-                          weight.zeros.data_ptr() if weight.zeros is not None else None, weight.bits, x.data_ptr(),
-                          bias.data_ptr() if bias is not None else None, out.data_ptr(), x.shape[0], n, k,
-                          weight.group_size, torch.get_num_threads())
+        done = self._gemv(*weight.arguments, x.data_ptr(), bias.data_ptr() if bias is not None else None,
+                          out.data_ptr(), x.shape[0], n, k, weight.group_size, torch.get_num_threads())
         if not done:
             raise ValueError(f"quant gemv: the kernel refused {weight.bits}-bit weights [{n}, {k}] in groups of "
                              f"{weight.group_size}")
@@ -107,29 +120,12 @@ class QuantKernels:
 
     def dequantize(self, weight: KernelWeight) -> torch.Tensor:
         """The bf16 weight [n, k] (for many rows: one GEMM on it is faster than the GEMV)."""
-        self._check_weight(weight)
         n, k = weight.out_features, weight.in_features
         out = torch.empty(n, k, dtype=torch.bfloat16)
-        if not self._dequantize(weight.codes.data_ptr(), weight.scales.data_ptr(),
-                                weight.zeros.data_ptr() if weight.zeros is not None else None, weight.bits,
-                                out.data_ptr(), n, k, weight.group_size, torch.get_num_threads()):
+        if not self._dequantize(*weight.arguments, out.data_ptr(), n, k, weight.group_size, torch.get_num_threads()):
             raise ValueError(f"quant dequantize: the kernel refused {weight.bits}-bit weights [{n}, {k}] in groups of "
                              f"{weight.group_size}")
         return out
-
-    @staticmethod
-    def _check_weight(weight: KernelWeight) -> None:
-        blocks, k = -(-weight.out_features // BLOCK), weight.in_features
-        groups = (blocks, k // weight.group_size, BLOCK)
-        expected_codes = (blocks, k // STEP[weight.bits], CHUNK)
-        if weight.codes.dtype != torch.uint8 or tuple(weight.codes.shape) != expected_codes \
-                or not weight.codes.is_contiguous():
-            raise ValueError(f"quant gemv: codes must be contiguous uint8 {expected_codes}")
-        for name, tensor in (("scales", weight.scales), ("zeros", weight.zeros)):
-            if tensor is not None and (tensor.dtype != torch.float16 or tuple(tensor.shape) != groups
-                                       or not tensor.is_contiguous()):
-                raise ValueError(f"quant gemv: {name} must be contiguous float16 {groups}")
-
 
 def _padded_rows(values: torch.Tensor) -> torch.Tensor:
     """[n, ...] -> [blocks * 16, ...], the added rows zero (scale 0: they compute 0 and are never stored)."""

@@ -290,6 +290,11 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
         _register(layer, "weight_scale", packed.scales)
         _register(layer, "weight_zero", packed.zeros)
         layer.quant_kernels = load_quant_kernels()
+        # built once (its checks and pointers) on the registered parameters' storage, which its detached
+        # tensors keep alive even if a parameter's data were replaced later
+        zero = None if layer.weight_zero is None else layer.weight_zero.detach()
+        layer.kernel_weight = KernelWeight(layer.weight.detach(), layer.weight_scale.detach(), zero, weight.bits,
+                                           weight.group_size, weight.in_features, weight.out_features)
     elif layout in CUDA_LAYOUTS:
         for name, tensor in install_cuda_layout(layer, weight, layout, dtype,
                                                 tinygemm_scales_and_offsets(weight, dtype)).items():
@@ -299,11 +304,6 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
         _register(layer, "weight_scale", weight.scales)
         _register(layer, "weight_zero", None if weight.zeros is None else weight.zeros.float())
     return layout
-
-
-def _kernel_weight(layer: LinearBase) -> KernelWeight:
-    return KernelWeight(layer.weight, layer.weight_scale, layer.weight_zero, layer.quant_bits, layer.quant_group_size,
-                        layer.in_features, layer.out_features)
 
 
 def tinygemm_scales_and_offsets(weight: GroupedIntWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -334,10 +334,10 @@ def apply_grouped_weight(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         out = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), layer.weight, layer.quant_group_size,
                                                 layer.weight_scales_and_zeros)
     elif layout == "native" and rows.shape[0] < NATIVE_MAX_ROWS:
-        return layer.quant_kernels.gemv(_kernel_weight(layer), rows.contiguous(), layer.bias).reshape(
+        return layer.quant_kernels.gemv(layer.kernel_weight, rows.contiguous(), layer.bias).reshape(
             *x.shape[:-1], layer.out_features)
     elif layout == "native":
-        out = F.linear(rows.contiguous(), layer.quant_kernels.dequantize(_kernel_weight(layer)))
+        out = F.linear(rows.contiguous(), layer.quant_kernels.dequantize(layer.kernel_weight))
     elif layout in CUDA_LAYOUTS:
         out = apply_cuda_layout(layer, rows)
     else:
