@@ -1,8 +1,8 @@
 """Native CPU kernels (`cpu_kernels.c`), built on first use with the host's C compiler.
 
 The engine runs without them (the torch paths stay correct everywhere); with them (`cpu_kernels_for`,
-handed to the model and its linear method when they are built), CPU decode attention reads the
-paged KV pool directly instead of gathering it into padded tensors, and bf16 linears run on AMX tiles
+handed to the model and its linear method when they are built), CPU attention for decodes and short
+rows (speculative verify rows) reads the paged KV pool directly instead of gathering it, and bf16 linears run on AMX tiles
 where the CPU has them (`gemm_amx`, the weight in `pack_amx`'s layout). The build
 takes about a second and is cached per source, compiler and CPU (it uses `-march=native`) under
 `$LLMCTL_CACHE_DIR` or `~/.cache/llmctl`. No compiler, a failed build, a CPU without AVX-512, or

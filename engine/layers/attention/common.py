@@ -21,8 +21,9 @@ class CommonAttentionMetadata:
     A row is one sequence's query tokens this step: `query_lens[i]` new tokens on top of
     `context_lens[i] - query_lens[i]` already in the pool, so row i attends to `context_lens[i]` keys.
     A row of several query tokens on an existing context (a prefill chunk after a cached prefix, or a
-    speculative verify row of k+1 tokens) takes the prefill-with-context path of every backend; the
-    decode fast paths (native decode kernel, kept decode K/V, CUDA graphs) serve only 1-token rows.
+    speculative verify row of k+1 tokens) takes the prefill-with-context path of a backend, except that
+    the native CPU attention kernel takes every short row (decodes and verify rows alike); the other
+    decode fast paths (kept decode K/V, CUDA graphs) serve only 1-token rows.
     """
 
     seq_ids: list[int]
