@@ -198,6 +198,7 @@ class ModelRunner:
         # budget applies), capture the decode graphs within that budget, then size the KV pool from what is
         # left and allocate it. The profile peak and the graphs' memory both come out of
         # --gpu-memory-utilization, and nothing runs before the pieces it reads exist.
+        self.native_decode = None  # set once the KV pool exists
         self.memory = device_memory(self.device) if config.num_kv_blocks is None else None
         peak = self._profile_peak() if self.memory is not None else 0
         # Decode graphs capture no collectives yet: with several ranks every step runs eagerly.
@@ -207,6 +208,11 @@ class ModelRunner:
             self._capture_graphs(self.graphs, peak)
         self.num_blocks = self._plan_num_blocks(peak)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # CPU batch-1 decode: the whole step in one native call where the model's kernels allow it and the
+        # attention backend's one-token rows are the native decode kernel on its head-major pool (the Python
+        # between ~15 kernel calls per layer was ~20% of a step; benchmarks/decode_overhead.py).
+        if kernels is not None and getattr(self.attention, "decode_kernel", None) is kernels:
+            self.native_decode = self.model.native_decode_step(kernels, self.kv_caches)
         # Kept decode K/V may hold the backend's workspace_share of the pool's size again (on CPU at least
         # 1 GiB; on CUDA that share is reserved out of --gpu-memory-utilization by _plan_num_blocks).
         bytes_per_token = self.bytes_per_block // self.block_size
@@ -400,6 +406,10 @@ class ModelRunner:
         return logits[[index[id(item)] for item in scheduled if item.num_samples]]
 
     def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]) -> torch.Tensor:
+        if (self.native_decode is not None and kv_caches is self.kv_caches and inputs.query_lens == [1]
+                and inputs.logits_indices.shape == (1,)):
+            return self.native_decode(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables[0],
+                                      inputs.context_lens[0])
         batch = inputs.attention_batch(self.block_size)
         meta = self.attention.build_metadata(batch)
         if graphs is not None and graphs.can_run(batch):

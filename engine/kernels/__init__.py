@@ -69,6 +69,9 @@ class CpuKernels:
         # 0 without AMX tiles in the build, or where Linux refuses the tile state (older kernels, some VMs)
         self.has_amx = self.has_gemv and bool(library.amx_enable())
         self._rotary = bind("rotary", [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+        self._decode_stack = library.decode_stack_bf16
+        self._decode_stack.argtypes = [_POINTER] * 12 + [_INT64, ctypes.c_float, ctypes.c_float, _POINTER, ctypes.c_int]
+        self._decode_stack.restype = ctypes.c_int
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -262,6 +265,23 @@ class CpuKernels:
                 head_dim, num_blocks, block_size, scale, window or 0, torch.get_num_threads())
         return out
 
+    def decode_stack(self, layers: list[dict[str, Optional[torch.Tensor]]], embedding: torch.Tensor,
+                     final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                     linear_kind: str, lm_head_kind: str, num_heads: int, num_kv_heads: int, intermediate: int,
+                     eps: float, scale: float, window: Optional[int]) -> Optional["DecodeStack"]:
+        """The whole batch-1 decode step of a Llama-family model as one native call (`DecodeStack`), or None
+        where this CPU lacks a linear kind's kernel. `layers`: per decoder layer the tensors named in
+        `DecodeStack.LAYER_FIELDS` (biases may be None): bf16 norm weights, each linear's weight operand for
+        its kind (`"gemv"`: the plain [out, in] weight; `"amx"`: its `pack_amx` tiles; the decoder linears share
+        `linear_kind`, the lm_head has `lm_head_kind`) and the layer's K and V pools [kv_heads, blocks,
+        block_size, head_dim]; `cos`/`sin`: RoPE tables [positions, head_dim / 2]."""
+        available = {"gemv": self.has_gemv, "amx": self.has_amx}
+        if not (available.get(linear_kind) and available.get(lm_head_kind)):
+            return None
+        return DecodeStack(self._decode_stack, layers, embedding, final_norm, lm_head, cos, sin,
+                           linear_kind=linear_kind, lm_head_kind=lm_head_kind, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads, intermediate=intermediate, eps=eps, scale=scale, window=window)
+
 
 @dataclass(frozen=True)
 class PagedRows:
@@ -274,6 +294,104 @@ class PagedRows:
     query_lens: Optional[torch.Tensor]
     num_tokens: int  # q must hold at least this many tokens
     highest_block: int  # the pool must hold more blocks than this
+
+
+class DecodeStack:
+    """`decode_stack_bf16` bound to one model's operands, checked once here: each call passes only the step's
+    token, position, slot and block table. It calls the kernels the model's forward calls, on the same
+    operands, so its logits are bitwise that forward's; what it saves is the Python between them (thread CPU
+    time per batch-1 step, SmolLM-135M shape, one thread, in benchmarks/decode_overhead.py)."""
+
+    LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
+                    "down_bias", "k_pool", "v_pool")
+    BIASES = frozenset({"qkv_bias", "o_bias", "gate_up_bias", "down_bias"})
+
+    KINDS = {"gemv": 0, "amx": 1}  # STACK_GEMV, STACK_AMX in the C source
+
+    def __init__(self, function, layers: list[dict[str, Optional[torch.Tensor]]], embedding: torch.Tensor,
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 linear_kind: str, lm_head_kind: str, num_heads: int, num_kv_heads: int, intermediate: int,
+                 eps: float, scale: float, window: Optional[int]):
+        vocab, hidden = embedding.shape
+        kv_heads, num_blocks, block_size, head_dim = layers[0]["k_pool"].shape
+        qkv_rows = (num_heads + 2 * num_kv_heads) * head_dim
+
+        def shape(out_features: int, in_features: int) -> tuple[int, ...]:
+            return _linear_operand_shape(linear_kind, out_features, in_features)
+
+        expected = {"input_norm": (hidden,), "qkv": shape(qkv_rows, hidden), "qkv_bias": (qkv_rows,),
+                    "o": shape(hidden, num_heads * head_dim), "o_bias": (hidden,), "post_norm": (hidden,),
+                    "gate_up": shape(2 * intermediate, hidden), "gate_up_bias": (2 * intermediate,),
+                    "down": shape(hidden, intermediate), "down_bias": (hidden,),
+                    "k_pool": (num_kv_heads, num_blocks, block_size, head_dim)}
+        expected["v_pool"] = expected["k_pool"]
+        if kv_heads != num_kv_heads or head_dim % 32 or num_heads % num_kv_heads \
+                or num_heads // num_kv_heads > CpuKernels.max_group or block_size & (block_size - 1):
+            raise ValueError("decode_stack: heads, head_dim or block size the decode kernel does not take")
+        addresses = []
+        for layer in layers:
+            if set(layer) != set(self.LAYER_FIELDS):
+                raise ValueError(f"decode_stack: a layer needs exactly {', '.join(self.LAYER_FIELDS)}")
+            for name in self.LAYER_FIELDS:
+                tensor = layer[name]
+                if tensor is None and name in self.BIASES:
+                    addresses.append(0)
+                    continue
+                _check_operand(f"decode_stack: {name}", tensor, expected[name])
+                addresses.append(tensor.data_ptr())
+        _check_operand("decode_stack: the embedding", embedding, (vocab, hidden))
+        _check_operand("decode_stack: the final norm", final_norm, (hidden,))
+        _check_operand("decode_stack: the lm_head", lm_head, _linear_operand_shape(lm_head_kind, vocab, hidden))
+        for table in (cos, sin):
+            _check_operand("decode_stack: a RoPE table", table, (cos.shape[0], head_dim // 2))
+        self._function = function
+        self._operands = (layers, embedding, final_norm, lm_head, cos, sin)  # alive while their addresses are used
+        self.vocab, self.positions, self.pool_slots, self.num_blocks = vocab, cos.shape[0], num_blocks * block_size, num_blocks
+        self.block_size = block_size
+        self._layers = torch.tensor(addresses, dtype=torch.int64)
+        self._sizes = torch.tensor([len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab,
+                                    num_blocks, block_size, window or 0, self.KINDS[linear_kind],
+                                    self.KINDS[lm_head_kind]], dtype=torch.int64)
+        sizes = (hidden, hidden, hidden, qkv_rows, num_heads * head_dim, 2 * intermediate, intermediate, vocab)
+        self._scratch = [torch.empty(size, dtype=torch.bfloat16) for size in sizes]
+        self._scratch_addresses = (ctypes.c_void_p * len(sizes))(*(t.data_ptr() for t in self._scratch))
+        self._fixed = (self._layers.data_ptr(), self._sizes.data_ptr(), self._scratch_addresses, embedding.data_ptr(),
+                       final_norm.data_ptr(), lm_head.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        self._eps, self._scale = eps, scale
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_table: list[int], context_len: int) -> torch.Tensor:
+        """Float32 logits [1, vocab] after the one new token `input_ids` [1] at `positions` [1] (int64, its
+        K/V written at `slot_mapping` [1]), on a context of `context_len` keys in `block_table`'s blocks."""
+        for tensor in (input_ids, positions, slot_mapping):
+            if tensor.dtype != torch.int64 or tensor.shape != (1,):
+                raise ValueError("decode_stack: token, position and slot must be int64 [1]")
+        blocks = -(-context_len // self.block_size)
+        if not (0 <= int(input_ids[0]) < self.vocab and 0 <= int(positions[0]) < self.positions
+                and 0 <= int(slot_mapping[0]) < self.pool_slots and 0 < blocks <= len(block_table)
+                and 0 <= min(block_table[:blocks]) and max(block_table[:blocks]) < self.num_blocks):
+            raise ValueError("decode_stack: a token, position, slot or block id lies outside its table")
+        table = torch.tensor(block_table[:blocks], dtype=torch.int64)
+        logits = torch.empty(1, self.vocab, dtype=torch.float32)
+        if not self._function(*self._fixed, input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
+                              table.data_ptr(), context_len, self._eps, self._scale, logits.data_ptr(),
+                              torch.get_num_threads()):
+            raise MemoryError("decode_stack: no memory for gemm_amx's padded input")
+        return logits
+
+
+def _linear_operand_shape(kind: str, out_features: int, in_features: int) -> tuple[int, ...]:
+    """The shape of a linear's weight operand for a `DecodeStack` kind: plain, or `CpuKernels.pack_amx`'s tiles."""
+    if kind == "amx":
+        return (-(-out_features // 64) * 2, -(-in_features // 32), 2, 16, 16, 2)
+    return (out_features, in_features)
+
+
+def _check_operand(what: str, tensor: Optional[torch.Tensor], shape: tuple[int, ...]) -> None:
+    if tensor is None or tensor.dtype != torch.bfloat16 or tuple(tensor.shape) != shape or not tensor.is_contiguous() \
+            or tensor.device.type != "cpu":
+        got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
+        raise ValueError(f"{what} must be a contiguous bfloat16 CPU tensor {shape}, got {got}")
 
 
 def _check_rows(name: str, x: torch.Tensor, width: int, functions: dict) -> None:

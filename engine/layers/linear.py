@@ -177,6 +177,12 @@ class LinearMethod:
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def native_row_operands(self, layer: "LinearBase") -> Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        """(kernel, weight operand, bias) where this method's forward of one row is a native CPU kernel on them
+        (`"gemv"`: `gemv_bf16` on the plain weight, `"amx"`: `gemm_amx_bf16` on its tiles), so the native decode
+        step can call it directly; None otherwise."""
+        return None
+
     def tie_weight(self, layer: "LinearBase", weight: nn.Parameter) -> None:
         """Share `weight` [out, in] (tied embeddings) instead of a weight of the layer's own."""
         raise ModelLoadError(f"{type(self).__name__} cannot share the embedding weight (tie_word_embeddings)")
@@ -230,6 +236,9 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
             return out if layer.bias is None else out + layer.bias
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
+    def native_row_operands(self, layer: "LinearBase") -> Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        return ("gemv", layer.weight, layer.bias) if self.gemv is not None and layer.weight.is_contiguous() else None
+
 
 class AMXLinearMethod(UnquantizedLinearMethod):
     """bfloat16 on CPUs with AMX tiles: each weight held once, in the native AMX kernel's tile layout
@@ -260,6 +269,9 @@ class AMXLinearMethod(UnquantizedLinearMethod):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = self.kernels.gemm_amx(layer.amx_tiles, rows, layer.out_features, layer.bias)
         return out.view(*x.shape[:-1], layer.out_features)
+
+    def native_row_operands(self, layer: "LinearBase") -> Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        return "amx", layer.amx_tiles, layer.bias
 
 
 class MKLLinearMethod(UnquantizedLinearMethod):

@@ -182,6 +182,45 @@ class LlamaForCausalLM(nn.Module):
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.config.vocab_size]
         return logits.float()
 
+    def native_decode_step(self, kernels, kv_caches: list[torch.Tensor]):
+        """This model's batch-1 decode step (one sequence, one new token) as one native call on its
+        operands (`CpuKernels.decode_stack`; logits bitwise `forward`'s), where every op of that step
+        already runs a native CPU kernel here: bfloat16, one rank, every linear the native GEMV for one
+        row, the native decode attention, no q/k norm (Qwen3). None elsewhere (`forward` runs)."""
+        config, layers = self.config, self.model.layers
+        if kernels is None or not self.tp.is_single or config.qk_norm \
+                or self.model.embed_tokens.weight.dtype != torch.bfloat16 \
+                or not kernels.supports_decode(torch.bfloat16, config.num_heads, config.num_kv_heads, config.head_dim):
+            return None
+        norms = [self.model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if any(n.kernels is None or n.eps != config.rms_norm_eps for n in norms):
+            return None
+        linears = [self.lm_head] + [linear for layer in layers for linear in
+                                    (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                     layer.mlp.down_proj)]
+        operands = {id(linear): linear.method.native_row_operands(linear) for linear in linears}
+        if any(found is None for found in operands.values()):
+            return None
+        lm_head_kind, lm_head, lm_head_bias = operands.pop(id(self.lm_head))
+        kinds = {kind for kind, _, _ in operands.values()}
+        if len(kinds) != 1 or lm_head_bias is not None:
+            return None
+        stack = []
+        for layer, kv_cache in zip(layers, kv_caches):
+            parts = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                     "k_pool": kv_cache[0], "v_pool": kv_cache[1]}
+            for name, linear in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                                 ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+                _, parts[name], parts[f"{name}_bias"] = operands[id(linear)]
+            stack.append(parts)
+        rotary = self.model.rotary  # bf16 tables: the rows `RotaryEmbedding.tables` converts each step
+        return kernels.decode_stack(stack, self.model.embed_tokens.weight, self.model.norm.weight, lm_head,
+                                    rotary.cos.to(torch.bfloat16), rotary.sin.to(torch.bfloat16),
+                                    linear_kind=kinds.pop(), lm_head_kind=lm_head_kind, num_heads=config.num_heads,
+                                    num_kv_heads=config.num_kv_heads, intermediate=layers[0].mlp.size,
+                                    eps=config.rms_norm_eps,
+                                    scale=config.head_dim ** -0.5, window=config.sliding_window)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden, rope = self.embed(input_ids, positions)

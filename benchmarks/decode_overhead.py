@@ -1,0 +1,199 @@
+"""Where a batch-1 decode step's CPU time goes, outside the weight streaming.
+
+Runs the engine on offline_throughput.py's SmolLM-135M shape (random weights; `--model` takes another
+folder), one 128-token prompt, greedy, one torch thread, and times decode steps in CPU time of the
+calling thread (`time.thread_time_ns`: descheduling on a shared host is not counted), best of
+`--repeats` passes. Two kinds of pass:
+
+- plain: `LLMEngine.step()` alone, nothing instrumented (the real per-step cost);
+- split: the same steps with timers around the engine's parts (schedule, prepare, forward, and in it
+  the linears, attention, the rest of the model; sample; update_from_output + detokenize + outputs).
+  The timers cost ~0.5 us each (~170 per step on the Python forward).
+
+Both for the native step (`ModelRunner.native_decode`: the whole forward in one C call) and for the
+model's Python forward, interleaved; beside them the GEMVs alone (the step's weight streaming).
+
+    python benchmarks/decode_overhead.py [--steps 64] [--repeats 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+class Timers:
+    """Thread CPU time per named part; nested parts are subtracted from their parent's own time."""
+
+    def __init__(self):
+        self.total = defaultdict(int)
+        self.stack: list[list] = []
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        original = getattr(owner, name)
+        timers = self
+
+        def timed(*args, **kwargs):
+            frame = [part, 0]  # [part, time of nested parts]
+            timers.stack.append(frame)
+            start = time.thread_time_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = time.thread_time_ns() - start
+                timers.stack.pop()
+                timers.total[part] += spent - frame[1]
+                if timers.stack:
+                    timers.stack[-1][1] += spent
+
+        setattr(owner, name, timed)
+
+
+def instrument(engine) -> Timers:
+    from llmctl.engine.layers.linear import LinearBase
+
+    timers = Timers()
+    runner = engine.executor.runner
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(engine.scheduler, "update_from_output", "update_from_output")
+    timers.wrap(engine, "_detokenize", "detokenize")
+    timers.wrap(engine, "_output", "outputs")
+    timers.wrap(runner, "prepare", "prepare")
+    timers.wrap(runner, "forward", "forward (rest)")
+    timers.wrap(runner, "sample", "sample")
+    timers.wrap(runner.attention, "build_metadata", "attention metadata")
+    timers.wrap(runner.attention, "forward", "attention")
+    for module in runner.model.modules():
+        if isinstance(module, LinearBase):
+            timers.wrap(module, "forward", "lm_head" if module is runner.model.lm_head else "linears")
+    return timers
+
+
+def decode_steps(engine, prompt: list[int], steps: int, timers: "Timers | None" = None) -> list[int]:
+    """Thread CPU ns of each decode step of one request (the prefill step excluded, from `timers` too)."""
+    from llmctl.engine.sampling_params import SamplingParams
+
+    engine.add_request(f"r{time.monotonic_ns()}", prompt,
+                       SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    engine.step()  # prefill + first token
+    if timers is not None:
+        timers.total.clear()
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.thread_time_ns()
+        engine.step()
+        times.append(time.thread_time_ns() - start)
+    return times
+
+
+def gemv_floor(runner, repeats: int) -> float:
+    """Thread CPU ns of the step's linears alone: every linear's native single-row kernel (the dpbf16 GEMV
+    or the AMX kernel) on its own weight, in the forward's order, back to back (the weights stream from
+    DRAM as in a step: they exceed the LLC)."""
+    import torch
+
+    from llmctl.engine.layers.linear import LinearBase
+
+    kernels = runner.attention.decode_kernel
+    linears = [m for m in runner.model.modules() if isinstance(m, LinearBase) and m is not runner.model.lm_head]
+    linears.append(runner.model.lm_head)
+    calls = []
+    for linear in linears:
+        kind, weight, bias = linear.method.native_row_operands(linear)
+        x = torch.randn(1, linear.in_features).bfloat16()
+        if kind == "amx":
+            calls.append(lambda w=weight, x=x, n=linear.out_features, b=bias: kernels.gemm_amx(w, x, n, b))
+        else:
+            calls.append(lambda w=weight, x=x, b=bias: kernels.gemv(w, x, b))
+    best = None
+    for _ in range(repeats):
+        start = time.thread_time_ns()
+        for call in calls:
+            call()
+        spent = time.thread_time_ns() - start
+        best = spent if best is None else min(best, spent)
+    return best
+
+
+def median(values: list[int]) -> int:
+    return sorted(values)[len(values) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model folder (default: SmolLM-135M shape, random bf16)")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per pass")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    from llmctl.engine import EngineArgs, LLMEngine
+
+    folder = args.model
+    if folder is None:
+        from offline_throughput import make_model
+
+        folder = str(make_model(Path(tempfile.mkdtemp(prefix="decode-overhead-")), "bfloat16"))
+    engine = LLMEngine(EngineArgs.from_dict(dict(model=folder, dtype="bfloat16", skip_tokenizer_init=True,
+                                                 enable_prefix_caching=False, max_model_len=1024,
+                                                 num_threads=args.threads)))
+    runner = engine.executor.runner
+    stack = runner.native_decode
+    paths = {"native step": stack, "python forward": None} if stack is not None else {"python forward": None}
+    torch.manual_seed(0)
+    prompt = torch.randint(0, runner.config.model_config.vocab_size, (128,)).tolist()
+    decode_steps(engine, prompt, 8)  # warm-up
+    plain: dict[str, list[int]] = {path: [] for path in paths}
+    floors: list[int] = []
+    for _ in range(args.repeats):  # interleaved, so a slower phase of a shared host hits every figure
+        for path, native in paths.items():
+            runner.native_decode = native
+            plain[path].append(median(decode_steps(engine, prompt, args.steps)))
+        if stack is not None:
+            floors.append(gemv_floor(runner, 3))
+    floor = min(floors) if floors else None
+    timers = instrument(engine)
+    splits = {}
+    for path, native in paths.items():
+        runner.native_decode = native
+        best: dict[str, float] = {}
+        for _ in range(args.repeats):
+            times = decode_steps(engine, prompt, args.steps, timers)
+            per_step = {part: ns / len(times) for part, ns in timers.total.items()}
+            per_step["engine (rest)"] = sum(times) / len(times) - sum(per_step.values())
+            if not best or sum(per_step.values()) < sum(best.values()):
+                best = per_step
+        splits[path] = {part: round(ns / 1e3, 1) for part, ns in sorted(best.items(), key=lambda kv: -kv[1])}
+    runner.native_decode = stack
+    report = {"threads": args.threads, "steps": args.steps, "repeats": args.repeats,
+              "step_us": {path: min(values) / 1e3 for path, values in plain.items()},
+              "gemv_floor_us": None if floor is None else floor / 1e3, "split_us": splits}
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"batch-1 bf16 decode step, {args.threads} thread(s), thread CPU time: best of {args.repeats} passes' "
+          f"medians ({args.steps} steps each)")
+    for path, us in report["step_us"].items():
+        outside = "" if floor is None else f"   outside the GEMVs {us - floor / 1e3:7.0f} us"
+        print(f"  {path:<16} {us:7.0f} us{outside}")
+    if floor is not None:
+        print(f"  GEMVs alone      {floor / 1e3:7.0f} us   (every linear + lm_head through its public binding)")
+    for path, split in splits.items():
+        print(f"split, {path} (instrumented: ~0.5 us per timer):")
+        for part, us in split.items():
+            print(f"  {part:<22} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The batch-1 decode step as one native call (`CpuKernels.decode_stack`, `LlamaForCausalLM.native_decode_step`):
+bitwise the logits of the model's Python forward, used exactly where every op of that step is native."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.kernels import load_cpu_kernels
+from tests.conftest import make_tiny_model
+
+KERNELS = load_cpu_kernels()
+needs_gemv = pytest.mark.skipif(KERNELS is None or not KERNELS.has_gemv,
+                                reason="native CPU kernels with the bf16 GEMV (AVX512-BF16) unavailable here")
+
+# head_dim 32: the native decode attention's; window 8 < the contexts below, so it masks
+ARCHS = {
+    "llama": dict(head_dim=32),
+    "mistral-window": dict(head_dim=32, sliding_window=8),
+    "qwen2-bias-tied": dict(),
+}
+
+
+def _engine(tmp_path, arch: str, **overrides) -> LLM:
+    folder = make_tiny_model(tmp_path / arch, arch.split("-")[0], **overrides)
+    return LLM(str(folder), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, num_threads=1,
+               enable_prefix_caching=False)
+
+
+def _generate(llm: LLM, prompts):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+
+@needs_gemv
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_the_native_step_gives_the_python_forwards_logits_bitwise(tmp_path, arch):
+    llm = _engine(tmp_path, arch, **ARCHS[arch])
+    runner = llm.engine.executor.runner
+    stack = runner.native_decode
+    assert stack is not None
+    calls = []
+
+    def counted(*args):
+        calls.append(args[-1])
+        return stack(*args)
+
+    runner.native_decode = counted
+    # 7 + 20 tokens cross a 16-token block; 30 + 20 cross three (and the 8-token window)
+    prompts = [[(7 * i + 3) % 500 + 1 for i in range(7)], [(11 * i + 5) % 500 + 1 for i in range(30)]]
+    native = [_generate(llm, [prompt])[0] for prompt in prompts]
+    assert len(calls) == 2 * 19 and max(calls) == 30 + 19  # every decode step of a lone sequence, none else
+    runner.native_decode = None
+    python = [_generate(llm, [prompt])[0] for prompt in prompts]
+    assert native == python  # tokens and every top-5 log-prob, float for float
+    calls.clear()
+    runner.native_decode = counted
+    _generate(llm, prompts)
+    assert not calls  # two sequences: the batched forward
+
+
+@pytest.mark.parametrize("arch, overrides, dtype", [
+    ("qwen3", dict(), "bfloat16"),  # q/k norm
+    ("mistral", dict(head_dim=16), "bfloat16"),  # the decode kernel takes head_dim % 32 == 0
+    ("llama", dict(head_dim=32), "float32"),
+])
+def test_the_native_step_is_only_built_where_every_op_is_native(tmp_path, arch, overrides, dtype):
+    folder = make_tiny_model(tmp_path / arch, arch, **overrides)
+    llm = LLM(str(folder), dtype=dtype, skip_tokenizer_init=True, max_model_len=128, num_threads=1)
+    assert llm.engine.executor.runner.native_decode is None
+
+
+@needs_gemv
+def test_the_step_refuses_ids_outside_its_tables(tmp_path):
+    llm = _engine(tmp_path, "llama", head_dim=32)
+    stack = llm.engine.executor.runner.native_decode
+    one = torch.tensor([1])
+    with pytest.raises(ValueError, match="outside"):
+        stack(torch.tensor([512]), one, one, [0], 2)  # token id = vocab size
+    with pytest.raises(ValueError, match="outside"):
+        stack(one, one, one, [0], 17)  # a 17-token context needs two blocks
+    with pytest.raises(ValueError, match="outside"):
+        stack(one, one, one, [stack.num_blocks], 2)
+    with pytest.raises(ValueError, match="int64"):
+        stack(one.int(), one, one, [0], 2)
+
+
+@needs_gemv
+def test_operands_are_checked_when_the_step_is_bound():
+    hidden, heads, kv_heads, dim, inter, vocab = 64, 2, 1, 32, 96, 40
+    bf16 = dict(dtype=torch.bfloat16)
+    pool = torch.zeros(kv_heads, 4, 16, dim, **bf16)
+    layer = {"input_norm": torch.ones(hidden, **bf16), "qkv": torch.zeros((heads + 2 * kv_heads) * dim, hidden, **bf16),
+             "qkv_bias": None, "o": torch.zeros(hidden, heads * dim, **bf16), "o_bias": None,
+             "post_norm": torch.ones(hidden, **bf16), "gate_up": torch.zeros(2 * inter, hidden, **bf16),
+             "gate_up_bias": None, "down": torch.zeros(hidden, inter, **bf16), "down_bias": None,
+             "k_pool": pool, "v_pool": pool.clone()}
+    embedding, table = torch.zeros(vocab, hidden, **bf16), torch.zeros(64, dim // 2, **bf16)
+    args = dict(linear_kind="gemv", lm_head_kind="gemv", num_heads=heads, num_kv_heads=kv_heads, intermediate=inter,
+                eps=1e-5, scale=dim ** -0.5, window=None)
+    stack = KERNELS.decode_stack([layer], embedding, torch.ones(hidden, **bf16), embedding, table, table, **args)
+    logits = stack(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), [0], 1)
+    assert logits.shape == (1, vocab) and logits.dtype == torch.float32 and not logits.any()  # zero weights
+    for name, bad in [("o", layer["o"].t()), ("qkv_bias", torch.zeros(7, **bf16)), ("down", layer["down"].float())]:
+        with pytest.raises(ValueError, match=f"decode_stack: {name} must"):
+            KERNELS.decode_stack([{**layer, name: bad}], embedding, torch.ones(hidden, **bf16), embedding, table,
+                                 table, **args)
+    with pytest.raises(ValueError, match="lm_head"):
+        KERNELS.decode_stack([layer], embedding, torch.ones(hidden, **bf16), embedding[:-1], table, table, **args)
