@@ -34,12 +34,21 @@ def _generate(llm: LLM, prompts):
 
 
 @needs_gemv
+@pytest.mark.parametrize("kind", ["amx", "gemv"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_the_native_step_gives_the_python_forwards_logits_bitwise(tmp_path, arch):
+def test_the_native_step_gives_the_python_forwards_logits_bitwise(tmp_path, arch, kind, monkeypatch):
+    from llmctl.engine import model_runner
+    from llmctl.engine.layers.linear import OneDNNLinearMethod
+
+    if kind == "amx" and not KERNELS.has_amx:
+        pytest.skip("no AMX tiles here")
+    if kind == "gemv":  # the dpbf16 GEMV's method (CPUs without AMX)
+        monkeypatch.setattr(model_runner, "select_linear_method",
+                            lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
     llm = _engine(tmp_path, arch, **ARCHS[arch])
     runner = llm.engine.executor.runner
     stack = runner.native_decode
-    assert stack is not None
+    assert stack is not None and stack.linear_kind == kind
     calls = []
 
     def counted(*args):

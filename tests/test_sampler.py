@@ -64,6 +64,25 @@ def test_row_argmax_matches_torch_including_ties(rows, width, ties, seed):
     assert torch.equal(row_argmax(masked), masked.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 63, 64, 65, 130, 4096, 49152 + 5])
+def test_row_argmax_takes_the_first_nan_and_treats_signed_zeros_as_ties(width):
+    from llmctl.engine.kernels import load_cpu_kernels
+
+    values = torch.full((4, width), float("-inf"))
+    values[1, width // 2:] = 0.0
+    values[1, width // 3] = -0.0  # -0.0 == 0.0: the first of them wins
+    values[2] = torch.randn(width, generator=torch.Generator().manual_seed(width))
+    values[2, width - 1] = float("nan")
+    values[2, (2 * width) // 3] = float("nan")
+    values[3, -1] = float("inf")
+    assert torch.equal(row_argmax(values), values.argmax(dim=-1))
+    kernels = load_cpu_kernels()
+    if kernels is not None:  # the native kernel also below row_argmax's width threshold
+        assert torch.equal(kernels.argmax(values), values.argmax(dim=-1))
+        with pytest.raises(ValueError, match="argmax"):
+            kernels.argmax(values.double())
+
+
 def test_top_k_1_equals_greedy():
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(4))
     out = sampler()(logits, [row(SamplingParams(temperature=1.3, top_k=1)) for _ in range(16)])

@@ -72,6 +72,8 @@ class CpuKernels:
         self._decode_stack = library.decode_stack_bf16
         self._decode_stack.argtypes = [_POINTER] * 12 + [_INT64, ctypes.c_float, ctypes.c_float, _POINTER, ctypes.c_int]
         self._decode_stack.restype = ctypes.c_int
+        self._argmax = library.argmax_f32
+        self._argmax.argtypes, self._argmax.restype = [_POINTER, _INT64, _INT64, _POINTER], None
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -265,6 +267,16 @@ class CpuKernels:
                 head_dim, num_blocks, block_size, scale, window or 0, torch.get_num_threads())
         return out
 
+    def argmax(self, values: torch.Tensor) -> torch.Tensor:
+        """`values.argmax(dim=-1)` of a contiguous float32 CPU tensor [rows, width >= 1] (the first maximum, or
+        a row's first NaN), int64 [rows]."""
+        if values.dtype != torch.float32 or values.dim() != 2 or values.shape[1] < 1 or not values.is_contiguous() \
+                or values.device.type != "cpu":
+            raise ValueError("argmax: needs a contiguous float32 CPU tensor [rows, width >= 1]")
+        out = torch.empty(values.shape[0], dtype=torch.int64)
+        self._argmax(values.data_ptr(), values.shape[0], values.shape[1], out.data_ptr())
+        return out
+
     def decode_stack(self, layers: list[dict[str, Optional[torch.Tensor]]], embedding: torch.Tensor,
                      final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                      linear_kind: str, lm_head_kind: str, num_heads: int, num_kv_heads: int, intermediate: int,
@@ -358,6 +370,7 @@ class DecodeStack:
         self._fixed = (self._layers.data_ptr(), self._sizes.data_ptr(), self._scratch_addresses, embedding.data_ptr(),
                        final_norm.data_ptr(), lm_head.data_ptr(), cos.data_ptr(), sin.data_ptr())
         self._eps, self._scale = eps, scale
+        self.linear_kind, self.lm_head_kind = linear_kind, lm_head_kind
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_table: list[int], context_len: int) -> torch.Tensor:

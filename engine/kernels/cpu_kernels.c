@@ -715,6 +715,44 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
 }
 #endif
 
+/* Row-wise argmax of float32 rows [rows, width] (width >= 1): torch.argmax's answer, the first maximum, or
+ * the first NaN of a row that holds one; two vector passes instead of torch's scalar loop (the greedy
+ * sampler's argmax over 49152 logits: torch.argmax ~110 us, the two-pass row_argmax ~35 us hot). */
+void argmax_f32(const float *x, int64_t rows, int64_t width, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * width;
+        /* pass 1: the maximum, four independent accumulators; a NaN anywhere is found in pass 2 */
+        __m512 best[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                          _mm512_set1_ps(-INFINITY)};
+        __mmask16 nan = 0;
+        int64_t d = 0;
+        for (; d + 64 <= width; d += 64)
+            for (int u = 0; u < 4; u++) {
+                const __m512 v = _mm512_loadu_ps(row + d + 16 * u);
+                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                best[u] = _mm512_max_ps(best[u], v);
+            }
+        for (; d < width; d += 16) {
+            const __mmask16 live = tail_mask(width - d);
+            const __m512 v = _mm512_maskz_loadu_ps(live, row + d);
+            nan |= _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q);
+            best[0] = _mm512_mask_max_ps(best[0], live, best[0], v);
+        }
+        const __m512 top = _mm512_set1_ps(
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(best[0], best[1]), _mm512_max_ps(best[2], best[3]))));
+        /* pass 2: the first NaN if there is one, else the first element equal to the maximum */
+        int64_t found = -1;
+        for (d = 0; d < width && found < 0; d += 16) {
+            const __mmask16 live = tail_mask(width - d);
+            const __m512 v = _mm512_maskz_loadu_ps(live, row + d);
+            const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q)
+                                      : _mm512_mask_cmp_ps_mask(live, v, top, _CMP_EQ_OQ);
+            if (hit) found = d + __builtin_ctz(hit);
+        }
+        out[r] = found;
+    }
+}
+
 #else
 int kernel_vector_bits(void) { return 0; }
 #endif
