@@ -14,10 +14,11 @@ KERNELS = load_cpu_kernels()
 needs_gemv = pytest.mark.skipif(KERNELS is None or not KERNELS.has_gemv,
                                 reason="native CPU kernels with the bf16 GEMV (AVX512-BF16) unavailable here")
 
-# head_dim 32: the native decode attention's; window 8 < the contexts below, so it masks
+# window 8 < the contexts below, so it masks
 ARCHS = {
     "llama": dict(head_dim=32),
     "mistral-window": dict(head_dim=32, sliding_window=8),
+    "mistral-head-dim-16": dict(),  # the attention kernel's masked half rows
     "qwen2-bias-tied": dict(),
 }
 
@@ -69,14 +70,14 @@ def test_the_native_step_gives_the_python_forwards_logits_bitwise(tmp_path, arch
     assert not calls  # two sequences: the batched forward
 
 
-@pytest.mark.parametrize("arch, overrides, dtype", [
-    ("qwen3", dict(), "bfloat16"),  # q/k norm
-    ("mistral", dict(head_dim=16), "bfloat16"),  # the decode kernel takes head_dim % 32 == 0
-    ("llama", dict(head_dim=32), "float32"),
+@pytest.mark.parametrize("arch, overrides, engine", [
+    ("qwen3", dict(), dict(dtype="bfloat16")),  # q/k norm
+    ("llama", dict(head_dim=32), dict(dtype="bfloat16", quantization="int8")),  # a linear no native row kernel runs
+    ("llama", dict(head_dim=32), dict(dtype="float32")),
 ])
-def test_the_native_step_is_only_built_where_every_op_is_native(tmp_path, arch, overrides, dtype):
+def test_the_native_step_is_only_built_where_every_op_is_native(tmp_path, arch, overrides, engine):
     folder = make_tiny_model(tmp_path / arch, arch, **overrides)
-    llm = LLM(str(folder), dtype=dtype, skip_tokenizer_init=True, max_model_len=128, num_threads=1)
+    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128, num_threads=1, **engine)
     assert llm.engine.executor.runner.native_decode is None
 
 

@@ -290,6 +290,8 @@ class CpuKernels:
         available = {"gemv": self.has_gemv, "amx": self.has_amx}
         if not (available.get(linear_kind) and available.get(lm_head_kind)):
             return None
+        if not self.supports_decode(torch.bfloat16, num_heads, num_kv_heads, layers[0]["k_pool"].shape[-1]):
+            raise ValueError("decode_stack: heads or head_dim the paged attention kernel does not take")
         return DecodeStack(self._decode_stack, layers, embedding, final_norm, lm_head, cos, sin,
                            linear_kind=linear_kind, lm_head_kind=lm_head_kind, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, intermediate=intermediate, eps=eps, scale=scale, window=window)
@@ -337,9 +339,8 @@ class DecodeStack:
                     "down": shape(hidden, intermediate), "down_bias": (hidden,),
                     "k_pool": (num_kv_heads, num_blocks, block_size, head_dim)}
         expected["v_pool"] = expected["k_pool"]
-        if kv_heads != num_kv_heads or head_dim % 32 or num_heads % num_kv_heads \
-                or num_heads // num_kv_heads > CpuKernels.max_group or block_size & (block_size - 1):
-            raise ValueError("decode_stack: heads, head_dim or block size the decode kernel does not take")
+        if kv_heads != num_kv_heads or num_heads % num_kv_heads or block_size & (block_size - 1):
+            raise ValueError("decode_stack: the pools' heads or block size do not fit the model")
         addresses = []
         for layer in layers:
             if set(layer) != set(self.LAYER_FIELDS):
