@@ -24,7 +24,7 @@ from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backe
 from llmctl.engine.layers.compressed_tensors import compressed_tensors_method
 from llmctl.engine.layers.gguf_linear import GGUFLinearMethod
 from llmctl.engine.layers.linear import LinearMethod, select_linear_method
-from llmctl.engine.layers.quantization import quantized_linear_method
+from llmctl.engine.layers.quantization import add_batch_weights, quantized_linear_method
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.parallel import TensorParallel
@@ -134,6 +134,7 @@ class RunnerConfig:
     verify: bool
     enforce_eager: bool = False
     quantization: Optional[str] = None  # EngineArgs.quantization: weight-only linears quantised on load
+    quantization_batch_cache: bool = False  # EngineArgs': quantised CPU linears keep a bf16 copy for batches
     # This process's rank: the model, the attention heads and the KV pool are this rank's shard.
     tensor_parallel: TensorParallel = TensorParallel.single()
     # KV bytes per token of a second pool on the same block ids (a draft model's): the pools are sized
@@ -153,15 +154,16 @@ def model_bytes(model: torch.nn.Module) -> int:
     """What the model's tensors occupy, each storage once: parameters, buffers and the tensors a linear
     method keeps beside them. int8 linears hold 1 byte per weight plus scales; the AMX bf16 method holds
     its tiles only; the oneDNN bf16 (no AMX) and fp32 CPU methods hold the weight twice, plain for one row
-    and packed for more. A packed copy's storage is
-    opaque (oneDNN/MKL layout) and counts as its layer's weight (MKL's own size is its reserved
+    and packed for more (quantised ones with --quantization-batch-cache too). A packed copy's
+    storage is opaque (oneDNN/MKL layout) and counts as its logical shape's elements, the weight it
+    packs (MKL's own size is its reserved
     buffer, many times the pages it touches: a 64x128 fp32 pack reports 7.9 MB and adds 0.3 MB RSS)."""
     storages: dict[tuple[str, int], int] = {}
     for module in model.modules():
         attributes = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False), *attributes]:
             if tensor.layout == torch._mkldnn:
-                storages[("packed", id(tensor))] = module.weight.numel() * tensor.element_size()
+                storages[("packed", id(tensor))] = tensor.numel() * tensor.element_size()
                 continue
             storage = tensor.untyped_storage()
             storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
@@ -189,6 +191,9 @@ class ModelRunner:
                                  device=self.device, load_format=config.load_format, seed=config.seed,
                                  linear_method=linear_method, kernels=kernels, verify=config.verify,
                                  lm_head_method=lm_head_method, tp=tp)
+        if config.quantization_batch_cache and not add_batch_weights(self.model, kernels):
+            raise EngineArgsError("--quantization-batch-cache needs quantised linears on the CPU with bfloat16 "
+                                  "activations (--quantization or a pre-quantised checkpoint, --dtype bfloat16)")
         if self.device.type == "cpu":
             release_free_heap()  # what loading freed (full-precision weights a quantised linear replaced)
         self.weight_bytes = model_bytes(self.model)  # this rank's

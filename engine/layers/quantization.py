@@ -28,6 +28,10 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
 - `dequant`: everything else (other devices, other groupings): the codes stay packed (two 4-bit codes a
   byte) and are dequantised to the activation dtype for each call, exact but slow.
 Activations should be bfloat16 on CPU: with float32 both torch kernels run about 5x slower.
+Batches of BATCH_MIN_ROWS+ rows on CPU (prefill, batched decode) are compute-bound, where oneDNN's bf16 GEMM is
+far ahead of torch's int8/int4 kernels: int8pack converts its codes per call and runs it (scales factored out),
+native dequantises per call, and with `--quantization-batch-cache` (`add_batch_weights`) every CPU layout
+keeps a oneDNN-packed bf16 copy for them instead.
 
 On the fly (`--quantization`): `int8` symmetric per output channel; `int4[-g32|-g64|-g128]` symmetric per
 group (`int4` is group 128, llama.cpp's Q4_0 convention); `int4-asym`, `int4-g32-asym`, ... with a zero point
@@ -60,9 +64,16 @@ FP16_TINY, FP16_MAX = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16
 INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel accepts
 # The native GEMV streams the weight once for all rows; its work grows with the rows. Below 16 rows it beat
 # dequantising to bfloat16 and one GEMM at every measured shape (one thread, 3072x576 int8 per row: 8 rows
-# 181 against 918 µs, 16 rows 338 against about 900 µs; int4 g32 8 rows 239 against 963 µs). From 16 rows
-# on the batched policy decides (dequantise-then-GEMM today).
-NATIVE_MAX_ROWS = 16
+# 181 against 918 µs, 16 rows 338 against about 900 µs; int4 g32 8 rows 239 against 963 µs); at 32 rows too
+# (one thread, thread CPU time, load 10: 3072x576 int8 1176 against 2107 µs, int4 g32 1717 against 1999;
+# 576x1536 int8 738 / 1475, int4 1119 / 1359; 960x576 425 / 695, 592 / 643); from 48 rows dequantising wins
+# or ties (3072x576 int8 48 rows 1763 / 1679, int4 g32 64 rows 3257 / 2461).
+NATIVE_MAX_ROWS = 48
+# Batches (16+ rows; prefill, batched decode) are compute-bound: bf16 GEMMs on AMX tiles (oneDNN's or the
+# native kernel) ran 4-17x torch's int8pack/int4pack (3072x576, one thread, thread CPU time: 64 rows 342 µs
+# against 3963 / 3499 µs, 256 rows 820 against 15357 / 13992 µs); see `_product` and `add_batch_weights`.
+BATCH_MIN_ROWS = 16
+CPU_LAYOUTS = ("int8pack", "int4pack", "native")
 
 
 @dataclass(frozen=True)
@@ -322,29 +333,70 @@ def _dequantize_installed(layer: LinearBase, dtype: torch.dtype) -> torch.Tensor
     return grouped.view(layer.out_features, layer.in_features).to(dtype)
 
 
+def add_batch_weights(model: nn.Module, kernels=None) -> int:
+    """`--quantization-batch-cache`: every quantised CPU linear with bfloat16 activations also keeps its weight
+    dequantised to bf16 in the layout bf16's own linears run (`kernels`' AMX tiles where the CPU has AMX, else
+    oneDNN's packing) for batches of BATCH_MIN_ROWS+ rows, which then run as fast as an unquantised model's, for
+    2 more bytes per weight. Without it a batch dequantises its weight per call and runs one GEMM on it (native
+    layout) or converts its int8 codes (int8pack). Returns the bytes added."""
+    amx = kernels if kernels is not None and getattr(kernels, "has_amx", False) else None
+    added = 0
+    for layer in model.modules():
+        if (isinstance(layer, LinearBase) and getattr(layer, "quant_layout", None) in CPU_LAYOUTS
+                and layer.params_dtype is torch.bfloat16):
+            dense = _layer_weight(layer)
+            layer.batch_weight = amx.pack_amx(dense) if amx else torch.ops.mkldnn._reorder_linear_weight(dense, 64)
+            layer.batch_kernels = amx
+            added += layer.batch_weight.numel() * layer.batch_weight.element_size()  # AMX tiles: padded
+    return added
+
+
+def _layer_weight(layer: LinearBase) -> torch.Tensor:
+    """bf16 [out, in]: the layer's own product on the identity, i.e. exactly the weights it computes with
+    (act-order permutation included), each rounded to bf16 once."""
+    eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
+    columns = [_product(layer, eye[start:start + 1024], None) for start in range(0, layer.in_features, 1024)]
+    return torch.cat(columns).t().contiguous()
+
+
 def apply_grouped_weight(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     """The forward of a layer set up by `install_grouped_weight`."""
     rows = x.reshape(-1, x.shape[-1])
+    batch_weight = getattr(layer, "batch_weight", None)
+    if batch_weight is not None and rows.shape[0] >= BATCH_MIN_ROWS and rows.dtype is torch.bfloat16:
+        rows = rows.contiguous()
+        if layer.batch_kernels is not None:
+            out = layer.batch_kernels.gemm_amx(batch_weight, rows, layer.out_features, layer.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, batch_weight, layer.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], layer.out_features)
+    return _product(layer, rows, layer.bias).reshape(*x.shape[:-1], layer.out_features)
+
+
+def _product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """rows [m, in] @ the layer's quantised weight.T (+ bias)."""
     if layer.input_perm is not None:
         rows = rows.index_select(1, layer.input_perm)
     layout = layer.quant_layout
-    if layout == "int8pack":
+    if layout == "int8pack" and rows.shape[0] >= BATCH_MIN_ROWS:
+        # per-row scales factor out of the product: the int8 codes are exact in bf16 and float32, so one
+        # conversion and one GEMM (3072x576, 64 rows, float32: 3601 against int8pack's 125803 µs; bf16: 1006
+        # against 3963 µs; bf16 256 rows: 1715 against 15357)
+        out = F.linear(rows, layer.weight.to(rows.dtype)) * layer.weight_scale
+    elif layout == "int8pack":
         out = torch._weight_int8pack_mm(rows.contiguous(), layer.weight, layer.weight_scale)
     elif layout == "int4pack":
         out = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), layer.weight, layer.quant_group_size,
                                                 layer.weight_scales_and_zeros)
     elif layout == "native" and rows.shape[0] < NATIVE_MAX_ROWS:
-        return layer.quant_kernels.gemv(layer.kernel_weight, rows.contiguous(), layer.bias).reshape(
-            *x.shape[:-1], layer.out_features)
+        return layer.quant_kernels.gemv(layer.kernel_weight, rows.contiguous(), bias)
     elif layout == "native":
         out = F.linear(rows.contiguous(), layer.quant_kernels.dequantize(layer.kernel_weight))
     elif layout in CUDA_LAYOUTS:
         out = apply_cuda_layout(layer, rows)
     else:
         out = F.linear(rows, _dequantize_installed(layer, rows.dtype))
-    if layer.bias is not None:
-        out = out + layer.bias
-    return out.reshape(*x.shape[:-1], layer.out_features)
+    return out if bias is None else out + bias
 
 
 class GroupedIntLinearMethod(LinearMethod):
