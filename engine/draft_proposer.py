@@ -18,8 +18,8 @@ A greedy request gets the draft's argmax (a deterministic draft: `spec_draft_pro
 sampled one draws each draft from the draft's distribution after the request's temperature, top-k,
 top-p and min-p, and hands it to the verifier as `Sequence.spec_draft_probs` (float32 [k, vocab]), so
 the rejection sampler keeps the output distribution exactly the target's. Seeded requests draw their
-drafts from a generator of their own (derived from the seed), so the target's generator sees the
-same draws as without speculation would have consumed for it, and the output stays reproducible.
+drafts from a generator of their own, re-seeded for the output position each draft proposes for (a
+stream apart from the target's draws there), so the output stays reproducible.
 
 The draft's K/V of a rejected draft are simply overwritten later: what the draft holds per sequence is
 its fed tokens (the known ones, then its drafts), compared with the sequence's tokens at the next
@@ -52,6 +52,7 @@ from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_token
 from llmctl.engine.ngram_proposer import AdaptiveProposer
 from llmctl.engine.parallel import TensorParallel
+from llmctl.engine.rejection_sampler import DRAFT_STREAM, position_seed
 from llmctl.engine.sampler import Sampler, row_argmax
 from llmctl.engine.scheduler import OOM_RECOVERY_STEPS, ScheduledSeq
 from llmctl.engine.sequence import Sequence
@@ -332,6 +333,9 @@ class DraftProposer(AdaptiveProposer):
                 state.drafts.append(greedy[i])
                 continue
             q = self.sampler.distribution(logits[i:i + 1], [seq.params])[0]
-            generator = state.generator or self.sampler.generator
+            generator = self.sampler.generator
+            if state.generator is not None:  # keyed to the position it proposes for, as the target's draws are
+                position = len(seq.output_token_ids) + len(state.drafts)
+                generator = state.generator.manual_seed(position_seed(seq.draw_seed, position, DRAFT_STREAM))
             state.drafts.append(int(torch.multinomial(q, 1, generator=generator)))
             state.probs.append(q)

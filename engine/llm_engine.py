@@ -333,7 +333,8 @@ class LLMEngine:
                            arrival_time=arrival, priority=priority, cache_salt=salt,
                            parent=seqs[0] if seqs else None, shares_with_siblings=private)
             if params.seed is not None:
-                seq.generator = self.executor.make_generator(hash((params.seed, index)) & (2**63 - 1))
+                seq.draw_seed = hash((params.seed, index)) & (2**63 - 1)
+                seq.generator = self.executor.make_generator(seq.draw_seed)
             seqs.append(seq)
         return seqs
 
@@ -457,7 +458,7 @@ class LLMEngine:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         stops = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
         return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
-                           stops + tuple(seq.params.stop_token_ids))
+                           stops + tuple(seq.params.stop_token_ids), seq.draw_seed)
 
     def _detokenize(self, request: Request, update: SeqUpdate, now: float) -> None:
         """Add the row's new tokens to the text, one at a time; the first stop string ends the

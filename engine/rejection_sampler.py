@@ -11,20 +11,30 @@ A rejected draft never comes back: rejection needs p(x) < q(x), where the residu
 scheduler's rule (`scheduler.accepted_tokens`: drafts equal to the sampled token, then the first other)
 reads this sampler's output as it reads a deterministic draft's.
 
-Draws: k uniforms, then one exponential vector over the vocabulary for the last token (Gumbel-max, as
-`Sampler` draws), from the request's own generator when it has a seed: a fixed count per verify row,
-so a seeded request's output does not depend on the rest of the batch.
+Draws: a uniform per draft, then one exponential vector over the vocabulary for the last token
+(Gumbel-max, as `Sampler` draws), each from `generator_at(offset, stream)`: for a seeded request its
+generator keyed to that output position (`SamplingRow.generator_at`), so the emitted token at a
+position after all accepted drafts uses the same noise a one-token decode there would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 # A sampled position past a rejected draft: the row ended before it, nothing was drawn there.
 PLACEHOLDER_TOKEN_ID = -1
+
+# The draw streams of one output position: its token's draw, a draft's acceptance test, a draft model's proposal.
+TOKEN_STREAM, ACCEPT_STREAM, DRAFT_STREAM = 0, 1, 2
+
+
+def position_seed(seed: int, position: int, stream: int = TOKEN_STREAM) -> int:
+    """The seed of a seeded request's draws at one output position (tuples of ints hash alike in every
+    process, unlike str)."""
+    return hash((seed, position, stream)) & (2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -62,9 +72,10 @@ def residual_distribution(target: torch.Tensor, draft: torch.Tensor, rejected: i
 
 
 def rejection_sample(target: torch.Tensor, token_ids: list[int], draft: torch.Tensor,
-                     generator: Optional[torch.Generator]) -> list[int]:
+                     generator_at: Callable[[int, int], Optional[torch.Generator]]) -> list[int]:
     """The tokens a verify row emits: the accepted drafts, then the resample of the first rejected one
-    or the bonus token. `target` is [k + 1, vocab] (p_0..p_k), `draft` [k, vocab] (q_0..q_{k-1})."""
+    or the bonus token. `target` is [k + 1, vocab] (p_0..p_k), `draft` [k, vocab] (q_0..q_{k-1});
+    `generator_at(j, stream)` is the generator for the draws at the row's j-th position."""
     k = len(token_ids)
     if target.shape[0] != k + 1 or draft.shape[0] < k or draft.shape[-1] != target.shape[-1]:
         raise ValueError(f"draft probabilities of shape {tuple(draft.shape)} do not fit {k} drafts over the "
@@ -72,10 +83,11 @@ def rejection_sample(target: torch.Tensor, token_ids: list[int], draft: torch.Te
     target = target.float()
     draft = draft[:k].to(device=target.device, dtype=torch.float32)
     drafts = torch.tensor(token_ids, dtype=torch.long, device=target.device)
-    uniform = torch.rand(k, generator=generator, device=target.device)
+    uniform = torch.cat([torch.rand(1, generator=generator_at(j, ACCEPT_STREAM), device=target.device)
+                         for j in range(k)]) if k else torch.empty(0, device=target.device)
     rejected = (uniform >= acceptance_probability(target, draft, drafts)).nonzero()
     accepted = int(rejected[0]) if rejected.numel() else k
     last = target[k] if accepted == k else residual_distribution(target[accepted], draft[accepted],
                                                                  token_ids[accepted])
-    noise = torch.empty_like(last).exponential_(generator=generator)
+    noise = torch.empty_like(last).exponential_(generator=generator_at(accepted, TOKEN_STREAM))
     return token_ids[:accepted] + [int((last / noise).argmax())]

@@ -1,8 +1,11 @@
 """The sampler: logits of the rows to sample -> next token ids (and optional top log-probs).
 
 Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens masking
-of stop tokens, then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Seeded
-rows draw from their own generator, so their output does not depend on the rest of the batch.
+of stop tokens, then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. A seeded
+row's draw for output position t comes from its generator re-seeded from (seed, t) (`position_seed`):
+its output depends neither on the rest of the batch nor on how its tokens were grouped into steps, so
+an n-gram verify row (each position drawn as a one-token decode would draw it, drafts kept while they
+equal the draw) gives a seeded request exactly the tokens plain decoding gives it.
 The positions of a sampled verify row whose drafts came with their distribution (`DraftSpan`) go
 through the rejection sampler (engine/rejection_sampler.py) on the same target distribution instead;
 past its first rejection they hold `PLACEHOLDER_TOKEN_ID`.
@@ -17,7 +20,8 @@ from typing import Optional, Sequence
 import torch
 
 from llmctl.engine.kernels import load_cpu_kernels
-from llmctl.engine.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan, rejection_sample
+from llmctl.engine.rejection_sampler import (PLACEHOLDER_TOKEN_ID, TOKEN_STREAM, DraftSpan, position_seed,
+                                             rejection_sample)
 from llmctl.engine.sampling_params import SamplingParams
 
 
@@ -28,6 +32,14 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: Optional[torch.Generator]
     stop_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
+    draw_seed: Optional[int] = None  # with `generator`: re-seed it per output position (position_seed)
+
+    def generator_at(self, offset: int = 0, stream: int = TOKEN_STREAM) -> Optional[torch.Generator]:
+        """The row's generator, ready for its draws at output position len(output_token_ids) + offset
+        (`stream` tells apart the draws of one position); None for an unseeded row."""
+        if self.generator is not None and self.draw_seed is not None:
+            self.generator.manual_seed(position_seed(self.draw_seed, len(self.output_token_ids) + offset, stream))
+        return self.generator
 
 
 @dataclass
@@ -84,7 +96,8 @@ class Sampler:
             positions = list(span.positions)
             row = rows[span.start]
             target = self.distribution(logits[positions], [rows[i].params for i in positions])
-            emitted = rejection_sample(target, span.token_ids, span.probs, row.generator or self.generator)
+            emitted = rejection_sample(target, span.token_ids, span.probs,
+                                       lambda offset, stream, row=row: row.generator_at(offset, stream) or self.generator)
             token_ids[span.start:span.start + len(positions)] = (
                 emitted + [PLACEHOLDER_TOKEN_ID] * (len(positions) - len(emitted)))
         return SamplerOutput(token_ids, self._gather_logprobs(raw_logprobs, token_ids, rows))
@@ -142,7 +155,7 @@ class Sampler:
             return chosen
         index = torch.tensor(random_rows, device=logits.device)
         probs = self.distribution(logits[index], [rows[i].params for i in random_rows])
-        noise = self._exponential_noise(probs, [rows[i].generator for i in random_rows])
+        noise = self._exponential_noise(probs, [rows[i] for i in random_rows])
         chosen[index] = row_argmax(probs / noise)
         return chosen
 
@@ -174,16 +187,16 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold * probs.amax(dim=-1, keepdim=True), float("-inf"))
         return logits
 
-    def _exponential_noise(self, probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
+    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Exponential(1) noise per row: argmax(p / noise) is a draw from p (the Gumbel-max trick)."""
         noise = torch.empty_like(probs)
-        shared = [i for i, g in enumerate(generators) if g is None]
+        shared = [i for i, row in enumerate(rows) if row.generator is None]
         if shared:
             noise[shared] = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype,
                                         device=probs.device).exponential_(generator=self.generator)
-        for i, generator in enumerate(generators):
-            if generator is not None:
-                noise[i].exponential_(generator=generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator_at())
         return noise
 
     @staticmethod

@@ -54,7 +54,8 @@ class Sequence:
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
     num_preemptions: int = 0
-    generator: Optional[torch.Generator] = None
+    generator: Optional[torch.Generator] = None  # a seeded request's, re-seeded per output position
+    draw_seed: Optional[int] = None  # what `generator` is re-seeded from (sampler.SamplingRow.generator_at)
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None  # for the inter-token latency of the next token

@@ -302,7 +302,7 @@ def test_rejection_sample_emits_the_target_distribution_at_each_position_and_acc
     target, draft = torch.stack([p0, p1, p2]), torch.stack([q0, q1])
     generator = torch.Generator().manual_seed(0)
     proposals = torch.stack([torch.multinomial(q, draws, replacement=True, generator=generator) for q in (q0, q1)], 1)
-    emitted = [rejection_sample(target, row.tolist(), draft, generator) for row in proposals]
+    emitted = [rejection_sample(target, row.tolist(), draft, lambda j, stream: generator) for row in proposals]
     for position, p in enumerate((p0, p1, p2)):
         tokens = [out[position] for out in emitted if len(out) > position]
         counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
@@ -318,9 +318,9 @@ def test_rejection_sample_emits_the_target_distribution_at_each_position_and_acc
 def test_rejection_sample_refuses_draft_probabilities_that_do_not_fit():
     p, q = _distributions(6, 0)
     with pytest.raises(ValueError, match="do not fit 2 drafts"):
-        rejection_sample(torch.stack([p, p, p]), [1, 2], q[None], None)
+        rejection_sample(torch.stack([p, p, p]), [1, 2], q[None], lambda j, stream: None)
     with pytest.raises(ValueError, match="vocabulary of 6"):
-        rejection_sample(torch.stack([p, p]), [1], torch.zeros(1, 5), None)
+        rejection_sample(torch.stack([p, p]), [1], torch.zeros(1, 5), lambda j, stream: None)
 
 
 class DistributionDraft:

@@ -63,11 +63,11 @@ def test_greedy_requests_keep_n_logprobs_stop_strings_and_max_tokens_under_specu
 
 @pytest.mark.parametrize("spec", ["ngram", "draft"])
 def test_seeded_sampled_requests_are_reproducible_under_speculation(tiny_chat_model, spec):
-    """The same requests in a second engine give the same samples (and log-probs). Under n-gram drafts
-    here also alone as in the batch: its steps carry the same drafts either way. Not claimed in
-    general: which steps carry drafts can depend on the batch (the token budget, disable_by_batch_size,
-    free blocks; a draft model's catch-up budget), and a verify row draws from the request's generator
-    differently from a one-token decode."""
+    """The same requests in a second engine give the same samples (and log-probs); under n-gram drafts
+    also alone as in the batch (the next test: they are plain decoding's samples). Not claimed for a
+    draft model: which steps carry its drafts can depend on the batch (the token budget,
+    disable_by_batch_size, free blocks, its catch-up budget), and a position it drafted for is drawn
+    by the rejection sampler instead of a one-token decode's draw."""
     # Temperature 0.1: this random model's distributions are flat, and n-gram drafts need a sharp one to be accepted.
     params = SamplingParams(temperature=0.1, top_k=40, max_tokens=24, ignore_eos=True, n=2, seed=17, logprobs=1)
     first = _llm(tiny_chat_model, spec)
@@ -83,3 +83,20 @@ def test_seeded_sampled_requests_are_reproducible_under_speculation(tiny_chat_mo
         assert _flat(alone) == _flat(together[0])
         for a, t in zip(alone.outputs, together[0].outputs):  # the batch changes the float rounding, not the values
             _assert_logprobs_close(a.logprobs, t.logprobs)
+
+
+def test_seeded_samples_under_ngram_speculation_are_plain_decodings_samples(tiny_chat_model):
+    """A seeded draw at output position t comes from (seed, t) alone, and an n-gram verify row draws
+    each position as a one-token decode would (drafts kept while they equal the draw): the samples are
+    exactly plain decoding's, alone or in a batch. Before position-keyed draws a verify row consumed
+    the generator differently from one-token decodes, so the samples differed."""
+    params = SamplingParams(temperature=0.1, top_k=40, max_tokens=24, ignore_eos=True, n=2, seed=17)
+    want = _llm(tiny_chat_model, None).generate(PROMPTS, params)
+    speculating = _llm(tiny_chat_model, "ngram")
+    together = speculating.generate(PROMPTS, params)
+    stats = speculating.engine.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"], "rejections too"
+    assert [_flat(o) for o in together] == [_flat(o) for o in want]
+    alone = _llm(tiny_chat_model, "ngram").generate(PROMPTS[2:], params)[0]
+    assert _flat(alone) == _flat(want[2])
