@@ -11,7 +11,7 @@ calling thread (`time.thread_time_ns`: descheduling on a shared host is not coun
   The timers cost ~0.5 us each (~170 per step on the Python forward).
 
 Both for the native step (`ModelRunner.native_decode`: the whole forward in one C call) and for the
-model's Python forward, interleaved; beside them the GEMVs alone (the step's weight streaming).
+model's Python forward, interleaved; beside them the linears alone (the step's weight streaming).
 
     python benchmarks/decode_overhead.py [--steps 64] [--repeats 5] [--json]
 """
@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -140,11 +139,12 @@ def main() -> None:
 
     from llmctl.engine import EngineArgs, LLMEngine
 
-    folder = args.model
+    folder, scratch = args.model, None
     if folder is None:
         from offline_throughput import make_model
 
-        folder = str(make_model(Path(tempfile.mkdtemp(prefix="decode-overhead-")), "bfloat16"))
+        scratch = tempfile.TemporaryDirectory(prefix="decode-overhead-")  # removed at exit
+        folder = str(make_model(Path(scratch.name), "bfloat16"))
     engine = LLMEngine(EngineArgs.from_dict(dict(model=folder, dtype="bfloat16", skip_tokenizer_init=True,
                                                  enable_prefix_caching=False, max_model_len=1024,
                                                  num_threads=args.threads)))
@@ -178,17 +178,17 @@ def main() -> None:
     runner.native_decode = stack
     report = {"threads": args.threads, "steps": args.steps, "repeats": args.repeats,
               "step_us": {path: min(values) / 1e3 for path, values in plain.items()},
-              "gemv_floor_us": None if floor is None else floor / 1e3, "split_us": splits}
+              "linears_alone_us": None if floor is None else floor / 1e3, "split_us": splits}
     if args.json:
         print(json.dumps(report))
         return
     print(f"batch-1 bf16 decode step, {args.threads} thread(s), thread CPU time: best of {args.repeats} passes' "
           f"medians ({args.steps} steps each)")
     for path, us in report["step_us"].items():
-        outside = "" if floor is None else f"   outside the GEMVs {us - floor / 1e3:7.0f} us"
+        outside = "" if floor is None else f"   outside the linears {us - floor / 1e3:7.0f} us"
         print(f"  {path:<16} {us:7.0f} us{outside}")
     if floor is not None:
-        print(f"  GEMVs alone      {floor / 1e3:7.0f} us   (every linear + lm_head through its public binding)")
+        print(f"  linears alone    {floor / 1e3:7.0f} us   (every linear + lm_head through its public binding)")
     for path, split in splits.items():
         print(f"split, {path} (instrumented: ~0.5 us per timer):")
         for part, us in split.items():
