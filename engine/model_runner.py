@@ -21,6 +21,7 @@ from llmctl.engine.gguf_loader import is_gguf
 from llmctl.engine.host import release_free_heap
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
+from llmctl.engine.layers.attention.torch_backend import NATIVE_MAX_QUERY
 from llmctl.engine.layers.compressed_tensors import compressed_tensors_method
 from llmctl.engine.layers.gguf_linear import GGUFLinearMethod
 from llmctl.engine.layers.linear import LinearMethod, select_linear_method
@@ -213,9 +214,10 @@ class ModelRunner:
             self._capture_graphs(self.graphs, peak)
         self.num_blocks = self._plan_num_blocks(peak)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        # CPU batch-1 decode: the whole step in one native call where the model's kernels allow it and the
-        # attention backend's one-token rows are the native decode kernel on its head-major pool (the Python
-        # between ~15 kernel calls per layer was ~20% of a step; benchmarks/decode_overhead.py).
+        # CPU steps of a few tokens (batch-1 decode; verify rows and small decode batches where the linears' kernel
+        # takes several rows): the whole forward in one native call where the model's kernels allow it and the
+        # attention backend's short rows are the same native kernel on its head-major pool (the Python between
+        # ~15 kernel calls per layer was ~40% of a batch-1 step; benchmarks/decode_overhead.py).
         if kernels is not None and getattr(self.attention, "decode_kernel", None) is kernels:
             self.native_decode = self.model.native_decode_step(kernels, self.kv_caches)
         # Kept decode K/V may hold the backend's workspace_share of the pool's size again (on CPU at least
@@ -411,10 +413,10 @@ class ModelRunner:
         return logits[[index[id(item)] for item in scheduled if item.num_samples]]
 
     def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]) -> torch.Tensor:
-        if (self.native_decode is not None and kv_caches is self.kv_caches and inputs.query_lens == [1]
-                and inputs.logits_indices.shape == (1,)):
-            return self.native_decode(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables[0],
-                                      inputs.context_lens[0])
+        if (self.native_decode is not None and kv_caches is self.kv_caches
+                and self.native_decode.can_run(inputs.query_lens, NATIVE_MAX_QUERY)):
+            return self.native_decode(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
+                                      inputs.context_lens, inputs.query_lens, inputs.logits_indices)
         batch = inputs.attention_batch(self.block_size)
         meta = self.attention.build_metadata(batch)
         if graphs is not None and graphs.can_run(batch):

@@ -34,6 +34,20 @@ def _generate(llm: LLM, prompts):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
+class Counted:
+    """The runner's native step, counting the tokens of each step it ran."""
+
+    def __init__(self, stack):
+        self.stack, self.steps = stack, []
+
+    def can_run(self, *args):
+        return self.stack.can_run(*args)
+
+    def __call__(self, *args):
+        self.steps.append(args[0].shape[0])
+        return self.stack(*args)
+
+
 @needs_gemv
 @pytest.mark.parametrize("kind", ["amx", "gemv"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -50,24 +64,36 @@ def test_the_native_step_gives_the_python_forwards_logits_bitwise(tmp_path, arch
     runner = llm.engine.executor.runner
     stack = runner.native_decode
     assert stack is not None and stack.linear_kind == kind
-    calls = []
-
-    def counted(*args):
-        calls.append(args[-1])
-        return stack(*args)
-
-    runner.native_decode = counted
+    counted = runner.native_decode = Counted(stack)
     # 7 + 20 tokens cross a 16-token block; 30 + 20 cross three (and the 8-token window)
     prompts = [[(7 * i + 3) % 500 + 1 for i in range(7)], [(11 * i + 5) % 500 + 1 for i in range(30)]]
     native = [_generate(llm, [prompt])[0] for prompt in prompts]
-    assert len(calls) == 2 * 19 and max(calls) == 30 + 19  # every decode step of a lone sequence, none else
+    # every decode step of a lone sequence; with AMX the 7-token prefill too (rows of <= 8 tokens)
+    assert counted.steps == ([7] if kind == "amx" else []) + [1] * 19 + [1] * 19
+    counted.steps.clear()
+    batched = _generate(llm, prompts)
+    assert counted.steps == ([1 + 1] * 19 if kind == "amx" else [])  # two decodes a step: several rows on AMX only
     runner.native_decode = None
-    python = [_generate(llm, [prompt])[0] for prompt in prompts]
-    assert native == python  # tokens and every top-5 log-prob, float for float
-    calls.clear()
-    runner.native_decode = counted
-    _generate(llm, prompts)
-    assert not calls  # two sequences: the batched forward
+    assert [_generate(llm, [prompt])[0] for prompt in prompts] == native  # tokens and top-5 log-probs, bit for bit
+    assert _generate(llm, prompts) == batched
+
+
+@needs_gemv
+def test_verify_rows_run_natively_and_give_the_python_forwards_logits(tmp_path):
+    if not KERNELS.has_amx:
+        pytest.skip("several rows a step run natively on the AMX linears only")
+    folder = make_tiny_model(tmp_path / "llama", "llama", head_dim=32)
+    llm = LLM(str(folder), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, num_threads=1,
+              enable_prefix_caching=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})
+    runner = llm.engine.executor.runner
+    counted = runner.native_decode = Counted(runner.native_decode)
+    prompt = [5, 6, 7, 8, 9] * 6  # a repeating prompt: the n-gram proposer drafts
+    native = _generate(llm, [prompt])
+    assert 5 in counted.steps  # verify rows of 1 + 4 tokens ran natively
+    runner.native_decode = None
+    assert _generate(llm, [prompt]) == native
 
 
 @pytest.mark.parametrize("arch, overrides, engine", [
@@ -85,15 +111,19 @@ def test_the_native_step_is_only_built_where_every_op_is_native(tmp_path, arch, 
 def test_the_step_refuses_ids_outside_its_tables(tmp_path):
     llm = _engine(tmp_path, "llama", head_dim=32)
     stack = llm.engine.executor.runner.native_decode
-    one = torch.tensor([1])
+    one, zero = torch.tensor([1]), torch.tensor([0])
     with pytest.raises(ValueError, match="outside"):
-        stack(torch.tensor([512]), one, one, [0], 2)  # token id = vocab size
+        stack(torch.tensor([512]), one, one, [[0]], [2], [1], zero)  # token id = vocab size
     with pytest.raises(ValueError, match="outside"):
-        stack(one, one, one, [0], 17)  # a 17-token context needs two blocks
+        stack(one, one, one, [[0]], [17], [1], zero)  # a 17-token context needs two blocks
     with pytest.raises(ValueError, match="outside"):
-        stack(one, one, one, [stack.num_blocks], 2)
+        stack(one, one, one, [[stack.num_blocks]], [2], [1], zero)
+    with pytest.raises(ValueError, match="outside"):
+        stack(one, one, one, [[0]], [2], [1], one)  # logits of a token the step does not have
     with pytest.raises(ValueError, match="int64"):
-        stack(one.int(), one, one, [0], 2)
+        stack(one.int(), one, one, [[0]], [2], [1], zero)
+    with pytest.raises(ValueError, match="do not fit"):
+        stack(one, one, one, [[0]], [2], [2], zero)  # rows of more tokens than the step holds
 
 
 @needs_gemv
@@ -110,7 +140,7 @@ def test_operands_are_checked_when_the_step_is_bound():
     args = dict(linear_kind="gemv", lm_head_kind="gemv", num_heads=heads, num_kv_heads=kv_heads, intermediate=inter,
                 eps=1e-5, scale=dim ** -0.5, window=None)
     stack = KERNELS.decode_stack([layer], embedding, torch.ones(hidden, **bf16), embedding, table, table, **args)
-    logits = stack(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), [0], 1)
+    logits = stack(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), [[0]], [1], [1], torch.tensor([0]))
     assert logits.shape == (1, vocab) and logits.dtype == torch.float32 and not logits.any()  # zero weights
     for name, bad in [("o", layer["o"].t()), ("qkv_bias", torch.zeros(7, **bf16)), ("down", layer["down"].float())]:
         with pytest.raises(ValueError, match=f"decode_stack: {name} must"):

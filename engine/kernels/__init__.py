@@ -70,7 +70,10 @@ class CpuKernels:
         self.has_amx = self.has_gemv and bool(library.amx_enable())
         self._rotary = bind("rotary", [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
         self._decode_stack = library.decode_stack_bf16
-        self._decode_stack.argtypes = [_POINTER] * 12 + [_INT64, ctypes.c_float, ctypes.c_float, _POINTER, ctypes.c_int]
+        # layers, sizes, buffers, embedding, final norm, lm_head, cos, sin; tokens, token, position, slot; rows,
+        # tables, width, lens, starts, qlens; logits rows (count, ids); eps, scale, logits, threads
+        self._decode_stack.argtypes = [_POINTER] * 8 + [_INT64] + [_POINTER] * 3 + [_INT64, _POINTER, _INT64] \
+            + [_POINTER] * 3 + [_INT64, _POINTER, ctypes.c_float, ctypes.c_float, _POINTER, ctypes.c_int]
         self._decode_stack.restype = ctypes.c_int
         self._argmax = library.argmax_f32
         self._argmax.argtypes, self._argmax.restype = [_POINTER, _INT64, _INT64, _POINTER], None
@@ -312,9 +315,13 @@ class PagedRows:
 
 class DecodeStack:
     """`decode_stack_bf16` bound to one model's operands, checked once here: each call passes only the step's
-    token, position, slot and block table. It calls the kernels the model's forward calls, on the same
-    operands, so its logits are bitwise that forward's; what it saves is the Python between them (thread CPU
-    time per batch-1 step, SmolLM-135M shape, one thread, in benchmarks/decode_overhead.py)."""
+    tokens, positions, slots and rows. It calls the kernels the model's forward calls, on the same operands,
+    so its logits are bitwise that forward's; what it saves is the Python between them (thread CPU time per
+    batch-1 step, SmolLM-135M shape, one thread, in benchmarks/decode_overhead.py). Steps of up to
+    `MAX_TOKENS` tokens in rows of up to `MAX_ROW_TOKENS` (the torch backend's native-kernel rows), more than
+    one token only where the linears' kernel takes several rows (`"amx"`)."""
+
+    MAX_TOKENS = 16
 
     LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
                     "down_bias", "k_pool", "v_pool")
@@ -365,33 +372,68 @@ class DecodeStack:
         self._sizes = torch.tensor([len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab,
                                     num_blocks, block_size, window or 0, self.KINDS[linear_kind],
                                     self.KINDS[lm_head_kind]], dtype=torch.int64)
-        sizes = (hidden, hidden, hidden, qkv_rows, num_heads * head_dim, 2 * intermediate, intermediate, vocab)
-        self._scratch = [torch.empty(size, dtype=torch.bfloat16) for size in sizes]
+        self.max_tokens = self.MAX_TOKENS if linear_kind == "amx" and lm_head_kind == "amx" else 1
+        sizes = (hidden, hidden, hidden, qkv_rows, num_heads * head_dim, 2 * intermediate, intermediate, vocab,
+                 head_dim // 2, head_dim // 2, hidden, hidden)
+        self._scratch = [torch.empty(self.max_tokens * size, dtype=torch.bfloat16) for size in sizes]
         self._scratch_addresses = (ctypes.c_void_p * len(sizes))(*(t.data_ptr() for t in self._scratch))
         self._fixed = (self._layers.data_ptr(), self._sizes.data_ptr(), self._scratch_addresses, embedding.data_ptr(),
                        final_norm.data_ptr(), lm_head.data_ptr(), cos.data_ptr(), sin.data_ptr())
         self._eps, self._scale = eps, scale
         self.linear_kind, self.lm_head_kind = linear_kind, lm_head_kind
 
+    def can_run(self, query_lens: list[int], max_row_tokens: int) -> bool:
+        """Whether a step of rows of `query_lens` new tokens fits (rows of at most `max_row_tokens`)."""
+        return sum(query_lens) <= self.max_tokens and max(query_lens, default=0) <= max_row_tokens
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_table: list[int], context_len: int) -> torch.Tensor:
-        """Float32 logits [1, vocab] after the one new token `input_ids` [1] at `positions` [1] (int64, its
-        K/V written at `slot_mapping` [1]), on a context of `context_len` keys in `block_table`'s blocks."""
-        for tensor in (input_ids, positions, slot_mapping):
-            if tensor.dtype != torch.int64 or tensor.shape != (1,):
-                raise ValueError("decode_stack: token, position and slot must be int64 [1]")
-        blocks = -(-context_len // self.block_size)
-        if not (0 <= int(input_ids[0]) < self.vocab and 0 <= int(positions[0]) < self.positions
-                and 0 <= int(slot_mapping[0]) < self.pool_slots and 0 < blocks <= len(block_table)
-                and 0 <= min(block_table[:blocks]) and max(block_table[:blocks]) < self.num_blocks):
-            raise ValueError("decode_stack: a token, position, slot or block id lies outside its table")
-        table = torch.tensor(block_table[:blocks], dtype=torch.int64)
-        logits = torch.empty(1, self.vocab, dtype=torch.float32)
-        if not self._function(*self._fixed, input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
-                              table.data_ptr(), context_len, self._eps, self._scale, logits.data_ptr(),
+                 block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [len(logits_indices), vocab] of the step's tokens `input_ids` [tokens] at `positions`
+        (int64, their K/V written at `slot_mapping`), in rows of `query_lens` consecutive tokens, row r on a
+        context of `context_lens[r]` keys (its new tokens included) in `block_tables[r]`'s blocks."""
+        tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
+        for tensor in (input_ids, positions, slot_mapping, logits_indices):
+            if tensor.dtype != torch.int64 or tensor.dim() != 1 or not tensor.is_contiguous():
+                raise ValueError("decode_stack: ids, positions, slots and logits indices must be contiguous int64 [n]")
+        if not 0 < tokens <= self.max_tokens or positions.shape != (tokens,) or slot_mapping.shape != (tokens,) \
+                or sum(query_lens) != tokens or min(query_lens) < 1 or len(context_lens) != len(query_lens) \
+                or len(block_tables) != len(query_lens) or any(q > c for q, c in zip(query_lens, context_lens)):
+            raise ValueError(f"decode_stack: {tokens} tokens in rows {query_lens} do not fit (at most {self.max_tokens})")
+        width = -(-max(context_lens) // self.block_size)
+        needed = [table[: -(-length // self.block_size)] for table, length in zip(block_tables, context_lens)]
+        blocks = [block for table in needed for block in table]
+        if not (all(len(t) == -(-c // self.block_size) for t, c in zip(needed, context_lens))
+                and 0 <= min(blocks) and max(blocks) < self.num_blocks
+                and _within(input_ids, self.vocab) and _within(positions, self.positions)
+                and _within(slot_mapping, self.pool_slots) and _within(logits_indices, tokens)):
+            raise ValueError("decode_stack: a token, position, slot, logits row or block id lies outside its table")
+        tables = torch.tensor([table + [0] * (width - len(table)) for table in needed], dtype=torch.int64)
+        lens = torch.tensor(context_lens, dtype=torch.int64)
+        ranges = (None, None)  # one token a row
+        if tokens != len(query_lens):
+            starts = [0]
+            for length in query_lens[:-1]:
+                starts.append(starts[-1] + length)
+            ranges = (torch.tensor(starts, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64))
+        logits = torch.empty(logits_indices.shape[0], self.vocab, dtype=torch.float32)
+        if not self._function(*self._fixed, tokens, input_ids.data_ptr(), positions.data_ptr(),
+                              slot_mapping.data_ptr(), len(query_lens), tables.data_ptr(), width, lens.data_ptr(),
+                              *(r.data_ptr() if r is not None else None for r in ranges), logits_indices.shape[0],
+                              logits_indices.data_ptr(), self._eps, self._scale, logits.data_ptr(),
                               torch.get_num_threads()):
             raise MemoryError("decode_stack: no memory for gemm_amx's padded input")
         return logits
+
+
+def _within(values: torch.Tensor, size: int) -> bool:
+    """Every entry of the int64 vector in [0, size)."""
+    if values.shape[0] == 0:
+        return True
+    if values.shape[0] == 1:
+        return 0 <= int(values[0]) < size
+    lowest, highest = (int(v) for v in torch.aminmax(values))
+    return 0 <= lowest and highest < size
 
 
 def _linear_operand_shape(kind: str, out_features: int, in_features: int) -> tuple[int, ...]:

@@ -634,70 +634,89 @@ enum { STACK_INPUT_NORM, STACK_QKV, STACK_QKV_BIAS, STACK_O, STACK_O_BIAS, STACK
 enum { STACK_LAYERS, STACK_HIDDEN, STACK_HEADS, STACK_KV_HEADS, STACK_HEAD_DIM, STACK_INTERMEDIATE, STACK_VOCAB,
        STACK_NUM_BLOCKS, STACK_BLOCK_SIZE, STACK_WINDOW, STACK_LINEAR_KIND, STACK_LM_HEAD_KIND, STACK_SIZE_FIELDS };
 enum { STACK_GEMV, STACK_AMX }; /* gemv_bf16 on the plain weight [N, K]; gemm_amx_bf16 on its pack_amx tiles */
-/* bfloat16 scratch the caller owns, in this order: [hidden] x 3, [q + 2 kv], [heads * head_dim],
- * [2 * intermediate], [intermediate], [vocab]. */
+/* bfloat16 scratch the caller owns, in this order, each for `max_tokens` rows: [hidden] x 3, [q + 2 kv],
+ * [heads * head_dim], [2 * intermediate], [intermediate], [vocab], [head_dim / 2] x 2 (RoPE rows),
+ * [hidden] x 2 (the logits rows' stream). */
 enum { STACK_HIDDEN_BUF, STACK_RESIDUAL_BUF, STACK_NORMED_BUF, STACK_QKV_BUF, STACK_ATTENDED_BUF, STACK_GATE_UP_BUF,
-       STACK_ACT_BUF, STACK_LOGITS_BUF, STACK_BUFFERS };
+       STACK_ACT_BUF, STACK_LOGITS_BUF, STACK_COS_BUF, STACK_SIN_BUF, STACK_LAST_X_BUF, STACK_LAST_RESIDUAL_BUF,
+       STACK_BUFFERS };
 
 #if defined(__AVX512BF16__)
-/* One row through a linear's kernel: 0 where gemm_amx_bf16 found no memory for its padded input. */
-INLINE int stack_linear(int64_t kind, const void *w, const void *x, const void *bias, void *y, int64_t n, int64_t k,
-                        int num_threads) {
-    if (kind == STACK_AMX) return gemm_amx_bf16(w, x, bias, y, 1, n, k, num_threads);
-    return gemv_bf16(w, x, bias, y, n, k, num_threads);
+/* Rows through a linear's kernel: 0 where gemm_amx_bf16 found no memory for its padded input. gemv_bf16
+ * serves one row only (the caller never sends it more). */
+INLINE int stack_linear(int64_t kind, const void *w, const void *x, const void *bias, void *y, int64_t m, int64_t n,
+                        int64_t k, int num_threads) {
+    if (kind == STACK_AMX) return gemm_amx_bf16(w, x, bias, y, m, n, k, num_threads);
+    return m == 1 && gemv_bf16(w, x, bias, y, n, k, num_threads);
 }
 
-/* Returns 1 (0: out of memory in gemm_amx_bf16, nothing to retry here); writes float32 logits [vocab]. `cos_table`/`sin_table`: bf16 RoPE rows [positions, head_dim / 2];
- * `token`, `position`, `slot`: the new token, its position and its pool slot; `block_table`: the
- * sequence's blocks (at least ceil(context_len / block_size)); `context_len`: keys it attends to, the
- * new token included. */
+/* Returns 1 (0: out of memory in gemm_amx_bf16, nothing to retry here); writes float32 logits
+ * [num_logits, vocab] for tokens `logits_rows`. `tokens` new tokens (`token`, `position`, `slot` each
+ * [tokens]) in `num_rows` rows as paged_attention takes them (`tables` [num_rows, table_width], `lens`,
+ * and `starts`/`qlens` or NULL for one token a row); `cos_table`/`sin_table`: bf16 RoPE rows
+ * [positions, head_dim / 2]. */
 int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *buffers, const void *embedding,
                       const void *final_norm, const void *lm_head, const void *cos_table, const void *sin_table,
-                      const int64_t *token, const int64_t *position, const int64_t *slot, const int64_t *block_table,
-                      int64_t context_len, float eps, float scale, float *logits, int num_threads) {
+                      int64_t tokens, const int64_t *token, const int64_t *position, const int64_t *slot,
+                      int64_t num_rows, const int64_t *tables, int64_t table_width, const int64_t *lens,
+                      const int64_t *starts, const int64_t *qlens, int64_t num_logits, const int64_t *logits_rows,
+                      float eps, float scale, float *logits, int num_threads) {
     const int64_t hidden = sizes[STACK_HIDDEN], heads = sizes[STACK_HEADS], kv_heads = sizes[STACK_KV_HEADS];
-    const int64_t head_dim = sizes[STACK_HEAD_DIM], intermediate = sizes[STACK_INTERMEDIATE];
+    const int64_t head_dim = sizes[STACK_HEAD_DIM], intermediate = sizes[STACK_INTERMEDIATE], half = head_dim / 2;
     const int64_t num_blocks = sizes[STACK_NUM_BLOCKS], block_size = sizes[STACK_BLOCK_SIZE], kind = sizes[STACK_LINEAR_KIND];
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     uint16_t *x = buffers[STACK_HIDDEN_BUF], *residual = buffers[STACK_RESIDUAL_BUF], *normed = buffers[STACK_NORMED_BUF];
     uint16_t *qkv = buffers[STACK_QKV_BUF], *attended = buffers[STACK_ATTENDED_BUF];
     uint16_t *gate_up = buffers[STACK_GATE_UP_BUF], *act = buffers[STACK_ACT_BUF];
-    const int64_t table_width = (context_len + block_size - 1) / block_size;
-    const uint16_t *cos = (const uint16_t *)cos_table + *position * (head_dim / 2);
-    const uint16_t *sin = (const uint16_t *)sin_table + *position * (head_dim / 2);
-    /* the first layer's residual stream is the embedding itself */
-    memcpy(residual, (const uint16_t *)embedding + *token * hidden, (size_t)hidden * sizeof(uint16_t));
+    uint16_t *cos = buffers[STACK_COS_BUF], *sin = buffers[STACK_SIN_BUF];
+    const size_t row_bytes = (size_t)hidden * sizeof(uint16_t), half_bytes = (size_t)half * sizeof(uint16_t);
+    for (int64_t t = 0; t < tokens; t++) {
+        /* the first layer's residual stream is the embedding itself; each token's RoPE rows */
+        memcpy(residual + t * hidden, (const uint16_t *)embedding + token[t] * hidden, row_bytes);
+        memcpy(cos + t * half, (const uint16_t *)cos_table + position[t] * half, half_bytes);
+        memcpy(sin + t * half, (const uint16_t *)sin_table + position[t] * half, half_bytes);
+    }
     for (int64_t l = 0; l < sizes[STACK_LAYERS]; l++) {
         const int64_t *layer = layers + l * STACK_LAYER_FIELDS;
 #define STACK_PTR(field) ((const void *)(intptr_t)layer[field])
         if (l == 0)
-            rms_norm(residual, NULL, STACK_PTR(STACK_INPUT_NORM), normed, 1, hidden, eps, num_threads, 1);
+            rms_norm(residual, NULL, STACK_PTR(STACK_INPUT_NORM), normed, tokens, hidden, eps, num_threads, 1);
         else
-            rms_norm(x, residual, STACK_PTR(STACK_INPUT_NORM), normed, 1, hidden, eps, num_threads, 1);
-        if (!stack_linear(kind, STACK_PTR(STACK_QKV), normed, STACK_PTR(STACK_QKV_BIAS), qkv, qkv_size, hidden, num_threads))
+            rms_norm(x, residual, STACK_PTR(STACK_INPUT_NORM), normed, tokens, hidden, eps, num_threads, 1);
+        if (!stack_linear(kind, STACK_PTR(STACK_QKV), normed, STACK_PTR(STACK_QKV_BIAS), qkv, tokens, qkv_size, hidden,
+                          num_threads))
             return 0;
-        rotary(qkv, 1, qkv_size, heads + kv_heads, head_dim, cos, sin, num_threads, 1);
+        rotary(qkv, tokens, qkv_size, heads + kv_heads, head_dim, cos, sin, num_threads, 1);
         void *k_pool = (void *)(intptr_t)layer[STACK_K_POOL], *v_pool = (void *)(intptr_t)layer[STACK_V_POOL];
-        write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, k_pool, v_pool, slot, 1, kv_heads, head_dim,
-                 num_blocks * block_size, num_threads, 1);
-        paged_attention(qkv, qkv_size, k_pool, v_pool, block_table, table_width, &context_len, NULL, NULL, attended, 1,
+        write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, k_pool, v_pool, slot, tokens, kv_heads,
+                 head_dim, num_blocks * block_size, num_threads, 1);
+        paged_attention(qkv, qkv_size, k_pool, v_pool, tables, table_width, lens, starts, qlens, attended, num_rows,
                         heads, kv_heads, head_dim, num_blocks, block_size, scale, sizes[STACK_WINDOW], num_threads, 1);
-        if (!stack_linear(kind, STACK_PTR(STACK_O), attended, STACK_PTR(STACK_O_BIAS), x, hidden, q_size, num_threads))
+        if (!stack_linear(kind, STACK_PTR(STACK_O), attended, STACK_PTR(STACK_O_BIAS), x, tokens, hidden, q_size,
+                          num_threads))
             return 0;
-        rms_norm(x, residual, STACK_PTR(STACK_POST_NORM), normed, 1, hidden, eps, num_threads, 1);
-        if (!stack_linear(kind, STACK_PTR(STACK_GATE_UP), normed, STACK_PTR(STACK_GATE_UP_BIAS), gate_up, 2 * intermediate,
-                          hidden, num_threads))
+        rms_norm(x, residual, STACK_PTR(STACK_POST_NORM), normed, tokens, hidden, eps, num_threads, 1);
+        if (!stack_linear(kind, STACK_PTR(STACK_GATE_UP), normed, STACK_PTR(STACK_GATE_UP_BIAS), gate_up, tokens,
+                          2 * intermediate, hidden, num_threads))
             return 0;
-        silu_and_mul(gate_up, act, 1, intermediate, num_threads, 1);
-        if (!stack_linear(kind, STACK_PTR(STACK_DOWN), act, STACK_PTR(STACK_DOWN_BIAS), x, hidden, intermediate, num_threads))
+        silu_and_mul(gate_up, act, tokens, intermediate, num_threads, 1);
+        if (!stack_linear(kind, STACK_PTR(STACK_DOWN), act, STACK_PTR(STACK_DOWN_BIAS), x, tokens, hidden, intermediate,
+                          num_threads))
             return 0;
 #undef STACK_PTR
     }
-    rms_norm(x, residual, final_norm, normed, 1, hidden, eps, num_threads, 1);
+    /* the logits rows only, as the forward takes hidden[logits_indices] and residual[logits_indices] */
+    uint16_t *last_x = buffers[STACK_LAST_X_BUF], *last_residual = buffers[STACK_LAST_RESIDUAL_BUF];
+    for (int64_t i = 0; i < num_logits; i++) {
+        memcpy(last_x + i * hidden, x + logits_rows[i] * hidden, row_bytes);
+        memcpy(last_residual + i * hidden, residual + logits_rows[i] * hidden, row_bytes);
+    }
+    rms_norm(last_x, last_residual, final_norm, normed, num_logits, hidden, eps, num_threads, 1);
     uint16_t *rounded = buffers[STACK_LOGITS_BUF];
     const int64_t vocab = sizes[STACK_VOCAB];
-    if (!stack_linear(sizes[STACK_LM_HEAD_KIND], lm_head, normed, NULL, rounded, vocab, hidden, num_threads)) return 0;
-    for (int64_t i = 0; i < vocab; i++) { /* bf16 -> float32 is exact: the bits move up 16 */
+    if (!stack_linear(sizes[STACK_LM_HEAD_KIND], lm_head, normed, NULL, rounded, num_logits, vocab, hidden, num_threads))
+        return 0;
+    for (int64_t i = 0; i < num_logits * vocab; i++) { /* bf16 -> float32 is exact: the bits move up 16 */
         const uint32_t bits = (uint32_t)rounded[i] << 16;
         memcpy(logits + i, &bits, sizeof(bits));
     }
@@ -706,12 +725,15 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
 #else
 int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *buffers, const void *embedding,
                       const void *final_norm, const void *lm_head, const void *cos_table, const void *sin_table,
-                      const int64_t *token, const int64_t *position, const int64_t *slot, const int64_t *block_table,
-                      int64_t context_len, float eps, float scale, float *logits, int num_threads) {
+                      int64_t tokens, const int64_t *token, const int64_t *position, const int64_t *slot,
+                      int64_t num_rows, const int64_t *tables, int64_t table_width, const int64_t *lens,
+                      const int64_t *starts, const int64_t *qlens, int64_t num_logits, const int64_t *logits_rows,
+                      float eps, float scale, float *logits, int num_threads) {
     (void)layers, (void)sizes, (void)buffers, (void)embedding, (void)final_norm, (void)lm_head, (void)cos_table;
-    (void)sin_table, (void)token, (void)position, (void)slot, (void)block_table, (void)context_len, (void)eps;
+    (void)sin_table, (void)tokens, (void)token, (void)position, (void)slot, (void)num_rows, (void)tables;
+    (void)table_width, (void)lens, (void)starts, (void)qlens, (void)num_logits, (void)logits_rows, (void)eps;
     (void)scale, (void)logits, (void)num_threads;
-    return 0; /* no AVX512-BF16 GEMV: the model's Python forward runs */
+    return 0; /* no AVX512-BF16: the model's Python forward runs */
 }
 #endif
 
