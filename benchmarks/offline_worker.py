@@ -23,7 +23,7 @@ def run_ours(args, workloads):
 
     llm = LLM(args.model, dtype=args.dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
               max_model_len=1024, max_num_seqs=args.num_prompts, num_threads=args.threads, device=args.device,
-              quantization=args.quantization)
+              quantization=args.quantization, quantization_batch_cache=args.quantization_batch_cache)
     first = llm.generate([workloads["single"][0][:8]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     assert first[0].outputs[0].token_ids
     print("FIRST_TOKEN", flush=True)
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quantization", default=None, help="ours only: --quantization (int8, int4-g32, ...)")
+    parser.add_argument("--quantization-batch-cache", action="store_true",
+                        help="ours only: quantised linears keep a bf16 copy for batches of 16+ rows")
     args = parser.parse_args()
     workloads = make_workloads(args.vocab, args.num_prompts, args.output_len, args.seed)
     run = SYSTEMS[args.system](args, workloads)

@@ -15,7 +15,10 @@ the weight bytes each batch-1 token streams (every linear and the lm_head in its
 single-stream rate, a lower bound on what the decode streams (prefill is in the time).
 
     python benchmarks/quantization.py [--llamacpp DIR [--llamacpp-no-repack]] [--vllm-python VENV/bin/python]
-        [--schemes bf16,int8,int4-g32,int4] [--workloads single,batched] [--json out.json]
+        [--schemes bf16,int8,int4-g32,int4,int8+cache,int4-g32+cache] [--workloads single,batched] [--json out.json]
+
+`NAME+cache` runs `--quantization NAME --quantization-batch-cache`: batches of 16+ rows on a bf16 copy of
+each quantised weight (bf16's batched speed, 2 more bytes per weight); batch 1 is the same as NAME's.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from pathlib import Path
 
 from offline_throughput import SMOLLM_135M, VLLM_ENV, make_model, run_worker, summarize
 
-# llmctl scheme -> the llama.cpp type it is compared with
+# llmctl scheme -> the llama.cpp type it is compared with (a "+cache" scheme: the same, with
+# --quantization-batch-cache, whose bf16 copy serves batches of 16+ rows)
 PEER_TYPE = {"bf16": "bf16", "int8": "Q8_0", "int4-g32": "Q4_0"}
+CACHE_SUFFIX = "+cache"
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "llmctl" / "default_model"
-WORKLOAD_SHAPES = {"single": (128, 1), "batched": (144, 64)}  # prompt tokens, sequences (llama-batched-bench)
+WORKLOAD_PROMPTS = {"single": 128, "batched": 144}  # prompt tokens (llama-batched-bench): the workloads' mean
 
 
 def stored_bytes_per_token(scheme: str) -> int:
@@ -115,12 +120,12 @@ def quantize_gguf(llamacpp: Path, source: Path, kind: str) -> Path:
     return out
 
 
-def llama_batched_rate(llamacpp: Path, gguf: Path, workload: str, output_len: int, threads: int,
+def llama_batched_rate(llamacpp: Path, gguf: Path, workload: str, num_prompts: int, output_len: int, threads: int,
                        no_repack: bool) -> float:
     """Output tokens / s of `llama-batched-bench` for the workload's shape: B * TG / T (prefill included).
     `no_repack` (-nr) keeps the weights in their GGUF layout: on hosts that hide AMX's tile state from the
     process (some VMs), llama.cpp's AMX repacked path dies of SIGILL on its first tile instruction."""
-    prompt, sequences = WORKLOAD_SHAPES[workload]
+    prompt, sequences = WORKLOAD_PROMPTS[workload], 1 if workload == "single" else num_prompts
     command = [str(llamacpp / "bin" / "llama-batched-bench"), "-m", str(gguf), "-c", str(sequences * (prompt + output_len) + 64),
                "-npp", str(prompt), "-ntg", str(output_len), "-npl", str(sequences), "-np", str(sequences),
                "-t", str(threads), "-tb", str(threads), *(["-nr"] if no_repack else [])]
@@ -153,7 +158,8 @@ def llmctl_reads_gguf() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schemes", default="bf16,int8,int4-g32,int4", help="llmctl: bf16 and --quantization names")
+    parser.add_argument("--schemes", default="bf16,int8,int4-g32,int4,int8+cache,int4-g32+cache",
+                        help="llmctl: bf16 and --quantization names (NAME+cache: with --quantization-batch-cache)")
     parser.add_argument("--workloads", default="single,batched")
     parser.add_argument("--llamacpp", type=Path, help="llama.cpp peer dir (../shared/tools/setup-llamacpp.sh DIR)")
     parser.add_argument("--llamacpp-no-repack", action="store_true",
@@ -179,7 +185,10 @@ def main() -> None:
                 gguf[kind] = quantize_gguf(args.llamacpp, gguf["bf16"], kind)
         for scheme in args.schemes.split(","):
             print(f"running llmctl {scheme} ...", file=sys.stderr, flush=True)
-            extra = [] if scheme == "bf16" else ["--quantization", scheme]
+            quantization = scheme.removesuffix(CACHE_SUFFIX)
+            extra = [] if scheme == "bf16" else ["--quantization", quantization]
+            if scheme.endswith(CACHE_SUFFIX):
+                extra.append("--quantization-batch-cache")
             run = run_worker(sys.executable, "ours", folder, "bfloat16", args, {}, tuple(extra))
             rows += [dict(r, system="llmctl", scheme=scheme) for r in summarize({("ours", "bfloat16"): run}, workloads)]
         if args.vllm_python:
@@ -190,8 +199,8 @@ def main() -> None:
             for kind, path in gguf.items():
                 for workload in workloads:
                     print(f"running llama.cpp {kind} {workload} ...", file=sys.stderr, flush=True)
-                    rate = llama_batched_rate(args.llamacpp, path, workload, args.output_len, args.threads,
-                                              args.llamacpp_no_repack)
+                    rate = llama_batched_rate(args.llamacpp, path, workload, args.num_prompts, args.output_len,
+                                              args.threads, args.llamacpp_no_repack)
                     rows.append({"system": "llama.cpp", "scheme": kind, "workload": workload, "tokens_per_s": rate})
                 if kind != "bf16" and llmctl_reads_gguf():
                     print(f"running llmctl GGUF {kind} ...", file=sys.stderr, flush=True)
@@ -211,12 +220,12 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
     def rate(system: str, scheme: str, workload: str):
         return next((r["tokens_per_s"] for r in rows if (r["system"], r["scheme"], r["workload"]) == (system, scheme, workload)), None)
 
-    header = f"{'workload':<8} {'system':<10} {'scheme':<12} {'tok/s':>8} {'vs llama.cpp':>18} {'vs vLLM bf16':>13} {'weights GB/s':>13}"
+    header = f"{'workload':<8} {'system':<10} {'scheme':<15} {'tok/s':>8} {'vs llama.cpp':>18} {'vs vLLM bf16':>13} {'weights GB/s':>13}"
     print(f"read bandwidth (llmctl bench --cpu's memory read): {bandwidth:.1f} GB/s")
     print(header)
     print("-" * len(header))
     for r in rows:
-        peer = PEER_TYPE.get(r["scheme"]) if r["system"] == "llmctl" else None
+        peer = PEER_TYPE.get(r["scheme"].removesuffix(CACHE_SUFFIX)) if r["system"] == "llmctl" else None
         if r["scheme"].startswith("gguf "):
             peer = r["scheme"][5:]
         peer_rate = rate("llama.cpp", peer, r["workload"]) if peer else None
@@ -225,9 +234,9 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
         vs_vllm = f"{r['tokens_per_s'] / vllm:.2f}x" if vllm and r["system"] == "llmctl" else "-"
         streamed = "-"
         if r["system"] == "llmctl" and r["workload"] == "single" and not r["scheme"].startswith("gguf"):
-            gbs = stored_bytes_per_token(r["scheme"]) * r["tokens_per_s"] / 1e9
+            gbs = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX)) * r["tokens_per_s"] / 1e9
             streamed = f"{gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
-        print(f"{r['workload']:<8} {r['system']:<10} {r['scheme']:<12} {r['tokens_per_s']:>8.1f} {vs_llama:>18} "
+        print(f"{r['workload']:<8} {r['system']:<10} {r['scheme']:<15} {r['tokens_per_s']:>8.1f} {vs_llama:>18} "
               f"{vs_vllm:>13} {streamed:>13}")
 
 
