@@ -23,7 +23,7 @@ from server_helpers import free_port
 
 KEY = "sk-profile-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MATMUL_OPS = ("aten::mm", "aten::linear", "aten::bmm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise")
+MATMUL_OPS = ("llmctl::gemm_amx_bf16", "llmctl::gemv_bf16", "llmctl::decode_stack", "aten::mm", "aten::linear", "aten::bmm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise")
 SMALL_LOAD = ("--random-input-len", "8", "--random-output-len", "8")
 
 
@@ -112,7 +112,7 @@ def test_profiles_a_load_and_copies_a_readable_trace(server, tmp_path):
     local = out / trace["local_copy"]
     assert local.read_bytes() == Path(remote).read_bytes() and trace["local_copy"] in manifest["files"]
     events = json.load(gzip.open(local))["traceEvents"]
-    names = {e.get("name", "") for e in events if e.get("cat") == "cpu_op"}
+    names = {e.get("name", "") for e in events if e.get("cat") in ("cpu_op", "user_annotation")}  # llmctl:: labels
     assert any(op in name for name in names for op in MATMUL_OPS)
     summary = trace["summary"]
     assert summary["events"] == len(events) and summary["span_ms"] > 0

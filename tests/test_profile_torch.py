@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-MATMUL_OPS = ("aten::mm", "aten::linear", "aten::bmm", "aten::addmm", "aten::mv", "aten::matmul",
+MATMUL_OPS = ("llmctl::gemm_amx_bf16", "llmctl::gemv_bf16", "llmctl::decode_stack", "aten::mm", "aten::linear", "aten::bmm", "aten::addmm", "aten::mv", "aten::matmul",
               "scaled_dot_product", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 
 

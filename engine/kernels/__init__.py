@@ -19,9 +19,9 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -35,6 +35,27 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 _PAGED_ARGTYPES = [_POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64] + [_POINTER] * 4 + [_INT64] * 6 \
     + [ctypes.c_float, _INT64, ctypes.c_int]
+
+
+_Function = TypeVar("_Function", bound=Callable)
+
+
+def profiled(name: str) -> Callable[[_Function], _Function]:
+    """Label a native entry point `llmctl::<name>` in torch.profiler traces, which cannot see inside a C
+    call (`llmctl profile torch` would show the time under no op at all). Checked per call: 0.06 us when
+    no profiler runs, against 9 us for an unconditional `record_function`."""
+    label = f"llmctl::{name}"
+
+    def wrap(function: _Function) -> _Function:
+        @wraps(function)
+        def traced(*args, **kwargs):
+            if not torch.autograd._profiler_enabled():
+                return function(*args, **kwargs)
+            with torch.profiler.record_function(label):
+                return function(*args, **kwargs)
+        return traced  # type: ignore[return-value]
+
+    return wrap
 
 
 class CpuKernels:
@@ -99,6 +120,7 @@ class CpuKernels:
                                 v_pool.data_ptr(), slot_mapping.data_ptr(), tokens, kv_heads, head_dim, pool_slots,
                                 torch.get_num_threads())
 
+    @profiled("gemv_bf16")
     def gemv(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [1, K] @ weight[N, K].T (+ bias) in bfloat16, one streaming pass over the weight."""
         n, k = weight.shape
@@ -121,6 +143,7 @@ class CpuKernels:
         padded = torch.nn.functional.pad(weight, (0, k_pad - k, 0, n_pad - n))
         return padded.view(n_pad // 32, 2, 16, k_pad // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
+    @profiled("gemm_amx_bf16")
     def gemm_amx(self, packed: torch.Tensor, x: torch.Tensor, out_features: int,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [M, K] @ W.T (+ bias) in bfloat16 on AMX tiles, W given as `pack_amx(W)`. Each output element
@@ -231,6 +254,7 @@ class CpuKernels:
         return PagedRows(block_tables.contiguous(), context_lens.contiguous(), block_size, query_starts, query_lens,
                          tokens, highest)
 
+    @profiled("paged_attention")
     def paged_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: "PagedRows",
                         scale: float, window: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal attention of `rows`' query tokens over their paged K/V, each query computed exactly as a
@@ -386,6 +410,7 @@ class DecodeStack:
         """Whether a step of rows of `query_lens` new tokens fits (rows of at most `max_row_tokens`)."""
         return sum(query_lens) <= self.max_tokens and max(query_lens, default=0) <= max_row_tokens
 
+    @profiled("decode_stack")
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
                  logits_indices: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from llmctl.engine.kernels import FLAGS, build_library
+from llmctl.engine.kernels import FLAGS, build_library, profiled
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class QuantKernels:
                             None if zeros is None else interleave_groups(zeros.to(torch.float16)), bits, group_size,
                             k, n)
 
+    @profiled("quant_gemv")
     def gemv(self, weight: KernelWeight, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [m, k] bf16 @ the dequantised weight [n, k].T (+ bias [n]) -> bf16 [m, n], one pass over the weight."""
         n, k = weight.out_features, weight.in_features
@@ -118,6 +119,7 @@ class QuantKernels:
                              f"{weight.group_size}")
         return out
 
+    @profiled("quant_dequantize")
     def dequantize(self, weight: KernelWeight) -> torch.Tensor:
         """The bf16 weight [n, k] (for many rows: one GEMM on it is faster than the GEMV)."""
         n, k = weight.out_features, weight.in_features

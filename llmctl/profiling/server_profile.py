@@ -36,6 +36,7 @@ STOP_TIMEOUT_S = 300.0  # the server exports the whole trace before it answers
 READY_WAIT_S = 60.0  # how long a server still warming up (/health 503 "starting") is waited for
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 OP_CATEGORIES = {"cpu_op": "top_ops", "kernel": "top_kernels"}
+NATIVE_LABEL = "llmctl::"  # the engine's C kernels, labelled as user annotations (engine/kernels `profiled`)
 PERCENTILES = [50.0, 99.0]
 
 
@@ -251,7 +252,8 @@ def load_trace(path: Path) -> list[dict[str, Any]]:
 
 
 def summarise_trace(events: list[dict[str, Any]], limit: int) -> dict[str, Any]:
-    """Event count, time span and, per category (CPU ops; CUDA kernels), the names with the most total time.
+    """Event count, time span and, per category (CPU ops, the engine's native kernels among them; CUDA
+    kernels), the names with the most total time.
 
     Totals are inclusive (an `aten::linear` row includes the `aten::addmm` it calls), as the
     profiler's `cpu_time_total` column is.
@@ -264,7 +266,8 @@ def summarise_trace(events: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     for category, key in OP_CATEGORIES.items():
         totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         for event in spans:
-            if event.get("cat") == category:
+            if event.get("cat") == category or (category == "cpu_op" and event.get("cat") == "user_annotation"
+                                                and str(event.get("name", "")).startswith(NATIVE_LABEL)):
                 row = totals[str(event.get("name", "?"))]
                 row[0] += 1
                 row[1] += event["dur"]
