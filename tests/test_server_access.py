@@ -176,7 +176,8 @@ def test_a_key_given_by_its_sha256_is_accepted(tmp_path):
 
 
 # ---- priority against FCFS under a flood -----------------------------------------------------------
-FLOOD, FLOOD_TOKENS = 5, 12
+FLOOD, FLOOD_TOKENS = 5, 128  # long enough that the flood is still queued when the gauge is read (12 drained first)
+QUEUE_WAIT_S = 60.0
 
 
 async def _ttft_under_flood(base_url: str, batch_key: str, interactive_key: str) -> float:
@@ -187,8 +188,11 @@ async def _ttft_under_flood(base_url: str, batch_key: str, interactive_key: str)
     flood = [asyncio.create_task(batch.completions.create(model=MODEL, prompt=f"Scene {i}:", max_tokens=FLOOD_TOKENS,
                                                           extra_body={"ignore_eos": True}))
              for i in range(FLOOD)]
+    deadline = time.monotonic() + QUEUE_WAIT_S
     async with httpx.AsyncClient(timeout=10) as http:
         while _gauge((await http.get(base_url + "/metrics")).text, "llmctl:num_requests_waiting") < FLOOD - 1:
+            assert time.monotonic() < deadline, f"the flood never queued {FLOOD - 1} requests"
+            assert not all(task.done() for task in flood), "the flood finished before it was seen queued"
             await asyncio.sleep(0.02)
     started = time.monotonic()
     stream = await interactive.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=2, stream=True,
