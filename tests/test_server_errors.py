@@ -218,7 +218,7 @@ def test_full_waiting_queue_refuses_with_503_and_retry_after():
 def test_request_timeout_aborts_and_answers_504_that_the_openai_sdk_does_not_retry():
     import openai
 
-    with running_server(request_timeout_s=0.2) as srv:
+    with running_server(request_timeout_s=0.05) as srv:  # 500 tokens take ~0.3 s idle now
         started = time.monotonic()
         response = httpx.post(srv.base_url + "/v1/completions", timeout=30,
                               json={"prompt": "A tale", "max_tokens": 500, "ignore_eos": True})
