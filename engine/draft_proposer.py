@@ -178,13 +178,12 @@ class DraftProposer(AdaptiveProposer):
     def propose(self, running: list[Sequence]) -> None:
         """Set `spec_token_ids` (and for sampled requests `spec_draft_probs`) of every running decode
         the batch-size gate, the adaptive window, the request's limits and the free blocks allow."""
-        small = self._start_round(running)
+        if not self._start_round(running):
+            return  # touching nothing (see `_start_round`)
         live = {seq.seq_id for seq in running}
         self._states = {sid: state for sid, state in self._states.items() if sid in live}
         for seq in running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
-        if not small:
-            return
         self._relax_caps()
         wanted = [(seq, k) for seq, k in ((seq, self._num_drafts(seq)) for seq in running) if k]
         if self._seq_cap is not None:

@@ -332,11 +332,15 @@ def test_a_draft_that_accepts_too_little_is_switched_off_for_that_request(target
 def test_no_drafts_above_the_batch_size_gate(target, small_draft):
     engine = LLMEngine(EngineArgs(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=4,
                                   speculative_config=_spec(small_draft, 3, disable_by_batch_size=1)))
+    draft_calls = []
+    sample_logits = engine.proposer.runner.sample_logits
+    engine.proposer.runner.sample_logits = lambda rows: draft_calls.append(len(rows)) or sample_logits(rows)
     for i in range(2):
         engine.add_request(f"r{i}", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.get_stats()["spec_decode_num_drafts"] == 0
+    assert draft_calls == []  # the draft model never ran: no catch-up rows while the batch is above the gate
 
 
 # ---- the shipped draft ------------------------------------------------------------------------

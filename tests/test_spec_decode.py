@@ -106,6 +106,8 @@ def test_proposer_skips_prefills_large_batches_and_sequences_that_accept_too_lit
     repeating = [_decoding(i, [1, 2, 3, 1, 2]) for i in range(3)]
     proposer.propose(repeating[:2])
     assert [s.spec_token_ids for s in repeating[:2]] == [[3, 1, 2], [3, 1, 2]]
+    for seq in repeating[:2]:
+        seq.clear_drafts()  # what the engine's step does with a verify row's drafts
     proposer.propose(repeating)  # 3 running > 2: compute-bound, no drafts
     assert all(s.spec_token_ids == [] for s in repeating)
 
@@ -128,6 +130,40 @@ def test_proposer_skips_prefills_large_batches_and_sequences_that_accept_too_lit
         proposer.observe(good.seq_id, 4, 1)  # 1 in 4 accepted: above the floor
     proposer.propose([good])
     assert good.spec_token_ids and not proposer.is_disabled(good.seq_id)
+
+
+def test_above_the_batch_size_gate_the_proposer_touches_nothing():
+    """While more than `disable_by_batch_size` sequences run, the engine's step does no speculation work:
+    no lookup, no sequence written (not even its empty drafts replaced), no window pruned."""
+    proposer = NgramProposer(SpeculativeConfig(**NGRAM, disable_by_batch_size=2))
+    running = [_decoding(i, [1, 2, 3, 1, 2]) for i in range(3)]
+    proposer.observe(99, 4, 1)  # a sequence that stopped running: forgotten only once drafting is back
+    before = [seq.spec_token_ids for seq in running]
+    proposer.propose(running)
+    assert all(seq.spec_token_ids is old for seq, old in zip(running, before))
+    assert 99 in proposer._history
+    proposer.propose(running[:2])
+    assert [s.spec_token_ids for s in running[:2]] == [[3, 1, 2], [3, 1, 2]] and 99 not in proposer._history
+
+
+def test_the_engine_looks_up_no_ngram_while_the_batch_is_above_the_gate(tiny_models, monkeypatch):
+    import llmctl.engine.ngram_proposer as ngram
+
+    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_seqs=4,
+              speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    batch_sizes = []
+
+    def counted(*args):
+        batch_sizes.append(len(llm.engine.scheduler.running))
+        return find_ngram_continuation(*args)
+
+    monkeypatch.setattr(ngram, "find_ngram_continuation", counted)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    plain = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_seqs=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 4, 16)]
+    outputs = [o.outputs[0].token_ids for o in llm.generate([prompt] * 3, params)]
+    assert outputs == [o.outputs[0].token_ids for o in plain.generate([prompt] * 3, params)]
+    assert batch_sizes and max(batch_sizes) <= 2  # drafting came back once two of the three finished
 
 
 def test_the_proposer_is_linear_in_the_sequence_length():
