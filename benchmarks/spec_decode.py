@@ -11,16 +11,17 @@ n-gram (default, batch 1), two prompt-lookup workloads:
 Draft model (`--draft`): the shipped `default-draft` proposes for the speaker lines, greedy and sampled
 (temperature 0.8, seeded), at batch 1 and batch 8 (`disable_by_batch_size`'s default).
 Batched (`--batched`): 64 `rewrite` prompts at once: no speculation, n-gram with the default
-`disable_by_batch_size` (8: drafting off while more run, so the cost left is the proposer's check), and
-n-gram forced on (`disable_by_batch_size` 64: verify rows in a compute-bound batch).
+`disable_by_batch_size` (8: drafting off while more run), n-gram forced on (`disable_by_batch_size` 64:
+verify rows in a compute-bound batch) and the `default-draft` model at the default threshold, each in a
+process of its own, alternated over `--rounds`: median and spread per configuration, ratio of medians.
 
     python benchmarks/spec_decode.py [--k 4] [--max-tokens 128] [--repeats 3] [--num-threads N] [--json]
     python benchmarks/spec_decode.py --draft [--draft-k 2] [--max-tokens 96] [--json]
-    python benchmarks/spec_decode.py --batched [--k 4] [--max-tokens 64] [--repeats 3] [--json]
+    python benchmarks/spec_decode.py --batched [--k 4] [--max-tokens 64] [--rounds 7] [--configs none,ngram,...] [--json]
     python benchmarks/spec_decode.py --quick [--draft | --batched]   # a small run that checks it all works
 
-Every mode builds its engines once and interleaves their passes (A B A B ...), best of `--repeats`
-each, so a load change on a shared host hits every side alike. It prints wall-clock tokens/s and
+The batch-1 and draft modes build their engines once and interleave their passes (A B A B ...), best
+of `--repeats` each, so a load change on a shared host hits every side alike. It prints wall-clock tokens/s and
 tokens per CPU second (process time: on a shared host a pass waits for the cores far longer than it
 computes; with `--num-threads 1` CPU seconds are a load-independent measure), both speed-ups, the
 acceptance rate (accepted / drafted tokens), the mean accepted length (tokens per verify row, the
@@ -33,7 +34,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from statistics import median
 from typing import Optional
 
 from llmctl.engine import LLM, SamplingParams
@@ -143,16 +149,107 @@ def draft_rows(args) -> list[dict]:
     return rows
 
 
-def batched_rows(args) -> list[dict]:
-    configs = {"no speculation": None, "n-gram, disable_by_batch_size 8": ngram_config(args.k),
-               f"n-gram forced on (disable_by_batch_size {args.batch})": ngram_config(
-                   args.k, disable_by_batch_size=args.batch)}
-    engines = {name: make_engine(c, args.num_threads, max_num_seqs=args.batch) for name, c in configs.items()}
-    prompts = rewrite_prompts(args.num_threads, args.batch, args.passage_tokens)
+BATCHED_CONFIGS = ("none", "ngram", "ngram-forced", "draft")
+
+
+def batched_configs(args) -> dict[str, tuple[str, Optional[dict]]]:
+    """--batched's configurations by short name: (label, speculative_config)."""
+    table = {"none": ("no speculation", None),
+             "ngram": ("n-gram, disable_by_batch_size 8 (default)", ngram_config(args.k)),
+             "ngram-forced": (f"n-gram forced on (disable_by_batch_size {args.batch})",
+                              ngram_config(args.k, disable_by_batch_size=args.batch)),
+             "draft": (f"draft model default-draft, k={args.draft_k}, disable_by_batch_size 8 (default)",
+                       {"model": "default-draft", "num_speculative_tokens": args.draft_k})}
+    return {name: table[name] for name in args.configs}
+
+
+def batched_worker(args) -> None:
+    """One configuration's timed pass in a process of its own (--batched runs one per configuration and
+    round): the engine built, a warm-up on the speaker lines alone (their prompts' passages stay out of the
+    prefix cache, so every pass prefills alike), then all prompts at once. Prints one JSON line."""
+    speculative = json.loads(args.worker_config)
+    prompts = json.loads(Path(args.prompts_file).read_text())
+    llm = make_engine(speculative, args.num_threads, max_num_seqs=args.batch)
+    lines = [llm.engine.tokenizer.encode(s) for s in SPEAKERS]
+    llm.generate(lines, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    before = llm.engine.get_stats()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    result = measure(engines, prompts, params, args.repeats)
-    return [{"batch": len(prompts), "k": args.k, **summary(result, name, "no speculation", True, args.repeats)}
-            for name in engines]
+    start, cpu_start = time.perf_counter(), time.process_time()
+    outputs = llm.generate(prompts, params)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    stats = llm.engine.get_stats()
+    print(json.dumps({"wall": wall, "cpu": cpu, "tokens": [o.outputs[0].token_ids for o in outputs],
+                      **{key: stats[key] - before[key] for key in (
+                          "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                          "spec_decode_num_accepted_tokens")}}))
+
+
+def run_worker(args, speculative: Optional[dict], prompts_file: Path) -> dict:
+    command = [sys.executable, __file__, "--batched-worker", "--worker-config", json.dumps(speculative),
+               "--prompts-file", str(prompts_file), "--max-tokens", str(args.max_tokens), "--batch", str(args.batch)]
+    if args.num_threads is not None:
+        command += ["--num-threads", str(args.num_threads)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the worker for {json.dumps(speculative)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def batched_rows(args) -> list[dict]:
+    """Each configuration in a process of its own, alternated over rounds (A B C D A B C D ...) on the
+    same prompts: three engines in one process differed by 3 % even when identical, which hid a 5 % goal.
+    Per configuration the median and spread of its rounds' rates and the ratio of medians."""
+    configs = batched_configs(args)
+    prompts = rewrite_prompts(args.num_threads, args.batch, args.passage_tokens)
+    passes: dict[str, list[dict]] = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory() as folder:
+        prompts_file = Path(folder) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        for round_index in range(args.rounds):
+            for name, (_, speculative) in configs.items():
+                passes[name].append(run_worker(args, speculative, prompts_file))
+                if not args.json:
+                    r = passes[name][-1]
+                    print(f"round {round_index + 1}/{args.rounds} {name}: "
+                          f"{sum(map(len, r['tokens'])) / r['wall']:.1f} tok/s", file=sys.stderr, flush=True)
+    reference = passes[next(iter(configs))]
+    base = _rates(reference)
+    rows = []
+    for name, (label, _) in configs.items():
+        rates, drafts = _rates(passes[name]), passes[name]
+        drafted = sum(p["spec_decode_num_draft_tokens"] for p in drafts)
+        accepted = sum(p["spec_decode_num_accepted_tokens"] for p in drafts)
+        verify_rows = sum(p["spec_decode_num_drafts"] for p in drafts)
+        tokens = sum(len(t) for p in drafts for t in p["tokens"])
+        rows.append({"batch": len(prompts), "run": label, "config": name, "rounds": args.rounds,
+                     "tok_s_median": round(median(rates["wall"]), 1),
+                     "tok_s_min": round(min(rates["wall"]), 1), "tok_s_max": round(max(rates["wall"]), 1),
+                     "tok_s_spread": round((max(rates["wall"]) - min(rates["wall"])) / median(rates["wall"]), 3),
+                     "tok_per_cpu_s_median": round(median(rates["cpu"]), 1),
+                     "speedup": round(median(rates["wall"]) / median(base["wall"]), 3),
+                     "cpu_speedup": round(median(rates["cpu"]) / median(base["cpu"]), 3),
+                     "verify_rows_per_pass": verify_rows / args.rounds,
+                     "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+                     "mean_accepted_length": round(1 + accepted / verify_rows, 2) if verify_rows else None,
+                     "drafted_share": round(accepted / tokens, 3),
+                     "outputs_identical": all(p["tokens"] == reference[0]["tokens"] for p in drafts)})
+    return rows
+
+
+def _rates(passes: list[dict]) -> dict[str, list[float]]:
+    tokens = [sum(map(len, p["tokens"])) for p in passes]
+    return {"wall": [t / p["wall"] for t, p in zip(tokens, passes)],
+            "cpu": [t / p["cpu"] for t, p in zip(tokens, passes)]}
+
+
+def print_batched(rows: list[dict], args) -> None:
+    for r in rows:
+        print(f"batch {r['batch']}, {args.max_tokens} tokens, {r['rounds']} rounds, {r['run']}: median "
+              f"{r['tok_s_median']} tok/s (min {r['tok_s_min']}, max {r['tok_s_max']}, spread {r['tok_s_spread']}), "
+              f"{r['tok_per_cpu_s_median']} tok per CPU s; ratio of medians {r['speedup']}x wall, "
+              f"{r['cpu_speedup']}x CPU; verify rows per pass {r['verify_rows_per_pass']}, acceptance "
+              f"{r['acceptance_rate']}, mean accepted length {r['mean_accepted_length']}, drafted share "
+              f"{r['drafted_share']}; outputs identical to the first config's: {r['outputs_identical']}")
 
 
 def print_rows(rows: list[dict], args) -> None:
@@ -178,26 +275,44 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "--draft 96, --batched 64)")
     parser.add_argument("--passage-tokens", type=int, default=128, help="the rewrite workload's passage length")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7, help="--batched: rounds, each running every "
+                        "configuration once in a process of its own (median and spread over them)")
+    parser.add_argument("--configs", default=",".join(BATCHED_CONFIGS),
+                        help=f"--batched: which configurations, comma-separated, the first the reference "
+                        f"(default {','.join(BATCHED_CONFIGS)})")
+    parser.add_argument("--batch", type=int, default=64, help="--batched: sequences at once")
+    parser.add_argument("--batched-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-config", help=argparse.SUPPRESS)
+    parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true",
                         help="small settings (a minute or two on a busy 2-core host): checks the script runs end to end")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     default_tokens = 64 if args.batched else 96 if args.draft else 128
-    args.prompts, args.batch = len(SPEAKERS), 64
+    args.prompts = len(SPEAKERS)
+    args.configs = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = sorted(set(args.configs) - set(BATCHED_CONFIGS))
+    if unknown or not args.configs:
+        parser.error(f"--configs: unknown {', '.join(unknown) or 'empty list'} (known: {', '.join(BATCHED_CONFIGS)})")
+    if args.rounds < 1 or args.batch < 1:
+        parser.error("--rounds and --batch must be at least 1")
     if args.quick:
         args.max_tokens, args.passage_tokens, args.repeats = args.max_tokens or 16, 32, 1
-        args.prompts, args.batch = 2, 12  # batched: above disable_by_batch_size 8, so its gate is exercised
+        args.prompts, args.batch, args.rounds = 2, 12, 2  # batched: above disable_by_batch_size 8, so its gate is exercised
     args.max_tokens = args.max_tokens or default_tokens
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
+    if args.batched_worker:
+        batched_worker(args)
+        return
     rows = batched_rows(args) if args.batched else draft_rows(args) if args.draft else ngram_rows(args)
     if args.json:
         print(json.dumps(rows))
     else:
-        print_rows(rows, args)
+        (print_batched if args.batched else print_rows)(rows, args)
 
 
 if __name__ == "__main__":
