@@ -152,3 +152,43 @@ def test_the_torch_backend_sends_short_rows_to_the_kernel_and_long_ones_to_sdpa(
     decodes = backend.build_metadata(CommonAttentionMetadata([0, 1], [1, 1], [40, 17], tables[:2],
                                                              torch.tensor(slots[:2]), block_size))
     assert decodes.native.query_lens is None and not decodes.prefills  # a decode-only step: row r is token r
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       query_lens=st.lists(st.integers(1, 90), min_size=1, max_size=3), group=st.sampled_from([1, 3, 16]),
+       dim=st.sampled_from([32, 64]), window=st.sampled_from([None, 7, 50]))
+def test_prefill_rows_of_many_tiles_are_bitwise_one_token_decodes(seed, dtype, query_lens, group, dim, window):
+    """Rows longer than a work item's tile (48 query heads: 48, 16 or 3 tokens at these groups) spread over
+    several items, each scoring only the keys up to its last query: every query is still bitwise the
+    one-token decode at its position, so a prompt's outputs do not depend on its chunking."""
+    case = verify_case(seed, dtype, query_lens, 2, group, dim, 16, 160)
+    q, k_pool, v_pool, tables, lens, starts, counts = case
+    out = run_rows(*case, dim ** -0.5, window)
+    for r in range(len(query_lens)):
+        positions = range(query_lens[r])
+        seen = torch.tensor([int(lens[r]) - query_lens[r] + j + 1 for j in positions])
+        tokens = [int(starts[r]) + j for j in positions]
+        decodes = KERNELS.paged_decode_attention(q[tokens], k_pool, v_pool, tables[r: r + 1].expand(len(tokens), -1),
+                                                 seen, dim ** -0.5, window)
+        assert torch.equal(out[tokens], decodes), f"row {r}"
+
+
+def test_the_torch_backend_with_native_prefill_sends_every_row_to_the_kernel():
+    """native_prefill: a long prefill chunk after a cached prefix runs on the kernel too, bitwise its decodes."""
+    heads, kv_heads, dim, block_size = 6, 2, 32, 16
+    backend = TorchAttention(heads, kv_heads, dim, None, torch.bfloat16, kernels=KERNELS, native_prefill=True)
+    query_lens, context_lens, tables = [1, 40], [17, 60], [[0, 1], [2, 3, 4, 5]]
+    generator = torch.Generator().manual_seed(1)
+    pools = [torch.randn(kv_heads, 6, block_size, dim, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    q = torch.randn(41, heads, dim, generator=generator).to(torch.bfloat16)
+    k, v = (torch.randn(41, kv_heads, dim, generator=generator).to(torch.bfloat16) for _ in range(2))
+    slots = [table[p // block_size] * block_size + p % block_size
+             for n, context, table in zip(query_lens, context_lens, tables) for p in range(context - n, context)]
+    meta = backend.build_metadata(CommonAttentionMetadata([0, 1], query_lens, context_lens, tables,
+                                                          torch.tensor(slots), block_size))
+    assert not meta.prefills and meta.native.query_lens.tolist() == [1, 40]
+    out = backend.forward(q, k, v, pools[0], pools[1], meta)
+    seen = torch.tensor([17] + [21 + j for j in range(40)])
+    table_rows = torch.tensor([tables[0] + [0, 0]] + [tables[1]] * 40)
+    assert torch.equal(out, KERNELS.paged_decode_attention(q, *pools, table_rows, seen, backend.scale))

@@ -3,9 +3,12 @@
 Where the native CPU attention kernel serves the model, every row of at most `NATIVE_MAX_QUERY` query
 tokens (decodes, speculative verify rows of k+1 tokens, short prefill chunks) runs in one call of it: it
 reads each row's K/V where it lies in the pool and computes each query exactly as a one-token decode at
-its position, so a verify row's outputs are bitwise those of decoding its tokens one by one. Without the
-kernel, rows of one query token run batched over the kept decode K/V of `DecodeWorkspace`. Every other
-row (a longer prefill chunk, with or without a cached prefix; without the kernel, a verify row too) runs
+its position, so a verify row's outputs are bitwise those of decoding its tokens one by one. Built with
+`native_prefill` (the engine asks for it when speculation is configured), longer rows run on the kernel
+too: no value then depends on how a prompt was chunked or batched, which keeps greedy speculation exact
+in bf16 mixed batches, at about twice SDPA's cost for a prefill chunk's attention. Without the kernel,
+rows of one query token run batched over the kept decode K/V of `DecodeWorkspace`. Every other row (a
+longer prefill chunk, with or without a cached prefix; without the kernel, a verify row too) runs
 through SDPA on its own, its context gathered from the pool.
 """
 
@@ -67,7 +70,7 @@ class TorchAttention:
     workspace_share = WORKSPACE_SHARE
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
-                 dtype: torch.dtype, kernels=None):
+                 dtype: torch.dtype, kernels=None, native_prefill: bool = False):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
@@ -76,13 +79,17 @@ class TorchAttention:
         # The native CPU kernels, where their decode attention serves this model.
         fits = kernels is not None and kernels.supports_decode(dtype, num_heads, num_kv_heads, head_dim)
         self.decode_kernel = kernels if fits else None
+        # The longest row the kernel takes (None: every row, `native_prefill`).
+        self.native_max_query: Optional[int] = None if native_prefill else NATIVE_MAX_QUERY
         # GQA prefill that SDPA's flash kernel cannot take (a mask, or float32) with one K/V head per query
         # head: None = on CUDA.
         self.expand_masked_gqa: Optional[bool] = None
 
     @property
     def label(self) -> str:
-        return "torch (native CPU decode kernel)" if self.decode_kernel is not None else "torch"
+        if self.decode_kernel is None:
+            return "torch"
+        return "torch (native CPU decode kernel)" if self.native_max_query else "torch (native CPU kernel, every row)"
 
     def validate_block_size(self, block_size: int) -> Optional[str]:
         return None
@@ -129,13 +136,13 @@ class TorchAttention:
         return meta
 
     def _native_metadata(self, batch: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        """Rows of up to NATIVE_MAX_QUERY tokens for the native kernel (tables trimmed to their longest
-        context), a span for each longer one."""
+        """Rows of up to `native_max_query` tokens (all with `native_prefill`) for the native kernel (tables
+        trimmed to their longest context), a span for each longer one."""
         device = batch.device
         spans, starts, native = [], [], []
         start = 0
         for i, (length, context, table) in enumerate(zip(batch.query_lens, batch.context_lens, batch.block_tables)):
-            if length <= NATIVE_MAX_QUERY:
+            if self.native_max_query is None or length <= self.native_max_query:
                 native.append(i)
                 starts.append(start)
             else:
