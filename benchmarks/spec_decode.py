@@ -9,7 +9,9 @@ n-gram (default, batch 1), two prompt-lookup workloads:
   * `repeat`: a fixed Shakespeare passage repeated three times, which the model mostly does not copy
     (it drafts once its own text repeats itself): the workload before `rewrite`, kept for comparison.
 Draft model (`--draft`): the shipped `default-draft` proposes for the speaker lines, greedy and sampled
-(temperature 0.8, seeded), at batch 1 and batch 8 (`disable_by_batch_size`'s default).
+(temperature 0.8, unseeded: the cost gate does not decide for a seeded request), at batch 1 and batch 8
+(`disable_by_batch_size`'s default), with its per-step cost gate (`disable_by_cost`, the default for a
+draft model) and without it (`"disable_by_cost": false`, every step drafts).
 Batched (`--batched`): 64 `rewrite` prompts at once: no speculation, n-gram with the default
 `disable_by_batch_size` (8: drafting off while more run), n-gram forced on (`disable_by_batch_size` 64:
 verify rows in a compute-bound batch) and the `default-draft` model at the default threshold, each in a
@@ -118,7 +120,8 @@ def summary(result: dict[str, dict], name: str, base: str, greedy: bool, repeats
 
 def ngram_rows(args) -> list[dict]:
     engines = {"no speculation": make_engine(None, args.num_threads),
-               "n-gram": make_engine(ngram_config(args.k), args.num_threads)}
+               "n-gram": make_engine(ngram_config(args.k), args.num_threads),
+               "n-gram, disable_by_cost": make_engine(ngram_config(args.k, disable_by_cost=True), args.num_threads)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     workloads = {"rewrite": rewrite_prompts(args.num_threads, args.prompts, args.passage_tokens),
                  "repeat": [PASSAGE * 3]}
@@ -129,35 +132,40 @@ def ngram_rows(args) -> list[dict]:
         merged = {name: {key: (sum(p[name][key] for p in per_prompt) if key != "tokens"
                                else [t for p in per_prompt for t in p[name]["tokens"]])
                          for key in per_prompt[0][name]} for name in engines}
-        rows.append({"workload": workload, "batch": 1, "prompts": len(prompts), "k": args.k,
-                     **summary(merged, "n-gram", "no speculation", True, args.repeats)})
+        rows += [{"workload": workload, "batch": 1, "prompts": len(prompts), "k": args.k,
+                  **summary(merged, name, "no speculation", True, args.repeats)} for name in list(engines)[1:]]
     return rows
 
 
 def draft_rows(args) -> list[dict]:
     config = {"model": "default-draft", "num_speculative_tokens": args.draft_k}
     engines = {"no speculation": make_engine(None, args.num_threads),
-               "draft model": make_engine(config, args.num_threads)}
+               "draft model": make_engine(config, args.num_threads),  # the cost gate on: the default
+               "draft model, disable_by_cost false": make_engine({**config, "disable_by_cost": False},
+                                                                 args.num_threads)}
     rows = []
     for batch in sorted({1, args.prompts}):
         for temperature in (0.0, 0.8):
-            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True,
-                                    seed=None if temperature == 0.0 else 1)
+            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True)
             result = measure(engines, SPEAKERS[:batch], params, args.repeats)
-            row = summary(result, "draft model", "no speculation", params.greedy, args.repeats)
-            rows.append({"batch": batch, "temperature": temperature, "k": args.draft_k, **row})
+            rows += [{"batch": batch, "temperature": temperature, "k": args.draft_k,
+                      **summary(result, name, "no speculation", params.greedy, args.repeats)}
+                     for name in list(engines)[1:]]
     return rows
 
 
-BATCHED_CONFIGS = ("none", "ngram", "ngram-forced", "draft")
+BATCHED_CONFIGS = ("none", "ngram", "ngram-forced", "ngram-gated", "draft")
+DEFAULT_BATCHED = "none,ngram,ngram-forced,draft"
 
 
 def batched_configs(args) -> dict[str, tuple[str, Optional[dict]]]:
     """--batched's configurations by short name: (label, speculative_config)."""
     table = {"none": ("no speculation", None),
              "ngram": ("n-gram, disable_by_batch_size 8 (default)", ngram_config(args.k)),
-             "ngram-forced": (f"n-gram forced on (disable_by_batch_size {args.batch})",
-                              ngram_config(args.k, disable_by_batch_size=args.batch)),
+             "ngram-forced": (f"n-gram forced on (disable_by_batch_size {args.batch}, disable_by_cost false)",
+                              ngram_config(args.k, disable_by_batch_size=args.batch, disable_by_cost=False)),
+             "ngram-gated": (f"n-gram, disable_by_batch_size {args.batch}, disable_by_cost true",
+                             ngram_config(args.k, disable_by_batch_size=args.batch, disable_by_cost=True)),
              "draft": (f"draft model default-draft, k={args.draft_k}, disable_by_batch_size 8 (default)",
                        {"model": "default-draft", "num_speculative_tokens": args.draft_k})}
     return {name: table[name] for name in args.configs}
@@ -277,9 +285,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7, help="--batched: rounds, each running every "
                         "configuration once in a process of its own (median and spread over them)")
-    parser.add_argument("--configs", default=",".join(BATCHED_CONFIGS),
+    parser.add_argument("--configs", default=DEFAULT_BATCHED,
                         help=f"--batched: which configurations, comma-separated, the first the reference "
-                        f"(default {','.join(BATCHED_CONFIGS)})")
+                        f"(default {DEFAULT_BATCHED}; also ngram-gated: the threshold lifted, the cost gate on)")
     parser.add_argument("--batch", type=int, default=64, help="--batched: sequences at once")
     parser.add_argument("--batched-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-config", help=argparse.SUPPRESS)

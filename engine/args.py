@@ -182,6 +182,17 @@ class SpeculativeConfig:
     # compute-bound, where every rejected draft is paid in full, and on CUDA a verify row also leaves the
     # decode graphs. 8 is where vLLM's n-gram guidance starts to lose (its examples use 4..8).
     disable_by_batch_size: int = 8
+    # llmctl's key (vLLM has none): skip drafting on the steps where the measured cost of a draft round
+    # and verify rows exceeds what the sequences' measured acceptance saves (engine/spec_cost.py); false:
+    # draft on every step the batch-size gate and the per-request window allow. Default (None): on for a
+    # draft model (a round of the 1-layer default draft costs about a target step on CPU: 0.43-0.45x of
+    # no speculation at batch 8), off for n-gram (a lookup costs ~30 us a sequence, a miss nothing more,
+    # and a verify row about a decode row while the batch is memory-bound).
+    disable_by_cost: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.disable_by_cost is None:
+            object.__setattr__(self, "disable_by_cost", self.model is not None or self.method == "draft_model")
 
     @classmethod
     def parse(cls, value: Any) -> Optional["SpeculativeConfig"]:
@@ -214,6 +225,9 @@ class SpeculativeConfig:
         config = cls(**value)
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             _positive(f"speculative_config {name}", getattr(config, name))
+        if not isinstance(config.disable_by_cost, bool):
+            raise EngineArgsError(f"speculative_config disable_by_cost must be true or false, got "
+                                  f"{config.disable_by_cost!r}")
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise EngineArgsError(f"speculative_config: prompt_lookup_min {config.prompt_lookup_min} exceeds "
                                   f"prompt_lookup_max {config.prompt_lookup_max}")

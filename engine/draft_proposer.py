@@ -180,12 +180,21 @@ class DraftProposer(AdaptiveProposer):
         the batch-size gate, the adaptive window, the request's limits and the free blocks allow."""
         if not self._start_round(running):
             return  # touching nothing (see `_start_round`)
+        pays = self._drafting_pays(running)
         live = {seq.seq_id for seq in running}
         self._states = {sid: state for sid, state in self._states.items() if sid in live}
         for seq in running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
         self._relax_caps()
         wanted = [(seq, k) for seq, k in ((seq, self._num_drafts(seq)) for seq in running) if k]
+        if not pays:
+            # A seeded sampled request's output depends on which of its steps drafted (the rejection
+            # sampler's draws differ from a plain decode's), so the timing-based gate must not decide
+            # for it: it drafts whenever the batch-size gate and its window allow, as without the gate.
+            wanted = [(seq, k) for seq, k in wanted if seq.params.seed is not None and not seq.params.greedy]
+            if not wanted:
+                return
+            self.cost_gate.skip_measurement()  # the step drafts for some: its time measures neither choice
         if self._seq_cap is not None:
             wanted = wanted[:self._seq_cap]
         # Slots for the last known token and the first k - 1 drafts: what the draft writes this round.

@@ -255,6 +255,7 @@ class LLMEngine:
         elif speculative is not None:
             self.proposer = NgramProposer(speculative)
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
+        self.step_clock = time.perf_counter  # what the proposer's cost gate measures steps with (tests inject one)
         self.requests: dict[str, Request] = {}
         self.last_step = StepInfo((), 0, self.scheduler.config.max_num_batched_tokens)
         self._seq_ids = itertools.count()
@@ -380,12 +381,20 @@ class LLMEngine:
         out of memory is undone and retried smaller (see `Scheduler.shrink_after_oom`); a request that
         does not fit even alone is finished with a `CapacityError` (its output's `error`) and the
         others run on."""
+        start = self.step_clock()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
+        info, scheduled = self._run_step()
+        if self.proposer is not None:  # the measured cost of this step, with or without drafts
+            self.proposer.end_step(scheduled, self.step_clock() - start)
+        return info
+
+    def _run_step(self) -> tuple[StepInfo, Optional[list]]:
+        """`step`'s schedule, execute and apply; with the rows that ran (None: none, or a failed step)."""
         while True:
             out = self.scheduler.schedule()
             if out.is_empty:
-                return StepInfo((), 0, self.scheduler.token_budget)
+                return StepInfo((), 0, self.scheduler.token_budget), None
             self.last_step = StepInfo(tuple(dict.fromkeys(s.seq.request_id for s in out.scheduled)),
                                       out.num_batched_tokens, self.scheduler.token_budget)
             rows = [self._sampling_row(s.seq) if s.samples else None for s in out.scheduled]
@@ -396,11 +405,11 @@ class LLMEngine:
                     raise
                 cause = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
             else:
-                return self._apply(out, result)
+                return self._apply(out, result), out.scheduled
             # Outside the except block, so the traceback (and the activations its frames hold) is gone.
             failed = self._after_out_of_memory(out, cause)
             if failed is not None:
-                return replace(self.last_step, outputs=[failed])
+                return replace(self.last_step, outputs=[failed]), None
 
     def _apply(self, out: SchedulerOutput, result: ModelRunnerOutput) -> StepInfo:
         now = time.monotonic()

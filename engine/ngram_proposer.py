@@ -18,6 +18,7 @@ import numpy as np
 
 from llmctl.engine.args import SpeculativeConfig
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.spec_cost import DraftCostGate
 
 # Per-sequence adaptivity: over its last 8 drafts, fewer than 1 accepted token in 5 drafted turns
 # drafting off for that sequence. A verify row of k + 1 tokens on CPU costs about one decode plus a few
@@ -61,7 +62,8 @@ def find_ngram_continuation(token_ids: list[int] | np.ndarray, max_n: int, min_n
 
 class AdaptiveProposer:
     """What every proposer shares: the per-sequence window of verify outcomes that turns drafting off
-    for a sequence accepting too little, and the batch-size gate (`disable_by_batch_size`)."""
+    for a sequence accepting too little, the batch-size gate (`disable_by_batch_size`) and the per-step
+    cost gate (`disable_by_cost`: `spec_cost.DraftCostGate`, fed each step's seconds by `end_step`)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -69,6 +71,7 @@ class AdaptiveProposer:
         self._history: dict[int, deque[tuple[int, int]]] = {}
         self._disabled: set[int] = set()
         self.num_oom_skips = 0  # rounds dropped because a draft forward ran out of memory (a draft model's)
+        self.cost_gate = DraftCostGate() if config.disable_by_cost else None
 
     def _start_round(self, running: list[Sequence]) -> bool:
         """False, touching nothing, when the batch is too large to draft for: no running sequence holds
@@ -81,10 +84,32 @@ class AdaptiveProposer:
         live = {seq.seq_id for seq in running}
         self._history = {sid: h for sid, h in self._history.items() if sid in live}
         self._disabled &= live
+        if self.cost_gate is not None:
+            self.cost_gate.forget(live)
         return True
+
+    def _drafting_pays(self, running: list[Sequence]) -> bool:
+        """The cost gate's choice for this step (True without one)."""
+        if self.cost_gate is None:
+            return True
+        decodes = [seq.seq_id for seq in running if seq.num_uncomputed_tokens == 1]
+        return self.cost_gate.should_draft([sid for sid in decodes if sid not in self._disabled], len(decodes))
+
+    def end_step(self, scheduled: list | None, seconds: float) -> None:
+        """The engine's step ended after `seconds` (from before `propose`) having run the rows `scheduled`
+        (`ScheduledSeq`s; None: it ran nothing, or failed)."""
+        gate = self.cost_gate
+        if gate is None or not gate.measuring:
+            return
+        if scheduled is None:
+            gate.skip_measurement()
+            return
+        gate.end_step(seconds, all(item.num_new_tokens - len(item.spec_token_ids) == 1 for item in scheduled))
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """A verify row's outcome: turn drafting off for a sequence whose window accepts too little."""
+        if self.cost_gate is not None:
+            self.cost_gate.observe(seq_id, num_accepted)
         history = self._history.setdefault(seq_id, deque(maxlen=WINDOW))
         history.append((num_drafted, num_accepted))
         if len(history) == WINDOW:
@@ -98,8 +123,9 @@ class AdaptiveProposer:
 
 class NgramProposer(AdaptiveProposer):
     def propose(self, running: list[Sequence]) -> None:
-        """Set `spec_token_ids` of every running decode (nothing at all when the batch is too large)."""
-        if not self._start_round(running):
+        """Set `spec_token_ids` of every running decode (nothing at all when the batch is too large or
+        the cost gate says this step's drafts would not pay)."""
+        if not self._start_round(running) or not self._drafting_pays(running):
             return
         for seq in running:
             seq.spec_token_ids = self._drafts(seq)

@@ -43,7 +43,8 @@ def small_draft(tmp_path_factory, target) -> Path:
 
 
 def _spec(model: Path | str, k: int = 3, **extra) -> dict:
-    return {"model": str(model), "num_speculative_tokens": k, **extra}
+    """The cost gate off unless asked for: these tests count drafts, which the gate's timing would vary."""
+    return {"model": str(model), "num_speculative_tokens": k, "disable_by_cost": False, **extra}
 
 
 def _greedy_tokens(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -357,7 +358,8 @@ def test_default_draft_works_offline_with_the_embedded_model_and_keeps_greedy_ou
     small = dict(dtype="float32", max_model_len=128, max_num_seqs=4, num_threads=1)
     prompts = ["ROMEO:\n", "First Citizen:\n"]
     plain = _greedy_tokens(LLM(**small), prompts)
-    llm = LLM(**small, speculative_config='{"model": "default-draft", "num_speculative_tokens": 3}')
+    llm = LLM(**small, speculative_config='{"model": "default-draft", "num_speculative_tokens": 3, '
+                                          '"disable_by_cost": false}')
     assert _greedy_tokens(llm, prompts) == plain
     stats = llm.engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0, "a trained draft agrees with its target sometimes"

@@ -389,6 +389,9 @@ class DistributionDraft:
         self.drafted += num_drafted
         self.accepted += num_accepted
 
+    def end_step(self, scheduled, seconds: float) -> None:
+        self.steps = getattr(self, "steps", 0) + 1  # the engine reports every step's cost to its proposer
+
 
 def test_sampled_histograms_with_a_distribution_draft_match_without_speculation(tmp_path):
     """Drafts drawn from a q unrelated to the model (a fixed random distribution) through the rejection
