@@ -94,8 +94,8 @@ def decode_steps(engine, prompt: list[int], steps: int, timers: "Timers | None" 
 
 
 def gemv_floor(runner, repeats: int) -> float:
-    """Thread CPU ns of the step's linears alone: every linear's native single-row kernel (the dpbf16 GEMV
-    or the AMX kernel) on its own weight, in the forward's order, back to back (the weights stream from
+    """Thread CPU ns of the step's linears alone: every linear's native single-row kernel (the dpbf16 GEMV,
+    the AMX kernel or the quantised GEMV) on its own weight, in the forward's order, back to back (the weights stream from
     DRAM as in a step: they exceed the LLC)."""
     import torch
 
@@ -110,6 +110,8 @@ def gemv_floor(runner, repeats: int) -> float:
         x = torch.randn(1, linear.in_features).bfloat16()
         if kind == "amx":
             calls.append(lambda w=weight, x=x, n=linear.out_features, b=bias: kernels.gemm_amx(w, x, n, b))
+        elif kind == "quant":
+            calls.append(lambda w=weight, x=x, b=bias: w.kernels.gemv(w.weight, x, b))
         else:
             calls.append(lambda w=weight, x=x, b=bias: kernels.gemv(w, x, b))
     best = None
@@ -132,6 +134,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode steps per pass")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quantization", default=None,
+                        help="--quantization of the engine (int8, int4-g32, int4-g32-asym, ...; default: none, bf16); "
+                             "a GGUF --model runs its own quantisation")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -147,7 +152,7 @@ def main() -> None:
         folder = str(make_model(Path(scratch.name), "bfloat16"))
     engine = LLMEngine(EngineArgs.from_dict(dict(model=folder, dtype="bfloat16", skip_tokenizer_init=True,
                                                  enable_prefix_caching=False, max_model_len=1024,
-                                                 num_threads=args.threads)))
+                                                 num_threads=args.threads, quantization=args.quantization)))
     runner = engine.executor.runner
     stack = runner.native_decode
     paths = {"native step": stack, "python forward": None} if stack is not None else {"python forward": None}
@@ -176,13 +181,13 @@ def main() -> None:
                 best = per_step
         splits[path] = {part: round(ns / 1e3, 1) for part, ns in sorted(best.items(), key=lambda kv: -kv[1])}
     runner.native_decode = stack
-    report = {"threads": args.threads, "steps": args.steps, "repeats": args.repeats,
+    report = {"quantization": args.quantization, "threads": args.threads, "steps": args.steps, "repeats": args.repeats,
               "step_us": {path: min(values) / 1e3 for path, values in plain.items()},
               "linears_alone_us": None if floor is None else floor / 1e3, "split_us": splits}
     if args.json:
         print(json.dumps(report))
         return
-    print(f"batch-1 bf16 decode step, {args.threads} thread(s), thread CPU time: best of {args.repeats} passes' "
+    print(f"batch-1 {args.quantization or 'bf16'} decode step, {args.threads} thread(s), thread CPU time: best of {args.repeats} passes' "
           f"medians ({args.steps} steps each)")
     for path, us in report["step_us"].items():
         outside = "" if floor is None else f"   outside the linears {us - floor / 1e3:7.0f} us"

@@ -211,6 +211,35 @@ def test_a_quantised_file_runs_in_bfloat16_by_default_and_tracks_the_reference(t
         assert (ours.float() - expected).abs().max().item() < 0.05 * expected.abs().max().item() + 0.05
 
 
+@pytest.mark.parametrize("embedding_type", ["Q8_0", "Q4_0"])
+def test_a_tied_files_lm_head_runs_on_the_embeddings_own_codes(tiny_models, tmp_path, embedding_type):
+    """No output.weight: the lm_head is token_embd's blocks in the quantised kernel's layout (llama.cpp writes a
+    tied SmolLM's token_embd as Q8_0 in its Q4_0 file: rows of 576 are no multiple of 256), the embedding
+    lookup the gguf package's dequantised table; both hold the same values."""
+    path = tmp_path / "model.gguf"
+    held = write_gguf(tiny_models["qwen2"], path, {"token_embd.weight": embedding_type}, default_type="Q4_0")
+    llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400)
+    model = llm.engine.executor.runner.model
+    head, table = model.lm_head, model.model.embed_tokens.weight
+    assert head.quant_layout == "native" and head.quant_bits == {"Q8_0": 8, "Q4_0": 4}[embedding_type]
+    assert head.weight.dtype == torch.uint8 and head.weight.data_ptr() != table.data_ptr()
+    expected = torch.from_numpy(held["model.embed_tokens.weight"])
+    assert torch.equal(table, expected.bfloat16())
+    assert torch.equal(head.quant_kernels.dequantize(head.kernel_weight), table)
+    reference = reference_model(tiny_models["qwen2"], held)  # tied: its lm_head is the dequantised table
+    for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:2]):
+        expected = reference_logits(reference, prompt, tokens)
+        assert (ours.float() - expected).abs().max().item() < 0.05 * expected.abs().max().item() + 0.05
+
+
+def test_a_tied_file_with_a_float_embedding_keeps_the_lm_head_tied(tiny_models, tmp_path):
+    path = tmp_path / "model.gguf"
+    write_gguf(tiny_models["qwen2"], path, {"token_embd.weight": "F16"}, default_type="Q4_0")
+    llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400)
+    assert llm.engine.executor.runner.config.model_config.tie_word_embeddings
+    assert getattr(llm.engine.executor.runner.model.lm_head, "quant_layout", None) is None
+
+
 def sentencepiece_style_gguf_metadata():
     """A SentencePiece-style BPE (byte fallback, "▁" for spaces) trained with tokenizers, written as llama.cpp's
     "llama" vocabulary: tokens by id, scores ranking each merged piece by its merge's rank, token types."""

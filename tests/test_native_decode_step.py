@@ -3,6 +3,8 @@ bitwise the logits of the model's Python forward, used exactly where every op of
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -23,10 +25,14 @@ ARCHS = {
 }
 
 
-def _engine(tmp_path, arch: str, **overrides) -> LLM:
+def _engine(tmp_path, arch: str, engine: Optional[dict] = None, **overrides) -> LLM:
     folder = make_tiny_model(tmp_path / arch, arch.split("-")[0], **overrides)
-    return LLM(str(folder), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, num_threads=1,
-               enable_prefix_caching=False)
+    return _llm(folder, **(engine or {}))
+
+
+def _llm(model, **engine) -> LLM:
+    return LLM(str(model), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, num_threads=1,
+               enable_prefix_caching=False, **engine)
 
 
 def _generate(llm: LLM, prompts):
@@ -63,7 +69,7 @@ def test_the_native_step_gives_the_python_forwards_logits_bitwise(tmp_path, arch
     llm = _engine(tmp_path, arch, **ARCHS[arch])
     runner = llm.engine.executor.runner
     stack = runner.native_decode
-    assert stack is not None and stack.linear_kind == kind
+    assert stack is not None and stack.kinds == {kind}
     counted = runner.native_decode = Counted(stack)
     # 7 + 20 tokens cross a 16-token block; 30 + 20 cross three (and the 8-token window)
     prompts = [[(7 * i + 3) % 500 + 1 for i in range(7)], [(11 * i + 5) % 500 + 1 for i in range(30)]]
@@ -76,6 +82,54 @@ def test_the_native_step_gives_the_python_forwards_logits_bitwise(tmp_path, arch
     runner.native_decode = None
     assert [_generate(llm, [prompt])[0] for prompt in prompts] == native  # tokens and top-5 log-probs, bit for bit
     assert _generate(llm, prompts) == batched
+
+
+def _check_one_token_steps_against_the_python_forward(llm: LLM, kinds: set[str]) -> None:
+    """Every batch-1 decode step runs natively, nothing else does (quantised linears: one row a step), and
+    the tokens and top-5 log-probs equal the Python forward's bit for bit."""
+    runner = llm.engine.executor.runner
+    stack = runner.native_decode
+    assert stack is not None and stack.kinds == kinds and stack.max_tokens == 1
+    counted = runner.native_decode = Counted(stack)
+    prompts = [[(7 * i + 3) % 500 + 1 for i in range(7)], [(11 * i + 5) % 500 + 1 for i in range(30)]]
+    native = [_generate(llm, [prompt])[0] for prompt in prompts]
+    assert counted.steps == [1] * 19 + [1] * 19
+    counted.steps.clear()
+    batched = _generate(llm, prompts)
+    assert counted.steps == []  # two decodes a step: the Python forward
+    runner.native_decode = None
+    assert [_generate(llm, [prompt])[0] for prompt in prompts] == native
+    assert _generate(llm, prompts) == batched
+
+
+@needs_gemv
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32", "int4-g32-asym"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2-bias-tied"])
+def test_on_the_fly_quantised_linears_run_in_the_native_step_bitwise(tmp_path, arch, quantization):
+    llm = _engine(tmp_path, arch, dict(quantization=quantization), **({"head_dim": 32} if arch == "llama" else {}))
+    _check_one_token_steps_against_the_python_forward(llm, {"quant"})  # the tied lm_head quantised too
+
+
+@needs_gemv
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_q4_0_files_step_runs_natively_bitwise(tiny_models, tmp_path, arch):
+    from gguf_writer import write_gguf
+
+    path = tmp_path / "model-Q4_0.gguf"
+    write_gguf(tiny_models[arch], path, {}, default_type="Q4_0")
+    llm = _llm(path)
+    # llama: its own Q4_0 output matrix; qwen2: tied, the lm_head from the embedding's Q4_0 codes
+    _check_one_token_steps_against_the_python_forward(llm, {"quant"})
+
+
+@needs_gemv
+def test_a_gptq_checkpoints_step_mixes_quantised_and_bf16_linears(tiny_models, tmp_path):
+    from test_gptq_awq import Scheme, write_quantised_checkpoint
+
+    write_quantised_checkpoint(tiny_models["llama"], tmp_path / "gptq", Scheme("gptq", sym=False))
+    llm = _llm(tmp_path / "gptq")
+    bf16 = "amx" if KERNELS.has_amx else "gemv"  # GPTQ's lm_head stays in full precision
+    _check_one_token_steps_against_the_python_forward(llm, {"quant", bf16})
 
 
 @needs_gemv
@@ -98,13 +152,20 @@ def test_verify_rows_run_natively_and_give_the_python_forwards_logits(tmp_path):
 
 @pytest.mark.parametrize("arch, overrides, engine", [
     ("qwen3", dict(), dict(dtype="bfloat16")),  # q/k norm
-    ("llama", dict(head_dim=32), dict(dtype="bfloat16", quantization="int8")),  # a linear no native row kernel runs
+    ("llama", dict(head_dim=32), dict(dtype="float32", quantization="int8")),  # float32 activations: int8pack
     ("llama", dict(head_dim=32), dict(dtype="float32")),
 ])
 def test_the_native_step_is_only_built_where_every_op_is_native(tmp_path, arch, overrides, engine):
     folder = make_tiny_model(tmp_path / arch, arch, **overrides)
     llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128, num_threads=1, **engine)
     assert llm.engine.executor.runner.native_decode is None
+
+
+def test_act_order_linears_keep_the_python_forward(tiny_models, tmp_path):
+    from test_gptq_awq import Scheme, write_quantised_checkpoint
+
+    write_quantised_checkpoint(tiny_models["llama"], tmp_path / "gptq", Scheme("gptq", desc_act=True))
+    assert _llm(tmp_path / "gptq").engine.executor.runner.native_decode is None  # inputs permuted first
 
 
 @needs_gemv
@@ -128,23 +189,37 @@ def test_the_step_refuses_ids_outside_its_tables(tmp_path):
 
 @needs_gemv
 def test_operands_are_checked_when_the_step_is_bound():
+    from llmctl.engine.kernels.quant import QuantRowOperand, load_quant_kernels
+
     hidden, heads, kv_heads, dim, inter, vocab = 64, 2, 1, 32, 96, 40
     bf16 = dict(dtype=torch.bfloat16)
     pool = torch.zeros(kv_heads, 4, 16, dim, **bf16)
-    layer = {"input_norm": torch.ones(hidden, **bf16), "qkv": torch.zeros((heads + 2 * kv_heads) * dim, hidden, **bf16),
-             "qkv_bias": None, "o": torch.zeros(hidden, heads * dim, **bf16), "o_bias": None,
-             "post_norm": torch.ones(hidden, **bf16), "gate_up": torch.zeros(2 * inter, hidden, **bf16),
-             "gate_up_bias": None, "down": torch.zeros(hidden, inter, **bf16), "down_bias": None,
+    layer = {"input_norm": torch.ones(hidden, **bf16),
+             "qkv": ("gemv", torch.zeros((heads + 2 * kv_heads) * dim, hidden, **bf16)), "qkv_bias": None,
+             "o": ("gemv", torch.zeros(hidden, heads * dim, **bf16)), "o_bias": None,
+             "post_norm": torch.ones(hidden, **bf16), "gate_up": ("gemv", torch.zeros(2 * inter, hidden, **bf16)),
+             "gate_up_bias": None, "down": ("gemv", torch.zeros(hidden, inter, **bf16)), "down_bias": None,
              "k_pool": pool, "v_pool": pool.clone()}
     embedding, table = torch.zeros(vocab, hidden, **bf16), torch.zeros(64, dim // 2, **bf16)
-    args = dict(linear_kind="gemv", lm_head_kind="gemv", num_heads=heads, num_kv_heads=kv_heads, intermediate=inter,
-                eps=1e-5, scale=dim ** -0.5, window=None)
-    stack = KERNELS.decode_stack([layer], embedding, torch.ones(hidden, **bf16), embedding, table, table, **args)
-    logits = stack(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), [[0]], [1], [1], torch.tensor([0]))
-    assert logits.shape == (1, vocab) and logits.dtype == torch.float32 and not logits.any()  # zero weights
-    for name, bad in [("o", layer["o"].t()), ("qkv_bias", torch.zeros(7, **bf16)), ("down", layer["down"].float())]:
+    args = dict(num_heads=heads, num_kv_heads=kv_heads, intermediate=inter, eps=1e-5, scale=dim ** -0.5, window=None)
+    quant = load_quant_kernels()
+    codes = torch.full((vocab, hidden), 8, dtype=torch.uint8)  # 4-bit codes at the midpoint: weight 0
+    lm_heads = [("gemv", embedding)]
+    if quant is not None:
+        lm_heads.append(("quant", QuantRowOperand(quant, quant.pack(codes, torch.ones(vocab, 2), None, 4, 32))))
+    for lm_head in lm_heads:
+        stack = KERNELS.decode_stack([layer], embedding, torch.ones(hidden, **bf16), lm_head, table, table, **args)
+        logits = stack(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), [[0]], [1], [1], torch.tensor([0]))
+        assert logits.shape == (1, vocab) and logits.dtype == torch.float32 and not logits.any()  # zero weights
+    bad_operands = [("o", ("gemv", layer["o"][1].t())), ("qkv_bias", torch.zeros(7, **bf16)),
+                    ("down", ("gemv", layer["down"][1].float())), ("down", layer["down"][1]),
+                    ("down", ("tiles", layer["down"][1]))]
+    if quant is not None:
+        bad_operands.append(("o", lm_heads[1]))  # a quantised weight of another shape
+    for name, bad in bad_operands:
         with pytest.raises(ValueError, match=f"decode_stack: {name} must"):
-            KERNELS.decode_stack([{**layer, name: bad}], embedding, torch.ones(hidden, **bf16), embedding, table,
+            KERNELS.decode_stack([{**layer, name: bad}], embedding, torch.ones(hidden, **bf16), lm_heads[0], table,
                                  table, **args)
     with pytest.raises(ValueError, match="lm_head"):
-        KERNELS.decode_stack([layer], embedding, torch.ones(hidden, **bf16), embedding[:-1], table, table, **args)
+        KERNELS.decode_stack([layer], embedding, torch.ones(hidden, **bf16), ("gemv", embedding[:-1]), table, table,
+                             **args)

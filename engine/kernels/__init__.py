@@ -304,23 +304,24 @@ class CpuKernels:
         self._argmax(values.data_ptr(), values.shape[0], values.shape[1], out.data_ptr())
         return out
 
-    def decode_stack(self, layers: list[dict[str, Optional[torch.Tensor]]], embedding: torch.Tensor,
-                     final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                     linear_kind: str, lm_head_kind: str, num_heads: int, num_kv_heads: int, intermediate: int,
-                     eps: float, scale: float, window: Optional[int]) -> Optional["DecodeStack"]:
+    def decode_stack(self, layers: list[dict[str, object]], embedding: torch.Tensor, final_norm: torch.Tensor,
+                     lm_head: tuple[str, object], cos: torch.Tensor, sin: torch.Tensor, *, num_heads: int,
+                     num_kv_heads: int, intermediate: int, eps: float, scale: float,
+                     window: Optional[int]) -> Optional["DecodeStack"]:
         """The whole batch-1 decode step of a Llama-family model as one native call (`DecodeStack`), or None
-        where this CPU lacks a linear kind's kernel. `layers`: per decoder layer the tensors named in
-        `DecodeStack.LAYER_FIELDS` (biases may be None): bf16 norm weights, each linear's weight operand for
-        its kind (`"gemv"`: the plain [out, in] weight; `"amx"`: its `pack_amx` tiles; the decoder linears share
-        `linear_kind`, the lm_head has `lm_head_kind`) and the layer's K and V pools [kv_heads, blocks,
-        block_size, head_dim]; `cos`/`sin`: RoPE tables [positions, head_dim / 2]."""
-        available = {"gemv": self.has_gemv, "amx": self.has_amx}
-        if not (available.get(linear_kind) and available.get(lm_head_kind)):
+        where this CPU lacks a linear kind's kernel. `layers`: per decoder layer the entries named in
+        `DecodeStack.LAYER_FIELDS` (biases may be None): bf16 norm weights, each linear as (kind, operand)
+        (`"gemv"`: the plain [out, in] bf16 weight; `"amx"`: its `pack_amx` tiles; `"quant"`: a
+        `quant.QuantRowOperand`), the layer's K and V pools [kv_heads, blocks, block_size, head_dim]; `lm_head`
+        (kind, operand) likewise; `cos`/`sin`: RoPE tables [positions, head_dim / 2]."""
+        available = {"gemv": self.has_gemv, "amx": self.has_amx, "quant": self.has_gemv}
+        linears = [lm_head] + [layer.get(name) for layer in layers for name in DecodeStack.LINEARS]
+        kinds = {linear[0] for linear in linears if isinstance(linear, tuple) and len(linear) == 2}
+        if not all(available.get(kind, True) for kind in kinds):  # unknown kinds: refused by DecodeStack
             return None
         if not self.supports_decode(torch.bfloat16, num_heads, num_kv_heads, layers[0]["k_pool"].shape[-1]):
             raise ValueError("decode_stack: heads or head_dim the paged attention kernel does not take")
-        return DecodeStack(self._decode_stack, layers, embedding, final_norm, lm_head, cos, sin,
-                           linear_kind=linear_kind, lm_head_kind=lm_head_kind, num_heads=num_heads,
+        return DecodeStack(self._decode_stack, layers, embedding, final_norm, lm_head, cos, sin, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, intermediate=intermediate, eps=eps, scale=scale, window=window)
 
 
@@ -343,68 +344,74 @@ class DecodeStack:
     so its logits are bitwise that forward's; what it saves is the Python between them (thread CPU time per
     batch-1 step, SmolLM-135M shape, one thread, in benchmarks/decode_overhead.py). Steps of up to
     `MAX_TOKENS` tokens in rows of up to `MAX_ROW_TOKENS` (the torch backend's native-kernel rows), more than
-    one token only where the linears' kernel takes several rows (`"amx"`)."""
+    one token only where every linear's kernel is the AMX one (each of its output rows independent of the
+    others; the quantised linears' forward for several rows may be another kernel than their GEMV)."""
 
     MAX_TOKENS = 16
 
     LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
                     "down_bias", "k_pool", "v_pool")
+    LINEARS = ("qkv", "o", "gate_up", "down")
     BIASES = frozenset({"qkv_bias", "o_bias", "gate_up_bias", "down_bias"})
 
-    KINDS = {"gemv": 0, "amx": 1}  # STACK_GEMV, STACK_AMX in the C source
+    KINDS = {"gemv": 0, "amx": 1, "quant": 2}  # STACK_GEMV, STACK_AMX, STACK_QUANT in the C source
 
-    def __init__(self, function, layers: list[dict[str, Optional[torch.Tensor]]], embedding: torch.Tensor,
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                 linear_kind: str, lm_head_kind: str, num_heads: int, num_kv_heads: int, intermediate: int,
-                 eps: float, scale: float, window: Optional[int]):
+    def __init__(self, function, layers: list[dict[str, object]], embedding: torch.Tensor, final_norm: torch.Tensor,
+                 lm_head: tuple[str, object], cos: torch.Tensor, sin: torch.Tensor, *, num_heads: int,
+                 num_kv_heads: int, intermediate: int, eps: float, scale: float, window: Optional[int]):
         vocab, hidden = embedding.shape
         kv_heads, num_blocks, block_size, head_dim = layers[0]["k_pool"].shape
         qkv_rows = (num_heads + 2 * num_kv_heads) * head_dim
-
-        def shape(out_features: int, in_features: int) -> tuple[int, ...]:
-            return _linear_operand_shape(linear_kind, out_features, in_features)
-
-        expected = {"input_norm": (hidden,), "qkv": shape(qkv_rows, hidden), "qkv_bias": (qkv_rows,),
-                    "o": shape(hidden, num_heads * head_dim), "o_bias": (hidden,), "post_norm": (hidden,),
-                    "gate_up": shape(2 * intermediate, hidden), "gate_up_bias": (2 * intermediate,),
-                    "down": shape(hidden, intermediate), "down_bias": (hidden,),
+        linear_shapes = {"qkv": (qkv_rows, hidden), "o": (hidden, num_heads * head_dim),
+                         "gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
+        expected = {"input_norm": (hidden,), "qkv_bias": (qkv_rows,), "o_bias": (hidden,), "post_norm": (hidden,),
+                    "gate_up_bias": (2 * intermediate,), "down_bias": (hidden,),
                     "k_pool": (num_kv_heads, num_blocks, block_size, head_dim)}
         expected["v_pool"] = expected["k_pool"]
         if kv_heads != num_kv_heads or num_heads % num_kv_heads or block_size & (block_size - 1):
             raise ValueError("decode_stack: the pools' heads or block size do not fit the model")
-        addresses = []
+        descriptors: list[tuple[int, ...]] = []  # one per linear, the lm_head's last
+        entries: list[tuple[str, int]] = []  # per layer field: ("address", value) or ("linear", descriptor index)
         for layer in layers:
             if set(layer) != set(self.LAYER_FIELDS):
                 raise ValueError(f"decode_stack: a layer needs exactly {', '.join(self.LAYER_FIELDS)}")
             for name in self.LAYER_FIELDS:
                 tensor = layer[name]
-                if tensor is None and name in self.BIASES:
-                    addresses.append(0)
-                    continue
-                _check_operand(f"decode_stack: {name}", tensor, expected[name])
-                addresses.append(tensor.data_ptr())
+                if name in linear_shapes:
+                    descriptors.append(_linear_descriptor(f"decode_stack: {name}", tensor, *linear_shapes[name]))
+                    entries.append(("linear", len(descriptors) - 1))
+                elif tensor is None and name in self.BIASES:
+                    entries.append(("address", 0))
+                else:
+                    _check_operand(f"decode_stack: {name}", tensor, expected[name])
+                    entries.append(("address", tensor.data_ptr()))
         _check_operand("decode_stack: the embedding", embedding, (vocab, hidden))
         _check_operand("decode_stack: the final norm", final_norm, (hidden,))
-        _check_operand("decode_stack: the lm_head", lm_head, _linear_operand_shape(lm_head_kind, vocab, hidden))
+        descriptors.append(_linear_descriptor("decode_stack: the lm_head", lm_head, vocab, hidden))
         for table in (cos, sin):
             _check_operand("decode_stack: a RoPE table", table, (cos.shape[0], head_dim // 2))
         self._function = function
         self._operands = (layers, embedding, final_norm, lm_head, cos, sin)  # alive while their addresses are used
         self.vocab, self.positions, self.pool_slots, self.num_blocks = vocab, cos.shape[0], num_blocks * block_size, num_blocks
         self.block_size = block_size
-        self._layers = torch.tensor(addresses, dtype=torch.int64)
+        self._descriptors = torch.tensor(descriptors, dtype=torch.int64)  # [linears, STACK_LINEAR_FIELDS]
+
+        def descriptor_address(index: int) -> int:
+            return self._descriptors[index].data_ptr()
+
+        self._layers = torch.tensor([descriptor_address(value) if what == "linear" else value
+                                     for what, value in entries], dtype=torch.int64)
         self._sizes = torch.tensor([len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab,
-                                    num_blocks, block_size, window or 0, self.KINDS[linear_kind],
-                                    self.KINDS[lm_head_kind]], dtype=torch.int64)
-        self.max_tokens = self.MAX_TOKENS if linear_kind == "amx" and lm_head_kind == "amx" else 1
+                                    num_blocks, block_size, window or 0], dtype=torch.int64)
+        self.kinds = frozenset(kind for kind, _ in [lm_head] + [layer[name] for layer in layers for name in self.LINEARS])
+        self.max_tokens = self.MAX_TOKENS if self.kinds == {"amx"} else 1
         sizes = (hidden, hidden, hidden, qkv_rows, num_heads * head_dim, 2 * intermediate, intermediate, vocab,
                  head_dim // 2, head_dim // 2, hidden, hidden)
         self._scratch = [torch.empty(self.max_tokens * size, dtype=torch.bfloat16) for size in sizes]
         self._scratch_addresses = (ctypes.c_void_p * len(sizes))(*(t.data_ptr() for t in self._scratch))
         self._fixed = (self._layers.data_ptr(), self._sizes.data_ptr(), self._scratch_addresses, embedding.data_ptr(),
-                       final_norm.data_ptr(), lm_head.data_ptr(), cos.data_ptr(), sin.data_ptr())
+                       final_norm.data_ptr(), descriptor_address(len(descriptors) - 1), cos.data_ptr(), sin.data_ptr())
         self._eps, self._scale = eps, scale
-        self.linear_kind, self.lm_head_kind = linear_kind, lm_head_kind
 
     def can_run(self, query_lens: list[int], max_row_tokens: int) -> bool:
         """Whether a step of rows of `query_lens` new tokens fits (rows of at most `max_row_tokens`)."""
@@ -447,7 +454,7 @@ class DecodeStack:
                               *(r.data_ptr() if r is not None else None for r in ranges), logits_indices.shape[0],
                               logits_indices.data_ptr(), self._eps, self._scale, logits.data_ptr(),
                               torch.get_num_threads()):
-            raise MemoryError("decode_stack: no memory for gemm_amx's padded input")
+            raise MemoryError("decode_stack: no memory for a linear kernel's prepared input")
         return logits
 
 
@@ -462,10 +469,26 @@ def _within(values: torch.Tensor, size: int) -> bool:
 
 
 def _linear_operand_shape(kind: str, out_features: int, in_features: int) -> tuple[int, ...]:
-    """The shape of a linear's weight operand for a `DecodeStack` kind: plain, or `CpuKernels.pack_amx`'s tiles."""
+    """The shape of a linear's bf16 weight operand for a `DecodeStack` kind: plain, or `CpuKernels.pack_amx`'s tiles."""
     if kind == "amx":
         return (-(-out_features // 64) * 2, -(-in_features // 32), 2, 16, 16, 2)
     return (out_features, in_features)
+
+
+def _linear_descriptor(what: str, linear: object, out_features: int, in_features: int) -> tuple[int, ...]:
+    """decode_stack_bf16's descriptor of a linear given as (kind, operand), its operand checked for the shape."""
+    from llmctl.engine.kernels.quant import QuantRowOperand
+
+    kind, operand = linear if isinstance(linear, tuple) and len(linear) == 2 else (None, None)
+    if kind == "quant":
+        if not isinstance(operand, QuantRowOperand) or (operand.weight.out_features, operand.weight.in_features) \
+                != (out_features, in_features):
+            raise ValueError(f"{what} must be a quantised weight [{out_features}, {in_features}]")
+        return (DecodeStack.KINDS[kind], *operand.stack_fields())
+    if kind not in DecodeStack.KINDS:
+        raise ValueError(f"{what} must be a (kind, operand) pair, kind one of {', '.join(DecodeStack.KINDS)}")
+    _check_operand(what, operand, _linear_operand_shape(kind, out_features, in_features))
+    return (DecodeStack.KINDS[kind], operand.data_ptr(), 0, 0, 0, 0, 0)
 
 
 def _check_operand(what: str, tensor: Optional[torch.Tensor], shape: tuple[int, ...]) -> None:

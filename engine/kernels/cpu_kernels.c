@@ -647,21 +647,31 @@ void rotary_f32(ROTARY_ARGS) { rotary(x, rows, row_stride, heads, head_dim, cos,
 /* ---- a batch-1 decode step through the whole model in one call -------------------------------------
  * One sequence, one new token: the embedding row, every decoder layer (norm, fused qkv linear, RoPE, K/V
  * write, paged attention, o linear, add+norm, gate_up linear, SiLU*mul, down linear), the final norm and
- * the lm_head, with the kernels above (each linear's single-row kernel: gemv_bf16 or gemm_amx_bf16)
- * called in the order, on the operands and with the arguments the model's Python forward gives them, so
- * the logits are bitwise those of that forward. What it saves
+ * the lm_head, with the kernels above (each linear's single-row kernel: gemv_bf16, gemm_amx_bf16, or the
+ * quantised GEMV of quant_kernels.c) called in the order, on the operands and with the arguments the
+ * model's Python forward gives them, so the logits are bitwise those of that forward. What it saves
  * is the Python between them: ~15 ctypes/torch calls per layer, each 3-4x its hot cost in a real step
  * because the weight stream has evicted the interpreter's working set (thread CPU time, SmolLM-135M
- * shape, one thread: ~8 ms of a ~40 ms step on a loaded host). */
+ * shape, one thread: ~8 ms of a ~40 ms step on a loaded host; int4-g32: 6.8 ms of a 17.2 ms step). */
 
-/* Per layer, `STACK_LAYER_FIELDS` addresses in this order (0 for an absent bias). */
+/* Per layer, `STACK_LAYER_FIELDS` addresses in this order (0 for an absent bias); a linear's is the address
+ * of its descriptor (below). */
 enum { STACK_INPUT_NORM, STACK_QKV, STACK_QKV_BIAS, STACK_O, STACK_O_BIAS, STACK_POST_NORM, STACK_GATE_UP,
        STACK_GATE_UP_BIAS, STACK_DOWN, STACK_DOWN_BIAS, STACK_K_POOL, STACK_V_POOL, STACK_LAYER_FIELDS };
-/* The model's sizes, in this order; the kinds say which kernel a linear's single row runs (its weight
- * operand in that kernel's layout): the decoder layers' linears share one, the lm_head has its own. */
+/* The model's sizes, in this order. */
 enum { STACK_LAYERS, STACK_HIDDEN, STACK_HEADS, STACK_KV_HEADS, STACK_HEAD_DIM, STACK_INTERMEDIATE, STACK_VOCAB,
-       STACK_NUM_BLOCKS, STACK_BLOCK_SIZE, STACK_WINDOW, STACK_LINEAR_KIND, STACK_LM_HEAD_KIND, STACK_SIZE_FIELDS };
-enum { STACK_GEMV, STACK_AMX }; /* gemv_bf16 on the plain weight [N, K]; gemm_amx_bf16 on its pack_amx tiles */
+       STACK_NUM_BLOCKS, STACK_BLOCK_SIZE, STACK_WINDOW, STACK_SIZE_FIELDS };
+/* A linear's descriptor: `STACK_LINEAR_FIELDS` int64 in this order, the kernel its rows run and that kernel's
+ * weight operands. STACK_GEMV: gemv_bf16 on the plain weight [N, K]; STACK_AMX: gemm_amx_bf16 on its pack_amx
+ * tiles; STACK_QUANT: quant_gemv_bf16 of the quantised library (a separate .so, also built for AVX2, so its
+ * address comes with the weight: the function the Python forward calls) on codes, scales, zeros (0: the
+ * midpoint), bits and group size in its layout. Scales, zeros, bits, group and function are 0 for the others. */
+enum { STACK_KIND, STACK_WEIGHT, STACK_SCALES, STACK_ZEROS, STACK_BITS, STACK_GROUP, STACK_QUANT_GEMV,
+       STACK_LINEAR_FIELDS };
+enum { STACK_GEMV, STACK_AMX, STACK_QUANT };
+typedef int (*stack_quant_gemv)(const void *codes, const void *scales, const void *zeros, int bits, const void *x,
+                                const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
+                                int num_threads);
 /* bfloat16 scratch the caller owns, in this order, each for `max_tokens` rows: [hidden] x 3, [q + 2 kv],
  * [heads * head_dim], [2 * intermediate], [intermediate], [vocab], [head_dim / 2] x 2 (RoPE rows),
  * [hidden] x 2 (the logits rows' stream). */
@@ -670,28 +680,36 @@ enum { STACK_HIDDEN_BUF, STACK_RESIDUAL_BUF, STACK_NORMED_BUF, STACK_QKV_BUF, ST
        STACK_BUFFERS };
 
 #if defined(__AVX512BF16__)
-/* Rows through a linear's kernel: 0 where gemm_amx_bf16 found no memory for its padded input. gemv_bf16
- * serves one row only (the caller never sends it more). */
-INLINE int stack_linear(int64_t kind, const void *w, const void *x, const void *bias, void *y, int64_t m, int64_t n,
+/* Rows through a linear's kernel: 0 where gemm_amx_bf16 or the quantised GEMV found no memory for its
+ * prepared input. gemv_bf16 serves one row only (the caller never sends it more). */
+INLINE int stack_linear(const int64_t *linear, const void *x, const void *bias, void *y, int64_t m, int64_t n,
                         int64_t k, int num_threads) {
-    if (kind == STACK_AMX) return gemm_amx_bf16(w, x, bias, y, m, n, k, num_threads);
-    return m == 1 && gemv_bf16(w, x, bias, y, n, k, num_threads);
+    const void *w = (const void *)(intptr_t)linear[STACK_WEIGHT];
+    switch (linear[STACK_KIND]) {
+    case STACK_AMX: return gemm_amx_bf16(w, x, bias, y, m, n, k, num_threads);
+    case STACK_GEMV: return m == 1 && gemv_bf16(w, x, bias, y, n, k, num_threads);
+    case STACK_QUANT:
+        return ((stack_quant_gemv)(intptr_t)linear[STACK_QUANT_GEMV])(
+            w, (const void *)(intptr_t)linear[STACK_SCALES], (const void *)(intptr_t)linear[STACK_ZEROS],
+            (int)linear[STACK_BITS], x, bias, y, m, n, k, linear[STACK_GROUP], num_threads);
+    }
+    return 0;
 }
 
-/* Returns 1 (0: out of memory in gemm_amx_bf16, nothing to retry here); writes float32 logits
+/* Returns 1 (0: out of memory in a linear's kernel, nothing to retry here); writes float32 logits
  * [num_logits, vocab] for tokens `logits_rows`. `tokens` new tokens (`token`, `position`, `slot` each
  * [tokens]) in `num_rows` rows as paged_attention takes them (`tables` [num_rows, table_width], `lens`,
  * and `starts`/`qlens` or NULL for one token a row); `cos_table`/`sin_table`: bf16 RoPE rows
- * [positions, head_dim / 2]. */
+ * [positions, head_dim / 2]; `lm_head`: the lm_head's descriptor. */
 int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *buffers, const void *embedding,
-                      const void *final_norm, const void *lm_head, const void *cos_table, const void *sin_table,
+                      const void *final_norm, const int64_t *lm_head, const void *cos_table, const void *sin_table,
                       int64_t tokens, const int64_t *token, const int64_t *position, const int64_t *slot,
                       int64_t num_rows, const int64_t *tables, int64_t table_width, const int64_t *lens,
                       const int64_t *starts, const int64_t *qlens, int64_t num_logits, const int64_t *logits_rows,
                       float eps, float scale, float *logits, int num_threads) {
     const int64_t hidden = sizes[STACK_HIDDEN], heads = sizes[STACK_HEADS], kv_heads = sizes[STACK_KV_HEADS];
     const int64_t head_dim = sizes[STACK_HEAD_DIM], intermediate = sizes[STACK_INTERMEDIATE], half = head_dim / 2;
-    const int64_t num_blocks = sizes[STACK_NUM_BLOCKS], block_size = sizes[STACK_BLOCK_SIZE], kind = sizes[STACK_LINEAR_KIND];
+    const int64_t num_blocks = sizes[STACK_NUM_BLOCKS], block_size = sizes[STACK_BLOCK_SIZE];
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     uint16_t *x = buffers[STACK_HIDDEN_BUF], *residual = buffers[STACK_RESIDUAL_BUF], *normed = buffers[STACK_NORMED_BUF];
     uint16_t *qkv = buffers[STACK_QKV_BUF], *attended = buffers[STACK_ATTENDED_BUF];
@@ -707,11 +725,12 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
     for (int64_t l = 0; l < sizes[STACK_LAYERS]; l++) {
         const int64_t *layer = layers + l * STACK_LAYER_FIELDS;
 #define STACK_PTR(field) ((const void *)(intptr_t)layer[field])
+#define STACK_LINEAR(field) ((const int64_t *)(intptr_t)layer[field])
         if (l == 0)
             rms_norm(residual, NULL, STACK_PTR(STACK_INPUT_NORM), normed, tokens, hidden, eps, num_threads, 1);
         else
             rms_norm(x, residual, STACK_PTR(STACK_INPUT_NORM), normed, tokens, hidden, eps, num_threads, 1);
-        if (!stack_linear(kind, STACK_PTR(STACK_QKV), normed, STACK_PTR(STACK_QKV_BIAS), qkv, tokens, qkv_size, hidden,
+        if (!stack_linear(STACK_LINEAR(STACK_QKV), normed, STACK_PTR(STACK_QKV_BIAS), qkv, tokens, qkv_size, hidden,
                           num_threads))
             return 0;
         rotary(qkv, tokens, qkv_size, heads + kv_heads, head_dim, cos, sin, num_threads, 1);
@@ -720,17 +739,18 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
                  head_dim, num_blocks * block_size, num_threads, 1);
         paged_attention(qkv, qkv_size, k_pool, v_pool, tables, table_width, lens, starts, qlens, attended, num_rows,
                         heads, kv_heads, head_dim, num_blocks, block_size, scale, sizes[STACK_WINDOW], num_threads, 1);
-        if (!stack_linear(kind, STACK_PTR(STACK_O), attended, STACK_PTR(STACK_O_BIAS), x, tokens, hidden, q_size,
+        if (!stack_linear(STACK_LINEAR(STACK_O), attended, STACK_PTR(STACK_O_BIAS), x, tokens, hidden, q_size,
                           num_threads))
             return 0;
         rms_norm(x, residual, STACK_PTR(STACK_POST_NORM), normed, tokens, hidden, eps, num_threads, 1);
-        if (!stack_linear(kind, STACK_PTR(STACK_GATE_UP), normed, STACK_PTR(STACK_GATE_UP_BIAS), gate_up, tokens,
+        if (!stack_linear(STACK_LINEAR(STACK_GATE_UP), normed, STACK_PTR(STACK_GATE_UP_BIAS), gate_up, tokens,
                           2 * intermediate, hidden, num_threads))
             return 0;
         silu_and_mul(gate_up, act, tokens, intermediate, num_threads, 1);
-        if (!stack_linear(kind, STACK_PTR(STACK_DOWN), act, STACK_PTR(STACK_DOWN_BIAS), x, tokens, hidden, intermediate,
+        if (!stack_linear(STACK_LINEAR(STACK_DOWN), act, STACK_PTR(STACK_DOWN_BIAS), x, tokens, hidden, intermediate,
                           num_threads))
             return 0;
+#undef STACK_LINEAR
 #undef STACK_PTR
     }
     /* the logits rows only, as the forward takes hidden[logits_indices] and residual[logits_indices] */
@@ -742,7 +762,7 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
     rms_norm(last_x, last_residual, final_norm, normed, num_logits, hidden, eps, num_threads, 1);
     uint16_t *rounded = buffers[STACK_LOGITS_BUF];
     const int64_t vocab = sizes[STACK_VOCAB];
-    if (!stack_linear(sizes[STACK_LM_HEAD_KIND], lm_head, normed, NULL, rounded, num_logits, vocab, hidden, num_threads))
+    if (!stack_linear(lm_head, normed, NULL, rounded, num_logits, vocab, hidden, num_threads))
         return 0;
     for (int64_t i = 0; i < num_logits * vocab; i++) { /* bf16 -> float32 is exact: the bits move up 16 */
         const uint32_t bits = (uint32_t)rounded[i] << 16;
@@ -752,7 +772,7 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
 }
 #else
 int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *buffers, const void *embedding,
-                      const void *final_norm, const void *lm_head, const void *cos_table, const void *sin_table,
+                      const void *final_norm, const int64_t *lm_head, const void *cos_table, const void *sin_table,
                       int64_t tokens, const int64_t *token, const int64_t *position, const int64_t *slot,
                       int64_t num_rows, const int64_t *tables, int64_t table_width, const int64_t *lens,
                       const int64_t *starts, const int64_t *qlens, int64_t num_logits, const int64_t *logits_rows,

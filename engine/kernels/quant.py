@@ -65,6 +65,21 @@ class KernelWeight:
                                                None if self.zeros is None else self.zeros.data_ptr(), self.bits))
 
 
+@dataclass(frozen=True)
+class QuantRowOperand:
+    """A quantised linear's operand for the native decode step (`CpuKernels.decode_stack`, kind `"quant"`): its
+    weight and the library whose GEMV the layer's forward runs on it, so the step calls that same function."""
+
+    kernels: "QuantKernels"
+    weight: KernelWeight
+
+    def stack_fields(self) -> tuple[int, ...]:
+        """decode_stack_bf16's descriptor fields after the kind: codes, scales, zeros (0: the midpoint), bits,
+        group size, the GEMV's address."""
+        codes, scales, zeros, bits = self.weight.arguments
+        return codes, scales, zeros or 0, bits, self.weight.group_size, self.kernels.gemv_address
+
+
 class QuantKernels:
     """Typed entry point of the built library; shapes and dtypes are checked before any pointer is passed."""
 
@@ -76,6 +91,8 @@ class QuantKernels:
         self._dequantize = library.quant_dequantize_bf16
         self._dequantize.argtypes = [_POINTER] * 3 + [ctypes.c_int, _POINTER] + [_INT64] * 3 + [ctypes.c_int]
         self._dequantize.restype = ctypes.c_int
+        # for the native decode step (cpu_kernels.c's decode_stack_bf16 calls this library's GEMV by address)
+        self.gemv_address = ctypes.cast(self._gemv, ctypes.c_void_p).value
 
     @staticmethod
     def unsupported(bits: int, group_size: int, in_features: int) -> Optional[str]:

@@ -27,8 +27,8 @@ from torch import nn
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.linear import (LinearBase, LinearMethod, ShardId, copy_checked, new_parameter, rank_columns,
                                          rank_part, rank_rows, register_bias)
-from llmctl.engine.layers.quantization import (GroupedIntWeight, apply_grouped_weight, install_grouped_weight,
-                                               rank_grouped_part)
+from llmctl.engine.layers.quantization import (GroupedIntWeight, apply_grouped_weight, grouped_row_operands,
+                                               install_grouped_weight, rank_grouped_part)
 
 logger = logging.getLogger(__name__)
 
@@ -196,3 +196,8 @@ class GGUFLinearMethod(LinearMethod):
         if hasattr(layer, "quant_layout"):
             return apply_grouped_weight(layer, x)
         return self.unquantized.apply(layer, x)
+
+    def native_row_operands(self, layer: LinearBase):
+        if hasattr(layer, "quant_layout"):
+            return grouped_row_operands(layer)
+        return self.unquantized.native_row_operands(layer)

@@ -177,10 +177,11 @@ class LinearMethod:
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def native_row_operands(self, layer: "LinearBase") -> Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+    def native_row_operands(self, layer: "LinearBase") -> Optional[tuple[str, object, Optional[torch.Tensor]]]:
         """(kernel, weight operand, bias) where this method's forward of one row is a native CPU kernel on them
-        (`"gemv"`: `gemv_bf16` on the plain weight, `"amx"`: `gemm_amx_bf16` on its tiles), so the native decode
-        step can call it directly; None otherwise."""
+        (`"gemv"`: `gemv_bf16` on the plain weight, `"amx"`: `gemm_amx_bf16` on its tiles, `"quant"`: the
+        quantised GEMV on a `kernels.quant.QuantRowOperand`), so the native decode step can call it directly;
+        None otherwise."""
         return None
 
     def tie_weight(self, layer: "LinearBase", weight: nn.Parameter) -> None:
@@ -236,7 +237,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
             return out if layer.bias is None else out + layer.bias
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
-    def native_row_operands(self, layer: "LinearBase") -> Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+    def native_row_operands(self, layer: "LinearBase") -> Optional[tuple[str, object, Optional[torch.Tensor]]]:
         return ("gemv", layer.weight, layer.bias) if self.gemv is not None and layer.weight.is_contiguous() else None
 
 
@@ -270,7 +271,7 @@ class AMXLinearMethod(UnquantizedLinearMethod):
         out = self.kernels.gemm_amx(layer.amx_tiles, rows, layer.out_features, layer.bias)
         return out.view(*x.shape[:-1], layer.out_features)
 
-    def native_row_operands(self, layer: "LinearBase") -> Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+    def native_row_operands(self, layer: "LinearBase") -> Optional[tuple[str, object, Optional[torch.Tensor]]]:
         return "amx", layer.amx_tiles, layer.bias
 
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
-from llmctl.engine.kernels.quant import KernelWeight, fits_float16, load_quant_kernels
+from llmctl.engine.kernels.quant import KernelWeight, QuantRowOperand, fits_float16, load_quant_kernels
 from llmctl.engine.layers.linear import (CheckpointSlice, LinearBase, LinearMethod, UnquantizedLinearMethod, rank_rows)
 from llmctl.engine.layers.quantization_cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
                                                     install_cuda_layout)
@@ -373,6 +373,18 @@ def apply_grouped_weight(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     return _product(layer, rows, layer.bias).reshape(*x.shape[:-1], layer.out_features)
 
 
+def grouped_row_operands(layer: LinearBase) -> Optional[tuple[str, object, Optional[torch.Tensor]]]:
+    """`LinearMethod.native_row_operands` of a layer set up by `install_grouped_weight`: one row of the native
+    layout runs the quantised GEMV on the layer's kernel weight with its bias (`_product`), unless the inputs are
+    permuted first (act order)."""
+    if getattr(layer, "quant_layout", None) != "native" or layer.input_perm is not None:
+        return None
+    bias = layer.bias
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    return "quant", QuantRowOperand(layer.quant_kernels, layer.kernel_weight), bias
+
+
 def _product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """rows [m, in] @ the layer's quantised weight.T (+ bias)."""
     if layer.input_perm is not None:
@@ -405,6 +417,9 @@ class GroupedIntLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return apply_grouped_weight(layer, x)
+
+    def native_row_operands(self, layer: LinearBase) -> Optional[tuple[str, object, Optional[torch.Tensor]]]:
+        return grouped_row_operands(layer)
 
 
 class OnTheFlyIntLinearMethod(GroupedIntLinearMethod, UnquantizedLinearMethod):

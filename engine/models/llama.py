@@ -185,8 +185,9 @@ class LlamaForCausalLM(nn.Module):
     def native_decode_step(self, kernels, kv_caches: list[torch.Tensor]):
         """This model's batch-1 decode step (one sequence, one new token) as one native call on its
         operands (`CpuKernels.decode_stack`; logits bitwise `forward`'s), where every op of that step
-        already runs a native CPU kernel here: bfloat16, one rank, every linear the native GEMV for one
-        row, the native decode attention, no q/k norm (Qwen3). None elsewhere (`forward` runs)."""
+        already runs a native CPU kernel here: bfloat16, one rank, every linear's one-row forward a native kernel
+        (the bf16 GEMV, the AMX kernel or the quantised GEMV, mixed as the layers have them), the native decode
+        attention, no q/k norm (Qwen3). None elsewhere (`forward` runs)."""
         config, layers = self.config, self.model.layers
         if kernels is None or not self.tp.is_single or config.qk_norm \
                 or self.model.embed_tokens.weight.dtype != torch.bfloat16 \
@@ -202,8 +203,7 @@ class LlamaForCausalLM(nn.Module):
         if any(found is None for found in operands.values()):
             return None
         lm_head_kind, lm_head, lm_head_bias = operands.pop(id(self.lm_head))
-        kinds = {kind for kind, _, _ in operands.values()}
-        if len(kinds) != 1 or lm_head_bias is not None:
+        if lm_head_bias is not None:
             return None
         stack = []
         for layer, kv_cache in zip(layers, kv_caches):
@@ -211,15 +211,16 @@ class LlamaForCausalLM(nn.Module):
                      "k_pool": kv_cache[0], "v_pool": kv_cache[1]}
             for name, linear in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
                                  ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
-                _, parts[name], parts[f"{name}_bias"] = operands[id(linear)]
+                kind, operand, parts[f"{name}_bias"] = operands[id(linear)]
+                parts[name] = (kind, operand)
             stack.append(parts)
         rotary = self.model.rotary  # bf16 tables: the rows `RotaryEmbedding.tables` converts each step
-        return kernels.decode_stack(stack, self.model.embed_tokens.weight, self.model.norm.weight, lm_head,
-                                    rotary.cos.to(torch.bfloat16), rotary.sin.to(torch.bfloat16),
-                                    linear_kind=kinds.pop(), lm_head_kind=lm_head_kind, num_heads=config.num_heads,
+        return kernels.decode_stack(stack, self.model.embed_tokens.weight, self.model.norm.weight,
+                                    (lm_head_kind, lm_head), rotary.cos.to(torch.bfloat16),
+                                    rotary.sin.to(torch.bfloat16), num_heads=config.num_heads,
                                     num_kv_heads=config.num_kv_heads, intermediate=layers[0].mlp.size,
-                                    eps=config.rms_norm_eps,
-                                    scale=config.head_dim ** -0.5, window=config.sliding_window)
+                                    eps=config.rms_norm_eps, scale=config.head_dim ** -0.5,
+                                    window=config.sliding_window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
