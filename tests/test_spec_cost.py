@@ -10,7 +10,9 @@ import pytest
 from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.llm_engine import default_model_path
-from llmctl.engine.spec_cost import MIN_SAMPLES, PROBE_INTERVAL, DraftCostGate, batch_bucket
+from llmctl.engine.spec_cost import MIN_SAMPLES, PROBE_INTERVAL, PROBE_STEPS, DraftCostGate, batch_bucket
+
+LEARN = 2 * MIN_SAMPLES + 1  # a new bucket's steps before it decides (its first drafting step not measured)
 
 
 def _step(gate: DraftCostGate, decodes: list[int], on: float, off: float, accepted: dict[int, int] | None = None,
@@ -27,22 +29,35 @@ def _step(gate: DraftCostGate, decodes: list[int], on: float, off: float, accept
 def test_the_gate_measures_both_choices_then_drafts_only_where_it_pays():
     gate = DraftCostGate()
     # A draft round doubling the step: drafting pays only above one accepted draft per sequence and step.
-    first = [_step(gate, [1], on=2.0, off=1.0, accepted={1: 3}) for _ in range(2 * MIN_SAMPLES)]
-    assert first == [True] * MIN_SAMPLES + [False] * MIN_SAMPLES
+    first = [_step(gate, [1], on=2.0, off=1.0, accepted={1: 3}) for _ in range(LEARN)]
+    assert first == [True] * (MIN_SAMPLES + 1) + [False] * MIN_SAMPLES
     assert gate.expected_accepted(1) == pytest.approx(3.0)
     assert _step(gate, [1], on=2.0, off=1.0, accepted={1: 3})  # (1 + 3) / 1 * 1 / 2 = 2x: draft
 
     low = DraftCostGate()
-    choices = [_step(low, [1], on=2.0, off=1.0, accepted={1: 0}) for _ in range(2 * MIN_SAMPLES + 40)]
-    decided = choices[2 * MIN_SAMPLES:]
-    assert decided[:PROBE_INTERVAL - MIN_SAMPLES] == [False] * (PROBE_INTERVAL - MIN_SAMPLES)
-    assert decided[PROBE_INTERVAL - MIN_SAMPLES]  # a probe after PROBE_INTERVAL steps without drafts
-    assert decided.count(True) == 1
+    choices = [_step(low, [1], on=2.0, off=1.0, accepted={1: 0}) for _ in range(LEARN + 200)]
+    drafted = [i for i, choice in enumerate(choices[LEARN:]) if choice]
+    # Probes of PROBE_STEPS steps after PROBE_INTERVAL steps without drafts (MIN_SAMPLES of them while
+    # learning), then after twice as many each time the probe changed nothing.
+    first_probe = PROBE_INTERVAL - MIN_SAMPLES
+    second_probe = first_probe + PROBE_STEPS + 2 * PROBE_INTERVAL
+    assert drafted == [first_probe, first_probe + 1, second_probe, second_probe + 1]
+
+
+def test_the_first_drafting_step_after_steps_without_is_not_measured():
+    """It carries the draft's catch-up over the skipped tokens: the price of switching, not of drafting."""
+    gate = DraftCostGate()
+    assert _step(gate, [1], on=100.0, off=1.0, accepted={1: 1})  # unmeasured: the draft's first catch-up
+    for _ in range(MIN_SAMPLES):
+        _step(gate, [1], on=1.5, off=1.0, accepted={1: 1})
+    for _ in range(MIN_SAMPLES):
+        _step(gate, [1], on=1.5, off=1.0)
+    assert gate.should_draft([1], 1)  # (1 + 1) / 1 * 1 / 1.5 = 1.33x, the 100 s step left out
 
 
 def test_the_gain_is_per_request_with_the_average_for_a_new_one():
     gate = DraftCostGate()
-    for _ in range(MIN_SAMPLES):  # sequence 1 accepts 4 drafts a step, sequence 2 none
+    for _ in range(MIN_SAMPLES + 1):  # sequence 1 accepts 4 drafts a step, sequence 2 none
         _step(gate, [1, 2], on=3.0, off=2.0, accepted={1: 4, 2: 0})
     for _ in range(MIN_SAMPLES):
         _step(gate, [1, 2], on=3.0, off=2.0)
@@ -134,5 +149,5 @@ def test_the_engine_stops_drafting_where_a_round_costs_more_than_it_saves(draft_
     if pays:
         assert verify_rows >= 2 * 20  # both sequences draft on nearly every step (100 tokens, 4 a step)
     else:
-        # MIN_SAMPLES measured steps, then probes only: 100 tokens take ~60 more steps, one probe in 33.
-        assert verify_rows <= 2 * (MIN_SAMPLES + 1 + 3), verify_rows
+        # MIN_SAMPLES + 1 drafting steps while learning, then one probe: 100 tokens take ~85 more steps.
+        assert verify_rows <= 2 * (MIN_SAMPLES + 1 + PROBE_STEPS), verify_rows
