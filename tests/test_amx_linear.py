@@ -66,6 +66,33 @@ def test_rows_at_model_shapes_and_past_one_pass(m, n, k):
 
 
 @needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m,n,k", [
+    (33, 96, 64),     # three row tiles: a pair and a lone last tile
+    (47, 130, 40),    # the same with padded rows and columns
+    (300, 64, 700),   # pair-major (K > 640) over two chunks of rows, a lone last tile
+    (300, 1100, 64),  # row-major over two blocks of outputs, its epilogue written during the next item
+    (1040, 70, 32),   # passes of 512, 512 and 16 rows
+])
+def test_every_blocking_of_many_rows_keeps_rows_bitwise_one_row_products(m, n, k, threads):
+    weight, x, bias = case(m + n + k, m, n, k, True)
+    packed = KERNELS.pack_amx(weight)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = KERNELS.gemm_amx(packed, x, n, bias)
+        torch.set_num_threads(1)
+        # every tile boundary of the first 64 rows and of the passes, and a stride through the rest
+        rows = sorted(set(range(min(m, 64))) | set(range(0, m, 7)) | {r for r in (511, 512, 1023, 1024) if r < m}
+                      | {m - 1})
+        alone = torch.cat([KERNELS.gemm_amx(packed, x[i:i + 1], n, bias) for i in rows])
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(bits(together[rows]), bits(alone))
+    assert_near_float32(together, weight, x, bias)
+
+
+@needs_amx
 def test_the_thread_count_does_not_change_a_bit():
     weight, x, bias = case(7, 21, 300, 96, True)
     packed = KERNELS.pack_amx(weight)

@@ -458,6 +458,7 @@ int gemv_bf16(const void *w, const void *x, const void *bias, void *y, int64_t n
  * row of an M-row call is bitwise that row's one-row call (verify rows equal one-token decodes, and a
  * decode row's value does not depend on what else shares the batch). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <omp.h>
 #include <sys/syscall.h>
 long syscall(long number, ...); /* unistd.h declares it only outside strict C11 */
 
@@ -539,62 +540,134 @@ INLINE void amx_few_rows(const uint16_t *a, const uint16_t *w, const void *bias,
     }
 }
 
-/* More rows (mp a multiple of 32): 32 rows (A tiles 4-5) x 32 outputs (B tiles 6-7) per item, C[i][j] in
- * tile 2i + j. Items go by blocks of AMX_COLS outputs, then chunks of AMX_ROWS rows, then the block's output
- * pairs, then the chunk's row pairs: a block's weight (1.2 MB at K = 576) and a chunk's rows stay in L2, a
- * pair's tiles in L1 across the chunk (rows-only chunks re-read gate_up's 3.5 MB weight per chunk from L3:
- * M = 2048 1.37x oneDNN's time). */
+/* More rows: items of 32 rows (two A tiles, 4-5) x 32 outputs (a pair of B tiles, 6-7), C[i][j] in tile
+ * 2i + j; a pass's last row tile, when its row tiles are odd, makes an item of one A tile (C 0-1), so rows
+ * are padded to 16, not 32. Rows go in passes of AMX_PASS (gate_up at M = 2048 in one pass of the first
+ * order took 5.2x its M = 512 time); a pass's items by blocks of AMX_COLS outputs, then chunks of AMX_ROWS
+ * rows: a block's weight (1.2 MB at K = 576) and a chunk's rows stay in L2. Inside a chunk:
+ * - pair-major (a pair's row pairs in turn: its B tiles in L1 across them) up to one chunk of rows (decode
+ *   batches: the weight streams from DRAM once, on each pair's first row pair, prefetched two K steps ahead
+ *   as for few rows; a second prefetch of the next pair into L2 measured nothing here), and where a row
+ *   pair's A tiles do not fit L1 (K > AMX_ROW_MAJOR_K: down 576x1536 at M = 2048 1.3x slower row-major);
+ * - row-major (the block's pairs in turn against one row pair, its A tiles in L1, B streaming from L2 with
+ *   the same prefetch) for more rows at K <= AMX_ROW_MAJOR_K: gate_up 3072x576 at M = 2048 9.0 -> 8.0 ms.
+ * The epilogue (C + bias, rounded, to y) waits for the item's dot products if it runs after them: row-major,
+ * an item's C tiles go to `scratch` and are written out a few rows per K step while the next item's dot
+ * products run (pair-major that measured slower: its consecutive items write other rows of y).
+ * Threads take chunks of items from a shared counter (one parallel region for all passes, no barrier between
+ * them), each chunk a whole number of pairs (pair-major) or rows (row-major) where the sizes allow, so a
+ * thread descheduled on a shared host does not hold the others up at a barrier.
+ * Each output is still its C tile element, K in order from zero, plus the bias, rounded once. */
 #define AMX_ROWS 256
 #define AMX_COLS 1024
+#define AMX_ROW_MAJOR_K 640
 #define AMX_PASS 512
-INLINE void amx_many_rows(const uint16_t *a, const uint16_t *w, const void *bias, void *y, int64_t m, int64_t mp,
-                          int64_t n, int64_t kp, int num_threads) {
-    const int64_t steps = kp / 32, pairs = (n + 63) / 64 * 2, chunk_pairs = AMX_ROWS / 32;
-    const int64_t chunks = (mp + AMX_ROWS - 1) / AMX_ROWS, block_pairs = AMX_COLS / 32;
+
+typedef struct {
+    int64_t row0, col0; /* the item's first row of y and its first column; row0 < 0: nothing pending */
+    int rows;           /* its live rows (up to 32: a tile's padding rows are not stored) */
+    int next;           /* the next scratch row to write out: 0-15 from C 0|1, 16-31 from C 2|3 */
+} amx_pending;
+
+/* Scratch row `u` of the pending item (C[u / 16][0] | C[u / 16][1], their row u % 16) + bias to y. */
+INLINE void amx_write_row(const float *scratch, const void *bias, void *y, const amx_pending *p, int u, int64_t n) {
+    const float *c = scratch + (u / 16) * 512 + (u % 16) * 16; /* C tiles 2i and 2i + 1 lie 256 floats apart */
+    for (int j = 0; j < 2; j++) {
+        const int64_t col = p->col0 + 16 * j;
+        if (col >= n) return;
+        const __mmask16 live = tail_mask(n - col);
+        __m512 value = _mm512_load_ps(c + 256 * j);
+        if (bias != NULL) value = _mm512_add_ps(value, load16m(bias, col, live, 1));
+        store16m(y, (p->row0 + u) * n + col, value, live, 1);
+    }
+}
+
+INLINE void amx_write_rows(const float *scratch, const void *bias, void *y, amx_pending *p, int count, int64_t n) {
+    for (; count > 0 && p->next < p->rows; count--, p->next++) amx_write_row(scratch, bias, y, p, p->next, n);
+}
+
+/* One item: rows [32 row_pair, + 32) of the pass at `a` (one A tile if `both` is 0) x outputs [32 pair, + 32),
+ * its C tiles left in scratch as `pending`; the previous item's rows written out on the way (`write`). */
+INLINE void amx_item(const uint16_t *a, const uint16_t *w, const void *bias, void *y, float *scratch,
+                     amx_pending *pending, int64_t pass_row0, int64_t m, int64_t n, int64_t kp, int64_t pair,
+                     int64_t row_pair, int both, int stream, int write) {
+    const int64_t steps = kp / 32;
+    const int per_step = (int)((32 + steps - 1) / steps); /* scratch rows written out per K step */
+    const uint16_t *tiles = w + pair * steps * 1024;
+    const uint16_t *a0 = a + row_pair * 32 * kp, *a1 = a0 + 16 * kp;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        const uint16_t *b = tiles + s * 1024;
+        if (stream) /* two steps ahead, into the next pair's at the end (pairs lie back to back) */
+            for (int line = 0; line < 1024; line += 32)
+                _mm_prefetch((const char *)(b + AMX_PREFETCH_STEPS * 1024 + line), _MM_HINT_T0);
+        _tile_loadd(4, a0 + s * 32, kp * 2);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (both) {
+            _tile_loadd(5, a1 + s * 32, kp * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        if (write) amx_write_rows(scratch, bias, y, pending, per_step, n);
+    }
+    amx_write_rows(scratch, bias, y, pending, 32, n);
+    _tile_stored(0, scratch, 64);
+    _tile_stored(1, scratch + 256, 64);
+    if (both) {
+        _tile_stored(2, scratch + 512, 64);
+        _tile_stored(3, scratch + 768, 64);
+    }
+    pending->row0 = pass_row0 + row_pair * 32;
+    pending->col0 = pair * 32;
+    pending->rows = (int)(m - pending->row0 < 32 ? m - pending->row0 : 32);
+    pending->next = 0;
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+INLINE void amx_many_rows(const uint16_t *a, const uint16_t *w, const void *bias, void *y, int64_t m, int64_t n,
+                          int64_t kp, int num_threads) {
+    const int64_t pairs = (n + 63) / 64 * 2, block_pairs = AMX_COLS / 32, chunk_pairs = AMX_ROWS / 32;
+    const int64_t passes = (m + AMX_PASS - 1) / AMX_PASS;
     tile_config config = {0};
     config.palette = 1;
     for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
 #pragma omp parallel num_threads(num_threads)
     {
         _tile_loadconfig(&config);
-        float scratch[16 * 16] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < (pairs + block_pairs - 1) / block_pairs * block_pairs * chunks * chunk_pairs; item++) {
-            /* item = ((block * chunks + chunk) * block_pairs + pair in block) * chunk_pairs + row pair in chunk */
-            const int64_t row_pair = item / (chunk_pairs * block_pairs) % chunks * chunk_pairs + item % chunk_pairs;
-            const int64_t pair = item / (chunk_pairs * block_pairs * chunks) * block_pairs + item / chunk_pairs % block_pairs;
-            if (row_pair * 32 >= mp || pair >= pairs) continue; /* a last chunk's or block's missing pairs */
-            const int64_t col0 = pair * 32;
-            const uint16_t *tiles = w + pair * steps * 1024;
-            const uint16_t *a0 = a + row_pair * 32 * kp, *a1 = a0 + 16 * kp;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t s = 0; s < steps; s++) {
-                const uint16_t *b = tiles + s * 1024;
-                _tile_loadd(4, a0 + s * 32, kp * 2);
-                _tile_loadd(6, b, 64);
-                _tile_loadd(7, b + 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(5, a1 + s * 32, kp * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            for (int half = 0; half < 2; half++) {
-                const int64_t row0 = row_pair * 32 + half * 16;
-                if (row0 >= m) break;
-                const int rows = (int)(m - row0 < 16 ? m - row0 : 16);
-                if (half == 0) {
-                    STORE_C(0, 0);
-                    STORE_C(1, 1);
-                } else {
-                    STORE_C(2, 0);
-                    STORE_C(3, 1);
-                }
+        float scratch[4 * 256] __attribute__((aligned(64)));
+        amx_pending pending = {-1, 0, 0, 0};
+        const int64_t threads = omp_get_num_threads();
+        for (int64_t pass = 0; pass < passes; pass++) {
+            const int64_t row0 = pass * AMX_PASS, rows = min64(m - row0, AMX_PASS);
+            const int64_t row_tiles = (rows + 15) / 16, row_pairs = (row_tiles + 1) / 2, items = pairs * row_pairs;
+            const int row_major = kp <= AMX_ROW_MAJOR_K && row_pairs > chunk_pairs;
+            /* chunks of whole pairs or rows (of the first block and chunk), about 4 a thread */
+            const int64_t unit = row_major ? min64(pairs, block_pairs) : min64(row_pairs, chunk_pairs);
+            const int64_t grab = unit * ((items / unit + 4 * threads - 1) / (4 * threads));
+            const uint16_t *pass_a = a + row0 * kp;
+#pragma omp for schedule(dynamic, grab) nowait
+            for (int64_t item = 0; item < items; item++) {
+                /* item = (block, chunk in it, then pair and row pair in it): the last block and chunk may be short */
+                const int64_t block = item / (block_pairs * row_pairs), in_block = item % (block_pairs * row_pairs);
+                const int64_t pairs_here = min64(pairs - block * block_pairs, block_pairs);
+                const int64_t chunk = in_block / (pairs_here * chunk_pairs), in_chunk = in_block % (pairs_here * chunk_pairs);
+                const int64_t rows_here = min64(row_pairs - chunk * chunk_pairs, chunk_pairs);
+                const int64_t pair = block * block_pairs + (row_major ? in_chunk % pairs_here : in_chunk / rows_here);
+                const int64_t row_pair = chunk * chunk_pairs + (row_major ? in_chunk / pairs_here : in_chunk % rows_here);
+                /* the weight streams on every item row-major, on a pair's first row pair pair-major */
+                const int stream = row_major || in_chunk % rows_here == 0;
+                amx_item(pass_a, w, bias, y, scratch, &pending, row0, m, n, kp, pair, row_pair,
+                         2 * row_pair + 1 < row_tiles, stream, row_major);
             }
         }
+        amx_write_rows(scratch, bias, y, &pending, 32, n);
         _tile_release();
     }
 }
@@ -602,9 +675,9 @@ INLINE void amx_many_rows(const uint16_t *a, const uint16_t *w, const void *bias
 int gemm_amx_bf16(const void *packed, const void *x, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
                   int num_threads) {
     const int64_t kp = (k + 31) / 32 * 32;
-    /* A tiles read x in place when its rows are whole 32-wide steps and its row count fits the tiles
-     * (up to 16 rows, or pairs of 16); otherwise from a zero-padded copy */
-    const int64_t mp = m <= 16 ? m : (m + 31) / 32 * 32;
+    /* A tiles read x in place when its rows are whole 32-wide steps and its row count fills whole tiles
+     * (up to 16 rows: one tile of m rows); otherwise from a zero-padded copy */
+    const int64_t mp = m <= 16 ? m : (m + 15) / 16 * 16;
     const uint16_t *a = (const uint16_t *)x;
     uint16_t *padded = NULL;
     if (kp != k || mp != m) {
@@ -615,10 +688,8 @@ int gemm_amx_bf16(const void *packed, const void *x, const void *bias, void *y, 
     }
     if (m <= 16)
         amx_few_rows(a, (const uint16_t *)packed, bias, y, m, n, kp, num_threads);
-    /* in passes of AMX_PASS rows: gate_up at M = 2048 in one pass took 5.2x its M = 512 time */
-    for (int64_t r = 0; m > 16 && r < mp; r += AMX_PASS)
-        amx_many_rows(a + r * kp, (const uint16_t *)packed, bias, (uint16_t *)y + r * n,
-                      m - r < AMX_PASS ? m - r : AMX_PASS, mp - r < AMX_PASS ? mp - r : AMX_PASS, n, kp, num_threads);
+    else
+        amx_many_rows(a, (const uint16_t *)packed, bias, y, m, n, kp, num_threads);
     free(padded);
     return 1;
 }
