@@ -89,7 +89,7 @@ class AdaptiveProposer:
         return True
 
     def _drafting_pays(self, running: list[Sequence]) -> bool:
-        """The cost gate's choice for this step (True without one)."""
+        """The cost gate's choice for this step, asked before drafting (True without one)."""
         if self.cost_gate is None:
             return True
         decodes = [seq.seq_id for seq in running if seq.num_uncomputed_tokens == 1]
@@ -122,13 +122,55 @@ class AdaptiveProposer:
 
 
 class NgramProposer(AdaptiveProposer):
+    def __init__(self, config: SpeculativeConfig):
+        super().__init__(config)
+        # With the cost gate: seq_id -> (the position of its first draft, the drafts the gate dropped).
+        self._dropped: dict[int, tuple[int, list[int]]] = {}
+
     def propose(self, running: list[Sequence]) -> None:
         """Set `spec_token_ids` of every running decode (nothing at all when the batch is too large or
-        the cost gate says this step's drafts would not pay)."""
-        if not self._start_round(running) or not self._drafting_pays(running):
+        the cost gate says this step's drafts would not pay).
+
+        With the cost gate the lookup comes first (28 us a sequence): a step in which no sequence finds a
+        continuation verifies nothing and costs what a step without speculation does, so the gate is asked
+        only about steps with drafts, and a sequence's expected gain is what its verify rows accepted."""
+        if not self._start_round(running):
             return
-        for seq in running:
-            seq.spec_token_ids = self._drafts(seq)
+        if self.cost_gate is None:
+            for seq in running:
+                seq.spec_token_ids = self._drafts(seq)
+            return
+        self._score_dropped(running)
+        found = [(seq, drafts) for seq, drafts in ((seq, self._drafts(seq)) for seq in running) if drafts]
+        if not found:
+            return
+        num_decodes = sum(seq.num_uncomputed_tokens == 1 for seq in running)
+        if self.cost_gate.should_draft([seq.seq_id for seq, _ in found], num_decodes):
+            for seq, drafts in found:
+                seq.spec_token_ids = drafts
+            return
+        for seq, drafts in found:  # kept, to learn what they would have accepted
+            self._dropped.setdefault(seq.seq_id, (seq.num_tokens, drafts))
+
+    def _score_dropped(self, running: list[Sequence]) -> None:
+        """Drafts the gate dropped, compared with the tokens the sequence then produced: a verify row
+        keeps drafts while they equal what the model produces one token at a time, so this is what their
+        row would have accepted. Without it a sequence's gain froze while the gate had it off (after two
+        or three rejections in a row, the `rewrite` workload stayed off for a probe interval: 2.27x
+        against 2.66x drafting every step)."""
+        if not self._dropped:
+            return
+        live = {seq.seq_id: seq for seq in running}
+        for seq_id in [sid for sid in self._dropped if sid not in live]:
+            del self._dropped[seq_id]
+        for seq_id, (start, drafts) in list(self._dropped.items()):
+            produced = live[seq_id].token_ids[start:start + len(drafts)]
+            matched = 0
+            while matched < len(produced) and produced[matched] == drafts[matched]:
+                matched += 1
+            if matched < len(produced) or len(produced) == len(drafts):  # a mismatch, or all of them matched
+                del self._dropped[seq_id]
+                self.cost_gate.observe_unverified(seq_id, matched)
 
     def _drafts(self, seq: Sequence) -> list[int]:
         if seq.num_uncomputed_tokens != 1 or seq.seq_id in self._disabled:

@@ -130,6 +130,11 @@ class DraftCostGate:
         if seq_id in self._offered:
             self._offered[seq_id] = num_accepted
 
+    def observe_unverified(self, seq_id: int, num_accepted: int) -> None:
+        """What drafts the gate dropped would have accepted (the n-gram proposer compares them with the
+        tokens produced instead): a sequence's gain is learnt while its drafting is off too."""
+        self._accepted.setdefault(seq_id, _Average()).add(num_accepted, GAIN_WEIGHT)
+
     @property
     def measuring(self) -> bool:
         """A step decided by `should_draft` has not ended yet."""

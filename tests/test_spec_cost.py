@@ -92,6 +92,49 @@ def test_only_steps_of_decodes_count_and_each_batch_size_bucket_has_its_own_time
     assert gate.should_draft([], 0) and not gate.measuring  # nothing decodes: nothing to decide
 
 
+def test_the_ngram_proposer_asks_the_gate_only_about_steps_with_drafts():
+    from llmctl.engine.args import SpeculativeConfig
+    from llmctl.engine.ngram_proposer import NgramProposer
+    from llmctl.engine.scheduler import ScheduledSeq
+    from llmctl.engine.sequence import Sequence
+
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1,
+                                               disable_by_cost=True))
+
+    def decoding(seq_id: int, tokens: list[int]) -> Sequence:
+        seq = Sequence(seq_id, f"r{seq_id}", 0, tokens[:-1], SamplingParams())
+        seq.append_token(tokens[-1])
+        seq.num_computed_tokens = seq.num_tokens - 1
+        return seq
+
+    miss = decoding(1, [1, 2, 3, 4])
+    proposer.propose([miss])
+    assert miss.spec_token_ids == [] and not proposer.cost_gate.measuring  # a miss: nothing to decide
+    # Verify rows that accept nothing and cost twice a step: after learning, the lookup's drafts are dropped.
+    seq, choices = decoding(2, [1, 2, 3, 1, 2]), []
+    for _ in range(LEARN + 2):
+        proposer.propose([seq])
+        drafts = seq.spec_token_ids
+        choices.append(bool(drafts))
+        if drafts:
+            proposer.observe(seq.seq_id, len(drafts), 0)
+        proposer.end_step([ScheduledSeq(seq, 1 + len(drafts), list(drafts))], 2.0 if drafts else 1.0)
+        seq.clear_drafts()
+    assert choices == [True] * (MIN_SAMPLES + 1) + [False] * (MIN_SAMPLES + 2)
+    # Now the model produces what the dropped drafts said (the cycle 1 2 3): the proposer scores them
+    # against its tokens, the gain rises, and drafting comes back long before a probe would.
+    back = None
+    for step in range(12):
+        proposer.propose([seq])
+        if seq.spec_token_ids:
+            back = step
+            break
+        proposer.end_step([ScheduledSeq(seq, 1)], 1.0)
+        seq.append_token([1, 2, 3][seq.num_tokens % 3])
+        seq.num_computed_tokens = seq.num_tokens - 1
+    assert back is not None and proposer.cost_gate.expected_accepted(seq.seq_id) > 1.0, back
+
+
 def test_disable_by_cost_defaults_on_for_a_draft_model_off_for_ngram_and_must_be_a_boolean():
     assert EngineArgs(speculative_config={"model": "default-draft", "num_speculative_tokens": 2}).speculative.disable_by_cost
     ngram = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative
