@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's CPU time goes, outside the weight streaming.
 
 Runs the engine on offline_throughput.py's SmolLM-135M shape (random weights; `--model` takes another
-folder), one 128-token prompt, greedy, one torch thread, and times decode steps in CPU time of the
+folder or a GGUF file; `--quantization` quantises it on the fly), one 128-token prompt, greedy, one torch thread, and times decode steps in CPU time of the
 calling thread (`time.thread_time_ns`: descheduling on a shared host is not counted), best of
 `--repeats` passes. Two kinds of pass:
 
@@ -13,7 +13,7 @@ calling thread (`time.thread_time_ns`: descheduling on a shared host is not coun
 Both for the native step (`ModelRunner.native_decode`: the whole forward in one C call) and for the
 model's Python forward, interleaved; beside them the linears alone (the step's weight streaming).
 
-    python benchmarks/decode_overhead.py [--steps 64] [--repeats 5] [--json]
+    python benchmarks/decode_overhead.py [--steps 64] [--repeats 5] [--quantization int4-g32] [--json]
 """
 
 from __future__ import annotations
