@@ -123,12 +123,13 @@ def test_a_gguf_q4_0_files_step_runs_natively_bitwise(tiny_models, tmp_path, arc
 
 
 @needs_gemv
-def test_a_gptq_checkpoints_step_mixes_quantised_and_bf16_linears(tiny_models, tmp_path):
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_pre_quantised_checkpoints_step_mixes_quantised_and_bf16_linears(tiny_models, tmp_path, method):
     from test_gptq_awq import Scheme, write_quantised_checkpoint
 
-    write_quantised_checkpoint(tiny_models["llama"], tmp_path / "gptq", Scheme("gptq", sym=False))
-    llm = _llm(tmp_path / "gptq")
-    bf16 = "amx" if KERNELS.has_amx else "gemv"  # GPTQ's lm_head stays in full precision
+    write_quantised_checkpoint(tiny_models["llama"], tmp_path / method, Scheme(method, sym=False))
+    llm = _llm(tmp_path / method)
+    bf16 = "amx" if KERNELS.has_amx else "gemv"  # GPTQ's and AWQ's lm_head stays in full precision
     _check_one_token_steps_against_the_python_forward(llm, {"quant", bf16})
 
 
