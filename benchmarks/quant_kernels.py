@@ -9,6 +9,11 @@ through copies totalling `--cold-mib` so every call streams its weight from memo
     python benchmarks/quant_kernels.py                       # SmolLM-135M shapes, rows 1, 2, 4, 5, 8 (~15 min)
     python benchmarks/quant_kernels.py --quick               # one shape, hot only (a smoke run)
     python benchmarks/quant_kernels.py --cold-mib 1024 --json kernels.json
+    python benchmarks/quant_kernels.py --batched --rows 2,5,8,16,32,64,512,2048   # the M >= 2 policy's table
+
+`--batched` compares, per row count, the paths a quantised linear can take for several rows (cold weights):
+the native GEMV, the AMX dequantising GEMM (`gemm_amx`, where the CPU has AMX), dequantise + one F.linear,
+and bf16's own AMX kernel on the dequantised weight (what `--quantization-batch-cache` runs).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 
 import torch
 
+from llmctl.engine.kernels import load_cpu_kernels
 from llmctl.engine.kernels.quant import load_quant_kernels
 from llmctl.engine.layers.quantization import GroupedIntWeight, tinygemm_scales_and_offsets
 
@@ -92,6 +98,54 @@ def measure(shape, scheme, rows_list, args, kernels) -> list[dict]:
     return results
 
 
+def copies_of(native, count: int) -> list:
+    """`native` and count - 1 copies of it in distinct memory (a rotation streams each from DRAM)."""
+    return [native] + [type(native)(native.codes.clone(), native.scales.clone(),
+                                    None if native.zeros is None else native.zeros.clone(), native.bits,
+                                    native.group_size, native.in_features, native.out_features)
+                       for _ in range(count - 1)]
+
+
+def measure_batched(shape, scheme, rows_list, args, kernels) -> list[dict]:
+    """Per row count: GEMV, AMX dequantising GEMM, dequantise + F.linear, bf16 AMX (the batch cache)."""
+    out_features, in_features = shape
+    bits, group, symmetric = SCHEMES[scheme]
+    if group and in_features % group:
+        return []
+    generator = torch.Generator().manual_seed(0)
+    weight = GroupedIntWeight.quantize(torch.randn(out_features, in_features, generator=generator) * 0.05, bits,
+                                       group or in_features, symmetric)
+    weight_bytes = weight.codes.numel() * bits // 8 + weight.scales.numel() * 2 * (1 if weight.zeros is None else 2)
+    native = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, weight.group_size)
+    natives = copies_of(native, max(1, int(args.cold_mib * 2**20 // weight_bytes)))
+    cpu = load_cpu_kernels()
+    bf16_amx = cpu is not None and cpu.has_amx
+    dense = kernels.dequantize(native)
+    tiles = [cpu.pack_amx(dense)] if bf16_amx else []
+    tiles += [tiles[0].clone() for _ in range(max(0, int(args.cold_mib * 2**20 // dense.numel() // 2) - 1))
+              if bf16_amx]
+    results = []
+    for rows in rows_list:
+        x = torch.randn(rows, in_features, generator=generator).bfloat16()
+        # fewer calls per block for the big row counts (each call is already long)
+        per_block = max(2, min(len(natives), 20, int(2e6 // (rows * out_features * in_features // 1000 + 1))))
+        repeats = args.repeats if rows <= 64 else max(3, args.repeats // 3)
+        row = {"shape": f"{out_features}x{in_features}", "scheme": scheme, "rows": rows,
+               "gemv_us": best_us([lambda n=n: kernels.gemv(n, x) for n in natives], repeats, per_block),
+               "dequant_linear_us": best_us([lambda n=n: torch.nn.functional.linear(x, kernels.dequantize(n))
+                                             for n in natives], repeats, per_block)}
+        if kernels.has_amx:
+            row["amx_us"] = best_us([lambda n=n: kernels.gemm_amx(n, x) for n in natives], repeats, per_block)
+        if bf16_amx:
+            row["bf16_amx_us"] = best_us([lambda t=t: cpu.gemm_amx(t, x, out_features) for t in tiles], repeats,
+                                         per_block)
+        results.append(row)
+        cells = [f"{row[key]:.0f}" if key in row else "-" for key in
+                 ("gemv_us", "amx_us", "dequant_linear_us", "bf16_amx_us")]
+        print(f"| {row['shape']} | {scheme} | {rows} | " + " | ".join(cells) + " |", flush=True)
+    return results
+
+
 def format_row(row: dict) -> str:
     def cell(key):
         value = row.get(key)
@@ -111,6 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--cold-mib", type=float, default=512.0, help="total size of the rotated weight copies")
     parser.add_argument("--quick", action="store_true", help="qkv shape, int8 and int4-g32, rows 1 and 4, hot only")
+    parser.add_argument("--batched", action="store_true",
+                        help="several rows: GEMV vs AMX dequantising GEMM vs dequantise + GEMM vs bf16 AMX (cold)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     kernels = load_quant_kernels()
@@ -122,6 +178,16 @@ def main(argv=None) -> int:
     schemes = ["int8", "int4-g32"] if args.quick else args.schemes.split(",")
     rows_list = [1, 4] if args.quick else [int(r) for r in args.rows.split(",")]
     print(f"native ISA {kernels.isa}, {args.threads} thread(s), thread CPU time, best of {args.repeats}")
+    if args.batched:
+        print(f"AMX: {kernels.has_amx}; cold (weights rotated over {args.cold_mib:.0f} MiB), µs per call")
+        print("| shape | scheme | rows | GEMV | AMX dequantising GEMM | dequantise + F.linear | bf16 AMX |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        results = [row for name in shapes for scheme in schemes
+                   for row in measure_batched(SHAPES[name], scheme, rows_list, args, kernels)]
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(results, handle, indent=1)
+        return 0
     print("| shape | scheme | rows | native hot µs | torch hot µs | native cold µs | torch cold µs | native GB/s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     results = []

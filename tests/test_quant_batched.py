@@ -37,7 +37,7 @@ def test_batch_weight_is_the_weight_the_layer_computes_with(shape, bits, group, 
     weight = random_grouped(*shape, bits, group, asymmetric=asymmetric, permuted=permuted)
     layer, chosen = make_layer(weight, bias=True)
     assert chosen == "native"
-    x = torch.randn(NATIVE_MAX_ROWS + 5, shape[1]).bfloat16()  # per call: dequantised, one GEMM
+    x = torch.randn(NATIVE_MAX_ROWS + 5, shape[1]).bfloat16()  # per call: the AMX GEMM (AMX CPUs), else one GEMM
     expected = x.float() @ weight.dequantize().T + layer.bias.float()
     one_by_one = torch.cat([layer(row[None]) for row in x]).float()  # the quantised kernels (one row)
     per_call = layer(x).float()

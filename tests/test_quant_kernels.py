@@ -11,8 +11,10 @@ from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.kernels.quant import (deinterleave_codes, deinterleave_groups, interleave_codes, interleave_groups,
                                          load_quant_kernels)
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
-from llmctl.engine.layers.quantization import (ON_THE_FLY_SCHEMES, GroupedIntLinearMethod, GroupedIntWeight,
-                                                install_grouped_weight, pack_int4, unpack_int4)
+from llmctl.engine.kernels import load_cpu_kernels
+from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, NATIVE_MAX_ROWS, ON_THE_FLY_SCHEMES,
+                                                GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
+                                                pack_int4, unpack_int4)
 
 
 def random_grouped(out_features, in_features, bits, group_size, *, asymmetric=False, permuted=False, seed=0):
@@ -94,7 +96,9 @@ HAS_KERNELS = load_quant_kernels() is not None
     ((32, 36), 4, 12, False, False, ("dequant", "dequant", "dequant")),    # groups not whole 8-input chunks
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: the native layout's dequantise-then-GEMM rows (NATIVE_MAX_ROWS)
+# 20: the native layout's AMX GEMM where the CPU has AMX (AMX_MIN_ROWS), else its GEMV; 48: dequantise + GEMM
+# without AMX (NATIVE_MAX_ROWS)
+@pytest.mark.parametrize("rows", [1, 3, 20, 48])
 def test_each_layout_matches_the_dequantised_reference(shape, bits, group, asymmetric, permuted, layouts, dtype, rows):
     weight = random_grouped(*shape, bits, group, asymmetric=asymmetric, permuted=permuted)
     layer, chosen = make_layer(weight, dtype, bias=True)
@@ -246,3 +250,90 @@ def test_kernel_refuses_inputs_it_cannot_read():
             kernels.gemv(packed, x)
     with pytest.raises(ValueError, match=r"the bias must be a contiguous bf16 \[8\]"):
         kernels.gemv(packed, torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8))
+
+
+# ---- the AMX dequantising GEMM (quant_gemm_amx_bf16) ---------------------------------------------------------
+
+def amx_kernels_or_skip():
+    kernels, cpu = kernels_or_skip("native"), load_cpu_kernels()
+    if not kernels.has_amx or cpu is None or not cpu.has_amx:
+        pytest.skip("no AMX tiles on this CPU (or the kernel refuses them)")
+    return kernels, cpu
+
+
+@pytest.mark.parametrize("bits, group, asymmetric, shape", [
+    (8, 576, False, (96, 576)), (8, 32, True, (40, 576)), (4, 32, False, (64, 576)), (4, 64, True, (37, 576)),
+    (4, 8, False, (17, 40)),   # groups smaller than a 32-input tile step, K padded to 64, one block in the last pair
+    (8, 4, True, (33, 36)),    # the smallest 8-bit groups, K padded
+    (4, 1536, False, (48, 1536)),
+])
+def test_amx_gemm_is_the_bf16_amx_kernel_on_the_dequantised_weight_bitwise(bits, group, asymmetric, shape):
+    kernels, cpu = amx_kernels_or_skip()
+    out_features, in_features = shape
+    weight = GroupedIntWeight.quantize(torch.randn(*shape) * 0.05, bits, group, not asymmetric)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
+    dense = weight.dequantize().to(torch.bfloat16)  # the reference dequantisation, rounded once
+    tiles = cpu.pack_amx(dense)
+    bias = torch.randn(out_features).bfloat16()
+    for rows in (1, 2, 15, 16, 17, 40, 64):
+        x = torch.randn(rows, in_features).bfloat16()
+        for b in (None, bias):
+            got = kernels.gemm_amx(packed, x, b)
+            assert got.dtype is torch.bfloat16 and got.shape == (rows, out_features)
+            assert torch.equal(got, cpu.gemm_amx(tiles, x, out_features, b))
+        expected = x.float() @ weight.dequantize().T + bias.float()
+        assert (got.float() - expected).abs().max().item() <= 8e-3 * expected.abs().max().item()
+        # against the M = 1 kernel's rows (int16 activations: within tolerance, not bitwise)
+        assert torch.allclose(got.float(), kernels.gemv(packed, x, bias).float(), rtol=1e-2,
+                              atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_gemm_rows_do_not_depend_on_the_rest_of_the_call(threads):
+    kernels, _ = amx_kernels_or_skip()
+    weight = GroupedIntWeight.quantize(torch.randn(200, 192) * 0.05, 4, 32, False)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, 4, 32)
+    x = torch.randn(37, 192).bfloat16()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = kernels.gemm_amx(packed, x)
+        one_by_one = torch.cat([kernels.gemm_amx(packed, x[i:i + 1].contiguous()) for i in range(37)])
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(whole, one_by_one)
+
+
+def test_a_layer_runs_the_kernel_its_row_count_calls_for():
+    kernels = kernels_or_skip("native")
+    weight = random_grouped(48, 128, 4, 32, asymmetric=True)
+    layer, layout = make_layer(weight, bias=True)
+    assert layout == "native"
+    for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, NATIVE_MAX_ROWS, AMX_MAX_ROWS}):
+        x = torch.randn(rows, 128).bfloat16()
+        got = layer(x)
+        if kernels.has_amx and rows >= AMX_MIN_ROWS:  # bitwise the same whichever AMX kernel runs
+            expected = kernels.gemm_amx(layer.kernel_weight, x, layer.bias)
+        elif rows < (AMX_MIN_ROWS if kernels.has_amx else NATIVE_MAX_ROWS):
+            expected = kernels.gemv(layer.kernel_weight, x, layer.bias)
+        else:
+            expected = torch.nn.functional.linear(x, kernels.dequantize(layer.kernel_weight)) + layer.bias
+        assert torch.equal(got, expected), rows
+
+
+@pytest.mark.parametrize("bits, group, asymmetric, shape", [(8, 64, False, (130, 64)), (4, 8, True, (17, 40))])
+def test_dequantising_into_amx_tiles_is_pack_amx_of_the_reference(bits, group, asymmetric, shape):
+    kernels, cpu = amx_kernels_or_skip()
+    weight = GroupedIntWeight.quantize(torch.randn(*shape) * 0.05, bits, group, not asymmetric)
+    tiles = kernels.dequantize_amx(kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group))
+    assert torch.equal(tiles, cpu.pack_amx(weight.dequantize().to(torch.bfloat16)))
+
+
+def test_the_avx2_build_has_no_amx_gemm():
+    kernels = kernels_or_skip("avx2")
+    assert not kernels.has_amx
+    packed = kernels.pack(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), None, 4, 32)
+    with pytest.raises(ValueError, match="no AMX tiles"):
+        kernels.gemm_amx(packed, torch.zeros(16, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="no AMX tiles"):
+        kernels.dequantize_amx(packed)

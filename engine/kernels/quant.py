@@ -93,6 +93,14 @@ class QuantKernels:
         self._dequantize.restype = ctypes.c_int
         # for the native decode step (cpu_kernels.c's decode_stack_bf16 calls this library's GEMV by address)
         self.gemv_address = ctypes.cast(self._gemv, ctypes.c_void_p).value
+        self._gemm_amx = library.quant_gemm_amx_bf16
+        self._gemm_amx.argtypes = self._gemv.argtypes
+        self._gemm_amx.restype = ctypes.c_int
+        self._dequantize_amx = library.quant_dequantize_amx_bf16
+        self._dequantize_amx.argtypes = self._dequantize.argtypes
+        self._dequantize_amx.restype = ctypes.c_int
+        # False without AMX in the build (the AVX2 body, older compilers) or where Linux refuses the tile state
+        self.has_amx = bool(library.quant_amx_enable())
 
     @staticmethod
     def unsupported(bits: int, group_size: int, in_features: int) -> Optional[str]:
@@ -120,20 +128,47 @@ class QuantKernels:
     @profiled("quant_gemv")
     def gemv(self, weight: KernelWeight, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [m, k] bf16 @ the dequantised weight [n, k].T (+ bias [n]) -> bf16 [m, n], one pass over the weight."""
+        return self._run(self._gemv, "gemv", weight, x, bias)
+
+    @staticmethod
+    def _run(kernel, what: str, weight: KernelWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         n, k = weight.out_features, weight.in_features
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.device.type != "cpu":
-            raise ValueError(f"quant gemv: the input must be a contiguous bf16 [m, {k}] CPU tensor, got "
+            raise ValueError(f"quant {what}: the input must be a contiguous bf16 [m, {k}] CPU tensor, got "
                              f"{x.dtype} {tuple(x.shape)}")
         if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"quant gemv: the bias must be a contiguous bf16 [{n}]")
+            raise ValueError(f"quant {what}: the bias must be a contiguous bf16 [{n}]")
         out = x.new_empty(x.shape[0], n)
         if x.shape[0] == 0:
             return out
-        done = self._gemv(*weight.arguments, x.data_ptr(), bias.data_ptr() if bias is not None else None,
-                          out.data_ptr(), x.shape[0], n, k, weight.group_size, torch.get_num_threads())
+        done = kernel(*weight.arguments, x.data_ptr(), bias.data_ptr() if bias is not None else None,
+                      out.data_ptr(), x.shape[0], n, k, weight.group_size, torch.get_num_threads())
         if not done:
-            raise ValueError(f"quant gemv: the kernel refused {weight.bits}-bit weights [{n}, {k}] in groups of "
-                             f"{weight.group_size}")
+            raise ValueError(f"quant {what}: the kernel refused {weight.bits}-bit weights [{n}, {k}] in groups of "
+                             f"{weight.group_size} (or found no memory)")
+        return out
+
+    @profiled("quant_gemm_amx")
+    def gemm_amx(self, weight: KernelWeight, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`gemv`'s product on AMX tiles (needs `has_amx`): the weight dequantised once per call into bf16 B
+        tiles, bitwise `dequantize`'s values, each tile used by every row; each output element is the native
+        bf16 AMX kernel's on that weight, so a row's result does not depend on the other rows."""
+        if not self.has_amx:
+            raise ValueError("quant gemm_amx: this CPU or build has no AMX tiles")
+        return self._run(self._gemm_amx, "gemm_amx", weight, x, bias)
+
+    @profiled("quant_dequantize_amx")
+    def dequantize_amx(self, weight: KernelWeight) -> torch.Tensor:
+        """The bf16 weight in `CpuKernels.pack_amx`'s tile layout (needs `has_amx`), bitwise
+        `pack_amx(dequantize(weight))`: for `CpuKernels.gemm_amx` where its blocking beats `gemm_amx`'s."""
+        n, k = weight.out_features, weight.in_features
+        if not self.has_amx:
+            raise ValueError("quant dequantize_amx: this CPU or build has no AMX tiles")
+        out = torch.empty(-(-n // 64) * 2, -(-k // 32), 2, 16, 16, 2, dtype=torch.bfloat16)
+        if not self._dequantize_amx(*weight.arguments, out.data_ptr(), n, k, weight.group_size,
+                                    torch.get_num_threads()):
+            raise ValueError(f"quant dequantize_amx: the kernel refused {weight.bits}-bit weights [{n}, {k}] in "
+                             f"groups of {weight.group_size}")
         return out
 
     @profiled("quant_dequantize")

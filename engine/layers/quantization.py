@@ -15,9 +15,11 @@ turns it into the fastest run-time layout this device offers and registers the l
 Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS.md section 2):
 - `native` (bfloat16 activations on CPU: every 4- and 8-bit weight whose groups are whole multiples of 8
   (4-bit) or 4 (8-bit) inputs, per row or grouped, symmetric or with zero points, GGUF Q8_0/Q4_0/Q4_1/Q4_K,
-  GPTQ, AWQ): engine/kernels/quant.py's output-row-interleaved GEMV (AVX-512 or AVX2) below
-  NATIVE_MAX_ROWS rows, its dequantisation to bf16 and one GEMM above. At M=1 it ran 2.1x torch's int8pack
-  and 2.3x its int4pack (benchmarks/quant_kernels.py, benchmarks/README.md);
+  GPTQ, AWQ): engine/kernels/quant.py's output-row-interleaved GEMV (AVX-512 or AVX2) for few rows; where
+  the CPU has AMX its dequantising AMX GEMM from AMX_MIN_ROWS rows (the weight stays quantised in memory,
+  dequantised per call into bf16 tiles every row reuses) and bf16's AMX kernel on those tiles from
+  AMX_MAX_ROWS; without AMX its dequantisation to bf16 and one GEMM from NATIVE_MAX_ROWS. At M=1 it ran
+  2.1x torch's int8pack and 2.3x its int4pack (benchmarks/quant_kernels.py, benchmarks/README.md);
 - `int8pack` (float32 activations; 8 bits, one group per row, symmetric): `torch._weight_int8pack_mm`
   (it crashes when the inputs are not a multiple of 16, so those fall through);
 - `int4pack` (float32 activations; 4 bits, groups of 32/64/128/256, output rows a multiple of 16):
@@ -30,8 +32,9 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
 Activations should be bfloat16 on CPU: with float32 both torch kernels run about 5x slower.
 Batches of BATCH_MIN_ROWS+ rows on CPU (prefill, batched decode) are compute-bound, where oneDNN's bf16 GEMM is
 far ahead of torch's int8/int4 kernels: int8pack converts its codes per call and runs it (scales factored out),
-native dequantises per call, and with `--quantization-batch-cache` (`add_batch_weights`) every CPU layout
-keeps a oneDNN-packed bf16 copy for them instead.
+native runs the AMX GEMM above (or dequantises per call without AMX), and with `--quantization-batch-cache`
+(`add_batch_weights`) every CPU layout keeps a bf16 copy in bf16's own layout for them instead (no
+dequantisation per call, for 2 more bytes per weight).
 
 On the fly (`--quantization`): `int8` symmetric per output channel; `int4[-g32|-g64|-g128]` symmetric per
 group (`int4` is group 128, llama.cpp's Q4_0 convention); `int4-asym`, `int4-g32-asym`, ... with a zero point
@@ -51,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.kernels.quant import KernelWeight, QuantRowOperand, fits_float16, load_quant_kernels
 from llmctl.engine.layers.linear import (CheckpointSlice, LinearBase, LinearMethod, UnquantizedLinearMethod, rank_rows)
 from llmctl.engine.layers.quantization_cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
@@ -69,6 +73,16 @@ INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel 
 # 576x1536 int8 738 / 1475, int4 1119 / 1359; 960x576 425 / 695, 592 / 643); from 48 rows dequantising wins
 # or ties (3072x576 int8 48 rows 1763 / 1679, int4 g32 64 rows 3257 / 2461).
 NATIVE_MAX_ROWS = 48
+# Where the CPU has AMX, from 16 rows the native layout runs `gemm_amx` instead: its weight dequantised once per
+# call into bf16 AMX tiles that every row reuses (benchmarks/quant_kernels.py --batched: cold, one thread,
+# thread CPU time, load 8; GEMV / AMX µs: 3072x576 int8 8 rows 409 / 605, 16 rows 790 / 524, 64 rows 1792 / 692
+# (bf16's AMX 626); 576x1536 int8 16 rows 398 / 277, 64 rows 1420 / 321; 960x576 int4-g32 16 rows 318 / 122;
+# 49152x576 int8 64 rows 24728 / 9927; below 16 rows the GEMV won or tied at every shape).
+AMX_MIN_ROWS = 16
+# From 1024 rows (prefill chunks) bf16's own AMX kernel (`CpuKernels.gemm_amx`, blocked for many rows) runs on
+# the weight dequantised into its tiles (`dequantize_amx`, a temporary bf16 copy): the compute dwarfs the
+# dequantisation there (3072x576 int8 at 2048 rows: `gemm_amx`'s panels 30.7 ms, bf16's kernel 25.9 ms).
+AMX_MAX_ROWS = 1024
 # Batches (16+ rows; prefill, batched decode) are compute-bound: bf16 GEMMs on AMX tiles (oneDNN's or the
 # native kernel) ran 4-17x torch's int8pack/int4pack (3072x576, one thread, thread CPU time: 64 rows 342 µs
 # against 3963 / 3499 µs, 256 rows 820 against 15357 / 13992 µs); see `_product` and `add_batch_weights`.
@@ -301,6 +315,8 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
         _register(layer, "weight_scale", packed.scales)
         _register(layer, "weight_zero", packed.zeros)
         layer.quant_kernels = load_quant_kernels()
+        amx = cpu_kernels_for(weight.codes.device, torch.bfloat16)  # bf16's AMX kernel, for the largest batches
+        layer.amx_kernels = amx if amx is not None and amx.has_amx else None
         # built once (its checks and pointers) on the registered parameters' storage, which its detached
         # tensors keep alive even if a parameter's data were replaced later
         zero = None if layer.weight_zero is None else layer.weight_zero.detach()
@@ -400,14 +416,28 @@ def _product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]
     elif layout == "int4pack":
         out = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), layer.weight, layer.quant_group_size,
                                                 layer.weight_scales_and_zeros)
-    elif layout == "native" and rows.shape[0] < NATIVE_MAX_ROWS:
-        return layer.quant_kernels.gemv(layer.kernel_weight, rows.contiguous(), bias)
     elif layout == "native":
-        out = F.linear(rows.contiguous(), layer.quant_kernels.dequantize(layer.kernel_weight))
+        return _native_product(layer, rows.contiguous(), bias)
     elif layout in CUDA_LAYOUTS:
         out = apply_cuda_layout(layer, rows)
     else:
         out = F.linear(rows, _dequantize_installed(layer, rows.dtype))
+    return out if bias is None else out + bias
+
+
+def _native_product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The native layout's kernel for this many rows: the GEMV for few; on AMX CPUs from AMX_MIN_ROWS the
+    dequantising AMX GEMM, from AMX_MAX_ROWS bf16's AMX kernel on the weight dequantised into its tiles (the
+    same outputs bitwise: a row's result is the same for every row count from AMX_MIN_ROWS); without AMX
+    dequantise + one oneDNN GEMM from NATIVE_MAX_ROWS."""
+    kernels, count = layer.quant_kernels, rows.shape[0]
+    if kernels.has_amx and count >= AMX_MIN_ROWS:
+        if count < AMX_MAX_ROWS or getattr(layer, "amx_kernels", None) is None:
+            return kernels.gemm_amx(layer.kernel_weight, rows, bias)
+        return layer.amx_kernels.gemm_amx(kernels.dequantize_amx(layer.kernel_weight), rows, layer.out_features, bias)
+    if count < NATIVE_MAX_ROWS:
+        return kernels.gemv(layer.kernel_weight, rows, bias)
+    out = F.linear(rows, kernels.dequantize(layer.kernel_weight))
     return out if bias is None else out + bias
 
 
