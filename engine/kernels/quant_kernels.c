@@ -370,6 +370,20 @@ int quant_dequantize_bf16(const void *weight, const void *scales_, const void *z
 }
 
 
+#else
+int quant_gemv_bf16(const void *weight, const void *scales, const void *zeros, int bits, const void *x,
+                    const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
+    (void)weight, (void)scales, (void)zeros, (void)bits, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k,
+        (void)group, (void)num_threads;
+    return 0;
+}
+int quant_dequantize_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
+                          int64_t k, int64_t group, int num_threads) {
+    (void)weight, (void)scales, (void)zeros, (void)bits, (void)out, (void)n, (void)k, (void)group, (void)num_threads;
+    return 0;
+}
+#endif
+
 /* ---- AMX: dequantised once into B tiles, each tile reused by every row of the call ---------------------
  * y = x W^T (+ bias) for many rows (batched decode, prefill) on AMX tiles, the weight staying in the layout
  * above. Per 32-output pair (two 16-row blocks) and 32 inputs the codes become one bf16 B tile per block (16
@@ -614,31 +628,5 @@ int quant_gemm_amx_bf16(const void *weight, const void *scales, const void *zero
     (void)weight, (void)scales, (void)zeros, (void)bits, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k,
         (void)group, (void)num_threads;
     return 0; /* no AMX in this build: the caller keeps its other paths */
-}
-#endif
-
-#else
-int quant_gemv_bf16(const void *weight, const void *scales, const void *zeros, int bits, const void *x,
-                    const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
-    (void)weight, (void)scales, (void)zeros, (void)bits, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k,
-        (void)group, (void)num_threads;
-    return 0;
-}
-int quant_dequantize_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
-                          int64_t k, int64_t group, int num_threads) {
-    (void)weight, (void)scales, (void)zeros, (void)bits, (void)out, (void)n, (void)k, (void)group, (void)num_threads;
-    return 0;
-}
-int quant_amx_enable(void) { return 0; }
-int quant_dequantize_amx_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
-                              int64_t k, int64_t group, int num_threads) {
-    (void)weight, (void)scales, (void)zeros, (void)bits, (void)out, (void)n, (void)k, (void)group, (void)num_threads;
-    return 0;
-}
-int quant_gemm_amx_bf16(const void *weight, const void *scales, const void *zeros, int bits, const void *x,
-                        const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
-    (void)weight, (void)scales, (void)zeros, (void)bits, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k,
-        (void)group, (void)num_threads;
-    return 0;
 }
 #endif
