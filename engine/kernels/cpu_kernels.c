@@ -547,8 +547,10 @@ INLINE void amx_few_rows(const uint16_t *a, const uint16_t *w, const void *bias,
  * rows: a block's weight (1.2 MB at K = 576) and a chunk's rows stay in L2. Inside a chunk:
  * - pair-major (a pair's row pairs in turn: its B tiles in L1 across them) up to one chunk of rows (decode
  *   batches: the weight streams from DRAM once, on each pair's first row pair, prefetched two K steps ahead
- *   as for few rows; a second prefetch of the next pair into L2 measured nothing here), and where a row
- *   pair's A tiles do not fit L1 (K > AMX_ROW_MAJOR_K: down 576x1536 at M = 2048 1.3x slower row-major);
+ *   as for few rows; on its later row pairs the next pair's tiles go to L2, so DRAM keeps streaming while
+ *   the pair's B tiles are re-read from L1: lm_head and gate_up cold at M = 64-128 1-5 % faster), and where
+ *   a row pair's A tiles do not fit L1 (K > AMX_ROW_MAJOR_K: down 576x1536 at M = 2048 1.3x slower
+ *   row-major);
  * - row-major (the block's pairs in turn against one row pair, its A tiles in L1, B streaming from L2 with
  *   the same prefetch) for more rows at K <= AMX_ROW_MAJOR_K: gate_up 3072x576 at M = 2048 9.0 -> 8.0 ms.
  * The epilogue (C + bias, rounded, to y) waits for the item's dot products if it runs after them: row-major,
@@ -604,6 +606,9 @@ INLINE void amx_item(const uint16_t *a, const uint16_t *w, const void *bias, voi
         if (stream) /* two steps ahead, into the next pair's at the end (pairs lie back to back) */
             for (int line = 0; line < 1024; line += 32)
                 _mm_prefetch((const char *)(b + AMX_PREFETCH_STEPS * 1024 + line), _MM_HINT_T0);
+        else if (!write) /* pair-major, a later row pair: the next pair's step into L2, DRAM streaming on */
+            for (int line = 0; line < 1024; line += 32)
+                _mm_prefetch((const char *)(b + steps * 1024 + line), _MM_HINT_T1);
         _tile_loadd(4, a0 + s * 32, kp * 2);
         _tile_loadd(6, b, 64);
         _tile_loadd(7, b + 512, 64);

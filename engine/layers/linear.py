@@ -245,7 +245,8 @@ class AMXLinearMethod(UnquantizedLinearMethod):
     """bfloat16 on CPUs with AMX tiles: each weight held once, in the native AMX kernel's tile layout
     (`CpuKernels.pack_amx`), and that kernel run for every row count. Measured here (one thread, CPU time):
     at M = 1 it streams faster than the dpbf16 GEMV (qkv 960x576 hot 17 against 35 us), from M = 2 to 512
-    it takes 0.5-1.0x oneDNN's prepacked time, at M = 2048 (prefill chunks) 1.0-1.4x under load; and each
+    it takes 0.55-1.0x oneDNN's prepacked time (cold at M = 64-128: gate_up 1.0-1.16x, lm_head 1.1-1.35x),
+    at M = 2048 (prefill chunks) 1.0-1.3x under load (benchmarks/README.md, small_m_linear.py); and each
     output row's value does not depend on the other rows (a verify row's linears equal one-token decodes',
     so bf16 greedy speculation is exact). oneDNN's packed copy and the plain weight are not kept (the
     method before this one held every weight twice); a tied lm_head's weight stays the embedding's."""
