@@ -214,6 +214,23 @@ def test_kernel_dequantises_to_the_reference_in_bfloat16(target, bits, group, as
     assert got.dtype is torch.bfloat16 and torch.equal(got, weight.dequantize().to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("bits, group, in_features", [(4, 32, 576), (8, 576, 576), (8, 1536, 1536), (4, 8, 24)])
+def test_the_avx512_and_avx2_bodies_agree_bitwise(bits, group, in_features):
+    """The AVX-512 body converts activation blocks 16 a vector, the AVX2 body one at a time (the scalar rules):
+    the same codes, scales and sums, so the same outputs bit for bit; blocks of zeros, of a magnitude past 3e38,
+    an infinity or a NaN included (those take the scalar rules in both)."""
+    native, avx2 = kernels_or_skip("native"), kernels_or_skip("avx2")
+    if native.isa != 512:
+        pytest.skip("the native body is the AVX2 one here")
+    weight = GroupedIntWeight.quantize(torch.randn(40, in_features) * 0.05, bits, group, True)
+    packed = [k.pack(weight.codes, weight.scales, weight.zeros, bits, group) for k in (native, avx2)]
+    x = (torch.randn(6, in_features) * torch.logspace(-3, 3, in_features)).bfloat16()
+    x[1], x[2, 5], x[3, 7], x[4, 1] = 0, float("inf"), float("nan"), 3.3e38
+    bias = torch.randn(40).bfloat16()
+    got = [k.gemv(w, x, bias).view(torch.int16) for k, w in zip((native, avx2), packed)]
+    assert torch.equal(got[0], got[1])
+
+
 @pytest.mark.parametrize("target", ["native", "avx2"])
 def test_activations_are_scaled_per_block_not_per_row(target):
     # inputs 0..31 are 10^4 times inputs 32..63; row 0's weights on the large inputs are all 0, so its output

@@ -77,6 +77,57 @@ typedef struct {
     int64_t x_block, x_blocks;
 } Prepared;
 
+/* One x block of `size` inputs: its int16 codes, scale and code sum. */
+static void prepare_block(const uint16_t *src, int16_t *dst, int64_t size, float *xscale, float *xsum) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < size; i++) top = fmaxf(top, fabsf(bf16_to_f32(src[i])));
+    const float inverse = top > 0.0f && top <= 3.0e38f ? 32767.0f / top : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < size; i++) {
+        const int32_t q = (int32_t)lrintf(bf16_to_f32(src[i]) * inverse);
+        dst[i] = (int16_t)q, sum += q;
+    }
+    *xscale = inverse > 0.0f ? top / 32767.0f : 0.0f;
+    *xsum = (float)sum;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* prepare_block 16 inputs a vector (size a multiple of 16), bitwise its result: the largest magnitude is
+ * exact in any order and vcvtps2dq rounds to nearest even as lrintf does. A block holding a NaN or a
+ * magnitude above 3e38 (where the scalar rules for NaN and infinities decide) goes to prepare_block. The
+ * scalar loops were most of a small GEMV's fixed cost (one thread, thread CPU time, hot 16x576 4-bit: 7.3 ->
+ * 4.3 us a call, 16x1536: 14.2 -> 5.6 us; a SmolLM-135M token's 121 int4-g32 GEMVs, cold: 11.4 -> 11.2 ms). */
+static void prepare_block_512(const uint16_t *src, int16_t *dst, int64_t size, float *xscale, float *xsum) {
+    __m512 top = _mm512_setzero_ps();
+    __mmask16 unusual = 0;
+    for (int64_t i = 0; i < size; i += 16) {
+        const __m512 v = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16));
+        const __m512 magnitude = _mm512_abs_ps(v);
+        unusual |= _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(3.0e38f), _CMP_NLE_UQ);
+        top = _mm512_max_ps(top, magnitude);
+    }
+    if (unusual) {
+        prepare_block(src, dst, size, xscale, xsum);
+        return;
+    }
+    const float largest = _mm512_reduce_max_ps(top);
+    const float inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
+    const __m512 scale = _mm512_set1_ps(inverse);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < size; i += 16) {
+        const __m512 v = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16));
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(q));
+        sum = _mm512_add_epi32(sum, q);
+    }
+    *xscale = inverse > 0.0f ? largest / 32767.0f : 0.0f;
+    *xsum = (float)_mm512_reduce_add_epi32(sum);
+}
+#endif
+
 static int prepare(const uint16_t *x, int64_t m, int64_t k, int64_t x_block, Prepared *p) {
     p->x_block = x_block, p->x_blocks = k / x_block;
     p->xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k));
@@ -90,16 +141,14 @@ static int prepare(const uint16_t *x, int64_t m, int64_t k, int64_t x_block, Pre
         for (int64_t b = 0; b < p->x_blocks; b++) {
             const uint16_t *src = x + r * k + b * x_block;
             int16_t *dst = p->xq + r * k + b * x_block;
-            float top = 0.0f;
-            for (int64_t i = 0; i < x_block; i++) top = fmaxf(top, fabsf(bf16_to_f32(src[i])));
-            const float inverse = top > 0.0f && top <= 3.0e38f ? 32767.0f / top : 0.0f;
-            int32_t sum = 0;
-            for (int64_t i = 0; i < x_block; i++) {
-                const int32_t q = (int32_t)lrintf(bf16_to_f32(src[i]) * inverse);
-                dst[i] = (int16_t)q, sum += q;
+            float *xscale = p->xscale + r * p->x_blocks + b, *xsum = p->xsum + r * p->x_blocks + b;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            if (x_block % 16 == 0) {
+                prepare_block_512(src, dst, x_block, xscale, xsum);
+                continue;
             }
-            p->xscale[r * p->x_blocks + b] = inverse > 0.0f ? top / 32767.0f : 0.0f;
-            p->xsum[r * p->x_blocks + b] = (float)sum;
+#endif
+            prepare_block(src, dst, x_block, xscale, xsum);
         }
     return 1;
 }
