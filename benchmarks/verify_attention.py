@@ -9,11 +9,16 @@ per layer call, plus one one-token decode for scale, on the embedded model's hea
 heads of 32) and SmolLM-135M's (9 / 3 of 64), at a few contexts, and the query length where SDPA
 catches up (`--crossover`).
 
+`--prefill` measures instead a prompt's whole prefill row (queries = context, 16 128 512 2048 tokens by
+default), native kernel against SDPA: where the kernel runs on AMX tiles (bf16) the torch backend sends
+such rows to it too, so that no value depends on how a prompt was chunked.
+
 Times are CPU time of the calling thread (`time.thread_time_ns`) with one torch / OpenMP thread, best of
-`--repeats` blocks of `--calls` calls: meaningful on a loaded host, where wall-clock is not.
+`--repeats` blocks of `--calls` calls: meaningful on a loaded host, where wall-clock is not (with
+`--threads 2`, best wall-clock time).
 
     python benchmarks/verify_attention.py [--contexts 128 512 2048] [--queries 5] [--dtype bfloat16]
-        [--crossover] [--repeats 7] [--calls 50] [--json]
+        [--crossover] [--prefill [LENGTH ...]] [--threads 1 2] [--repeats 7] [--calls 50] [--json]
 """
 
 from __future__ import annotations
@@ -31,20 +36,20 @@ SHAPES = {"embedded (8/4 x 32)": (8, 4, 32), "SmolLM-135M (9/3 x 64)": (9, 3, 64
 BLOCK_SIZE = 16
 
 
-def best_us(work, repeats: int, calls: int) -> float:
-    """Best per-call thread CPU time of `work` in microseconds."""
+def best_us(work, repeats: int, calls: int, clock=time.thread_time_ns) -> float:
+    """Best per-call time of `work` in microseconds on `clock` (the calling thread's CPU time by default)."""
     work()
     best = float("inf")
     for _ in range(repeats):
-        start = time.thread_time_ns()
+        start = clock()
         for _ in range(calls):
             work()
-        best = min(best, (time.thread_time_ns() - start) / calls)
+        best = min(best, (clock() - start) / calls)
     return best / 1e3
 
 
 def measure(kernels, shape: tuple[int, int, int], context: int, queries: int, dtype: torch.dtype,
-            repeats: int, calls: int) -> dict:
+            repeats: int, calls: int, clock=time.thread_time_ns) -> dict:
     heads, kv_heads, dim = shape
     generator = torch.Generator().manual_seed(context + queries)
     width = -(-context // BLOCK_SIZE)
@@ -60,9 +65,10 @@ def measure(kernels, shape: tuple[int, int, int], context: int, queries: int, dt
     scale = dim ** -0.5
     sdpa = TorchAttention(heads, kv_heads, dim, None, dtype)  # no kernels: the SDPA path for the row
     span = PrefillSpan(0, queries, context, table)
-    native_us = best_us(lambda: kernels.paged_attention(q, k_pool, v_pool, rows, scale), repeats, calls)
-    sdpa_us = best_us(lambda: sdpa._prefill(q, k, v, k_pool, v_pool, span), repeats, calls)
-    decode_us = best_us(lambda: kernels.paged_attention(q[:1], k_pool, v_pool, decode_rows, scale), repeats, calls)
+    native_us = best_us(lambda: kernels.paged_attention(q, k_pool, v_pool, rows, scale), repeats, calls, clock)
+    sdpa_us = best_us(lambda: sdpa._prefill(q, k, v, k_pool, v_pool, span), repeats, calls, clock)
+    decode_us = best_us(lambda: kernels.paged_attention(q[:1], k_pool, v_pool, decode_rows, scale), repeats, calls,
+                        clock)
     return {"context": context, "queries": queries, "native_us": native_us, "sdpa_us": sdpa_us,
             "decode_us": decode_us, "speedup": sdpa_us / native_us}
 
@@ -74,6 +80,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--crossover", action="store_true",
                         help="also rows of 1..64 query tokens at context 512: where SDPA catches up")
+    parser.add_argument("--prefill", type=int, nargs="*", metavar="LENGTH",
+                        help="instead: prefill rows (a prompt of LENGTH tokens, all its queries in one row; default "
+                             "16 128 512 2048), native kernel vs SDPA, with --threads")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1],
+                        help="with --prefill: torch / OpenMP threads (several: best wall-clock time, since idle "
+                             "OpenMP threads spin and the calling thread's CPU time is only its share)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--json", action="store_true")
@@ -81,8 +93,10 @@ def main() -> None:
     kernels = load_cpu_kernels()
     if kernels is None:
         raise SystemExit("error: the native CPU kernels cannot be built here (compiler or AVX-512)")
-    torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
+    if args.prefill is not None:
+        return prefill_table(kernels, args.prefill or [16, 128, 512, 2048], args.threads, dtype, args)
+    torch.set_num_threads(1)
     results = []
     for name, shape in SHAPES.items():
         for context in args.contexts:
@@ -101,6 +115,29 @@ def main() -> None:
     for r in results:
         print(f"| {r['shape']} | {r['context']} | {r['queries']} | {r['native_us']:.1f} | {r['sdpa_us']:.1f} "
               f"| {r['speedup']:.2f}x | {r['decode_us']:.1f} |")
+
+
+def prefill_table(kernels, lengths: list[int], threads: list[int], dtype: torch.dtype, args) -> None:
+    """A prompt's prefill row (queries = context): what the torch backend runs on the kernel where it is tiled."""
+    results = []
+    for count in threads:
+        torch.set_num_threads(count)
+        clock = time.thread_time_ns if count == 1 else time.perf_counter_ns
+        for name, shape in SHAPES.items():
+            for length in lengths:
+                calls = max(1, min(args.calls, 20000 // length))
+                results.append({"shape": name, "threads": count,
+                                **measure(kernels, shape, length, length, dtype, args.repeats, calls, clock)})
+    if args.json:
+        print(json.dumps({"dtype": args.dtype, "prefill": results}, indent=2))
+        return
+    print(f"{args.dtype}, prefill rows (queries = context), per layer call: 1 thread: the calling thread's CPU time; "
+          "more: best wall-clock time")
+    print("| heads | threads | prompt tokens | native us | SDPA us | native / SDPA |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['shape']} | {r['threads']} | {r['context']} | {r['native_us']:.0f} | {r['sdpa_us']:.0f} "
+              f"| {r['native_us'] / r['sdpa_us']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -233,3 +233,44 @@ def test_bfloat16_greedy_speculation_gives_the_decodes_logits_bitwise(tiny_model
         for prefix, logits in expected.seen.items():
             assert torch.equal(ours.seen[prefix], logits), f"{len(prompt)}-token prompt, position {len(prefix)}"
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # rollbacks ran
+
+
+@pytest.fixture(scope="module")
+def windowed_mistral(tmp_path_factory):
+    """Mistral with a sliding window shorter than the prompts, so prefill chunks and verify rows mask it."""
+    from conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("windowed") / "mistral", "mistral", sliding_window=48)
+
+
+@pytest.mark.parametrize("model", ["embedded", "llama", "mistral-window", "qwen2", "qwen3"])
+def test_bfloat16_greedy_tokens_identical_with_and_without_speculation_in_mixed_batches(
+        tiny_models, windowed_mistral, model):
+    """bf16 on CPU in the fp32 test's mixed batch (chunked prefill under a small token budget, preemption from
+    few KV blocks, prefix-cache hits on shared prefixes) with n-gram verify rows: speculation changes which
+    steps carry which chunk of a prompt, and with every row's attention on the native kernel (each query
+    exactly the one-token decode at its position) and the AMX linears (each output row independent of the
+    others) no value depends on the chunking, so the greedy tokens are those of plain decoding."""
+    folder = {"embedded": None, "mistral-window": windowed_mistral}[model] if model in ("embedded", "mistral-window") \
+        else tiny_models[model]
+    vocab = 2048 if model == "embedded" else 512
+    rng = random.Random(99)
+    phrases = [[rng.randrange(vocab) for _ in range(10)] for _ in range(2)]
+    prompts = make_prompts(vocab) + [phrases[0] * 5, phrases[1] * 3 + phrases[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = {}
+    for name, extra in (("plain", {}), ("ngram", {"speculative_config": NGRAM})):
+        llm = LLM(None if folder is None else str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
+                  max_num_batched_tokens=96, num_kv_blocks=40, block_size=16, max_num_seqs=8, max_model_len=400,
+                  **extra)
+        skip_unless_native_decode(llm)
+        layer = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        if not isinstance(layer.method, AMXLinearMethod):  # oneDNN rounds a row by the rows beside it
+            pytest.skip("bf16 linears are not the AMX kernel here (no AMX)")
+        runs[name] = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.engine.get_stats())
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    (want, _), (got, stats) = runs["plain"], runs["ngram"]
+    for prompt, expected, tokens in zip(prompts, want, got):
+        assert tokens == expected, f"prompt of {len(prompt)} tokens diverged under speculation"
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0

@@ -1,7 +1,8 @@
-"""The native paged attention kernel on rows of several query tokens (speculative verify rows, short
-prefill chunks): each query's output is bitwise that of a one-token decode at its position (what makes
-greedy speculation exact in bf16), it agrees with SDPA within tolerance, and the torch backend sends
-every row of up to NATIVE_MAX_QUERY tokens to it, longer rows to SDPA."""
+"""The native paged attention kernel on rows of several query tokens (speculative verify rows, prefill
+chunks): each query's output is bitwise that of a one-token decode at its position (what makes greedy
+speculation exact in bf16), it agrees with SDPA within tolerance, and the torch backend sends every row
+of up to NATIVE_MAX_QUERY tokens to it, longer rows to SDPA, except where the kernel runs on AMX tiles
+(bf16): there every row."""
 
 from __future__ import annotations
 
@@ -122,6 +123,8 @@ def test_rows_checked_for_one_pool_are_refused_on_another():
 def test_the_torch_backend_sends_short_rows_to_the_kernel_and_long_ones_to_sdpa(dtype):
     """Decodes, a verify row and a long prefill chunk in one step: the short rows' outputs are bitwise the
     one-token decodes at their positions, the long row's SDPA's."""
+    if KERNELS.tiled_attention(dtype):
+        pytest.skip("the kernel runs on AMX tiles here: every row goes to it (the test below)")
     heads, kv_heads, dim, block_size = 6, 2, 32, 16
     backend = TorchAttention(heads, kv_heads, dim, None, dtype, kernels=KERNELS)
     assert backend.decode_kernel is not None
@@ -174,10 +177,14 @@ def test_prefill_rows_of_many_tiles_are_bitwise_one_token_decodes(seed, dtype, q
         assert torch.equal(out[tokens], decodes), f"row {r}"
 
 
-def test_the_torch_backend_with_native_prefill_sends_every_row_to_the_kernel():
-    """native_prefill: a long prefill chunk after a cached prefix runs on the kernel too, bitwise its decodes."""
+def test_where_the_kernel_runs_on_tiles_the_torch_backend_sends_every_row_to_it():
+    """bf16 with AMX tiles: a long prefill chunk after a cached prefix runs on the kernel too, bitwise the
+    one-token decodes at its positions (float32 keeps SDPA for long rows)."""
+    if not KERNELS.tiled_attention(torch.bfloat16):
+        pytest.skip("no AMX tiles here: the kernel's vector path takes short rows only")
+    assert not KERNELS.tiled_attention(torch.float32)
     heads, kv_heads, dim, block_size = 6, 2, 32, 16
-    backend = TorchAttention(heads, kv_heads, dim, None, torch.bfloat16, kernels=KERNELS, native_prefill=True)
+    backend = TorchAttention(heads, kv_heads, dim, None, torch.bfloat16, kernels=KERNELS)
     query_lens, context_lens, tables = [1, 40], [17, 60], [[0, 1], [2, 3, 4, 5]]
     generator = torch.Generator().manual_seed(1)
     pools = [torch.randn(kv_heads, 6, block_size, dim, generator=generator).to(torch.bfloat16) for _ in range(2)]

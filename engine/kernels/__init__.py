@@ -204,6 +204,12 @@ class CpuKernels:
     def supports_decode(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return dtype in self._paged and head_dim % 16 == 0 and num_heads // num_kv_heads <= self.max_group
 
+    def tiled_attention(self, dtype: torch.dtype) -> bool:
+        """`paged_attention` runs on AMX tiles here in `dtype` (bf16 where the tile state is granted): a prefill
+        row then costs about what SDPA's does (benchmarks/verify_attention.py --prefill), each query still
+        exactly its one-token decode; elsewhere (float32, no AMX) a long row costs 2-3x SDPA's."""
+        return dtype == torch.bfloat16 and self.has_amx
+
     def paged_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                window: Optional[int] = None) -> torch.Tensor:

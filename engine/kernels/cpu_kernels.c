@@ -82,22 +82,50 @@ INLINE __m512 exp_clamped(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 
-/* s[t] <- e^(s[t] - max s) for t < n; returns their sum. The tail is padded with -inf lanes. */
-INLINE float softmax_numerators(float *s, int64_t n) {
+/* s[t] <- e^(s[t] * scale - max s * scale) for t < n (scale > 0; 1: the scores as they are); returns their
+ * sum. The tail is padded with -inf lanes. */
+INLINE float softmax_numerators(float *s, int64_t n, float scale) {
+    const __m512 factor = _mm512_set1_ps(scale);
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n; t += 16) {
         const __mmask16 live = tail_mask(n - t);
-        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + t));
+        top = _mm512_max_ps(top, _mm512_mul_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + t), factor));
     }
     const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t += 16) {
         const __mmask16 live = tail_mask(n - t);
-        const __m512 e = exp_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
+        const __m512 e = exp_clamped(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + t), factor), shift));
         _mm512_mask_storeu_ps(s + t, live, e);
         total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
     }
     return _mm512_reduce_add_ps(total);
+}
+
+/* out[k] lane i <- in[i] lane k: a 16 x 16 transpose of 32-bit elements in place. */
+INLINE void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 4) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        t[i + 2] = _mm512_unpacklo_epi32(r[i + 2], r[i + 3]);
+        t[i + 3] = _mm512_unpackhi_epi32(r[i + 2], r[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0x88);
+            t[h + 4 + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+    }
 }
 
 /* Sixteen float32 sums, lane i holding _mm512_reduce_add_ps(a[i]) exactly: the same pairs added in the
@@ -212,6 +240,210 @@ INLINE void attend_values_of(const void *v_pool, const int64_t *rows, int64_t he
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+long syscall(long number, ...); /* unistd.h declares it only outside strict C11 */
+
+/* Whether this process holds AMX's tile state (arch_prctl ARCH_GET_XCOMP_PERM, XFEATURE_XTILEDATA): the
+ * loader asks for it (amx_enable) before any kernel call, and a grant is never taken back. */
+static int attention_tiles_granted(void) {
+    unsigned long features = 0;
+    return syscall(SYS_arch_prctl, 0x1022, &features) == 0 && ((features >> 18) & 1);
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) attention_tile_config;
+
+#define ATTENTION_CHUNK 32 /* keys per A tile of the weighted V sums, at positions that are multiples of 32 */
+
+/* One work item on AMX (bf16): `queries` = count x group query heads (c = j * group + g) of one KV head,
+ * tokens start .. start + count - 1, the last seeing `len` keys. Tiles 0 (A), 1 (B), 2-5 (C), all 16 x 64 B.
+ *   scores: C [16 keys x 16 queries] += K rows (A, 32 dims a step, in place in the pool where a block
+ *           holds them) x the queries in bf16 pairs (B), the head_dim steps in order from zero: each score
+ *           depends on its key and its query only;
+ *   softmax: per query over its own keys, times the scale, as the vector path's (softmax_numerators);
+ *   values:  C [16 queries x 16 dims] += P (A: the query's numerators rounded to bf16, 0 outside its keys)
+ *           x V rows in pairs (B), 32 keys a step at positions that are multiples of 32, in order from zero,
+ *           then times 1 / the softmax sum and one rounding. A step past a query's keys adds exact zeros.
+ * So a query's output depends on its own keys and values only, not on the tile, the row or the batch:
+ * a one-token decode computes the same (every bf16 query takes this path where tiles are granted). */
+INLINE void attend_item_tiles(const uint16_t *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
+                              const int64_t *table, int64_t head_base, int block_shift, int64_t block_size,
+                              int64_t len, int64_t count, int64_t start, int64_t head, int64_t group,
+                              int64_t num_heads, int64_t head_dim, float scale, int64_t window, uint16_t *out) {
+    const int64_t queries = count * group, groups = (queries + 15) / 16, steps = (head_dim + 31) / 32;
+    const int64_t end0 = len - count + 1;
+    const int64_t first = (window > 0 && end0 > window) ? end0 - window : 0;
+    const int64_t base = first & ~(int64_t)(ATTENTION_CHUNK - 1); /* positions [base, len), t = position - base */
+    const int64_t n = len - base, padded = (n + ATTENTION_CHUNK - 1) & ~(int64_t)(ATTENTION_CHUNK - 1);
+    const int64_t pair_stride = 2 * head_dim; /* bf16 per V pair row */
+    /* rows [padded]; lo, hi, out offsets [queries]; inverse [queries]; scores [queries][padded] float;
+     * p [groups * 16][padded], qt [groups][steps][16][32], keys [2][steps][16][32], pairs [padded / 2][2 head_dim]
+     * bf16; c [16][16] float */
+    const size_t bytes = sizeof(int64_t) * (size_t)(padded + 3 * queries)
+                         + sizeof(float) * (size_t)(queries + queries * padded)
+                         + 2 * (size_t)(groups * 16 * padded + groups * steps * 512 + 2 * steps * 512 + padded * head_dim)
+                         + sizeof(float) * 256 + 64 * 4;
+    int64_t *rows = malloc(bytes);
+    if (rows == NULL) return; /* not at these sizes */
+    int64_t *lo = rows + padded, *hi = lo + queries, *out_offsets = hi + queries;
+    float *inverse = (float *)(out_offsets + queries), *scores = inverse + queries;
+    uint16_t *p = (uint16_t *)(((uintptr_t)(scores + queries * padded) + 63) & ~(uintptr_t)63);
+    uint16_t *qt = p + groups * 16 * padded, *keys = qt + groups * steps * 512, *pairs = keys + 2 * steps * 512;
+    float *c_tile = (float *)(((uintptr_t)(pairs + padded * head_dim) + 63) & ~(uintptr_t)63);
+    for (int64_t c = 0; c < queries; c++) {
+        const int64_t j = c / group, end = end0 + j;
+        lo[c] = ((window > 0 && end > window) ? end - window : 0) - base;
+        hi[c] = end - base;
+        out_offsets[c] = ((start + j) * num_heads + head * group + c % group) * head_dim;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = base + t;
+        rows[t] = (((head_base + table[pos >> block_shift]) << block_shift) + (pos & (block_size - 1))) * head_dim;
+    }
+    for (int64_t t = n; t < padded; t++) rows[t] = -1; /* no key: zeros */
+    const __m512i low_pairs = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006, 0x270007,
+                                                0x280008, 0x290009, 0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e, 0x2f000f);
+    const __m512i high_pairs = _mm512_add_epi16(low_pairs, _mm512_set1_epi16(16));
+    const __m512i gather = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    /* the queries as B tiles: qt[g][s][i][2 m + e] = query 16 g + m's element 32 s + 2 i + e (0 past them) */
+    memset(qt, 0, 2 * (size_t)(groups * steps * 512));
+    for (int64_t c = 0; c < queries; c++) {
+        const uint16_t *row = q + (start + c / group) * q_stride + (head * group + c % group) * head_dim;
+        uint16_t *dst = qt + (c / 16) * steps * 512 + 2 * (c % 16);
+        for (int64_t d = 0; d < head_dim; d++) dst[(d / 32) * 512 + ((d % 32) / 2) * 32 + (d & 1)] = row[d];
+    }
+    for (int64_t t = 0; t < padded; t += 32) {
+        for (int64_t ahead = t + 32; ahead < t + 64 && ahead < n; ahead++) { /* the next 32 keys, and their V rows */
+            prefetch_row(k_pool, rows[ahead], head_dim, 1);
+            prefetch_row(v_pool, rows[ahead], head_dim, 1);
+        }
+        for (int64_t u = t / 2; u < t / 2 + 16; u++) { /* V rows in pairs: pairs[u][2 d + e] = V[key 2 u + e][d] */
+            const int64_t ra = rows[2 * u], rb = rows[2 * u + 1];
+            for (int64_t d = 0; d < head_dim; d += 32) {
+                const __mmask32 live = head_dim - d >= 32 ? 0xffffffffu : 0xffffu;
+                const __m512i a = _mm512_maskz_loadu_epi16(ra < 0 ? 0 : live, v_pool + (ra < 0 ? 0 : ra) + d);
+                const __m512i b = _mm512_maskz_loadu_epi16(rb < 0 ? 0 : live, v_pool + (rb < 0 ? 0 : rb) + d);
+                _mm512_storeu_si512(pairs + u * pair_stride + 2 * d, _mm512_permutex2var_epi16(a, low_pairs, b));
+                if (head_dim - d > 16)
+                    _mm512_storeu_si512(pairs + u * pair_stride + 2 * d + 32, _mm512_permutex2var_epi16(a, high_pairs, b));
+            }
+        }
+        /* the two halves' sixteen keys as A tiles (a[half], rows a_stride bytes apart, K steps a_step apart):
+         * in place where one block holds them (the same values), else staged */
+        const uint16_t *a[2];
+        int64_t a_stride[2], a_step[2];
+        for (int half = 0; half < 2; half++) {
+            const int64_t u = t + 16 * half;
+            if (head_dim % 32 == 0 && block_size >= 16 && u + 16 <= n) { /* base + u: a multiple of 16 */
+                a[half] = k_pool + rows[u], a_stride[half] = 2 * head_dim, a_step[half] = 32;
+                continue;
+            }
+            uint16_t *staged = keys + half * steps * 512;
+            for (int64_t i = 0; i < 16; i++)
+                for (int64_t s = 0; s < steps; s++) {
+                    const __mmask32 live = rows[u + i] < 0 ? 0 : (head_dim - 32 * s >= 32 ? 0xffffffffu : 0xffffu);
+                    _mm512_storeu_si512(staged + s * 512 + i * 32,
+                                        _mm512_maskz_loadu_epi16(live, k_pool + (rows[u + i] < 0 ? 0 : rows[u + i]) + 32 * s));
+                }
+            a[half] = staged, a_stride[half] = 64, a_step[half] = 512;
+        }
+        /* per query group: C [16 keys x 16 queries] of both halves (tiles 2, 3: two chains that overlap), A in
+         * tiles 0 and 4, B in 1 */
+        for (int64_t g = 0; g < groups; g++) {
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t s = 0; s < steps; s++) {
+                _tile_loadd(1, qt + (g * steps + s) * 512, 64);
+                _tile_loadd(0, a[0] + s * a_step[0], a_stride[0]);
+                _tile_dpbf16ps(2, 0, 1);
+                _tile_loadd(4, a[1] + s * a_step[1], a_stride[1]);
+                _tile_dpbf16ps(3, 4, 1);
+            }
+            for (int half = 0; half < 2; half++) {
+                if (half == 0) _tile_stored(2, c_tile, 64);
+                else _tile_stored(3, c_tile, 64);
+                float *dst = scores + 16 * g * padded + t + 16 * half;
+                const int64_t live = queries - 16 * g < 16 ? queries - 16 * g : 16;
+                if (live >= 6) { /* the tile's columns as rows: a transpose beats sixteen gathers */
+                    __m512i r[16];
+                    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(c_tile + 16 * i);
+                    transpose16(r);
+                    for (int64_t m = 0; m < live; m++) _mm512_storeu_ps(dst + m * padded, _mm512_castsi512_ps(r[m]));
+                } else
+                    for (int64_t m = 0; m < live; m++)
+                        _mm512_storeu_ps(dst + m * padded,
+                                         _mm512_i32gather_ps(_mm512_add_epi32(gather, _mm512_set1_epi32((int)m)), c_tile, 4));
+            }
+        }
+    }
+    /* numerators in bf16, 0 outside each query's keys (rows past the queries are left as they are: an A row
+     * feeds its own C row only, which is not read) */
+    for (int64_t c = 0; c < queries; c++) {
+        float *row = scores + c * padded;
+        const float total = softmax_numerators(row + lo[c], hi[c] - lo[c], scale);
+        inverse[c] = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t t = 0; t < padded; t += 32) {
+            const __mmask16 low = _kand_mask16(~tail_mask(lo[c] - t > 0 ? lo[c] - t : 0), tail_mask(hi[c] - t > 0 ? hi[c] - t : 0));
+            const __mmask16 high = _kand_mask16(~tail_mask(lo[c] - t - 16 > 0 ? lo[c] - t - 16 : 0),
+                                                tail_mask(hi[c] - t - 16 > 0 ? hi[c] - t - 16 : 0));
+            const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, row + t + 16), _mm512_maskz_loadu_ps(low, row + t));
+            _mm512_storeu_si512(p + c * padded + t, (__m512i)both);
+        }
+    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+            const int64_t tiles = (head_dim - d0) / 16 < 4 ? (head_dim - d0) / 16 : 4;
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_zero(5);
+            for (int64_t t = 0; t < padded; t += ATTENTION_CHUNK) {
+                const uint16_t *b = pairs + (t / 2) * pair_stride + 2 * d0;
+                _tile_loadd(0, p + 16 * g * padded + t, 2 * padded);
+                _tile_loadd(1, b, 2 * pair_stride);
+                _tile_dpbf16ps(2, 0, 1);
+                if (tiles > 1) {
+                    _tile_loadd(1, b + 32, 2 * pair_stride);
+                    _tile_dpbf16ps(3, 0, 1);
+                }
+                if (tiles > 2) {
+                    _tile_loadd(1, b + 64, 2 * pair_stride);
+                    _tile_dpbf16ps(4, 0, 1);
+                }
+                if (tiles > 3) {
+                    _tile_loadd(1, b + 96, 2 * pair_stride);
+                    _tile_dpbf16ps(5, 0, 1);
+                }
+            }
+            for (int64_t j = 0; j < tiles; j++) {
+                if (j == 0) _tile_stored(2, c_tile, 64);
+                if (j == 1) _tile_stored(3, c_tile, 64);
+                if (j == 2) _tile_stored(4, c_tile, 64);
+                if (j == 3) _tile_stored(5, c_tile, 64);
+                for (int64_t m = 0; m < 16 && 16 * g + m < queries; m++)
+                    store16(out, out_offsets[16 * g + m] + d0 + 16 * j,
+                            _mm512_mul_ps(_mm512_loadu_ps(c_tile + 16 * m), _mm512_set1_ps(inverse[16 * g + m])), 1);
+            }
+        }
+    free(rows);
+}
+
+INLINE void load_attention_tiles(void) {
+    attention_tile_config config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 6; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+#define ATTENTION_TILES 1
+#else
+#define ATTENTION_TILES 0
+#endif
+
 /* Paged attention straight from the pool for rows of any number of query tokens (decodes, speculative
  * verify rows, prefill chunks), each query computed exactly as a one-token decode at its position.
  *   q       [tokens, num_heads, head_dim], token rows `q_stride` elements apart (a view into a fused qkv
@@ -226,11 +458,13 @@ INLINE void attend_values_of(const void *v_pool, const int64_t *rows, int64_t he
  * One work item per (row, KV head, tile of up to TILE_QUERIES / group query tokens) serves the head's
  * query group of each of the tile's tokens, so each K/V row is read from memory once per tile and a
  * tile scores only the keys up to its last query's (causal: a prefill chunk's tiles see half the
- * keys of the chunk on average, and a long row spreads over the threads). Scores and softmax are
- * float32; `window` > 0 keeps each query's last `window` keys. A query's scores, softmax sums and weighted V sums run over its own keys
- * in the same order and chunking whatever the row's other queries: a verify row's outputs are bitwise
- * those of one-token decodes at its positions, and a prompt's outputs (so its K/V in the next layer) do
- * not depend on how it was chunked or batched (what makes greedy speculation exact in bf16). */
+ * keys of the chunk on average, and a long row spreads over the threads). bf16 where the process holds
+ * the AMX tile state: attend_item_tiles (a prompt's row at 0.8-1.1x SDPA's CPU time); else the vector
+ * path below (float32 scores, softmax and FMA V sums; 2-3x SDPA's for a long row). `window` > 0 keeps
+ * each query's last `window` keys. Either way a query's scores, softmax sums and weighted V sums run over
+ * its own keys in the same order and chunking whatever the row's other queries: a verify row's outputs
+ * are bitwise those of one-token decodes at its positions, and a prompt's outputs (so its K/V in the next
+ * layer) do not depend on how it was chunked or batched (what makes greedy speculation exact in bf16). */
 INLINE void paged_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *tables,
                             int64_t table_stride, const int64_t *lens, const int64_t *starts, const int64_t *qlens,
                             void *out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -244,7 +478,17 @@ INLINE void paged_attention(const void *q, int64_t q_stride, const void *k_pool,
     if (first_tile == NULL) return; /* not at these sizes */
     first_tile[0] = 0;
     for (int64_t r = 0; r < num_rows; r++) first_tile[r + 1] = first_tile[r] + ((qlens != NULL ? qlens[r] : 1) + tile - 1) / tile;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#if ATTENTION_TILES
+    const int tiles = bf16 && attention_tiles_granted();
+#else
+    const int tiles = 0;
+#endif
+#pragma omp parallel num_threads(num_threads)
+    {
+#if ATTENTION_TILES
+    if (tiles) load_attention_tiles();
+#endif
+#pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < first_tile[num_rows] * num_kv_heads; item++) {
         const int64_t tile_index = item / num_kv_heads, head = item % num_kv_heads;
         int64_t seq = 0, past = num_rows; /* the row holding this tile: first_tile[seq] <= tile_index < first_tile[seq + 1] */
@@ -257,11 +501,19 @@ INLINE void paged_attention(const void *q, int64_t q_stride, const void *k_pool,
         const int64_t row_count = qlens != NULL ? qlens[seq] : 1, j0 = (tile_index - first_tile[seq]) * tile;
         const int64_t count = row_count - j0 < tile ? row_count - j0 : tile;
         const int64_t len = lens[seq] - row_count + j0 + count, start = (starts != NULL ? starts[seq] : seq) + j0;
+        const int64_t *table = tables + seq * table_stride;
+#if ATTENTION_TILES
+        if (tiles) {
+            attend_item_tiles((const uint16_t *)q, q_stride, (const uint16_t *)k_pool, (const uint16_t *)v_pool, table,
+                              head * num_blocks, block_shift, block_size, len, count, start, head, group, num_heads,
+                              head_dim, scale, window, (uint16_t *)out);
+            continue;
+        }
+#endif
         /* query j's keys are positions [first_j, end_j), both rising with j */
         const int64_t end0 = len - count + 1;
         const int64_t first = (window > 0 && end0 > window) ? end0 - window : 0;
         const int64_t n = len - first, padded = (n + 15) & ~(int64_t)15; /* positions [first, len) */
-        const int64_t *table = tables + seq * table_stride;
         const int64_t head_base = head * num_blocks, queries = count * group;
         /* each key's row offset [padded] (the last repeated past n); per query (j, g), at c = j * group + g:
          * its key range [lo, hi) in t = position - first, its output offset, 1 / its softmax sum, its
@@ -297,13 +549,14 @@ INLINE void paged_attention(const void *q, int64_t q_stride, const void *k_pool,
                             head_dim, scale, scores + c * padded + t, live, bf16);
         }
         for (int64_t c = 0; c < queries; c++) {
-            const float total = softmax_numerators(scores + c * padded + lo[c], hi[c] - lo[c]);
+            const float total = softmax_numerators(scores + c * padded + lo[c], hi[c] - lo[c], 1.0f);
             inverse[c] = total > 0.0f ? 1.0f / total : 0.0f;
         }
         for (int64_t c = 0; c < queries; c += V_QUERIES)
             attend_values_of(v_pool, rows, head_dim, p + c, lo + c, hi + c, inverse + c, out, out_offsets + c,
                              (int)(queries - c < V_QUERIES ? queries - c : V_QUERIES), bf16);
         free(rows);
+    }
     }
     free(first_tile);
 }

@@ -59,10 +59,8 @@ class CommonAttentionMetadata:
 class AttentionBackend(Protocol):
     """Paged attention behind one interface; the runner never asks which backend it holds.
 
-    Built with `(num_heads, num_kv_heads, head_dim, sliding_window, dtype=..., kernels=...,
-    native_prefill=...)`: `kernels` are the native CPU kernels or None; a backend uses what of them fits
-    the model, and with `native_prefill` runs rows of every length on their attention kernel (each query
-    exactly a one-token decode, so nothing depends on how a prompt was chunked).
+    Built with `(num_heads, num_kv_heads, head_dim, sliding_window, dtype=..., kernels=...)`:
+    `kernels` are the native CPU kernels or None; a backend uses what of them fits the model.
     """
 
     name: str

@@ -34,8 +34,7 @@ class FlashAttention:
     workspace_share = 0.0
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
-                 dtype: torch.dtype, kernels=None, native_prefill: bool = False):
-        # `kernels` / `native_prefill` concern the native CPU kernels: a CUDA backend has none to use.
+                 dtype: torch.dtype, kernels=None):
         from flash_attn import flash_attn_varlen_func
 
         self._varlen = flash_attn_varlen_func

@@ -3,10 +3,10 @@
 Where the native CPU attention kernel serves the model, every row of at most `NATIVE_MAX_QUERY` query
 tokens (decodes, speculative verify rows of k+1 tokens, short prefill chunks) runs in one call of it: it
 reads each row's K/V where it lies in the pool and computes each query exactly as a one-token decode at
-its position, so a verify row's outputs are bitwise those of decoding its tokens one by one. Built with
-`native_prefill` (the engine asks for it when speculation is configured), longer rows run on the kernel
-too: no value then depends on how a prompt was chunked or batched, which keeps greedy speculation exact
-in bf16 mixed batches, at about twice SDPA's cost for a prefill chunk's attention. Without the kernel,
+its position, so a verify row's outputs are bitwise those of decoding its tokens one by one. Where the
+kernel runs on AMX tiles (bf16), longer rows run on it too, at about SDPA's cost: no value then depends
+on how a prompt was chunked or batched, which keeps greedy speculation exact in bf16 mixed batches (the
+scheduler chunks prompts differently when verify rows take part of its token budget). Without the kernel,
 rows of one query token run batched over the kept decode K/V of `DecodeWorkspace`. Every other row (a
 longer prefill chunk, with or without a cached prefix; without the kernel, a verify row too) runs
 through SDPA on its own, its context gathered from the pool.
@@ -24,11 +24,12 @@ from llmctl.engine.layers.attention.common import CommonAttentionMetadata
 from llmctl.engine.layers.attention.decode_workspace import WORKSPACE_SHARE, DecodeWorkspace, WorkspacePlan
 from llmctl.engine.layers.attention.paged import gather_head_major, write_head_major
 
-# The longest row the native kernel takes: it computes each query as its own decode, SDPA batches a
-# row's queries into GEMMs. Measured (benchmarks/verify_attention.py --crossover, thread CPU time, one
-# thread, bf16, context 512, embedded / SmolLM-135M heads): SDPA / native 4.3 / 4.2x at 1 query token,
-# 2.2 / 1.6x at 5, 1.5 / 1.2x at 8, 1.2 / 0.9x at 12, 0.9 / 0.75x at 16. Up to 8 keeps every verify row
-# of k <= 7 drafts native (exact) and where it wins.
+# The longest row the native kernel's vector path takes (float32, or bf16 without AMX tiles): it computes
+# each query as its own decode, SDPA batches a row's queries into GEMMs. Measured
+# (benchmarks/verify_attention.py --crossover, thread CPU time, one thread, bf16, context 512, embedded /
+# SmolLM-135M heads): SDPA / native 4.3 / 4.2x at 1 query token, 2.2 / 1.6x at 5, 1.5 / 1.2x at 8, 1.2 /
+# 0.9x at 12, 0.9 / 0.75x at 16. Up to 8 keeps every verify row of k <= 7 drafts native (exact) and where
+# it wins. On AMX tiles a whole prompt's row costs 0.8-1.1x SDPA's (--prefill): every row goes native.
 NATIVE_MAX_QUERY = 8
 
 
@@ -70,7 +71,7 @@ class TorchAttention:
     workspace_share = WORKSPACE_SHARE
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
-                 dtype: torch.dtype, kernels=None, native_prefill: bool = False):
+                 dtype: torch.dtype, kernels=None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
@@ -79,8 +80,10 @@ class TorchAttention:
         # The native CPU kernels, where their decode attention serves this model.
         fits = kernels is not None and kernels.supports_decode(dtype, num_heads, num_kv_heads, head_dim)
         self.decode_kernel = kernels if fits else None
-        # The longest row the kernel takes (None: every row, `native_prefill`).
-        self.native_max_query: Optional[int] = None if native_prefill else NATIVE_MAX_QUERY
+        # The longest row the kernel takes; None: every row (its tiled path costs about SDPA's time for a prefill
+        # chunk, its vector path 2-3x: benchmarks/verify_attention.py --prefill).
+        tiled = self.decode_kernel is not None and self.decode_kernel.tiled_attention(dtype)
+        self.native_max_query: Optional[int] = None if tiled else NATIVE_MAX_QUERY
         # GQA prefill that SDPA's flash kernel cannot take (a mask, or float32) with one K/V head per query
         # head: None = on CUDA.
         self.expand_masked_gqa: Optional[bool] = None
@@ -136,8 +139,8 @@ class TorchAttention:
         return meta
 
     def _native_metadata(self, batch: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        """Rows of up to `native_max_query` tokens (all with `native_prefill`) for the native kernel (tables
-        trimmed to their longest context), a span for each longer one."""
+        """Rows of up to `native_max_query` tokens (all where it is None) for the native kernel (tables trimmed
+        to their longest context), a span for each longer one."""
         device = batch.device
         spans, starts, native = [], [], []
         start = 0
