@@ -159,21 +159,21 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "disable_by_batch_size": 16}  # above max_num_seqs: every step of the mixed batch drafts
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_greedy_tokens_are_identical_with_and_without_ngram_speculation(tiny_models, arch):
-    """The mixed batch above (chunked prefill, preemption, prefix-cache hits) plus two prompts that repeat
-    a phrase, with n-gram verify rows in the same steps: the same greedy tokens as plain decoding, and
-    no block leaked or left published past a rollback."""
-    folder = tiny_models[arch]
+def greedy_runs_agree_in_a_mixed_batch(folder, vocab: int, dtype: str, check=None) -> dict:
+    """make_prompts' batch plus two prompts that repeat a phrase, under a small token budget (chunked prefill),
+    few KV blocks (preemption) and shared prefixes (prefix-cache hits), with and without n-gram speculation:
+    the same greedy tokens, no block leaked; `check(llm)` may skip first. The speculating run's stats."""
     rng = random.Random(99)
-    phrases = [[rng.randrange(512) for _ in range(10)] for _ in range(2)]
-    prompts = make_prompts(512) + [phrases[0] * 5, phrases[1] * 3 + phrases[0]]
+    phrases = [[rng.randrange(vocab) for _ in range(10)] for _ in range(2)]
+    prompts = make_prompts(vocab) + [phrases[0] * 5, phrases[1] * 3 + phrases[0]]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     runs = {}
     for name, extra in (("plain", {}), ("ngram", {"speculative_config": NGRAM})):
-        llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu",
-                  max_num_batched_tokens=96, num_kv_blocks=40, block_size=16, max_num_seqs=8,
-                  max_model_len=400, **extra)
+        llm = LLM(None if folder is None else str(folder), skip_tokenizer_init=True, dtype=dtype, device="cpu",
+                  max_num_batched_tokens=96, num_kv_blocks=40, block_size=16, max_num_seqs=8, max_model_len=400,
+                  **extra)
+        if check is not None:
+            check(llm)
         runs[name] = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.engine.get_stats())
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     (want, _), (got, stats) = runs["plain"], runs["ngram"]
@@ -181,6 +181,15 @@ def test_greedy_tokens_are_identical_with_and_without_ngram_speculation(tiny_mod
         assert tokens == expected, f"prompt of {len(prompt)} tokens diverged under speculation"
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
     assert stats["spec_decode_num_accepted_tokens"] > 0
+    return stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_tokens_are_identical_with_and_without_ngram_speculation(tiny_models, arch):
+    """The mixed batch above (chunked prefill, preemption, prefix-cache hits) plus two prompts that repeat
+    a phrase, with n-gram verify rows in the same steps: the same greedy tokens as plain decoding, and
+    no block leaked or left published past a rollback."""
+    stats = greedy_runs_agree_in_a_mixed_batch(tiny_models[arch], 512, "float32")
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # rollbacks ran
 
 
@@ -251,26 +260,13 @@ def test_bfloat16_greedy_tokens_identical_with_and_without_speculation_in_mixed_
     steps carry which chunk of a prompt, and with every row's attention on the native kernel (each query
     exactly the one-token decode at its position) and the AMX linears (each output row independent of the
     others) no value depends on the chunking, so the greedy tokens are those of plain decoding."""
-    folder = {"embedded": None, "mistral-window": windowed_mistral}[model] if model in ("embedded", "mistral-window") \
-        else tiny_models[model]
-    vocab = 2048 if model == "embedded" else 512
-    rng = random.Random(99)
-    phrases = [[rng.randrange(vocab) for _ in range(10)] for _ in range(2)]
-    prompts = make_prompts(vocab) + [phrases[0] * 5, phrases[1] * 3 + phrases[0]]
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    runs = {}
-    for name, extra in (("plain", {}), ("ngram", {"speculative_config": NGRAM})):
-        llm = LLM(None if folder is None else str(folder), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
-                  max_num_batched_tokens=96, num_kv_blocks=40, block_size=16, max_num_seqs=8, max_model_len=400,
-                  **extra)
+    folder = {"embedded": None, "mistral-window": windowed_mistral}.get(model) or tiny_models.get(model)
+
+    def every_row_native(llm):
         skip_unless_native_decode(llm)
         layer = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
         if not isinstance(layer.method, AMXLinearMethod):  # oneDNN rounds a row by the rows beside it
             pytest.skip("bf16 linears are not the AMX kernel here (no AMX)")
-        runs[name] = ([o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.engine.get_stats())
-        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-    (want, _), (got, stats) = runs["plain"], runs["ngram"]
-    for prompt, expected, tokens in zip(prompts, want, got):
-        assert tokens == expected, f"prompt of {len(prompt)} tokens diverged under speculation"
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
-    assert stats["spec_decode_num_accepted_tokens"] > 0
+        assert llm.engine.executor.runner.attention.native_max_query is None  # prefill chunks on the kernel too
+
+    greedy_runs_agree_in_a_mixed_batch(folder, 2048 if model == "embedded" else 512, "bfloat16", every_row_native)
