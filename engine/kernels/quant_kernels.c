@@ -482,17 +482,16 @@ INLINE void dequantize_block(const int BITS, const uint8_t *codes, const uint16_
     const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
     const __m512i mask = _mm512_set1_epi16(BITS == 8 ? 0x00ff : 0x000f);
-    int64_t current = -1;
+    const int64_t chunks_per_group = group / step; /* whole chunks (covered() checks it) */
     __m512 zero_lo = _mm512_setzero_ps(), zero_hi = zero_lo, scale_lo = zero_lo, scale_hi = zero_lo;
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t g = c * step / group;
-        if (g != current) {
+    for (int64_t c = 0, g = 0, next = 0; c < chunks; c++) {
+        if (c == next) { /* group g starts here (no division per chunk) */
+            g = c / chunks_per_group, next = c + chunks_per_group;
             const int64_t at = (block * groups + g) * BLOCK;
             const __m512 scale = fload_f16(scales + at);
             const __m512 zero = zeros != NULL ? fload_f16(zeros + at) : fset1(BITS == 8 ? 128.0f : 8.0f);
             scale_lo = _mm512_permutexvar_ps(pairs_lo, scale), scale_hi = _mm512_permutexvar_ps(pairs_hi, scale);
             zero_lo = _mm512_permutexvar_ps(pairs_lo, zero), zero_hi = _mm512_permutexvar_ps(pairs_hi, zero);
-            current = g;
         }
         const __m512i words = _mm512_loadu_si512((const void *)(base + c * CHUNK));
         for (int t = 0; t < step / 2; t++) { /* 8 bits: low then high bytes; 4 bits: nibbles 0-3 */
