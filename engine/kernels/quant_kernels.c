@@ -493,6 +493,9 @@ INLINE void dequantize_block(const int BITS, const uint8_t *codes, const uint16_
             scale_lo = _mm512_permutexvar_ps(pairs_lo, scale), scale_hi = _mm512_permutexvar_ps(pairs_hi, scale);
             zero_lo = _mm512_permutexvar_ps(pairs_lo, zero), zero_hi = _mm512_permutexvar_ps(pairs_hi, zero);
         }
+        /* the codes stream from DRAM in batched decode: prefetched as in the GEMV (cold, one thread, 64 rows, under
+         * load: 3072x576 int8 1.36x bf16 AMX -> 1.21x, int4-g32 1.18x -> 0.95x; prefetching never faults) */
+        _mm_prefetch((const char *)(base + (c + PREFETCH_CHUNKS) * CHUNK), _MM_HINT_T0);
         const __m512i words = _mm512_loadu_si512((const void *)(base + c * CHUNK));
         for (int t = 0; t < step / 2; t++) { /* 8 bits: low then high bytes; 4 bits: nibbles 0-3 */
             const int64_t pair = c * step / 2 + t;
