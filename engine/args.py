@@ -65,9 +65,10 @@ class EngineArgs:
                                              "group), fp8 (e4m3 weights and activations, CUDA sm_89+). "
                                              "Default: none.")
     quantization_batch_cache: bool = _arg(False, "CPU, quantised linears with bfloat16 activations: also keep each "
-                                                 "weight dequantised to bf16 (oneDNN-packed) for batches of 16+ "
-                                                 "rows, which then run as fast as bf16, for 2 more bytes per "
-                                                 "weight. Default: off (weights at their quantised size).")
+                                                 "weight dequantised to bf16, in bf16's own layout (AMX tiles, else "
+                                                 "oneDNN-packed), for batches of 16+ rows: no per-call "
+                                                 "dequantisation, for 2 more bytes per weight. Default: off "
+                                                 "(weights at their quantised size).")
     # A JSON string (flag, env) or a mapping (Python, YAML); validated into `speculative` below.
     speculative_config: Optional[Any] = _arg(
         None, 'Speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": K, '
