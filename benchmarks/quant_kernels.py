@@ -12,7 +12,8 @@ through copies totalling `--cold-mib` so every call streams its weight from memo
     python benchmarks/quant_kernels.py --batched --rows 2,5,8,16,32,64,512,2048   # the M >= 2 policy's table
 
 `--batched` compares, per row count, the paths a quantised linear can take for several rows (cold weights):
-the native GEMV, the AMX dequantising GEMM (`gemm_amx`, where the CPU has AMX), dequantise + one F.linear,
+the native GEMV, the AMX dequantising GEMM (`gemm_amx`, where the CPU has AMX), AMX-INT8 on the codes
+(`gemm_amx_int8`, for weights whose x blocks are whole multiples of 32 inputs), dequantise + one F.linear,
 and bf16's own AMX kernel on the dequantised weight (what `--quantization-batch-cache` runs).
 """
 
@@ -26,7 +27,7 @@ import time
 import torch
 
 from llmctl.engine.kernels import load_cpu_kernels
-from llmctl.engine.kernels.quant import load_quant_kernels
+from llmctl.engine.kernels.quant import int8_tile_depth, load_quant_kernels
 from llmctl.engine.layers.quantization import GroupedIntWeight, tinygemm_scales_and_offsets
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -136,12 +137,15 @@ def measure_batched(shape, scheme, rows_list, args, kernels) -> list[dict]:
                                              for n in natives], repeats, per_block)}
         if kernels.has_amx:
             row["amx_us"] = best_us([lambda n=n: kernels.gemm_amx(n, x) for n in natives], repeats, per_block)
+            if int8_tile_depth(native.group_size, native.bits):
+                row["amx_int8_us"] = best_us([lambda n=n: kernels.gemm_amx_int8(n, x) for n in natives], repeats,
+                                             per_block)
         if bf16_amx:
             row["bf16_amx_us"] = best_us([lambda t=t: cpu.gemm_amx(t, x, out_features) for t in tiles], repeats,
                                          per_block)
         results.append(row)
         cells = [f"{row[key]:.0f}" if key in row else "-" for key in
-                 ("gemv_us", "amx_us", "dequant_linear_us", "bf16_amx_us")]
+                 ("gemv_us", "amx_us", "amx_int8_us", "dequant_linear_us", "bf16_amx_us")]
         print(f"| {row['shape']} | {scheme} | {rows} | " + " | ".join(cells) + " |", flush=True)
     return results
 
@@ -180,8 +184,9 @@ def main(argv=None) -> int:
     print(f"native ISA {kernels.isa}, {args.threads} thread(s), thread CPU time, best of {args.repeats}")
     if args.batched:
         print(f"AMX: {kernels.has_amx}; cold (weights rotated over {args.cold_mib:.0f} MiB), µs per call")
-        print("| shape | scheme | rows | GEMV | AMX dequantising GEMM | dequantise + F.linear | bf16 AMX |")
-        print("|---|---|---:|---:|---:|---:|---:|")
+        print("| shape | scheme | rows | GEMV | AMX dequantising GEMM | AMX-INT8 on the codes | dequantise + F.linear "
+              "| bf16 AMX |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
         results = [row for name in shapes for scheme in schemes
                    for row in measure_batched(SHAPES[name], scheme, rows_list, args, kernels)]
         if args.json:

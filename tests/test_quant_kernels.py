@@ -8,11 +8,12 @@ import torch
 
 from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.kernels.quant import (deinterleave_codes, deinterleave_groups, interleave_codes, interleave_groups,
-                                         load_quant_kernels)
+from llmctl.engine.kernels.quant import (deinterleave_codes, deinterleave_groups, int8_tile_depth, interleave_codes,
+                                         interleave_groups, load_quant_kernels)
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.kernels import load_cpu_kernels
-from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, NATIVE_MAX_ROWS, ON_THE_FLY_SCHEMES,
+from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, INT8_TILE_MAX_ROWS, INT8_TILE_MIN_ROWS,
+                                                NATIVE_MAX_ROWS, ON_THE_FLY_SCHEMES,
                                                 GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
                                                 pack_int4, unpack_int4)
 
@@ -306,16 +307,21 @@ def test_amx_gemm_is_the_bf16_amx_kernel_on_the_dequantised_weight_bitwise(bits,
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_amx_gemm_rows_do_not_depend_on_the_rest_of_the_call(threads):
+@pytest.mark.parametrize("kernel, bits, group, shape", [
+    ("gemm_amx", 4, 32, (200, 192)),
+    ("gemm_amx_int8", 8, 576, (200, 576)),  # 70 rows: two 64-row passes over the weight
+])
+def test_amx_gemm_rows_do_not_depend_on_the_rest_of_the_call(threads, kernel, bits, group, shape):
     kernels, _ = amx_kernels_or_skip()
-    weight = GroupedIntWeight.quantize(torch.randn(200, 192) * 0.05, 4, 32, False)
-    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, 4, 32)
-    x = torch.randn(37, 192).bfloat16()
+    weight = GroupedIntWeight.quantize(torch.randn(*shape) * 0.05, bits, group, False)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
+    x = torch.randn(70, shape[1]).bfloat16()
+    run = getattr(kernels, kernel)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        whole = kernels.gemm_amx(packed, x)
-        one_by_one = torch.cat([kernels.gemm_amx(packed, x[i:i + 1].contiguous()) for i in range(37)])
+        whole = run(packed, x)
+        one_by_one = torch.cat([run(packed, x[i:i + 1].contiguous()) for i in range(70)])
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(whole, one_by_one)
@@ -354,3 +360,56 @@ def test_the_avx2_build_has_no_amx_gemm():
         kernels.gemm_amx(packed, torch.zeros(16, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="no AMX tiles"):
         kernels.dequantize_amx(packed)
+
+
+# ---- AMX-INT8 on the codes (quant_gemm_amx_int8): the GEMV's arithmetic on tiles -----------------------------
+
+@pytest.mark.parametrize("bits, group, asymmetric, shape", [
+    (8, 576, False, (100, 576)),   # per channel: x blocks of 192, 64-input tiles; n not a multiple of 32
+    (8, 1536, False, (48, 1536)),  # x blocks of 256
+    (8, 128, True, (40, 256)),     # GPTQ-like groups with zero points
+    (8, 32, True, (33, 96)),       # Q8_0-like groups: half-depth tiles; one block in the last pair
+    (4, 32, False, (80, 256)),     # nibbles expanded to tile rows
+    (4, 128, True, (37, 512)),
+])
+def test_amx_int8_gemm_is_the_gemv_bitwise(bits, group, asymmetric, shape):
+    kernels, _ = amx_kernels_or_skip()
+    out_features, in_features = shape
+    weight = random_grouped(out_features, in_features, bits, group, asymmetric=asymmetric)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
+    bias = torch.randn(out_features).bfloat16()
+    generator = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 15, 16, 17, 40, 64, 65):
+        # rows of very different magnitudes: each x block's int16 scale is its own
+        x = (torch.randn(rows, in_features, generator=generator) * torch.rand(rows, 1, generator=generator) * 8).bfloat16()
+        for b in (None, bias):
+            got = kernels.gemm_amx_int8(packed, x, b)
+            assert got.dtype is torch.bfloat16 and got.shape == (rows, out_features)
+            assert torch.equal(got.view(torch.int16), kernels.gemv(packed, x, b).view(torch.int16)), (rows, b is None)
+    expected = x.float() @ weight.dequantize().T + bias.float()
+    assert (got.float() - expected).abs().max().item() <= 8e-3 * expected.abs().max().item()
+
+
+def test_amx_int8_refuses_x_blocks_it_cannot_tile():
+    kernels, _ = amx_kernels_or_skip()
+    assert int8_tile_depth(16, 8) == 0 and int8_tile_depth(32, 4) == 32 and int8_tile_depth(576, 8) == 64
+    weight = random_grouped(16, 64, 8, 16)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, 8, 16)
+    with pytest.raises(ValueError, match="refused 8-bit weights"):
+        kernels.gemm_amx_int8(packed, torch.zeros(16, 64, dtype=torch.bfloat16))
+
+
+def test_a_per_channel_int8_layer_gives_every_row_the_gemvs_result_below_the_tile_limit():
+    kernels = kernels_or_skip("native")
+    layer, layout = make_layer(random_grouped(96, 576, 8, 576), bias=True)
+    assert layout == "native" and layer.int8_tiles
+    for rows in sorted({1, INT8_TILE_MIN_ROWS - 1, INT8_TILE_MIN_ROWS, 64, INT8_TILE_MAX_ROWS - 1}):
+        x = torch.randn(rows, 576).bfloat16()
+        got = layer(x)
+        if kernels.has_amx or rows < NATIVE_MAX_ROWS:  # without AMX, dequantise + one GEMM from NATIVE_MAX_ROWS
+            assert torch.equal(got, kernels.gemv(layer.kernel_weight, x, layer.bias)), rows
+        if kernels.has_amx and rows >= INT8_TILE_MIN_ROWS:
+            assert torch.equal(got, kernels.gemm_amx_int8(layer.kernel_weight, x, layer.bias)), rows
+    # grouped int8 in 32s (GGUF Q8_0) keeps the dequantising kernel
+    grouped, _ = make_layer(random_grouped(32, 64, 8, 32))
+    assert not grouped.int8_tiles

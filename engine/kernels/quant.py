@@ -96,6 +96,9 @@ class QuantKernels:
         self._gemm_amx = library.quant_gemm_amx_bf16
         self._gemm_amx.argtypes = self._gemv.argtypes
         self._gemm_amx.restype = ctypes.c_int
+        self._gemm_amx_int8 = library.quant_gemm_amx_int8
+        self._gemm_amx_int8.argtypes = self._gemv.argtypes
+        self._gemm_amx_int8.restype = ctypes.c_int
         self._dequantize_amx = library.quant_dequantize_amx_bf16
         self._dequantize_amx.argtypes = self._dequantize.argtypes
         self._dequantize_amx.restype = ctypes.c_int
@@ -156,6 +159,15 @@ class QuantKernels:
         if not self.has_amx:
             raise ValueError("quant gemm_amx: this CPU or build has no AMX tiles")
         return self._run(self._gemm_amx, "gemm_amx", weight, x, bias)
+
+    @profiled("quant_gemm_amx_int8")
+    def gemm_amx_int8(self, weight: KernelWeight, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`gemv`'s product, bitwise, on AMX-INT8 tiles (needs `has_amx`): the codes are the B tiles, x the
+        GEMV's int16 blocks split into two bytes; for weights whose x blocks are whole multiples of 32 inputs
+        (`int8_tile_depth`)."""
+        if not self.has_amx:
+            raise ValueError("quant gemm_amx_int8: this CPU or build has no AMX tiles")
+        return self._run(self._gemm_amx_int8, "gemm_amx_int8", weight, x, bias)
 
     @profiled("quant_dequantize_amx")
     def dequantize_amx(self, weight: KernelWeight) -> torch.Tensor:
@@ -225,6 +237,25 @@ def interleave_groups(values: torch.Tensor) -> torch.Tensor:
 def deinterleave_groups(values: torch.Tensor, out_features: int) -> torch.Tensor:
     """The inverse of `interleave_groups`: [out_features, groups]."""
     return values.transpose(1, 2).reshape(-1, values.shape[1])[:out_features]
+
+
+X_BLOCK_MAX = 256  # quant_kernels.c: inputs per int16 block of x at most
+
+
+def x_block_of(group_size: int, bits: int) -> int:
+    """quant_kernels.c's x_block_of: inputs per int16 block of x (the group up to 256 inputs, else its largest
+    divisor that fits and is whole chunks; 0: none)."""
+    if group_size <= X_BLOCK_MAX:
+        return group_size
+    step = STEP[bits]
+    return next((size for size in range(X_BLOCK_MAX, step - 1, -step) if group_size % size == 0 and size % step == 0), 0)
+
+
+def int8_tile_depth(group_size: int, bits: int) -> int:
+    """Inputs per AMX-INT8 tile `QuantKernels.gemm_amx_int8` uses for this weight: 64 or 32 (its x blocks whole
+    multiples of it), 0 where it does not run it."""
+    block = x_block_of(group_size, bits)
+    return 0 if block == 0 else 64 if block % 64 == 0 else 32 if block % 32 == 0 else 0
 
 
 def fits_float16(values: torch.Tensor) -> bool:

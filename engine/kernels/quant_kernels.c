@@ -681,3 +681,280 @@ int quant_gemm_amx_bf16(const void *weight, const void *scales, const void *zero
     return 0; /* no AMX in this build: the caller keeps its other paths */
 }
 #endif
+
+/* ---- AMX-INT8: the codes themselves as B tiles, the GEMV's integer arithmetic on tiles ------------------
+ * y = x W^T (+ bias) for many rows with the GEMV's own arithmetic: x as int16 per x block (prepare_block),
+ * D = sum xq * q an exact int32 per x block, then scale * xscale * (D - zero * xsum) accumulated in float over
+ * the x blocks in order, the bias added and one rounding. So every output is bitwise quant_gemv_bf16's, an
+ * M-row call is bitwise M one-row calls, and a row's result does not depend on how many rows the batch has.
+ * AMX-INT8 multiplies bytes: xq = 256 * hi + lo (hi signed, lo unsigned), D = 256 * (hi . q) + (lo . q),
+ * two TDPB*D per tile pair, each exact in int32 (|hi . q| <= 128 * 255 * 256 per x block).
+ * The 8-bit layout's 64-byte chunk (16 outputs x 4 inputs) is already an AMX-INT8 B tile row, its 4 bytes of
+ * output i being inputs 4c + {0, 2, 1, 3}: 16 chunks of a block are a B tile loaded from the weight in place,
+ * and x's bytes are permuted the same way. A 4-bit chunk (16 outputs x 8 inputs) gives two tile rows, its low
+ * nibbles (inputs 8c + {0, 4, 1, 5}) and high nibbles (8c + {2, 6, 3, 7}), expanded once per call and pair.
+ * Against the dequantising kernel above this reads half the bytes (8 bits) and does no per-weight float work:
+ * what it adds is the per-row, per-x-block epilogue, so it wins where x blocks are long (per-channel int8,
+ * groups of 128) and the rows few enough (see layers/quantization.py's policy). x blocks of 64 inputs and up
+ * run 64-input tiles, 32 (groups of 32) half-depth ones. */
+#if ISA == 512 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+/* f32_to_bf16 on 16 lanes, bitwise (nearest even; NaN quiet) */
+INLINE __m256i int_round_bf16(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+/* Row r of x (prepared xq) as the two byte planes A tiles read, inputs permuted within each 8 as the B tile
+ * rows hold them (8 bits: {0, 2, 1, 3, 4, 6, 5, 7}; 4 bits: {0, 4, 1, 5, 2, 6, 3, 7}); k a multiple of 32. */
+static void split_row(const int16_t *xq, int8_t *hi, uint8_t *lo, int64_t k, int bits) {
+    const __m512i order = bits == 8 ? _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19, 17, 18, 16,
+                                                       15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0)
+                                    : _mm512_set_epi16(31, 27, 30, 26, 29, 25, 28, 24, 23, 19, 22, 18, 21, 17, 20, 16,
+                                                       15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
+    for (int64_t i = 0; i < k; i += 32) {
+        const __m512i words = _mm512_permutexvar_epi16(order, _mm512_loadu_si512((const void *)(xq + i)));
+        _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)));
+        _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi16_epi8(_mm512_and_si512(words, _mm512_set1_epi16(0xff))));
+    }
+}
+
+/* A 4-bit block's codes as AMX-INT8 B tile rows: chunk c -> rows 2c (low nibbles), 2c + 1 (high nibbles). */
+static void expand_nibbles(const uint8_t *codes, int64_t chunks, uint8_t *rows) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t c = 0; c < chunks; c++) {
+        const __m512i chunk = _mm512_loadu_si512((const void *)(codes + c * CHUNK));
+        _mm512_store_si512((void *)(rows + 2 * c * CHUNK), _mm512_and_si512(chunk, low));
+        _mm512_store_si512((void *)(rows + (2 * c + 1) * CHUNK), _mm512_and_si512(_mm512_srli_epi16(chunk, 4), low));
+    }
+}
+
+/* One x block of 16 rows against a pair's B tiles (tiles 6, 7; `both`: the pair's second block exists) into C
+ * tiles 0-3 = hi.B0, lo.B0, hi.B1, lo.B1. */
+INLINE void int_x_block(const int8_t *hi, const uint8_t *lo, int64_t k, const uint8_t *b0, const uint8_t *b1,
+                        int64_t tile_rows, int64_t depth, int64_t steps, int both) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(4, hi + s * depth, k);
+        _tile_loadd(5, lo + s * depth, k);
+        _tile_loadd(6, b0 + s * tile_rows * CHUNK, CHUNK);
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbuud(1, 5, 6);
+        if (both) {
+            _tile_loadd(7, b1 + s * tile_rows * CHUNK, CHUNK);
+            _tile_dpbsud(2, 4, 7);
+            _tile_dpbuud(3, 5, 7);
+        }
+    }
+}
+
+/* C tiles 0-3 to out [4][16][16] int32 */
+INLINE void int_store(int both, int32_t *out) {
+    _tile_stored(0, out, 64);
+    _tile_stored(1, out + 256, 64);
+    if (both) {
+        _tile_stored(2, out + 512, 64);
+        _tile_stored(3, out + 768, 64);
+    }
+}
+
+/* The GEMV's per-x-block update of 16 rows x 16 outputs: acc += (D - zero * xsum) * (scale * xscale). */
+INLINE void int_accumulate(const int32_t *d_hi, const int32_t *d_lo, __m512 scale, __m512 zero, const float *xsum,
+                           const float *xscale, int64_t x_blocks, int64_t rows, float *acc) {
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)(d_hi + 16 * r)), 8),
+                                           _mm512_load_si512((const void *)(d_lo + 16 * r)));
+        const __m512 exact = _mm512_fnmadd_ps(zero, _mm512_set1_ps(xsum[r * x_blocks]), _mm512_cvtepi32_ps(d));
+        const __m512 factor = _mm512_mul_ps(scale, _mm512_set1_ps(xscale[r * x_blocks]));
+        _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(exact, factor, _mm512_load_ps(acc + 16 * r)));
+    }
+}
+
+/* One call's operands. */
+typedef struct {
+    const Prepared *prep;
+    const int8_t *a_hi;
+    const uint8_t *a_lo, *codes;
+    const uint16_t *scales, *zeros, *bias;
+    uint16_t *y;
+    int64_t m, n, k, group, blocks, chunks, block_bytes, depth;
+    int bits;
+} IntCall;
+
+/* One work item: 16 rows (from r0) x pair p x x block xb; its B tiles at b, its accumulators at acc, its
+ * products stored to out. */
+typedef struct {
+    int64_t p, r0, xb;
+    const uint8_t *b;
+    float *acc;
+    int32_t *out;
+    int both;
+} IntItem;
+
+INLINE void int_issue(const IntCall *c, const IntItem *it) {
+    const int64_t x_block = c->prep->x_block;
+    const uint8_t *b0 = it->b + it->xb * (x_block / 4) * CHUNK;
+    int_x_block(c->a_hi + it->r0 * c->k + it->xb * x_block, c->a_lo + it->r0 * c->k + it->xb * x_block, c->k, b0,
+                b0 + c->block_bytes, c->depth / 4, c->depth, x_block / c->depth, it->both);
+}
+
+/* The item's stored products into its accumulators. */
+static void int_epilogue(const IntCall *c, const IntItem *it) {
+    const int64_t x_blocks = c->prep->x_blocks, g = it->xb * c->prep->x_block / c->group, groups = c->k / c->group;
+    const int64_t rows = c->m - it->r0 < 16 ? c->m - it->r0 : 16;
+    const __m512 midpoint = _mm512_set1_ps(c->bits == 8 ? 128.0f : 8.0f);
+    for (int64_t half = 0; half < 1 + it->both; half++) {
+        const int64_t at = ((2 * it->p + half) * groups + g) * BLOCK;
+        const __m512 scale = fload_f16(c->scales + at), zero = c->zeros != NULL ? fload_f16(c->zeros + at) : midpoint;
+        int_accumulate(it->out + half * 512, it->out + half * 512 + 256, scale, zero,
+                       c->prep->xsum + it->r0 * x_blocks + it->xb, c->prep->xscale + it->r0 * x_blocks + it->xb,
+                       x_blocks, rows, it->acc + half * 256);
+    }
+}
+
+/* The item's accumulators + bias, rounded once, into y. */
+static void int_finish(const IntCall *c, const IntItem *it) {
+    const int64_t rows = c->m - it->r0 < 16 ? c->m - it->r0 : 16;
+    for (int64_t half = 0; half < 1 + it->both; half++) {
+        const int64_t col0 = (2 * it->p + half) * BLOCK, n = c->n;
+        const __mmask16 live = n - col0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - col0)) - 1u);
+        const __m512 add = c->bias != NULL ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, c->bias + col0)), 16))
+                                           : _mm512_setzero_ps(); /* the GEMV adds 0.0f without a bias too */
+        for (int64_t r = 0; r < rows; r++)
+            _mm256_mask_storeu_epi16(c->y + (it->r0 + r) * n + col0, live,
+                                     int_round_bf16(_mm512_add_ps(_mm512_load_ps(it->acc + half * 256 + 16 * r), add)));
+    }
+}
+
+#define INT_GROUP_PAIRS 4 /* pairs (128 outputs) whose accumulators a thread keeps while the x blocks go by */
+#define INT_PANEL_ROWS 64 /* rows per pass over the weight */
+
+/* Rows [r_start, r_start + 16 * tiles) against pairs [g0, g1) (their B tiles at b[p - g0]): x blocks outermost,
+ * so an x block's slice of x (64 rows x 256 inputs x 2 planes: 32 KB) stays in L1 while every pair of the group
+ * uses it, and each pair's tiles of that x block stay in L1 for every row tile. The epilogue of an item runs
+ * after the next item's tile products are issued and before they are stored, so the vector work overlaps
+ * the TMUL's and never reads a tile store still in flight (the epilogue right after the store: 3072x576 int8,
+ * 64 rows, hot, one thread, 750 us; without any epilogue 399). */
+static void int_group(const IntCall *c, const uint8_t *const *b, int64_t g0, int64_t g1, int64_t r_start,
+                      int64_t tiles, float *acc, int32_t *scratch) {
+    memset(acc, 0, sizeof(float) * 512 * (size_t)((g1 - g0) * tiles));
+    IntItem pending = {0};
+    int64_t count = 0;
+    for (int64_t xb = 0; xb < c->prep->x_blocks; xb++)
+        for (int64_t p = g0; p < g1; p++)
+            for (int64_t t = 0; t < tiles; t++, count++) {
+                const IntItem item = {p, r_start + 16 * t, xb, b[p - g0], acc + ((p - g0) * tiles + t) * 512,
+                                      scratch + (count & 1) * 1024, 2 * p + 1 < c->blocks};
+                int_issue(c, &item);
+                if (count > 0) int_epilogue(c, &pending);
+                int_store(item.both, item.out);
+                pending = item;
+            }
+    int_epilogue(c, &pending);
+    for (int64_t p = g0; p < g1; p++)
+        for (int64_t t = 0; t < tiles; t++) {
+            const IntItem item = {p, r_start + 16 * t, 0, NULL, acc + ((p - g0) * tiles + t) * 512, NULL,
+                                  2 * p + 1 < c->blocks};
+            int_finish(c, &item);
+        }
+}
+
+/* Returns 0 (nothing computed) for shapes it does not cover (x blocks not a multiple of 32 inputs) or without
+ * memory; the caller keeps its other paths. */
+int quant_gemm_amx_int8(const void *weight, const void *scales_, const void *zeros_, int bits, const void *x,
+                        const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
+    if (m < 1 || !covered(bits, n, k, group)) return 0;
+    const int64_t x_block = x_block_of(group, bits);
+    if (x_block % 32) return 0;
+    const int64_t depth = x_block % 64 == 0 ? 64 : 32, mp = (m + 15) / 16 * 16;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, pairs = (blocks + 1) / 2, chunks = k / step_of(bits);
+    Prepared prep = {0};
+    prep.x_block = x_block, prep.x_blocks = k / x_block;
+    prep.xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k));
+    prep.xscale = (float *)malloc(sizeof(float) * (size_t)(mp * prep.x_blocks));
+    prep.xsum = (float *)malloc(sizeof(float) * (size_t)(mp * prep.x_blocks));
+    int8_t *a_hi = (int8_t *)aligned_alloc(64, (size_t)(mp * k));
+    uint8_t *a_lo = (uint8_t *)aligned_alloc(64, (size_t)(mp * k));
+    if (prep.xq == NULL || prep.xscale == NULL || prep.xsum == NULL || a_hi == NULL || a_lo == NULL) {
+        free(prep.xq), free(prep.xscale), free(prep.xsum), free(a_hi), free(a_lo);
+        return 0;
+    }
+    /* 4 bits: a pair's expanded tile rows (2 blocks x 2 rows a chunk); 8 bits: read in place */
+    const IntCall call = {&prep, a_hi, a_lo, (const uint8_t *)weight, (const uint16_t *)scales_,
+                          (const uint16_t *)zeros_, (const uint16_t *)bias_, (uint16_t *)y_, m, n, k, group, blocks,
+                          chunks, bits == 8 ? chunks * CHUNK : 2 * chunks * CHUNK, depth, bits};
+    const int64_t threads = num_threads < 1 ? 1 : (num_threads > pairs ? pairs : num_threads);
+    amx_tile_config config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 4; t++) config.rows[t] = 16, config.colsb[t] = 64;                 /* C: 16 x 16 int32 */
+    for (int t = 4; t < 6; t++) config.rows[t] = 16, config.colsb[t] = (uint16_t)depth;    /* A: 16 x depth */
+    for (int t = 6; t < 8; t++) config.rows[t] = (uint8_t)(depth / 4), config.colsb[t] = 64; /* B: depth/4 x 64 */
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < mp; r++) {
+            if (r < m) {
+                for (int64_t xb = 0; xb < prep.x_blocks; xb++)
+                    prepare_block_512((const uint16_t *)x + r * k + xb * x_block, prep.xq + r * k + xb * x_block,
+                                      x_block, prep.xscale + r * prep.x_blocks + xb, prep.xsum + r * prep.x_blocks + xb);
+                split_row(prep.xq + r * k, a_hi + r * k, a_lo + r * k, k, bits);
+            } else { /* padded rows: zero, never stored */
+                memset(a_hi + r * k, 0, (size_t)k), memset(a_lo + r * k, 0, (size_t)k);
+                for (int64_t xb = 0; xb < prep.x_blocks; xb++)
+                    prep.xscale[r * prep.x_blocks + xb] = 0.0f, prep.xsum[r * prep.x_blocks + xb] = 0.0f;
+            }
+        }
+        const int64_t me = omp_get_thread_num();
+        const int64_t first = pairs * me / threads, last = pairs * (me + 1) / threads;
+        int32_t *scratch = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 2048);
+        float *acc = (float *)aligned_alloc(64, sizeof(float) * 512 * INT_GROUP_PAIRS * (INT_PANEL_ROWS / 16));
+        uint8_t *expanded = bits == 4 ? (uint8_t *)aligned_alloc(64, (size_t)(INT_GROUP_PAIRS * 2 * call.block_bytes))
+                                      : NULL;
+        if (scratch == NULL || acc == NULL || (bits == 4 && expanded == NULL)) {
+            failed = 1;
+        } else {
+            _tile_loadconfig(&config);
+            for (int64_t r_start = 0; r_start < m; r_start += INT_PANEL_ROWS) {
+                const int64_t rows = m - r_start < INT_PANEL_ROWS ? m - r_start : INT_PANEL_ROWS;
+                for (int64_t g0 = first; g0 < last; g0 += INT_GROUP_PAIRS) {
+                    const int64_t g1 = last - g0 < INT_GROUP_PAIRS ? last : g0 + INT_GROUP_PAIRS;
+                    const uint8_t *b[INT_GROUP_PAIRS];
+                    for (int64_t p = g0; p < g1; p++) {
+                        const uint8_t *codes = call.codes + 2 * p * chunks * CHUNK;
+                        if (bits == 8) {
+                            b[p - g0] = codes;
+                            continue;
+                        }
+                        uint8_t *rows_of = expanded + (p - g0) * 2 * call.block_bytes;
+                        expand_nibbles(codes, chunks, rows_of);
+                        if (2 * p + 1 < blocks) expand_nibbles(codes + chunks * CHUNK, chunks, rows_of + call.block_bytes);
+                        b[p - g0] = rows_of;
+                    }
+                    int_group(&call, b, g0, g1, r_start, (rows + 15) / 16, acc, scratch);
+                }
+            }
+            _tile_release();
+        }
+        free(scratch), free(acc), free(expanded);
+    }
+    free(prep.xq), free(prep.xscale), free(prep.xsum), free(a_hi), free(a_lo);
+    return !failed;
+}
+#else
+int quant_gemm_amx_int8(const void *weight, const void *scales, const void *zeros, int bits, const void *x,
+                        const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
+    (void)weight, (void)scales, (void)zeros, (void)bits, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k,
+        (void)group, (void)num_threads;
+    return 0; /* no AMX-INT8 in this build: the caller keeps its other paths */
+}
+#endif

@@ -55,7 +55,8 @@ from torch import nn
 
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.kernels import cpu_kernels_for
-from llmctl.engine.kernels.quant import KernelWeight, QuantRowOperand, fits_float16, load_quant_kernels
+from llmctl.engine.kernels.quant import (KernelWeight, QuantRowOperand, fits_float16, int8_tile_depth,
+                                         load_quant_kernels)
 from llmctl.engine.layers.linear import (CheckpointSlice, LinearBase, LinearMethod, UnquantizedLinearMethod, rank_rows)
 from llmctl.engine.layers.quantization_cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
                                                     install_cuda_layout)
@@ -83,6 +84,22 @@ AMX_MIN_ROWS = 16
 # the weight dequantised into its tiles (`dequantize_amx`, a temporary bf16 copy): the compute dwarfs the
 # dequantisation there (3072x576 int8 at 2048 rows: `gemm_amx`'s panels 30.7 ms, bf16's kernel 25.9 ms).
 AMX_MAX_ROWS = 1024
+# 8-bit weights whose x blocks are 64+ inputs (per-channel int8, GPTQ 8-bit in groups of 64+) run the GEMV's own
+# integer arithmetic on AMX-INT8 tiles (`gemm_amx_int8`, bitwise the GEMV) from INT8_TILE_MIN_ROWS rows up to
+# INT8_TILE_MAX_ROWS: it reads a byte a weight and dequantises nothing, and with the GEMV below it a row's output
+# is the same bitwise at every batch size under INT8_TILE_MAX_ROWS. Measured (benchmarks/quant_kernels.py
+# --batched, one thread, thread CPU time, µs; GEMV / AMX-INT8 / dequantising AMX / bf16 AMX), cold: 3072x576
+# 2 rows 90 / 152 / 337 / 225 (the GEMV wins below 8), 8 rows 259 / 165 / 326 / 232, 16 rows 435 / 204 / 358 /
+# 235; 960x576 8 rows 61 / 52 / 81 / 55; hot (weights in cache), AMX-INT8 / dequantising AMX: 3072x576 64 rows
+# 357 / 394, 96 rows 506 / 500, 128 rows 702 / 603; 576x1536 64 rows 176 / 193, 96 rows 279 / 235. In the
+# batched workload's decode steps (64 rows, one thread, wall time per step of all the calls of one shape)
+# AMX-INT8 against bf16's AMX: 3072x576 13.3 / 20.4 ms, 576x1536 7.2 / 9.3, lm_head 7.0 / 11.2, 960x576 4.9 /
+# 6.3, 576x576 4.0 / 4.7 (36 against 52 ms a step): its weight reads half the bytes where bf16's come from
+# DRAM. Its TMUL work is bf16's (x splits into two byte planes), so with weights in cache it only ties bf16.
+# Groups of 32 (GGUF Q8_0) and 4-bit weights keep the dequantising kernel: the epilogue per 32 inputs and row
+# costs more than dequantising (3072x576 Q8_0, 64 rows: 1618 against 940 cold).
+INT8_TILE_MIN_ROWS = 8
+INT8_TILE_MAX_ROWS = 96
 # Batches (16+ rows; prefill, batched decode) are compute-bound: bf16 GEMMs on AMX tiles (oneDNN's or the
 # native kernel) ran 4-17x torch's int8pack/int4pack (3072x576, one thread, thread CPU time: 64 rows 342 µs
 # against 3963 / 3499 µs, 256 rows 820 against 15357 / 13992 µs); see `_product` and `add_batch_weights`.
@@ -322,6 +339,7 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
         zero = None if layer.weight_zero is None else layer.weight_zero.detach()
         layer.kernel_weight = KernelWeight(layer.weight.detach(), layer.weight_scale.detach(), zero, weight.bits,
                                            weight.group_size, weight.in_features, weight.out_features)
+        layer.int8_tiles = weight.bits == 8 and int8_tile_depth(weight.group_size, 8) == 64  # INT8_TILE_MIN_ROWS
     elif layout in CUDA_LAYOUTS:
         for name, tensor in install_cuda_layout(layer, weight, layout, dtype,
                                                 tinygemm_scales_and_offsets(weight, dtype)).items():
@@ -426,11 +444,14 @@ def _product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 def _native_product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The native layout's kernel for this many rows: the GEMV for few; on AMX CPUs from AMX_MIN_ROWS the
-    dequantising AMX GEMM, from AMX_MAX_ROWS bf16's AMX kernel on the weight dequantised into its tiles (the
-    same outputs bitwise: a row's result is the same for every row count from AMX_MIN_ROWS); without AMX
-    dequantise + one oneDNN GEMM from NATIVE_MAX_ROWS."""
+    """The native layout's kernel for this many rows: the GEMV for few; on AMX CPUs, for 8-bit weights in long
+    groups, AMX-INT8 from INT8_TILE_MIN_ROWS to INT8_TILE_MAX_ROWS (bitwise the GEMV); otherwise from
+    AMX_MIN_ROWS the dequantising AMX GEMM, from AMX_MAX_ROWS bf16's AMX kernel on the weight dequantised into
+    its tiles (the same outputs bitwise as each other: a row's result is the same for every row count from
+    AMX_MIN_ROWS); without AMX dequantise + one oneDNN GEMM from NATIVE_MAX_ROWS."""
     kernels, count = layer.quant_kernels, rows.shape[0]
+    if kernels.has_amx and INT8_TILE_MIN_ROWS <= count < INT8_TILE_MAX_ROWS and layer.int8_tiles:
+        return kernels.gemm_amx_int8(layer.kernel_weight, rows, bias)
     if kernels.has_amx and count >= AMX_MIN_ROWS:
         if count < AMX_MAX_ROWS or getattr(layer, "amx_kernels", None) is None:
             return kernels.gemm_amx(layer.kernel_weight, rows, bias)
