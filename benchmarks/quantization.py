@@ -15,7 +15,11 @@ the weight bytes each batch-1 token streams (every linear and the lm_head in its
 single-stream rate, a lower bound on what the decode streams (prefill is in the time).
 
     python benchmarks/quantization.py [--llamacpp DIR [--llamacpp-no-repack]] [--vllm-python VENV/bin/python]
-        [--schemes bf16,int8,int4-g32,int4,int8+cache,int4-g32+cache] [--workloads single,batched] [--json out.json]
+        [--schemes bf16,int8,int4-g32,int4,int8+cache,int4-g32+cache] [--workloads single,batched] [--rounds N]
+        [--json out.json]
+
+`--rounds N` runs llmctl's schemes N times alternated, each run its own process, and reports the median, the
+ratio to llmctl bf16 and every run (the batched goal, int8/int4 not slower than bf16, is a ratio of medians).
 
 `NAME+cache` runs `--quantization NAME --quantization-batch-cache`: batches of 16+ rows on a bf16 copy of
 each quantised weight (bf16's batched speed, 2 more bytes per weight); batch 1 is the same as NAME's.
@@ -29,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -168,6 +173,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="llmctl's schemes run this many times, alternated (A B C A B C ...), each run in its own "
+                             "process; the table shows each scheme's median and its spread (a shared host's load "
+                             "swings a run by 20%% and more)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     args.repeats, args.device = 1, "cpu"
@@ -183,14 +192,7 @@ def main() -> None:
             convert_to_gguf(args.llamacpp, folder, gguf["bf16"])
             for kind in ("Q8_0", "Q4_0"):
                 gguf[kind] = quantize_gguf(args.llamacpp, gguf["bf16"], kind)
-        for scheme in args.schemes.split(","):
-            print(f"running llmctl {scheme} ...", file=sys.stderr, flush=True)
-            quantization = scheme.removesuffix(CACHE_SUFFIX)
-            extra = [] if scheme == "bf16" else ["--quantization", quantization]
-            if scheme.endswith(CACHE_SUFFIX):
-                extra.append("--quantization-batch-cache")
-            run = run_worker(sys.executable, "ours", folder, "bfloat16", args, {}, tuple(extra))
-            rows += [dict(r, system="llmctl", scheme=scheme) for r in summarize({("ours", "bfloat16"): run}, workloads)]
+        rows += run_llmctl_schemes(folder, args, workloads)
         if args.vllm_python:
             print("running vLLM-CPU bf16 ...", file=sys.stderr, flush=True)
             run = run_worker(args.vllm_python, "vllm", folder, "bfloat16", args, VLLM_ENV)
@@ -216,11 +218,30 @@ def main() -> None:
         args.json.write_text(json.dumps({"read_bandwidth_gbs": bandwidth, "rows": rows}, indent=2))
 
 
+def run_llmctl_schemes(folder: Path, args, workloads: list[str]) -> list[dict]:
+    """Each llmctl scheme `args.rounds` times, alternated, one process a run: a row per scheme and workload with
+    the median rate and the spread."""
+    schemes = args.schemes.split(",")
+    rates: dict[tuple[str, str], list[float]] = {(scheme, w): [] for scheme in schemes for w in workloads}
+    for round_index in range(args.rounds):
+        for scheme in schemes:
+            print(f"running llmctl {scheme} (round {round_index + 1}/{args.rounds}) ...", file=sys.stderr, flush=True)
+            extra = [] if scheme == "bf16" else ["--quantization", scheme.removesuffix(CACHE_SUFFIX)]
+            if scheme.endswith(CACHE_SUFFIX):
+                extra.append("--quantization-batch-cache")
+            run = run_worker(sys.executable, "ours", folder, "bfloat16", args, {}, tuple(extra))
+            for row in summarize({("ours", "bfloat16"): run}, workloads):
+                rates[scheme, row["workload"]].append(row["tokens_per_s"])
+    return [{"system": "llmctl", "scheme": scheme, "workload": workload, "tokens_per_s": statistics.median(values),
+             "runs": values} for (scheme, workload), values in rates.items() if values]
+
+
 def print_table(rows: list[dict], bandwidth: float) -> None:
     def rate(system: str, scheme: str, workload: str):
         return next((r["tokens_per_s"] for r in rows if (r["system"], r["scheme"], r["workload"]) == (system, scheme, workload)), None)
 
-    header = f"{'workload':<8} {'system':<10} {'scheme':<15} {'tok/s':>8} {'vs llama.cpp':>18} {'vs vLLM bf16':>13} {'weights GB/s':>13}"
+    header = (f"{'workload':<8} {'system':<10} {'scheme':<15} {'tok/s':>8} {'vs bf16':>8} {'vs llama.cpp':>18} "
+              f"{'vs vLLM bf16':>13} {'weights GB/s':>13}  runs")
     print(f"read bandwidth (llmctl bench --cpu's memory read): {bandwidth:.1f} GB/s")
     print(header)
     print("-" * len(header))
@@ -232,12 +253,15 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
         vllm = rate("vLLM-CPU", "bf16", r["workload"])
         vs_llama = f"{r['tokens_per_s'] / peer_rate:.2f}x ({peer})" if peer_rate else "-"
         vs_vllm = f"{r['tokens_per_s'] / vllm:.2f}x" if vllm and r["system"] == "llmctl" else "-"
+        ours_bf16 = rate("llmctl", "bf16", r["workload"])
+        vs_bf16 = f"{r['tokens_per_s'] / ours_bf16:.2f}x" if ours_bf16 and r["system"] == "llmctl" else "-"
+        runs = " ".join(f"{v:.0f}" for v in r.get("runs", []))
         streamed = "-"
         if r["system"] == "llmctl" and r["workload"] == "single" and not r["scheme"].startswith("gguf"):
             gbs = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX)) * r["tokens_per_s"] / 1e9
             streamed = f"{gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
-        print(f"{r['workload']:<8} {r['system']:<10} {r['scheme']:<15} {r['tokens_per_s']:>8.1f} {vs_llama:>18} "
-              f"{vs_vllm:>13} {streamed:>13}")
+        print(f"{r['workload']:<8} {r['system']:<10} {r['scheme']:<15} {r['tokens_per_s']:>8.1f} {vs_bf16:>8} "
+              f"{vs_llama:>18} {vs_vllm:>13} {streamed:>13}  {runs}")
 
 
 if __name__ == "__main__":
