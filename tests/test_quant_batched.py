@@ -86,3 +86,19 @@ def test_generate_takes_the_batch_cache_flag(tiny_chat_model):
     proc = run_cli("generate", "hi", "-m", str(tiny_chat_model), "--quantization-batch-cache", "--max-tokens", "3",
                    "--json", "--dtype", "bfloat16")
     assert proc.returncode == 2 and "--quantization-batch-cache needs quantised linears" in proc.stderr
+
+
+@pytest.mark.skipif(not AMX, reason="AMX-INT8 tiles run int8's batches only where the CPU has AMX")
+def test_int8_outputs_do_not_depend_on_the_batch(tiny_models):
+    """Per-channel int8 runs the GEMV's arithmetic at every row count below INT8_TILE_MAX_ROWS (the GEMV, or
+    AMX-INT8 bitwise it), so a request's logits are the same alone and in a batch of 20 (decode steps of 20
+    rows, one prefill step of 61 rows)."""
+    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
+              quantization="int8", max_model_len=64, enable_prefix_caching=False)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (2 + i % 3,), generator=generator).tolist() for i in range(20)]
+    together = run_greedy(llm, prompts)
+    for prompt, (_, tokens, logits) in zip(prompts, together):
+        [(_, alone_tokens, alone_logits)] = run_greedy(llm, [prompt])
+        assert alone_tokens == tokens
+        assert torch.equal(alone_logits, logits)
