@@ -293,7 +293,7 @@ def test_amx_gemm_is_the_bf16_amx_kernel_on_the_dequantised_weight_bitwise(bits,
     dense = weight.dequantize().to(torch.bfloat16)  # the reference dequantisation, rounded once
     tiles = cpu.pack_amx(dense)
     bias = torch.randn(out_features).bfloat16()
-    for rows in (1, 2, 15, 16, 17, 40, 64):
+    for rows in (1, 2, 15, 16, 17, 40, 64, 80, 100):  # 80, 100: 3-4 row items, the last a lone 16-row tile
         x = torch.randn(rows, in_features).bfloat16()
         for b in (None, bias):
             got = kernels.gemm_amx(packed, x, b)
@@ -304,6 +304,37 @@ def test_amx_gemm_is_the_bf16_amx_kernel_on_the_dequantised_weight_bitwise(bits,
         # against the M = 1 kernel's rows (int16 activations: within tolerance, not bitwise)
         assert torch.allclose(got.float(), kernels.gemv(packed, x, bias).float(), rtol=1e-2,
                               atol=1e-2 * expected.abs().max().item())
+
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_amx_gemm_groups_the_fused_dequantisation_cannot_take_stay_bitwise(bits):
+    # the tiles' (q - zero) * scale is one fused multiply-add only where a group's scales are all positive and
+    # finite and its zeros integers (4 bits: with the codes in a float's mantissa only for zeros in [0, 16]);
+    # negative scales (GGUF Q4_0's d), zero scales (padded rows, empty groups), fractional zeros (Q4_1, Q4_K) and
+    # codes equal to their zero (a -0 weight under a negative scale) take the subtract and multiply, mixed with
+    # fused groups in one block
+    kernels, cpu = amx_kernels_or_skip()
+    out_features, in_features, group = 40, 96, 32
+    generator = torch.Generator().manual_seed(3)
+    groups = (out_features, in_features // group)
+    codes = torch.randint(0, 1 << bits, (out_features, in_features), generator=generator).to(torch.uint8)
+    scales = torch.rand(groups, generator=generator) * 0.02 + 0.001
+    scales[::3] *= -1.0
+    scales[5, 1] = 0.0
+    zeros = torch.randint(0, 1 << bits, groups, generator=generator).float()
+    zeros[1::4] += torch.rand(zeros[1::4].shape, generator=generator)
+    zeros[2, 0], zeros[7, 2], zeros[10, 1] = 20.0, -3.0, 1025.0  # integers outside the codes: still fused
+    zeros = zeros.half().float()  # the kernel's float16 zeros are the reference's
+    hit = (zeros[:, 0].frac() == 0) & (zeros[:, 0] >= 0) & (zeros[:, 0] < 1 << bits)  # codes equal to their zero
+    codes[hit, :group] = zeros[hit, 0].to(torch.uint8)[:, None]
+    weight = GroupedIntWeight(codes, scales.half(), zeros, bits, group)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
+    tiles = cpu.pack_amx(weight.dequantize().to(torch.bfloat16))
+    assert torch.equal(kernels.dequantize_amx(packed), tiles)
+    for rows in (16, 48):
+        x = torch.randn(rows, in_features, generator=generator).bfloat16()
+        assert torch.equal(kernels.gemm_amx(packed, x), cpu.gemm_amx(tiles, x, out_features))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

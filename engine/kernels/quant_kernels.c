@@ -433,18 +433,30 @@ int quant_dequantize_bf16(const void *weight, const void *scales, const void *ze
 }
 #endif
 
-/* ---- AMX: dequantised once into B tiles, each tile reused by every row of the call ---------------------
+/* ---- AMX: dequantised once per call into B tiles, each tile reused by every row of the call -----------------
  * y = x W^T (+ bias) for many rows (batched decode, prefill) on AMX tiles, the weight staying in the layout
  * above. Per 32-output pair (two 16-row blocks) and 32 inputs the codes become one bf16 B tile per block (16
  * input pairs x 16 outputs, VNNI order): the layout's 16-bit words already hold, in lane 2i + e, row i's codes
  * of two neighbouring inputs, i.e. a B tile row once widened to float, (q - zero) * scale and rounded to bf16.
- * That is quant_dequantize_bf16's arithmetic (float32 subtract, multiply, one round to nearest even), so each
- * weight is bitwise the one it returns, and each output element is gemm_amx_bf16's (cpu_kernels.c) on that
- * dequantised weight: its C tile element fed K in 32-wide steps in order from zero, then the bias added in
- * float32 and one rounding. It depends on its own row of x only: an M-row call is bitwise M one-row calls.
- * A thread takes a contiguous range of pairs, dequantises up to AMX_PANEL_BYTES of their tiles (a panel, kept
- * in L2) and runs every row of x against them, 32 rows (A tiles 4-5) x one pair (B tiles 6-7) -> C tiles 0-3
- * per item: the dequantisation is paid once per call whatever M is. */
+ * That is quant_dequantize_bf16's value (float32 subtract and multiply, or one fused multiply-add where that
+ * is exactly the same rounding, see amx_group; one round to nearest even), so each weight is bitwise the one it
+ * returns, and each output element is gemm_amx_bf16's (cpu_kernels.c) on that dequantised weight: its C tile
+ * element fed K in 32-wide steps in order from zero, then the bias added in float32 and one rounding. It
+ * depends on its own row of x only: an M-row call is bitwise M one-row calls.
+ * dequantize_tile makes one B tile: ~3 ns per tile row of 32 weights from L1 (one thread, loaded host), a third
+ * of it vcvtne2ps2bf16 (without it 2.0 ns; the shift, mask and conversion of the codes cut to one ternary-logic
+ * op for 4 bits: 3.1 -> 2.7-3.0 ns).
+ * A thread takes a contiguous range of pairs and runs 32 rows (A tiles 4-5) x one pair (B tiles 6-7) -> C tiles
+ * 0-3 per item (amx_pairs), the dequantisation paid once per call whatever M is, on one of two schedules:
+ * - interleaved: a ring of two pairs' tiles, the next tiles dequantised between the dot products of the current
+ *   ones (8-bit codes; 4-bit up to 32 rows);
+ * - panels: AMX_PANEL_BYTES of tiles dequantised (a block's codes in order), then all the rows against them.
+ * The out-of-order core does not overlap the vector dequantisation with the TMUL here: cold 3072x576 int4-g32,
+ * 64 rows, one thread, took the dequantisation alone plus the dot products alone (945 ~ 387 + 543 us, loaded
+ * host); the ring wins by locality (tiles read back from L1 instead of a 512 KB panel in L2), except for 4-bit
+ * codes and more rows (alternated, thread CPU time, cold, one thread, us, panels / interleaved: 3072x576 int8 16
+ * rows 325 / 274, 64 rows 462 / 406, 128 rows 701 / 675; 576x1536 int8 16 rows 164 / 128; 3072x576 int4-g32 64
+ * rows 387 / 426, 128 rows 604 / 665; 576x1536 int4-g32 128 rows 245 / 281). */
 #if ISA == 512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 long syscall(long number, ...); /* unistd.h declares it only outside strict C11 */
@@ -459,75 +471,158 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) amx_tile_config;
 
-#define AMX_PANEL_BYTES (512 * 1024) /* dequantised tiles a thread keeps (L2) for all the rows */
-#define AMX_STEP_WORDS 1024          /* bf16 values of one pair's two B tiles per 32 inputs */
+#define AMX_STEP_WORDS 1024 /* bf16 values of one pair's two B tiles per 32 inputs */
+#define AMX_PANEL_BYTES (512 * 1024) /* a panel's dequantised tiles (L2), for all the rows */
+/* With one row item per pair (up to 32 rows) the B tiles are dequantised this many K steps ahead of the
+ * dot products that read them, so they are read back from L1 */
+#define AMX_LEAD_STEPS 2
 
-/* One B tile row (an input pair for 16 outputs) from 32 16-bit codes (lane 2i + e: row i), the rows' zeros
- * and scales spread to pairs (lo: rows 0-7, hi: rows 8-15). */
-INLINE void dequantize_row(__m512i codes16, __m512 zero_lo, __m512 zero_hi, __m512 scale_lo, __m512 scale_hi,
-                           uint16_t *dst) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(codes16)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes16, 1)));
-    const __m512 w_lo = _mm512_mul_ps(_mm512_sub_ps(lo, zero_lo), scale_lo);
-    const __m512 w_hi = _mm512_mul_ps(_mm512_sub_ps(hi, zero_hi), scale_hi);
+/* The B tile rows of one chunk's codes: its 64 bytes' 16-bit words (word 2i + e: row i, input e of each of its
+ * input pairs) widened once per chunk, words 0-15 (rows 0-7) in `lo`, 16-31 in `hi`, so each input pair's codes
+ * are a shift and a mask away. Its group's zeros and scales spread to those lanes (zero_lo, scale_lo: rows 0-7).
+ * (q - zero) * scale is quant_dequantize_bf16's float32 subtract and multiply, or where the group allows it
+ * (`fused`: every scale positive and finite, every zero an integer) one fused q * scale + (-zero * scale):
+ * zero * scale is exact (two float16 values: 22 significant bits at most), q - zero is exact (integers), so
+ * both are the one rounding of the same (q - zero) * scale, +0 where q = zero, bitwise the same weight. */
+typedef struct {
+    __m512 zero_lo, zero_hi, scale_lo, scale_hi, offset_lo, offset_hi; /* offset: -zero * scale */
+    __m512 base_lo[4], base_hi[4]; /* 4 bits, `embedded`: -(AMX_NIBBLE_BASE[t] + zero) * scale */
+    int fused, embedded;
+} amx_group;
+
+/* 4 bits, `embedded`: nibble t of a widened word masked in place (shifted left 11 first for t < 3: the bits
+ * AMX_NIBBLE_AT[t]) under the exponent of AMX_NIBBLE_BASE[t] = 2^(23 - AMX_NIBBLE_AT[t]) is the float32
+ * AMX_NIBBLE_BASE[t] + q (one ternary-logic op instead of a shift, a mask and a conversion), and
+ * (base + q) * scale + (-(base + zero) * scale) is one fused multiply-add of exact terms wherever `fused` holds:
+ * base + zero, for any integer a float16 holds, spans 13 significant bits at most, times the scale's 11 still
+ * fits float32's 24, so it is the same one rounding of (q - zero) * scale again. */
+static const int AMX_NIBBLE_AT[4] = {11, 15, 19, 12};
+static const float AMX_NIBBLE_BASE[4] = {4096.0f, 256.0f, 16.0f, 2048.0f};
+
+INLINE void amx_group_load(const int BITS, const uint16_t *scales, const uint16_t *zeros, int64_t at, amx_group *g) {
+    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+    const __m512 scale = fload_f16(scales + at);
+    const __m512 zero = zeros != NULL ? fload_f16(zeros + at) : fset1(BITS == 8 ? 128.0f : 8.0f);
+    const __mmask16 positive = _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_GT_OQ) &
+                               _mm512_cmp_ps_mask(scale, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    const __mmask16 integral = _mm512_cmp_ps_mask(_mm512_roundscale_ps(zero, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC),
+                                                  zero, _CMP_EQ_OQ);
+    g->fused = (__mmask16)(positive & integral) == (__mmask16)0xffff;
+    g->embedded = BITS == 4 && g->fused;
+    const __m512 offset = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(zero, scale));
+    g->scale_lo = _mm512_permutexvar_ps(pairs_lo, scale), g->scale_hi = _mm512_permutexvar_ps(pairs_hi, scale);
+    g->zero_lo = _mm512_permutexvar_ps(pairs_lo, zero), g->zero_hi = _mm512_permutexvar_ps(pairs_hi, zero);
+    g->offset_lo = _mm512_permutexvar_ps(pairs_lo, offset), g->offset_hi = _mm512_permutexvar_ps(pairs_hi, offset);
+    if (g->embedded)
+        for (int t = 0; t < 4; t++) { /* exact: -base * scale (a power of two times it) + offset is representable */
+            const __m512 base = _mm512_set1_ps(AMX_NIBBLE_BASE[t]);
+            g->base_lo[t] = _mm512_fnmadd_ps(base, g->scale_lo, g->offset_lo);
+            g->base_hi[t] = _mm512_fnmadd_ps(base, g->scale_hi, g->offset_hi);
+        }
+}
+
+/* `embedded` (above): input pair t's B tile row from a chunk's widened words (lo: words 0-15, hi: 16-31) and
+ * the same shifted left 11. */
+INLINE void dequantize_row_embedded(__m512i lo, __m512i hi, __m512i lo11, __m512i hi11, const amx_group *g, int t,
+                                    uint16_t *dst) {
+    const __m512i mask = _mm512_set1_epi32(0xf << AMX_NIBBLE_AT[t]);
+    const __m512i exponent = _mm512_castps_si512(_mm512_set1_ps(AMX_NIBBLE_BASE[t]));
+    const __m512 x_lo = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(t < 3 ? lo11 : lo, mask, exponent, 0xea));
+    const __m512 x_hi = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(t < 3 ? hi11 : hi, mask, exponent, 0xea));
+    const __m512 w_lo = _mm512_fmadd_ps(x_lo, g->scale_lo, g->base_lo[t]);
+    const __m512 w_hi = _mm512_fmadd_ps(x_hi, g->scale_hi, g->base_hi[t]);
     _mm512_store_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
 }
 
-/* Block `block`'s B tiles, all kp / 32 steps: input pair p goes to row p % 16 of tiles + (p / 16) * 1024
- * (the pair's half already added by the caller); the rows of inputs past k are zero. */
-INLINE void dequantize_block(const int BITS, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
-                             int64_t block, int64_t k, int64_t kp, int64_t group, uint16_t *tiles) {
-    const int64_t step = BITS == 8 ? 4 : 8, chunks = k / step, groups = k / group;
-    const uint8_t *base = codes + block * chunks * CHUNK;
-    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
-    const __m512i mask = _mm512_set1_epi16(BITS == 8 ? 0x00ff : 0x000f);
-    const int64_t chunks_per_group = group / step; /* whole chunks (covered() checks it) */
-    __m512 zero_lo = _mm512_setzero_ps(), zero_hi = zero_lo, scale_lo = zero_lo, scale_hi = zero_lo;
-    for (int64_t c = 0, g = 0, next = 0; c < chunks; c++) {
-        if (c == next) { /* group g starts here (no division per chunk) */
-            g = c / chunks_per_group, next = c + chunks_per_group;
-            const int64_t at = (block * groups + g) * BLOCK;
-            const __m512 scale = fload_f16(scales + at);
-            const __m512 zero = zeros != NULL ? fload_f16(zeros + at) : fset1(BITS == 8 ? 128.0f : 8.0f);
-            scale_lo = _mm512_permutexvar_ps(pairs_lo, scale), scale_hi = _mm512_permutexvar_ps(pairs_hi, scale);
-            zero_lo = _mm512_permutexvar_ps(pairs_lo, zero), zero_hi = _mm512_permutexvar_ps(pairs_hi, zero);
-        }
-        /* the codes stream from DRAM in batched decode: prefetched as in the GEMV (cold, one thread, 64 rows, under
-         * load: 3072x576 int8 1.36x bf16 AMX -> 1.21x, int4-g32 1.18x -> 0.95x; prefetching never faults) */
-        _mm_prefetch((const char *)(base + (c + PREFETCH_CHUNKS) * CHUNK), _MM_HINT_T0);
-        const __m512i words = _mm512_loadu_si512((const void *)(base + c * CHUNK));
-        for (int t = 0; t < step / 2; t++) { /* 8 bits: low then high bytes; 4 bits: nibbles 0-3 */
-            const int64_t pair = c * step / 2 + t;
-            const __m512i q = BITS == 8 ? (t == 0 ? _mm512_and_si512(words, mask) : _mm512_srli_epi16(words, 8))
-                                        : _mm512_and_si512(_mm512_srli_epi16(words, 4 * t), mask);
-            dequantize_row(q, zero_lo, zero_hi, scale_lo, scale_hi, tiles + pair / 16 * AMX_STEP_WORDS + pair % 16 * 32);
-        }
-    }
-    for (int64_t pair = k / 2; pair < kp / 2; pair++) /* inputs past k (k is even: whole chunks) */
-        memset(tiles + pair / 16 * AMX_STEP_WORDS + pair % 16 * 32, 0, 64);
+/* Input pair t of the chunk (8 bits: the low then the high bytes; 4 bits: nibbles 0-3) from its widened words. */
+INLINE __m512i amx_codes(const int BITS, __m512i words32, int t) {
+    if (BITS == 8) return t == 0 ? _mm512_and_si512(words32, _mm512_set1_epi32(0xff)) : _mm512_srli_epi32(words32, 8);
+    if (t == 3) return _mm512_srli_epi32(words32, 12);
+    const __m512i shifted = t == 0 ? words32 : _mm512_srli_epi32(words32, 4 * t);
+    return _mm512_and_si512(shifted, _mm512_set1_epi32(0xf));
 }
 
-/* Pair p's two B tiles per step (pair_words = kp / 32 * 1024 values at `tiles`); blocks past the last (n's
- * last pair may have one, pack_amx pads n to 64) are zero weights, never stored. */
+/* One B tile row (an input pair for 16 outputs) from the pair's codes (lo: words 0-15, hi: 16-31). */
+INLINE void dequantize_row(__m512i q_lo, __m512i q_hi, const amx_group *g, uint16_t *dst) {
+    const __m512 lo = _mm512_cvtepi32_ps(q_lo), hi = _mm512_cvtepi32_ps(q_hi);
+    __m512 w_lo, w_hi;
+    if (g->fused) {
+        w_lo = _mm512_fmadd_ps(lo, g->scale_lo, g->offset_lo);
+        w_hi = _mm512_fmadd_ps(hi, g->scale_hi, g->offset_hi);
+    } else {
+        w_lo = _mm512_mul_ps(_mm512_sub_ps(lo, g->zero_lo), g->scale_lo);
+        w_hi = _mm512_mul_ps(_mm512_sub_ps(hi, g->zero_hi), g->scale_hi);
+    }
+    _mm512_store_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+}
+
+/* One B tile: block `block`'s 16 outputs x inputs [32 s, 32 s + 32) as 16 input pairs (rows of 32 values) at
+ * dst; the pairs past k are zero. The codes stream from DRAM in batched decode: prefetched PREFETCH_CHUNKS
+ * ahead in the block (a block's K in order: panels, the whole weight), or with `next_pair` the same chunk and
+ * group of block + 2, the next pair's (the interleaved ring's order: cold, one thread, alternated, 16 rows,
+ * 49152x576 int4-g32 5818 -> 4598 us, 3072x576 int4-g32 291 -> 245, int8 302 -> 255; panels measured slower
+ * with it: 3072x576 int4-g32 at 128 rows 886 -> 1004). Prefetching never faults. */
+INLINE void dequantize_tile(const int BITS, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                            int64_t block, int64_t k, int64_t group, int64_t s, int next_pair, uint16_t *dst) {
+    const int64_t step = BITS == 8 ? 4 : 8, chunks = k / step, groups = k / group;
+    const int64_t chunks_per_group = group / step; /* whole chunks (covered() checks it) */
+    const int64_t first = s * (32 / step), last = first + 32 / step < chunks ? first + 32 / step : chunks;
+    const uint8_t *base = codes + block * chunks * CHUNK;
+    int64_t index = first / chunks_per_group, next = (index + 1) * chunks_per_group; /* next: group index + 1's */
+    amx_group g;
+    amx_group_load(BITS, scales, zeros, (block * groups + index) * BLOCK, &g);
+    for (int64_t c = first; c < last; c++) {
+        if (c == next) { /* no division per chunk */
+            index++, next += chunks_per_group;
+            amx_group_load(BITS, scales, zeros, (block * groups + index) * BLOCK, &g);
+        }
+        if (next_pair) {
+            _mm_prefetch((const char *)(base + (2 * chunks + c) * CHUNK), _MM_HINT_T0);
+            if (c == first) _mm_prefetch((const char *)(scales + ((block + 2) * groups + index) * BLOCK), _MM_HINT_T0);
+        } else {
+            _mm_prefetch((const char *)(base + (c + PREFETCH_CHUNKS) * CHUNK), _MM_HINT_T0);
+        }
+        const __m512i words = _mm512_loadu_si512((const void *)(base + c * CHUNK));
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(words, 1));
+        if (BITS == 4 && g.embedded) {
+            const __m512i lo11 = _mm512_slli_epi32(lo, 11), hi11 = _mm512_slli_epi32(hi, 11);
+            for (int t = 0; t < 4; t++) dequantize_row_embedded(lo, hi, lo11, hi11, &g, t, dst + ((c - first) * 4 + t) * 32);
+            continue;
+        }
+        for (int t = 0; t < step / 2; t++)
+            dequantize_row(amx_codes(BITS, lo, t), amx_codes(BITS, hi, t), &g,
+                           dst + ((c - first) * (step / 2) + t) * 32);
+    }
+    for (int64_t pair = (last - first) * (step / 2); pair < 16; pair++) /* inputs past k (k is even) */
+        memset(dst + pair * 32, 0, 64);
+}
+
+/* Tile `half` (0, 1) of pair p's K step s; a block past the last (n's last pair may have one, pack_amx pads n
+ * to 64) is zero weights, never stored. */
+INLINE void dequantize_unit(const int BITS, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                            int64_t p, int64_t half, int64_t s, int64_t blocks, int64_t k, int64_t group, int next_pair,
+                            uint16_t *dst) {
+    const int64_t block = 2 * p + half;
+    if (block < blocks) dequantize_tile(BITS, codes, scales, zeros, block, k, group, s, next_pair, dst);
+    else memset(dst, 0, 1024);
+}
+
+/* Pair p's two B tiles per step (kp / 32 * 1024 values at `tiles`). */
 static void dequantize_pair(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t p,
                             int64_t blocks, int64_t k, int64_t kp, int64_t group, uint16_t *tiles) {
-    for (int64_t half = 0; half < 2; half++) {
-        uint16_t *dst = tiles + half * 512;
-        const int64_t block = 2 * p + half;
-        if (block >= blocks) {
-            for (int64_t s = 0; s < kp / 32; s++) memset(dst + s * AMX_STEP_WORDS, 0, 1024);
-        } else if (bits == 8) {
-            dequantize_block(8, codes, scales, zeros, block, k, kp, group, dst);
-        } else {
-            dequantize_block(4, codes, scales, zeros, block, k, kp, group, dst);
+    for (int64_t half = 0; half < 2; half++) /* a block's codes in order: one stream */
+        for (int64_t s = 0; s < kp / 32; s++) {
+            uint16_t *dst = tiles + s * AMX_STEP_WORDS + half * 512;
+            if (bits == 8) dequantize_unit(8, codes, scales, zeros, p, half, s, blocks, k, group, 0, dst);
+            else dequantize_unit(4, codes, scales, zeros, p, half, s, blocks, k, group, 0, dst);
         }
-    }
 }
 
 /* The whole weight dequantised into cpu_kernels.c's gemm_amx_bf16 layout (kernels/__init__.py's pack_amx: n
  * padded to 64, k to 32, [n / 32][k / 32][2][16 pairs][16][2]): for row counts where that kernel's blocking
- * beats the per-call panels above; each output is bitwise the same. Returns 0 for shapes not covered. */
+ * beats the pipelined one below; each output is bitwise the same. Returns 0 for shapes not covered. */
 int quant_dequantize_amx_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
                               int64_t k, int64_t group, int num_threads) {
     if (!covered(bits, n, k, group)) return 0;
@@ -568,50 +663,83 @@ INLINE void amx_store(int tile, float *scratch, const uint16_t *bias, uint16_t *
     }
 }
 
-/* Rows [0, mp) of the (padded) x against one pair's dequantised tiles. */
-INLINE void amx_pair_rows(const uint16_t *a, const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t m,
-                          int64_t mp, int64_t n, int64_t kp, int64_t col0, float *scratch) {
-    const int64_t steps = kp / 32;
-    int64_t r = 0;
-    for (; r + 32 <= mp; r += 32) {
-        const uint16_t *a0 = a + r * kp, *a1 = a0 + 16 * kp;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t s = 0; s < steps; s++) {
-            const uint16_t *b = tiles + s * AMX_STEP_WORDS;
-            _tile_loadd(4, a0 + s * 32, kp * 2);
-            _tile_loadd(6, b, 64);
-            _tile_loadd(7, b + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, a1 + s * 32, kp * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        const int64_t rows0 = m - r < 16 ? m - r : 16, rows1 = m - r - 16 < 16 ? m - r - 16 : 16;
-        amx_store(0, scratch, bias, y, r, rows0, col0, n);
-        amx_store(1, scratch, bias, y, r, rows0, col0 + 16, n);
-        if (rows1 > 0) {
-            amx_store(2, scratch, bias, y, r + 16, rows1, col0, n);
-            amx_store(3, scratch, bias, y, r + 16, rows1, col0 + 16, n);
-        }
+/* The dequantisation of a thread's pairs as a stream of units (one B tile: a pair's K step, one half), written
+ * into a ring of two pairs' tiles while the dot products read the other. */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scales, *zeros;
+    int64_t blocks, k, group, steps;
+    uint16_t *ring;  /* [2][steps][1024] */
+    int64_t pair, s, half; /* the next unit */
+    int64_t made, total;   /* units dequantised, units of the thread's pairs */
+} amx_producer;
+
+INLINE void amx_produce(const int BITS, amx_producer *p) {
+    if (p->made == p->total) return;
+    uint16_t *dst = p->ring + (p->made / (2 * p->steps) % 2) * p->steps * AMX_STEP_WORDS + p->s * AMX_STEP_WORDS +
+                    p->half * 512;
+    dequantize_unit(BITS, p->codes, p->scales, p->zeros, p->pair, p->half, p->s, p->blocks, p->k, p->group, 1, dst);
+    p->made++;
+    if (++p->half == 2) {
+        p->half = 0;
+        if (++p->s == p->steps) p->s = 0, p->pair++;
     }
-    if (r < mp) { /* 16 rows left */
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int64_t s = 0; s < steps; s++) {
-            const uint16_t *b = tiles + s * AMX_STEP_WORDS;
-            _tile_loadd(4, a + r * kp + s * 32, kp * 2);
-            _tile_loadd(6, b, 64);
-            _tile_loadd(7, b + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
+}
+
+/* A thread's pairs [first, last) against rows [0, mp) of the (padded) x, in items of 32 rows (A tiles 4-5) x
+ * one pair (B tiles 6-7) -> C tiles 0-3 (a lone last 16-row tile: C 0-1); pair p's tiles lie in slot
+ * (p - first) % slots of the ring. Two schedules of the dequantisation:
+ * - interleaved (a ring of 2 slots): the units dequantised `lead` ahead of the first dot product that reads them,
+ *   then evenly over the pair's K steps x row items, between the dot products: one row item (up to 32 rows, each
+ *   tile read once) leads by AMX_LEAD_STEPS steps (its tiles read back from L1), more items by a whole pair (its
+ *   tiles re-read by every item);
+ * - panels (`slots` pairs, AMX_PANEL_BYTES): every `slots` pairs dequantised first (a block's K in order), then
+ *   run against all the rows. */
+INLINE void amx_pairs(const int BITS, const uint16_t *a, amx_producer *producer, int interleaved, int64_t slots,
+                      const uint16_t *bias, uint16_t *y, int64_t m, int64_t mp, int64_t n, int64_t kp, int64_t first,
+                      int64_t last, float *scratch) {
+    const int64_t steps = kp / 32, items = (mp + 31) / 32, per_pair = 2 * steps, iterations = items * steps;
+    const int64_t lead = items == 1 && 2 * AMX_LEAD_STEPS < per_pair ? 2 * AMX_LEAD_STEPS : per_pair;
+    while (interleaved && producer->made < lead && producer->made < producer->total) amx_produce(BITS, producer);
+    int64_t owed = 0; /* Bresenham: per_pair units every `iterations` dot-product steps */
+    for (int64_t p = first; p < last; p++) {
+        const uint16_t *tiles = producer->ring + (p - first) % slots * steps * AMX_STEP_WORDS;
+        if (!interleaved && (p - first) % slots == 0)
+            for (int64_t q = p; q < last && q < p + slots; q++)
+                dequantize_pair(BITS, producer->codes, producer->scales, producer->zeros, q, producer->blocks,
+                                producer->k, kp, producer->group, producer->ring + (q - p) * steps * AMX_STEP_WORDS);
+        for (int64_t r = 0; r < mp; r += 32) {
+            const int both = r + 32 <= mp;
+            const uint16_t *a0 = a + r * kp, *a1 = a0 + 16 * kp;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (both) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            for (int64_t s = 0; s < steps; s++) {
+                const uint16_t *b = tiles + s * AMX_STEP_WORDS;
+                _tile_loadd(4, a0 + s * 32, kp * 2);
+                _tile_loadd(6, b, 64);
+                _tile_loadd(7, b + 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (both) {
+                    _tile_loadd(5, a1 + s * 32, kp * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                if (interleaved)
+                    for (owed += per_pair; owed >= iterations; owed -= iterations) amx_produce(BITS, producer);
+            }
+            const int64_t rows0 = m - r < 16 ? m - r : 16, rows1 = m - r - 16 < 16 ? m - r - 16 : 16;
+            amx_store(0, scratch, bias, y, r, rows0, p * 32, n);
+            amx_store(1, scratch, bias, y, r, rows0, p * 32 + 16, n);
+            if (both && rows1 > 0) {
+                amx_store(2, scratch, bias, y, r + 16, rows1, p * 32, n);
+                amx_store(3, scratch, bias, y, r + 16, rows1, p * 32 + 16, n);
+            }
         }
-        const int64_t rows = m - r < 16 ? m - r : 16;
-        amx_store(0, scratch, bias, y, r, rows, col0, n);
-        amx_store(1, scratch, bias, y, r, rows, col0 + 16, n);
     }
 }
 
@@ -619,8 +747,6 @@ INLINE void amx_pair_rows(const uint16_t *a, const uint16_t *tiles, const uint16
 int quant_gemm_amx_bf16(const void *weight, const void *scales_, const void *zeros_, int bits, const void *x,
                         const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
     if (m < 1 || !covered(bits, n, k, group)) return 0;
-    const uint8_t *codes = (const uint8_t *)weight;
-    const uint16_t *scales = (const uint16_t *)scales_, *zeros = (const uint16_t *)zeros_;
     const uint16_t *bias = (const uint16_t *)bias_;
     uint16_t *y = (uint16_t *)y_;
     const int64_t kp = (k + 31) / 32 * 32, mp = (m + 15) / 16 * 16, steps = kp / 32;
@@ -635,10 +761,11 @@ int quant_gemm_amx_bf16(const void *weight, const void *scales_, const void *zer
         for (int64_t r = 0; r < m; r++) memcpy(padded + r * kp, a + r * k, (size_t)k * sizeof(uint16_t));
         a = padded;
     }
-    const int64_t pair_words = steps * AMX_STEP_WORDS;
-    int64_t panel = AMX_PANEL_BYTES / (pair_words * (int64_t)sizeof(uint16_t));
-    if (panel < 1) panel = 1;
     const int64_t threads = num_threads < 1 ? 1 : (num_threads > pairs ? pairs : num_threads);
+    /* interleaved for 8-bit codes and up to 32 rows, panels for 4-bit codes and more (the comment block above) */
+    const int interleaved = bits == 8 || mp <= 32;
+    int64_t panel = AMX_PANEL_BYTES / (steps * AMX_STEP_WORDS * (int64_t)sizeof(uint16_t));
+    if (panel < 2) panel = 2;
     amx_tile_config config = {0};
     config.palette = 1;
     for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
@@ -647,22 +774,23 @@ int quant_gemm_amx_bf16(const void *weight, const void *scales_, const void *zer
     {
         const int64_t me = omp_get_thread_num();
         const int64_t first = pairs * me / threads, last = pairs * (me + 1) / threads;
-        const int64_t count = last - first < panel ? last - first : panel;
-        uint16_t *tiles = count > 0 ? (uint16_t *)aligned_alloc(64, (size_t)(count * pair_words) * sizeof(uint16_t)) : NULL;
+        const int64_t slots = interleaved ? 2 : (last - first < panel ? last - first : panel);
+        uint16_t *ring = slots > 0 ? (uint16_t *)aligned_alloc(64, (size_t)(slots * steps * AMX_STEP_WORDS) *
+                                                                       sizeof(uint16_t))
+                                   : NULL;
         float scratch[16 * 16] __attribute__((aligned(64)));
-        failed |= count > 0 && tiles == NULL;
-        if (tiles != NULL) {
+        failed |= slots > 0 && ring == NULL;
+        if (ring != NULL && first < last) {
+            amx_producer producer = {(const uint8_t *)weight, (const uint16_t *)scales_, (const uint16_t *)zeros_,
+                                     blocks, k, group, steps, ring, first, 0, 0, 0, (last - first) * 2 * steps};
             _tile_loadconfig(&config);
-            for (int64_t p0 = first; p0 < last; p0 += panel) {
-                const int64_t p1 = last - p0 < panel ? last : p0 + panel;
-                for (int64_t p = p0; p < p1; p++)
-                    dequantize_pair(bits, codes, scales, zeros, p, blocks, k, kp, group, tiles + (p - p0) * pair_words);
-                for (int64_t p = p0; p < p1; p++)
-                    amx_pair_rows(a, tiles + (p - p0) * pair_words, bias, y, m, mp, n, kp, p * 32, scratch);
-            }
+            if (bits == 8)
+                amx_pairs(8, a, &producer, interleaved, slots, bias, y, m, mp, n, kp, first, last, scratch);
+            else
+                amx_pairs(4, a, &producer, interleaved, slots, bias, y, m, mp, n, kp, first, last, scratch);
             _tile_release();
-            free(tiles);
         }
+        free(ring);
     }
     free(padded);
     return !failed;
