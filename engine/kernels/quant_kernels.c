@@ -838,18 +838,55 @@ INLINE __m256i int_round_bf16(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
 }
 
-/* Row r of x (prepared xq) as the two byte planes A tiles read, inputs permuted within each 8 as the B tile
- * rows hold them (8 bits: {0, 2, 1, 3, 4, 6, 5, 7}; 4 bits: {0, 4, 1, 5, 2, 6, 3, 7}); k a multiple of 32. */
-static void split_row(const int16_t *xq, int8_t *hi, uint8_t *lo, int64_t k, int bits) {
+/* 32 int16 codes of x as the two byte planes A tiles read (hi: signed, lo: unsigned, xq = 256 hi + lo), the
+ * inputs permuted within each 8 as the B tile rows hold them (8 bits: {0, 2, 1, 3, 4, 6, 5, 7}; 4 bits:
+ * {0, 4, 1, 5, 2, 6, 3, 7}). */
+INLINE void split_words(__m512i words, int8_t *hi, uint8_t *lo, int bits) {
     const __m512i order = bits == 8 ? _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19, 17, 18, 16,
                                                        15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0)
                                     : _mm512_set_epi16(31, 27, 30, 26, 29, 25, 28, 24, 23, 19, 22, 18, 21, 17, 20, 16,
                                                        15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
-    for (int64_t i = 0; i < k; i += 32) {
-        const __m512i words = _mm512_permutexvar_epi16(order, _mm512_loadu_si512((const void *)(xq + i)));
-        _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)));
-        _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi16_epi8(_mm512_and_si512(words, _mm512_set1_epi16(0xff))));
+    words = _mm512_permutexvar_epi16(order, words);
+    _mm256_storeu_si256((__m256i *)hi, _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)));
+    _mm256_storeu_si256((__m256i *)lo, _mm512_cvtepi16_epi8(_mm512_and_si512(words, _mm512_set1_epi16(0xff))));
+}
+
+/* One x block (size a multiple of 32) quantised as prepare_block_512 does, bitwise its codes, scale and sum,
+ * written straight as the byte planes (no int16 copy of x: per call a 64-row, 1536-input int16 buffer was
+ * an mmap and 48 page faults). A block with a NaN or a magnitude above 3e38 goes to prepare_block. */
+static void prepare_split_block(const uint16_t *src, int8_t *hi, uint8_t *lo, int64_t size, int bits, float *xscale,
+                                float *xsum) {
+    __m512 top = _mm512_setzero_ps();
+    __mmask16 unusual = 0;
+    for (int64_t i = 0; i < size; i += 16) {
+        const __m512 v = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16));
+        const __m512 magnitude = _mm512_abs_ps(v);
+        unusual |= _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(3.0e38f), _CMP_NLE_UQ);
+        top = _mm512_max_ps(top, magnitude);
     }
+    if (unusual) {
+        int16_t codes[X_BLOCK_MAX];
+        prepare_block(src, codes, size, xscale, xsum);
+        for (int64_t i = 0; i < size; i += 32)
+            split_words(_mm512_loadu_si512((const void *)(codes + i)), hi + i, lo + i, bits);
+        return;
+    }
+    const float largest = _mm512_reduce_max_ps(top);
+    const float inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
+    const __m512 scale = _mm512_set1_ps(inverse);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < size; i += 32) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(src + i));
+        const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+        const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, scale)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, scale));
+        sum = _mm512_add_epi32(sum, _mm512_add_epi32(q0, q1));
+        split_words(_mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(q0)), _mm512_cvtepi32_epi16(q1), 1),
+                    hi + i, lo + i, bits);
+    }
+    *xscale = inverse > 0.0f ? largest / 32767.0f : 0.0f;
+    *xsum = (float)_mm512_reduce_add_epi32(sum);
 }
 
 /* A 4-bit block's codes as AMX-INT8 B tile rows: chunk c -> rows 2c (low nibbles), 2c + 1 (high nibbles). */
@@ -1007,13 +1044,12 @@ int quant_gemm_amx_int8(const void *weight, const void *scales_, const void *zer
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, pairs = (blocks + 1) / 2, chunks = k / step_of(bits);
     Prepared prep = {0};
     prep.x_block = x_block, prep.x_blocks = k / x_block;
-    prep.xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k));
     prep.xscale = (float *)malloc(sizeof(float) * (size_t)(mp * prep.x_blocks));
     prep.xsum = (float *)malloc(sizeof(float) * (size_t)(mp * prep.x_blocks));
     int8_t *a_hi = (int8_t *)aligned_alloc(64, (size_t)(mp * k));
     uint8_t *a_lo = (uint8_t *)aligned_alloc(64, (size_t)(mp * k));
-    if (prep.xq == NULL || prep.xscale == NULL || prep.xsum == NULL || a_hi == NULL || a_lo == NULL) {
-        free(prep.xq), free(prep.xscale), free(prep.xsum), free(a_hi), free(a_lo);
+    if (prep.xscale == NULL || prep.xsum == NULL || a_hi == NULL || a_lo == NULL) {
+        free(prep.xscale), free(prep.xsum), free(a_hi), free(a_lo);
         return 0;
     }
     /* 4 bits: a pair's expanded tile rows (2 blocks x 2 rows a chunk); 8 bits: read in place */
@@ -1033,9 +1069,9 @@ int quant_gemm_amx_int8(const void *weight, const void *scales_, const void *zer
         for (int64_t r = 0; r < mp; r++) {
             if (r < m) {
                 for (int64_t xb = 0; xb < prep.x_blocks; xb++)
-                    prepare_block_512((const uint16_t *)x + r * k + xb * x_block, prep.xq + r * k + xb * x_block,
-                                      x_block, prep.xscale + r * prep.x_blocks + xb, prep.xsum + r * prep.x_blocks + xb);
-                split_row(prep.xq + r * k, a_hi + r * k, a_lo + r * k, k, bits);
+                    prepare_split_block((const uint16_t *)x + r * k + xb * x_block, a_hi + r * k + xb * x_block,
+                                        a_lo + r * k + xb * x_block, x_block, bits, prep.xscale + r * prep.x_blocks + xb,
+                                        prep.xsum + r * prep.x_blocks + xb);
             } else { /* padded rows: zero, never stored */
                 memset(a_hi + r * k, 0, (size_t)k), memset(a_lo + r * k, 0, (size_t)k);
                 for (int64_t xb = 0; xb < prep.x_blocks; xb++)
@@ -1075,7 +1111,7 @@ int quant_gemm_amx_int8(const void *weight, const void *scales_, const void *zer
         }
         free(scratch), free(acc), free(expanded);
     }
-    free(prep.xq), free(prep.xscale), free(prep.xsum), free(a_hi), free(a_lo);
+    free(prep.xscale), free(prep.xsum), free(a_hi), free(a_lo);
     return !failed;
 }
 #else
