@@ -93,12 +93,9 @@ static void prepare_block(const uint16_t *src, int16_t *dst, int64_t size, float
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-/* prepare_block 16 inputs a vector (size a multiple of 16), bitwise its result: the largest magnitude is
- * exact in any order and vcvtps2dq rounds to nearest even as lrintf does. A block holding a NaN or a
- * magnitude above 3e38 (where the scalar rules for NaN and infinities decide) goes to prepare_block. The
- * scalar loops were most of a small GEMV's fixed cost (one thread, thread CPU time, hot 16x576 4-bit: 7.3 ->
- * 4.3 us a call, 16x1536: 14.2 -> 5.6 us; a SmolLM-135M token's 121 int4-g32 GEMVs, cold: 11.4 -> 11.2 ms). */
-static void prepare_block_512(const uint16_t *src, int16_t *dst, int64_t size, float *xscale, float *xsum) {
+/* The largest magnitude of a block (size a multiple of 16); 0 where it holds a NaN or a magnitude above 3e38
+ * (the scalar rules for NaN and infinities decide those). */
+INLINE int block_largest(const uint16_t *src, int64_t size, float *largest) {
     __m512 top = _mm512_setzero_ps();
     __mmask16 unusual = 0;
     for (int64_t i = 0; i < size; i += 16) {
@@ -108,11 +105,21 @@ static void prepare_block_512(const uint16_t *src, int16_t *dst, int64_t size, f
         unusual |= _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(3.0e38f), _CMP_NLE_UQ);
         top = _mm512_max_ps(top, magnitude);
     }
-    if (unusual) {
+    *largest = _mm512_reduce_max_ps(top);
+    return !unusual;
+}
+
+/* prepare_block 16 inputs a vector (size a multiple of 16), bitwise its result: the largest magnitude is
+ * exact in any order and vcvtps2dq rounds to nearest even as lrintf does. A block holding a NaN or a
+ * magnitude above 3e38 (where the scalar rules for NaN and infinities decide) goes to prepare_block. The
+ * scalar loops were most of a small GEMV's fixed cost (one thread, thread CPU time, hot 16x576 4-bit: 7.3 ->
+ * 4.3 us a call, 16x1536: 14.2 -> 5.6 us; a SmolLM-135M token's 121 int4-g32 GEMVs, cold: 11.4 -> 11.2 ms). */
+static void prepare_block_512(const uint16_t *src, int16_t *dst, int64_t size, float *xscale, float *xsum) {
+    float largest;
+    if (!block_largest(src, size, &largest)) {
         prepare_block(src, dst, size, xscale, xsum);
         return;
     }
-    const float largest = _mm512_reduce_max_ps(top);
     const float inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
     const __m512 scale = _mm512_set1_ps(inverse);
     __m512i sum = _mm512_setzero_si512();
@@ -856,23 +863,14 @@ INLINE void split_words(__m512i words, int8_t *hi, uint8_t *lo, int bits) {
  * an mmap and 48 page faults). A block with a NaN or a magnitude above 3e38 goes to prepare_block. */
 static void prepare_split_block(const uint16_t *src, int8_t *hi, uint8_t *lo, int64_t size, int bits, float *xscale,
                                 float *xsum) {
-    __m512 top = _mm512_setzero_ps();
-    __mmask16 unusual = 0;
-    for (int64_t i = 0; i < size; i += 16) {
-        const __m512 v = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16));
-        const __m512 magnitude = _mm512_abs_ps(v);
-        unusual |= _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(3.0e38f), _CMP_NLE_UQ);
-        top = _mm512_max_ps(top, magnitude);
-    }
-    if (unusual) {
+    float largest;
+    if (!block_largest(src, size, &largest)) {
         int16_t codes[X_BLOCK_MAX];
         prepare_block(src, codes, size, xscale, xsum);
         for (int64_t i = 0; i < size; i += 32)
             split_words(_mm512_loadu_si512((const void *)(codes + i)), hi + i, lo + i, bits);
         return;
     }
-    const float largest = _mm512_reduce_max_ps(top);
     const float inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
     const __m512 scale = _mm512_set1_ps(inverse);
     __m512i sum = _mm512_setzero_si512();
