@@ -478,6 +478,7 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) amx_tile_config;
 
+#define AMX_RUN_PAIRS 8 /* pairs a thread takes at a time */
 #define AMX_STEP_WORDS 1024 /* bf16 values of one pair's two B tiles per 32 inputs */
 #define AMX_PANEL_BYTES (512 * 1024) /* a panel's dequantised tiles (L2), for all the rows */
 /* With one row item per pair (up to 32 rows) the B tiles are dequantised this many K steps ahead of the
@@ -779,24 +780,26 @@ int quant_gemm_amx_bf16(const void *weight, const void *scales_, const void *zer
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        const int64_t me = omp_get_thread_num();
-        const int64_t first = pairs * me / threads, last = pairs * (me + 1) / threads;
-        const int64_t slots = interleaved ? 2 : (last - first < panel ? last - first : panel);
-        uint16_t *ring = slots > 0 ? (uint16_t *)aligned_alloc(64, (size_t)(slots * steps * AMX_STEP_WORDS) *
-                                                                       sizeof(uint16_t))
-                                   : NULL;
+        /* threads take runs of AMX_RUN_PAIRS pairs from a shared counter (as bf16's kernel takes its items), so
+         * a thread descheduled on a shared host does not leave the other waiting with half the weight */
+        const int64_t slots = interleaved ? 2 : (AMX_RUN_PAIRS < panel ? AMX_RUN_PAIRS : panel);
+        uint16_t *ring = (uint16_t *)aligned_alloc(64, (size_t)(slots * steps * AMX_STEP_WORDS) * sizeof(uint16_t));
         float scratch[16 * 16] __attribute__((aligned(64)));
-        failed |= slots > 0 && ring == NULL;
-        if (ring != NULL && first < last) {
+        failed |= ring == NULL;
+        if (ring != NULL) _tile_loadconfig(&config);
+        const int64_t runs = (pairs + AMX_RUN_PAIRS - 1) / AMX_RUN_PAIRS;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t run = 0; run < runs; run++) {
+            if (ring == NULL) continue; /* this thread found no memory: the call fails */
+            const int64_t first = run * AMX_RUN_PAIRS, last = pairs - first < AMX_RUN_PAIRS ? pairs : first + AMX_RUN_PAIRS;
             amx_producer producer = {(const uint8_t *)weight, (const uint16_t *)scales_, (const uint16_t *)zeros_,
                                      blocks, k, group, steps, ring, first, 0, 0, 0, (last - first) * 2 * steps};
-            _tile_loadconfig(&config);
             if (bits == 8)
                 amx_pairs(8, a, &producer, interleaved, slots, bias, y, m, mp, n, kp, first, last, scratch);
             else
                 amx_pairs(4, a, &producer, interleaved, slots, bias, y, m, mp, n, kp, first, last, scratch);
-            _tile_release();
         }
+        if (ring != NULL) _tile_release();
         free(ring);
     }
     free(padded);
@@ -1076,37 +1079,39 @@ int quant_gemm_amx_int8(const void *weight, const void *scales_, const void *zer
                     prep.xscale[r * prep.x_blocks + xb] = 0.0f, prep.xsum[r * prep.x_blocks + xb] = 0.0f;
             }
         }
-        const int64_t me = omp_get_thread_num();
-        const int64_t first = pairs * me / threads, last = pairs * (me + 1) / threads;
         int32_t *scratch = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 2048);
         float *acc = (float *)aligned_alloc(64, sizeof(float) * 512 * INT_GROUP_PAIRS * (INT_PANEL_ROWS / 16));
         uint8_t *expanded = bits == 4 ? (uint8_t *)aligned_alloc(64, (size_t)(INT_GROUP_PAIRS * 2 * call.block_bytes))
                                       : NULL;
-        if (scratch == NULL || acc == NULL || (bits == 4 && expanded == NULL)) {
-            failed = 1;
-        } else {
-            _tile_loadconfig(&config);
-            for (int64_t r_start = 0; r_start < m; r_start += INT_PANEL_ROWS) {
-                const int64_t rows = m - r_start < INT_PANEL_ROWS ? m - r_start : INT_PANEL_ROWS;
-                for (int64_t g0 = first; g0 < last; g0 += INT_GROUP_PAIRS) {
-                    const int64_t g1 = last - g0 < INT_GROUP_PAIRS ? last : g0 + INT_GROUP_PAIRS;
-                    const uint8_t *b[INT_GROUP_PAIRS];
-                    for (int64_t p = g0; p < g1; p++) {
-                        const uint8_t *codes = call.codes + 2 * p * chunks * CHUNK;
-                        if (bits == 8) {
-                            b[p - g0] = codes;
-                            continue;
-                        }
-                        uint8_t *rows_of = expanded + (p - g0) * 2 * call.block_bytes;
-                        expand_nibbles(codes, chunks, rows_of);
-                        if (2 * p + 1 < blocks) expand_nibbles(codes + chunks * CHUNK, chunks, rows_of + call.block_bytes);
-                        b[p - g0] = rows_of;
+        const int ok = scratch != NULL && acc != NULL && (bits == 8 || expanded != NULL);
+        failed |= !ok;
+        if (ok) _tile_loadconfig(&config);
+        /* threads take groups of pairs from a shared counter (as bf16's kernel takes its items), so a thread
+         * descheduled on a shared host does not leave the other waiting at the end with half the weight */
+        const int64_t pair_groups = (pairs + INT_GROUP_PAIRS - 1) / INT_GROUP_PAIRS;
+        for (int64_t r_start = 0; r_start < m; r_start += INT_PANEL_ROWS) {
+            const int64_t rows = m - r_start < INT_PANEL_ROWS ? m - r_start : INT_PANEL_ROWS;
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t group_index = 0; group_index < pair_groups; group_index++) {
+                if (!ok) continue; /* this thread found no memory: the call fails */
+                const int64_t g0 = group_index * INT_GROUP_PAIRS;
+                const int64_t g1 = pairs - g0 < INT_GROUP_PAIRS ? pairs : g0 + INT_GROUP_PAIRS;
+                const uint8_t *b[INT_GROUP_PAIRS];
+                for (int64_t p = g0; p < g1; p++) {
+                    const uint8_t *codes = call.codes + 2 * p * chunks * CHUNK;
+                    if (bits == 8) {
+                        b[p - g0] = codes;
+                        continue;
                     }
-                    int_group(&call, b, g0, g1, r_start, (rows + 15) / 16, acc, scratch);
+                    uint8_t *rows_of = expanded + (p - g0) * 2 * call.block_bytes;
+                    expand_nibbles(codes, chunks, rows_of);
+                    if (2 * p + 1 < blocks) expand_nibbles(codes + chunks * CHUNK, chunks, rows_of + call.block_bytes);
+                    b[p - g0] = rows_of;
                 }
+                int_group(&call, b, g0, g1, r_start, (rows + 15) / 16, acc, scratch);
             }
-            _tile_release();
         }
+        if (ok) _tile_release();
         free(scratch), free(acc), free(expanded);
     }
     free(prep.xscale), free(prep.xsum), free(a_hi), free(a_lo);
