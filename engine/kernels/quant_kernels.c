@@ -454,7 +454,8 @@ int quant_dequantize_bf16(const void *weight, const void *scales, const void *ze
  * of it vcvtne2ps2bf16 (without it 2.0 ns; the shift, mask and conversion of the codes cut to one ternary-logic
  * op for 4 bits: 3.1 -> 2.7-3.0 ns).
  * Threads take runs of AMX_RUN_PAIRS pairs from a shared counter, each run 32 rows (A tiles 4-5) x one pair
- * (B tiles 6-7) -> C tiles 0-3 per item (amx_pairs), the dequantisation paid once per call whatever M is, on one of two schedules:
+ * (B tiles 6-7) -> C tiles 0-3 per item (amx_pairs), the dequantisation paid once per call whatever M is, on
+ * one of two schedules:
  * - interleaved: a ring of two pairs' tiles, the next tiles dequantised between the dot products of the current
  *   ones (8-bit codes; 4-bit up to 32 rows);
  * - panels: AMX_PANEL_BYTES of tiles dequantised (a block's codes in order), then all the rows against them.
