@@ -255,7 +255,7 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
         vs_vllm = f"{r['tokens_per_s'] / vllm:.2f}x" if vllm and r["system"] == "llmctl" else "-"
         ours_bf16 = rate("llmctl", "bf16", r["workload"])
         vs_bf16 = f"{r['tokens_per_s'] / ours_bf16:.2f}x" if ours_bf16 and r["system"] == "llmctl" else "-"
-        runs = " ".join(f"{v:.0f}" for v in r.get("runs", []))
+        runs = " ".join(f"{v:.0f}" for v in r["runs"]) if isinstance(r.get("runs"), list) else ""
         streamed = "-"
         if r["system"] == "llmctl" and r["workload"] == "single" and not r["scheme"].startswith("gguf"):
             gbs = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX)) * r["tokens_per_s"] / 1e9
