@@ -91,11 +91,10 @@ AMX_MAX_ROWS = 1024
 # --batched, one thread, thread CPU time, µs; GEMV / AMX-INT8 / dequantising AMX / bf16 AMX), cold: 3072x576
 # 2 rows 90 / 152 / 337 / 225 (the GEMV wins below 8), 8 rows 259 / 165 / 326 / 232, 16 rows 435 / 204 / 358 /
 # 235; 960x576 8 rows 61 / 52 / 81 / 55; hot (weights in cache), AMX-INT8 / dequantising AMX: 3072x576 64 rows
-# 357 / 394, 96 rows 506 / 500, 128 rows 702 / 603; 576x1536 64 rows 176 / 193, 96 rows 279 / 235. In the
-# batched workload's decode steps (64 rows, one thread, wall time per step of all the calls of one shape)
-# AMX-INT8 against bf16's AMX: 3072x576 13.3 / 20.4 ms, 576x1536 7.2 / 9.3, lm_head 7.0 / 11.2, 960x576 4.9 /
-# 6.3, 576x576 4.0 / 4.7 (36 against 52 ms a step): its weight reads half the bytes where bf16's come from
-# DRAM. Its TMUL work is bf16's (x splits into two byte planes), so with weights in cache it only ties bf16.
+# 357 / 394, 96 rows 506 / 500, 128 rows 702 / 603; 576x1536 64 rows 176 / 193, 96 rows 279 / 235. Its TMUL
+# work is bf16's (x splits into two byte planes), so it ties bf16 with the weights in cache and wins only where
+# bf16's come from DRAM (it reads half the bytes): a whole 64-row decode step's linears, alternated with bf16's
+# in one process (benchmarks/batched_linears.py, 2 threads), 1.01-1.09x bf16's time.
 # Groups of 32 (GGUF Q8_0) and 4-bit weights keep the dequantising kernel: the epilogue per 32 inputs and row
 # costs more than dequantising (3072x576 Q8_0, 64 rows: 1618 against 940 cold).
 INT8_TILE_MIN_ROWS = 8
