@@ -16,7 +16,7 @@ from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.kernels.quant import load_quant_kernels
 from llmctl.engine.layers.linear import LinearBase
-from llmctl.engine.layers.quantization import NATIVE_MAX_ROWS, add_batch_weights
+from llmctl.engine.layers.quantization import NATIVE_MAX_ROWS, add_batch_weights, gemv_max_rows
 
 LAYOUTS = [  # shape, bits, group, asymmetric, permuted: the native layout's weights (bf16 activations)
     ((32, 64), 8, 64, False, True),    # int8 per row, act-order
@@ -37,7 +37,7 @@ def test_batch_weight_is_the_weight_the_layer_computes_with(shape, bits, group, 
     weight = random_grouped(*shape, bits, group, asymmetric=asymmetric, permuted=permuted)
     layer, chosen = make_layer(weight, bias=True)
     assert chosen == "native"
-    x = torch.randn(NATIVE_MAX_ROWS + 5, shape[1]).bfloat16()  # per call: the AMX GEMM (AMX CPUs), else one GEMM
+    x = torch.randn(NATIVE_MAX_ROWS + 5, shape[1]).bfloat16()  # per call: the AMX GEMM (AMX CPUs), else `_native_product`
     expected = x.float() @ weight.dequantize().T + layer.bias.float()
     one_by_one = torch.cat([layer(row[None]) for row in x]).float()  # the quantised kernels (one row)
     per_call = layer(x).float()
@@ -88,11 +88,15 @@ def test_generate_takes_the_batch_cache_flag(tiny_chat_model):
     assert proc.returncode == 2 and "--quantization-batch-cache needs quantised linears" in proc.stderr
 
 
-@pytest.mark.skipif(not AMX, reason="AMX-INT8 tiles run int8's batches only where the CPU has AMX")
+QUANT = load_quant_kernels()
+
+
+@pytest.mark.skipif(not AMX and (QUANT is None or gemv_max_rows(QUANT, 8) < 64),
+                    reason="int8's batches run the GEMV's arithmetic only on AMX-INT8 tiles or the AVX-512 GEMV")
 def test_int8_outputs_do_not_depend_on_the_batch(tiny_models):
     """Per-channel int8 runs the GEMV's arithmetic at every row count below INT8_TILE_MAX_ROWS (the GEMV, or
-    AMX-INT8 bitwise it), so a request's logits are the same alone and in a batch of 20 (decode steps of 20
-    rows, one prefill step of 61 rows)."""
+    AMX-INT8 bitwise it; without AMX the AVX-512 GEMV up to `gemv_max_rows`), so a request's logits are the same
+    alone and in a batch of 20 (decode steps of 20 rows, one prefill step of 61 rows)."""
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
               quantization="int8", max_model_len=64, enable_prefix_caching=False)
     generator = torch.Generator().manual_seed(5)

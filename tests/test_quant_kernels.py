@@ -14,8 +14,8 @@ from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.kernels import load_cpu_kernels
 from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, INT8_TILE_MAX_ROWS, INT8_TILE_MIN_ROWS,
                                                 NATIVE_MAX_ROWS, ON_THE_FLY_SCHEMES,
-                                                GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
-                                                pack_int4, unpack_int4)
+                                                GroupedIntLinearMethod, GroupedIntWeight, gemv_max_rows,
+                                                install_grouped_weight, pack_int4, unpack_int4)
 
 
 def random_grouped(out_features, in_features, bits, group_size, *, asymmetric=False, permuted=False, seed=0):
@@ -225,7 +225,9 @@ def test_the_avx512_and_avx2_bodies_agree_bitwise(bits, group, in_features):
         pytest.skip("the native body is the AVX2 one here")
     weight = GroupedIntWeight.quantize(torch.randn(40, in_features) * 0.05, bits, group, True)
     packed = [k.pack(weight.codes, weight.scales, weight.zeros, bits, group) for k in (native, avx2)]
-    x = (torch.randn(6, in_features) * torch.logspace(-3, 3, in_features)).bfloat16()
+    # 19 rows: two of the AVX-512 body's 8-row wide tiles (its 40 outputs: a pair of blocks and a lone one), then
+    # its narrow tiles
+    x = (torch.randn(19, in_features) * torch.logspace(-3, 3, in_features)).bfloat16()
     x[1], x[2, 5], x[3, 7], x[4, 1] = 0, float("inf"), float("nan"), 3.3e38
     bias = torch.randn(40).bfloat16()
     got = [k.gemv(w, x, bias).view(torch.int16) for k, w in zip((native, avx2), packed)]
@@ -358,17 +360,42 @@ def test_amx_gemm_rows_do_not_depend_on_the_rest_of_the_call(threads, kernel, bi
     assert torch.equal(whole, one_by_one)
 
 
+@pytest.mark.parametrize("target", ["native", "avx2"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits, group, asymmetric, shape", [
+    (8, 576, False, (200, 576)),   # 13 blocks: six pairs and a lone one per wide tile row
+    (4, 32, True, (72, 96)),
+])
+def test_gemv_rows_do_not_depend_on_the_rest_of_the_call(target, threads, bits, group, asymmetric, shape):
+    # 70 rows: the AVX-512 body's 8-row wide tiles, then its narrow ones for the last 6
+    kernels = kernels_or_skip(target)
+    weight = random_grouped(*shape, bits, group, asymmetric=asymmetric)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(70, shape[1], generator=generator) * torch.rand(70, 1, generator=generator) * 4).bfloat16()
+    bias = torch.randn(shape[0], generator=generator).bfloat16()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = kernels.gemv(packed, x, bias)
+        one_by_one = torch.cat([kernels.gemv(packed, x[i:i + 1].contiguous(), bias) for i in range(70)])
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(whole.view(torch.int16), one_by_one.view(torch.int16))
+
+
 def test_a_layer_runs_the_kernel_its_row_count_calls_for():
     kernels = kernels_or_skip("native")
     weight = random_grouped(48, 128, 4, 32, asymmetric=True)
     layer, layout = make_layer(weight, bias=True)
     assert layout == "native"
-    for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, NATIVE_MAX_ROWS, AMX_MAX_ROWS}):
+    gemv_rows = gemv_max_rows(kernels, 4)
+    for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, NATIVE_MAX_ROWS, gemv_rows - 1, gemv_rows, AMX_MAX_ROWS}):
         x = torch.randn(rows, 128).bfloat16()
         got = layer(x)
         if kernels.has_amx and rows >= AMX_MIN_ROWS:  # bitwise the same whichever AMX kernel runs
             expected = kernels.gemm_amx(layer.kernel_weight, x, layer.bias)
-        elif rows < (AMX_MIN_ROWS if kernels.has_amx else NATIVE_MAX_ROWS):
+        elif rows < (AMX_MIN_ROWS if kernels.has_amx else gemv_rows):
             expected = kernels.gemv(layer.kernel_weight, x, layer.bias)
         else:
             expected = torch.nn.functional.linear(x, kernels.dequantize(layer.kernel_weight)) + layer.bias
@@ -439,7 +466,7 @@ def test_a_per_channel_int8_layer_gives_every_row_the_gemvs_result_below_the_til
     for rows in sorted({1, INT8_TILE_MIN_ROWS - 1, INT8_TILE_MIN_ROWS, 64, INT8_TILE_MAX_ROWS - 1}):
         x = torch.randn(rows, 576).bfloat16()
         got = layer(x)
-        if kernels.has_amx or rows < NATIVE_MAX_ROWS:  # without AMX, dequantise + one GEMM from NATIVE_MAX_ROWS
+        if kernels.has_amx or rows < gemv_max_rows(kernels, 8):  # without AMX, dequantise + one GEMM from there
             assert torch.equal(got, kernels.gemv(layer.kernel_weight, x, layer.bias)), rows
         if kernels.has_amx and rows >= INT8_TILE_MIN_ROWS:
             assert torch.equal(got, kernels.gemm_amx_int8(layer.kernel_weight, x, layer.bias)), rows

@@ -36,6 +36,7 @@
 /* Each stream of a tile prefetched this many chunks ahead: cold 3072x576 at M=1, one thread, 4-bit g32 116
  * -> 98-103 µs, 8-bit 142 -> 128-134 µs (a plain read of the same bytes: 128 µs); 4 and 32 chunks did worse. */
 #define PREFETCH_CHUNKS 8
+#define WIDE_MR 8 /* x rows of the AVX-512 body's wide tiles */
 
 INLINE float bf16_to_f32(uint16_t bits) {
     uint32_t wide = (uint32_t)bits << 16;
@@ -292,6 +293,88 @@ INLINE void gemv_tile(const int BITS, const int T, const int MR, const uint8_t *
                 store_rows(y + (r0 + r) * n, bias, (block + t) * BLOCK + h * LANES, n, acc[t][r][h]);
 }
 
+#if ISA == 512
+#define WIDE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) /* WIDE_MR of them */
+
+/* gemv_tile for many rows: two blocks (b0, b1; b1 may repeat b0, then only b0 is stored) x WIDE_MR rows, whole
+ * k: 16 int32 accumulators in named registers (an array of them the compiler stored back every chunk), x rows
+ * packed per chunk (xw: [chunk][WIDE_MR][step]), the float accumulators in memory, updated once per x block in
+ * gemv_tile's order, so every output is bitwise gemv_tile's. */
+INLINE void wide_tile(const int BITS, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                      const Prepared *p, const int16_t *xw, const uint16_t *bias, uint16_t *y, int64_t b0, int64_t b1,
+                      int64_t r0, int64_t n, int64_t k, int64_t group) {
+    const int step = BITS == 8 ? 4 : 8;
+    const int64_t chunks = k / step, groups = k / group, chunks_per_x_block = p->x_block / step;
+    const ivec low8 = iset16(0x00ff), low4 = iset16(0x000f);
+    const fvec midpoint = fset1(BITS == 8 ? 128.0f : 8.0f);
+    const uint8_t *codes0 = codes + b0 * chunks * CHUNK, *codes1 = codes + b1 * chunks * CHUNK;
+    float acc[2][WIDE_MR][LANES] __attribute__((aligned(64)));
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < WIDE_MR; r++) fstore(acc[t][r], fzero());
+    for (int64_t xb = 0; xb < p->x_blocks; xb++) {
+#define WIDE_ZERO(r) ivec d0_##r = izero(), d1_##r = izero();
+        WIDE_ROWS(WIDE_ZERO)
+#define WIDE_DOT(r, w0, w1, at) { const ivec xr = ipair(xs + r * step + at); \
+                                  d0_##r = idot(d0_##r, w0, xr); d1_##r = idot(d1_##r, w1, xr); }
+#define WIDE_LO(r) WIDE_DOT(r, lo0, lo1, 0)
+#define WIDE_HI(r) WIDE_DOT(r, hi0, hi1, 2)
+#define WIDE_N0(r) WIDE_DOT(r, n0, m0, 0)
+#define WIDE_N1(r) WIDE_DOT(r, n1, m1, 2)
+#define WIDE_N2(r) WIDE_DOT(r, n2, m2, 4)
+#define WIDE_N3(r) WIDE_DOT(r, n3, m3, 6)
+        for (int64_t c = xb * chunks_per_x_block; c < (xb + 1) * chunks_per_x_block; c++) {
+            const int16_t *xs = xw + c * WIDE_MR * step;
+            _mm_prefetch((const char *)(codes0 + (c + PREFETCH_CHUNKS) * CHUNK), _MM_HINT_T0);
+            _mm_prefetch((const char *)(codes1 + (c + PREFETCH_CHUNKS) * CHUNK), _MM_HINT_T0);
+            const ivec words0 = iload(codes0 + c * CHUNK), words1 = iload(codes1 + c * CHUNK);
+            if (BITS == 8) {
+                const ivec lo0 = iand(words0, low8), lo1 = iand(words1, low8);
+                WIDE_ROWS(WIDE_LO)
+                const ivec hi0 = isrl16(words0, 8), hi1 = isrl16(words1, 8);
+                WIDE_ROWS(WIDE_HI)
+            } else {
+                const ivec n0 = iand(words0, low4), m0 = iand(words1, low4);
+                WIDE_ROWS(WIDE_N0)
+                const ivec n1 = iand(isrl16(words0, 4), low4), m1 = iand(isrl16(words1, 4), low4);
+                WIDE_ROWS(WIDE_N1)
+                const ivec n2 = iand(isrl16(words0, 8), low4), m2 = iand(isrl16(words1, 8), low4);
+                WIDE_ROWS(WIDE_N2)
+                const ivec n3 = isrl16(words0, 12), m3 = isrl16(words1, 12);
+                WIDE_ROWS(WIDE_N3)
+            }
+        }
+        const int64_t g = xb * p->x_block / group;
+        const int64_t at0 = (b0 * groups + g) * BLOCK, at1 = (b1 * groups + g) * BLOCK;
+        const fvec scale0 = fload_f16(scales + at0), zero0 = zeros != NULL ? fload_f16(zeros + at0) : midpoint;
+        const fvec scale1 = fload_f16(scales + at1), zero1 = zeros != NULL ? fload_f16(zeros + at1) : midpoint;
+#define WIDE_UPDATE(r)                                                                                         \
+        {                                                                                                      \
+            const float xsum = p->xsum[(r0 + r) * p->x_blocks + xb], xscale = p->xscale[(r0 + r) * p->x_blocks + xb]; \
+            fstore(acc[0][r], ffma(ffnma(zero0, fset1(xsum), fcvt(d0_##r)), fmul(scale0, fset1(xscale)),        \
+                                   _mm512_load_ps(acc[0][r])));                                                 \
+            fstore(acc[1][r], ffma(ffnma(zero1, fset1(xsum), fcvt(d1_##r)), fmul(scale1, fset1(xscale)),        \
+                                   _mm512_load_ps(acc[1][r])));                                                 \
+        }
+        WIDE_ROWS(WIDE_UPDATE)
+    }
+    for (int r = 0; r < WIDE_MR; r++) {
+        store_rows(y + (r0 + r) * n, bias, b0 * BLOCK, n, _mm512_load_ps(acc[0][r]));
+        if (b1 != b0) store_rows(y + (r0 + r) * n, bias, b1 * BLOCK, n, _mm512_load_ps(acc[1][r]));
+    }
+}
+
+/* Blocks [block, block + width) against x rows [r0, r0 + WIDE_MR), two blocks a tile. */
+static void run_wide(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                     const Prepared *p, const int16_t *xw, const uint16_t *bias, uint16_t *y, int64_t block,
+                     int64_t width, int64_t r0, int64_t n, int64_t k, int64_t group) {
+    for (int64_t b = block; b < block + width; b += 2) {
+        const int64_t b1 = b + 1 < block + width ? b + 1 : b;
+        if (bits == 8) wide_tile(8, codes, scales, zeros, p, xw, bias, y, b, b1, r0, n, k, group);
+        else wide_tile(4, codes, scales, zeros, p, xw, bias, y, b, b1, r0, n, k, group);
+    }
+}
+#endif
+
 /* x rows per pass: 4, 2 or 1 (the largest that fits the remaining rows) */
 INLINE int x_rows(int64_t remaining) { return remaining >= 4 ? 4 : remaining >= 2 ? 2 : 1; }
 
@@ -334,6 +417,21 @@ int quant_gemv_bf16(const void *weight, const void *scales_, const void *zeros_,
     uint16_t *y = (uint16_t *)y_;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
     const int64_t threads = num_threads < 1 ? 1 : (num_threads > blocks ? blocks : num_threads);
+    int16_t *xw = NULL;
+#if ISA == 512
+    const int64_t step = step_of(bits), wide_rows = m / WIDE_MR * WIDE_MR;
+    if (wide_rows > 0) {
+        xw = (int16_t *)malloc(sizeof(int16_t) * (size_t)(wide_rows * k));
+        if (xw == NULL) {
+            free(p->xq), free(p->xscale), free(p->xsum);
+            return 0;
+        }
+        for (int64_t g = 0; g < wide_rows; g += WIDE_MR)
+            for (int64_t c = 0; c < k / step; c++)
+                for (int64_t r = 0; r < WIDE_MR; r++)
+                    memcpy(xw + g * k + (c * WIDE_MR + r) * step, p->xq + (g + r) * k + c * step, sizeof(int16_t) * step);
+    }
+#endif
 #pragma omp parallel num_threads(threads)
     {
         const int64_t me = omp_get_thread_num();
@@ -342,13 +440,20 @@ int quant_gemv_bf16(const void *weight, const void *scales_, const void *zeros_,
         for (int64_t block = first; block < last; block += TILE) {
             const int64_t width = last - block < TILE ? last - block : TILE;
             for (int64_t r0 = 0; r0 < m;) {
+#if ISA == 512
+                if (m - r0 >= WIDE_MR) {
+                    run_wide(bits, codes, scales, zeros, p, xw + r0 * k, bias, y, block, width, r0, n, k, group);
+                    r0 += WIDE_MR;
+                    continue;
+                }
+#endif
                 const int MR = x_rows(m - r0);
                 run_rows(bits, MR, codes, scales, zeros, p, bias, y, block, width, r0, n, k, group);
                 r0 += MR;
             }
         }
     }
-    free(p->xq), free(p->xscale), free(p->xsum);
+    free(p->xq), free(p->xscale), free(p->xsum), free(xw);
     return 1;
 }
 
@@ -358,6 +463,33 @@ INLINE uint32_t layout_code(const uint8_t *chunk, int64_t i, int64_t j, int bits
     const uint32_t word = (uint32_t)lane[2 * (j & 1)] | (uint32_t)lane[2 * (j & 1) + 1] << 8;
     return (word >> (bits * (j >> 1))) & ((1u << bits) - 1);
 }
+
+#if ISA == 512
+/* 16 vectors of 16 floats transposed in place (v[i][j] <- v[j][i]): four rounds of lane shuffles. A gather per
+ * 16 outputs was most of the dequantisation (one thread, into a reused buffer, Zen 5: 960x576 284 -> 57 us,
+ * 576x1536 457 -> 90 us). */
+INLINE void transpose_16x16(__m512 v[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)
+        for (int h = 0; h < 2; h++) {
+            v[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + h]), _mm512_castps_pd(t[i + 2 + h])));
+            v[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + h]), _mm512_castps_pd(t[i + 2 + h])));
+        }
+    for (int i = 0; i < 16; i += 8)
+        for (int h = 0; h < 4; h++) {
+            t[i + h] = _mm512_shuffle_f32x4(v[i + h], v[i + 4 + h], 0x88);
+            t[i + 4 + h] = _mm512_shuffle_f32x4(v[i + h], v[i + 4 + h], 0xdd);
+        }
+    for (int h = 0; h < 8; h++) {
+        v[h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0x88);
+        v[8 + h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0xdd);
+    }
+}
+#endif
 
 /* The weight itself, w = (q - zero) * scale rounded to bf16 [n, k]: for many rows, one GEMM on it can beat
  * the GEMV's per-row work (see NATIVE_MAX_ROWS in layers/quantization.py). Per 16-row block the weight is
@@ -395,15 +527,18 @@ int quant_dequantize_bf16(const void *weight, const void *scales_, const void *z
                     }
                 }
             }
-            const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                      _mm512_set1_epi32(BLOCK));
+            int64_t j = 0;
+            for (; j + 16 <= k; j += 16) {
+                __m512 tile[16];
+                for (int t = 0; t < 16; t++) tile[t] = _mm512_loadu_ps(columns + (j + t) * BLOCK);
+                transpose_16x16(tile);
+                for (int64_t i = 0; i < rows; i++)
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + (block * BLOCK + i) * k + j),
+                                        (__m256i)_mm512_cvtneps_pbh(tile[i]));
+            }
             for (int64_t i = 0; i < rows; i++) {
                 uint16_t *dst = (uint16_t *)out + (block * BLOCK + i) * k;
-                int64_t j = 0;
-                for (; j + 16 <= k; j += 16)
-                    _mm256_storeu_si256((__m256i *)(dst + j),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_i32gather_ps(stride, columns + j * BLOCK + i, 4)));
-                for (; j < k; j++) dst[j] = f32_to_bf16(columns[j * BLOCK + i]);
+                for (int64_t tail = j; tail < k; tail++) dst[tail] = f32_to_bf16(columns[tail * BLOCK + i]);
             }
 #else
             for (int64_t g = 0; g < groups; g++)

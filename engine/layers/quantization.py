@@ -74,6 +74,12 @@ INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel 
 # 576x1536 int8 738 / 1475, int4 1119 / 1359; 960x576 425 / 695, 592 / 643); from 48 rows dequantising wins
 # or ties (3072x576 int8 48 rows 1763 / 1679, int4 g32 64 rows 3257 / 2461).
 NATIVE_MAX_ROWS = 48
+# The AVX-512 body runs many rows in wide tiles (two 16-row blocks x 8 x rows of int32 accumulators, quant_kernels.c
+# `wide_tile`), near its dot products' peak: one thread, hot, µs, GEMV / dequantise + oneDNN GEMM / bf16's oneDNN
+# GEMM on its packed weight (Zen 5, no AMX): 3072x576 int8 64 rows 546 / 1508 / 516, 256 rows 2141 / 3050 / 1995,
+# 1024 rows 9357 / 9389 / 8116; int4-g32 64 rows 628 / 1470, 256 rows 2579 / 3001, 1024 rows 11571 / 9543. So
+# without AMX that body keeps the GEMV up to GEMV_MAX_ROWS_AVX512 rows (per code width), where dequantising ties.
+GEMV_MAX_ROWS_AVX512 = {8: 1024, 4: 512}
 # Where the CPU has AMX, from 16 rows the native layout runs `gemm_amx` instead: its weight dequantised once per
 # call into bf16 AMX tiles that every row reuses (benchmarks/quant_kernels.py --batched: cold, one thread,
 # thread CPU time, load 8; GEMV / AMX µs: 3072x576 int8 8 rows 409 / 605, 16 rows 790 / 524, 64 rows 1792 / 692
@@ -447,7 +453,7 @@ def _native_product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.
     groups, AMX-INT8 from INT8_TILE_MIN_ROWS to INT8_TILE_MAX_ROWS (bitwise the GEMV); otherwise from
     AMX_MIN_ROWS the dequantising AMX GEMM, from AMX_MAX_ROWS bf16's AMX kernel on the weight dequantised into
     its tiles (the same outputs bitwise as each other: a row's result is the same for every row count from
-    AMX_MIN_ROWS); without AMX dequantise + one oneDNN GEMM from NATIVE_MAX_ROWS."""
+    AMX_MIN_ROWS); without AMX dequantise + one oneDNN GEMM from `gemv_max_rows`."""
     kernels, count = layer.quant_kernels, rows.shape[0]
     if kernels.has_amx and INT8_TILE_MIN_ROWS <= count < INT8_TILE_MAX_ROWS and layer.int8_tiles:
         return kernels.gemm_amx_int8(layer.kernel_weight, rows, bias)
@@ -455,10 +461,15 @@ def _native_product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.
         if count < AMX_MAX_ROWS or getattr(layer, "amx_kernels", None) is None:
             return kernels.gemm_amx(layer.kernel_weight, rows, bias)
         return layer.amx_kernels.gemm_amx(kernels.dequantize_amx(layer.kernel_weight), rows, layer.out_features, bias)
-    if count < NATIVE_MAX_ROWS:
+    if count < gemv_max_rows(kernels, layer.kernel_weight.bits):
         return kernels.gemv(layer.kernel_weight, rows, bias)
     out = F.linear(rows, kernels.dequantize(layer.kernel_weight))
     return out if bias is None else out + bias
+
+
+def gemv_max_rows(kernels, bits: int) -> int:
+    """Without AMX, the row count from which the native layout dequantises and runs one GEMM instead of the GEMV."""
+    return GEMV_MAX_ROWS_AVX512[bits] if kernels.isa == 512 else NATIVE_MAX_ROWS
 
 
 class GroupedIntLinearMethod(LinearMethod):
