@@ -91,8 +91,17 @@ def test_generate_takes_the_batch_cache_flag(tiny_chat_model):
 QUANT = load_quant_kernels()
 
 
-@pytest.mark.skipif(not AMX and (QUANT is None or gemv_max_rows(QUANT, 8) < 64),
-                    reason="int8's batches run the GEMV's arithmetic only on AMX-INT8 tiles or the AVX-512 GEMV")
+def int8_batches_run_the_gemv_arithmetic() -> bool:
+    """Whether every row count up to 64 runs per-channel int8 on the GEMV's arithmetic here: AMX-INT8 tiles, or
+    without AMX and AVX512-BF16 the AVX-512 GEMV (`_native_product`)."""
+    if AMX:
+        return True
+    return QUANT is not None and not QUANT.has_bf16_gemm and gemv_max_rows(QUANT, 8) > 64
+
+
+@pytest.mark.skipif(not int8_batches_run_the_gemv_arithmetic(),
+                    reason="int8's batches run the GEMV's arithmetic only on AMX-INT8 tiles or the AVX-512 GEMV "
+                           "without AVX512-BF16 (with it, the dequantising bf16 GEMM runs them)")
 def test_int8_outputs_do_not_depend_on_the_batch(tiny_models):
     """Per-channel int8 runs the GEMV's arithmetic at every row count below INT8_TILE_MAX_ROWS (the GEMV, or
     AMX-INT8 bitwise it; without AMX the AVX-512 GEMV up to `gemv_max_rows`), so a request's logits are the same

@@ -12,8 +12,8 @@ from llmctl.engine.kernels.quant import (deinterleave_codes, deinterleave_groups
                                          interleave_groups, load_quant_kernels)
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.kernels import load_cpu_kernels
-from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, INT8_TILE_MAX_ROWS, INT8_TILE_MIN_ROWS,
-                                                NATIVE_MAX_ROWS, ON_THE_FLY_SCHEMES,
+from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS, INT8_TILE_MAX_ROWS,
+                                                INT8_TILE_MIN_ROWS, NATIVE_MAX_ROWS, ON_THE_FLY_SCHEMES,
                                                 GroupedIntLinearMethod, GroupedIntWeight, gemv_max_rows,
                                                 install_grouped_weight, pack_int4, unpack_int4)
 
@@ -390,11 +390,14 @@ def test_a_layer_runs_the_kernel_its_row_count_calls_for():
     layer, layout = make_layer(weight, bias=True)
     assert layout == "native"
     gemv_rows = gemv_max_rows(kernels, 4)
-    for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, NATIVE_MAX_ROWS, gemv_rows - 1, gemv_rows, AMX_MAX_ROWS}):
+    for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS,
+                        NATIVE_MAX_ROWS, gemv_rows - 1, gemv_rows, AMX_MAX_ROWS}):
         x = torch.randn(rows, 128).bfloat16()
         got = layer(x)
         if kernels.has_amx and rows >= AMX_MIN_ROWS:  # bitwise the same whichever AMX kernel runs
             expected = kernels.gemm_amx(layer.kernel_weight, x, layer.bias)
+        elif kernels.has_bf16_gemm and rows >= BF16_GEMM_MIN_ROWS:
+            expected = kernels.gemm_bf16(layer.kernel_weight, x, layer.bias)
         elif rows < (AMX_MIN_ROWS if kernels.has_amx else gemv_rows):
             expected = kernels.gemv(layer.kernel_weight, x, layer.bias)
         else:
@@ -408,6 +411,54 @@ def test_dequantising_into_amx_tiles_is_pack_amx_of_the_reference(bits, group, a
     weight = GroupedIntWeight.quantize(torch.randn(*shape) * 0.05, bits, group, not asymmetric)
     tiles = kernels.dequantize_amx(kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group))
     assert torch.equal(tiles, cpu.pack_amx(weight.dequantize().to(torch.bfloat16)))
+
+
+def bf16_gemm_kernels_or_skip():
+    kernels = kernels_or_skip("native")
+    if not kernels.has_bf16_gemm:
+        pytest.skip("no AVX512-BF16 GEMM here (no AVX512-BF16, or AMX runs the batches)")
+    return kernels
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits, group, asymmetric, shape", [
+    (8, 576, False, (200, 576)),  # per channel; 13 blocks: a lone last block
+    (8, 32, True, (40, 96)),      # Q8_0-like groups with zero points
+    (4, 32, False, (64, 576)),
+    (4, 64, True, (37, 128)),
+    (4, 8, True, (17, 24)),       # the smallest 4-bit groups
+])
+def test_bf16_gemm_multiplies_by_the_dequantised_weight(threads, bits, group, asymmetric, shape):
+    kernels = bf16_gemm_kernels_or_skip()
+    out_features, in_features = shape
+    weight = random_grouped(out_features, in_features, bits, group, asymmetric=asymmetric)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
+    dequantised = kernels.dequantize(packed)
+    assert torch.equal(dequantised, weight.dequantize().to(torch.bfloat16))
+    bias = torch.randn(out_features).bfloat16()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # one-hot rows read the weights it computes with, bitwise: each input's column, in pair order
+        eye = torch.eye(in_features, dtype=torch.bfloat16)
+        assert torch.equal(kernels.gemm_bf16(packed, eye), dequantised.T)
+        x = torch.randn(35, in_features).bfloat16()  # four 8-row tiles and a partial one
+        got = kernels.gemm_bf16(packed, x, bias)
+        one_by_one = torch.cat([kernels.gemm_bf16(packed, x[i:i + 1].contiguous(), bias) for i in range(35)])
+    finally:
+        torch.set_num_threads(previous)
+    assert got.dtype is torch.bfloat16 and got.shape == (35, out_features)
+    assert torch.equal(got, one_by_one)
+    expected = x.double() @ dequantised.double().T + bias.double()
+    assert (got.double() - expected).abs().max().item() <= 8e-3 * expected.abs().max().item()
+
+
+def test_the_avx2_build_has_no_bf16_gemm():
+    kernels = kernels_or_skip("avx2")
+    assert not kernels.has_bf16_gemm
+    packed = kernels.pack(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), None, 4, 32)
+    with pytest.raises(ValueError, match="no AVX512-BF16 GEMM"):
+        kernels.gemm_bf16(packed, torch.zeros(32, 64, dtype=torch.bfloat16))
 
 
 def test_the_avx2_build_has_no_amx_gemm():
@@ -466,7 +517,7 @@ def test_a_per_channel_int8_layer_gives_every_row_the_gemvs_result_below_the_til
     for rows in sorted({1, INT8_TILE_MIN_ROWS - 1, INT8_TILE_MIN_ROWS, 64, INT8_TILE_MAX_ROWS - 1}):
         x = torch.randn(rows, 576).bfloat16()
         got = layer(x)
-        if kernels.has_amx or rows < gemv_max_rows(kernels, 8):  # without AMX, dequantise + one GEMM from there
+        if kernels.has_amx or rows < (BF16_GEMM_MIN_ROWS if kernels.has_bf16_gemm else gemv_max_rows(kernels, 8)):
             assert torch.equal(got, kernels.gemv(layer.kernel_weight, x, layer.bias)), rows
         if kernels.has_amx and rows >= INT8_TILE_MIN_ROWS:
             assert torch.equal(got, kernels.gemm_amx_int8(layer.kernel_weight, x, layer.bias)), rows

@@ -102,8 +102,13 @@ class QuantKernels:
         self._dequantize_amx = library.quant_dequantize_amx_bf16
         self._dequantize_amx.argtypes = self._dequantize.argtypes
         self._dequantize_amx.restype = ctypes.c_int
+        self._gemm_bf16 = library.quant_gemm_bf16
+        self._gemm_bf16.argtypes = self._gemv.argtypes
+        self._gemm_bf16.restype = ctypes.c_int
         # False without AMX in the build (the AVX2 body, older compilers) or where Linux refuses the tile state
         self.has_amx = bool(library.quant_amx_enable())
+        # the dequantising bf16 GEMM for CPUs without AMX: AVX-512 builds on CPUs with AVX512-BF16
+        self.has_bf16_gemm = bool(library.quant_bf16_gemm_available()) and not self.has_amx
 
     @staticmethod
     def unsupported(bits: int, group_size: int, in_features: int) -> Optional[str]:
@@ -168,6 +173,16 @@ class QuantKernels:
         if not self.has_amx:
             raise ValueError("quant gemm_amx_int8: this CPU or build has no AMX tiles")
         return self._run(self._gemm_amx_int8, "gemm_amx_int8", weight, x, bias)
+
+    @profiled("quant_gemm_bf16")
+    def gemm_bf16(self, weight: KernelWeight, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`gemv`'s product for many rows on CPUs with AVX512-BF16 and no AMX (`has_bf16_gemm`): the weight
+        dequantised per call, a pair of 16-row blocks at a time, into bf16 (bitwise `dequantize`'s values), every
+        row against it with bf16 pair dot products (x as it is, float32 sums); a row's result does not depend on
+        the other rows."""
+        if not self.has_bf16_gemm:
+            raise ValueError("quant gemm_bf16: this build has no AVX512-BF16 GEMM (or the CPU has AMX)")
+        return self._run(self._gemm_bf16, "gemm_bf16", weight, x, bias)
 
     @profiled("quant_dequantize_amx")
     def dequantize_amx(self, weight: KernelWeight) -> torch.Tensor:

@@ -136,7 +136,7 @@ static void prepare_block_512(const uint16_t *src, int16_t *dst, int64_t size, f
 }
 #endif
 
-static int prepare(const uint16_t *x, int64_t m, int64_t k, int64_t x_block, Prepared *p) {
+static int prepare_alloc(int64_t m, int64_t k, int64_t x_block, Prepared *p) {
     p->x_block = x_block, p->x_blocks = k / x_block;
     p->xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k));
     p->xscale = (float *)malloc(sizeof(float) * (size_t)(m * p->x_blocks));
@@ -145,7 +145,13 @@ static int prepare(const uint16_t *x, int64_t m, int64_t k, int64_t x_block, Pre
         free(p->xq), free(p->xscale), free(p->xsum);
         return 0;
     }
-    for (int64_t r = 0; r < m; r++)
+    return 1;
+}
+
+/* x rows [first, last) as int16 blocks */
+static void prepare_rows(const uint16_t *x, int64_t first, int64_t last, int64_t k, const Prepared *p) {
+    const int64_t x_block = p->x_block;
+    for (int64_t r = first; r < last; r++)
         for (int64_t b = 0; b < p->x_blocks; b++) {
             const uint16_t *src = x + r * k + b * x_block;
             int16_t *dst = p->xq + r * k + b * x_block;
@@ -158,7 +164,6 @@ static int prepare(const uint16_t *x, int64_t m, int64_t k, int64_t x_block, Pre
 #endif
             prepare_block(src, dst, x_block, xscale, xsum);
         }
-    return 1;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -410,32 +415,36 @@ int quant_gemv_bf16(const void *weight, const void *scales_, const void *zeros_,
                     const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
     if (m < 1 || !covered(bits, n, k, group)) return 0;
     Prepared prepared, *p = &prepared;
-    if (!prepare((const uint16_t *)x, m, k, x_block_of(group, bits), p)) return 0;
+    if (!prepare_alloc(m, k, x_block_of(group, bits), p)) return 0;
     const uint8_t *codes = (const uint8_t *)weight;
     const uint16_t *scales = (const uint16_t *)scales_, *zeros = (const uint16_t *)zeros_;
     const uint16_t *bias = (const uint16_t *)bias_;
     uint16_t *y = (uint16_t *)y_;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
     const int64_t threads = num_threads < 1 ? 1 : (num_threads > blocks ? blocks : num_threads);
-    int16_t *xw = NULL;
-#if ISA == 512
-    const int64_t step = step_of(bits), wide_rows = m / WIDE_MR * WIDE_MR;
-    if (wide_rows > 0) {
-        xw = (int16_t *)malloc(sizeof(int16_t) * (size_t)(wide_rows * k));
-        if (xw == NULL) {
-            free(p->xq), free(p->xscale), free(p->xsum);
-            return 0;
-        }
-        for (int64_t g = 0; g < wide_rows; g += WIDE_MR)
-            for (int64_t c = 0; c < k / step; c++)
-                for (int64_t r = 0; r < WIDE_MR; r++)
-                    memcpy(xw + g * k + (c * WIDE_MR + r) * step, p->xq + (g + r) * k + c * step, sizeof(int16_t) * step);
+    /* the AVX-512 body's wide tiles read x rows packed per chunk: xw [m / WIDE_MR][chunk][WIDE_MR][step] */
+    const int64_t step = step_of(bits), wide_rows = ISA == 512 ? m / WIDE_MR * WIDE_MR : 0;
+    int16_t *xw = wide_rows > 0 ? (int16_t *)malloc(sizeof(int16_t) * (size_t)(wide_rows * k)) : NULL;
+    if (wide_rows > 0 && xw == NULL) {
+        free(p->xq), free(p->xscale), free(p->xsum);
+        return 0;
     }
-#endif
+    if (wide_rows == 0) prepare_rows((const uint16_t *)x, 0, m, k, p); /* few rows: no barrier in the region */
 #pragma omp parallel num_threads(threads)
     {
         const int64_t me = omp_get_thread_num();
         const int64_t first = blocks * me / threads, last = blocks * (me + 1) / threads;
+        if (wide_rows > 0) { /* x prepared by all the threads, a group of WIDE_MR rows at a time */
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < m; g += WIDE_MR) {
+                const int64_t end = g + WIDE_MR < m ? g + WIDE_MR : m;
+                prepare_rows((const uint16_t *)x, g, end, k, p);
+                for (int64_t c = 0; end - g == WIDE_MR && c < k / step; c++)
+                    for (int64_t r = 0; r < WIDE_MR; r++)
+                        memcpy(xw + g * k + (c * WIDE_MR + r) * step, p->xq + (g + r) * k + c * step,
+                               sizeof(int16_t) * (size_t)step);
+            }
+        }
         /* TILE blocks at a time for all the x rows: the tile's codes are re-read from L1/L2 for later rows */
         for (int64_t block = first; block < last; block += TILE) {
             const int64_t width = last - block < TILE ? last - block : TILE;
@@ -1259,5 +1268,138 @@ int quant_gemm_amx_int8(const void *weight, const void *scales, const void *zero
     (void)weight, (void)scales, (void)zeros, (void)bits, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k,
         (void)group, (void)num_threads;
     return 0; /* no AMX-INT8 in this build: the caller keeps its other paths */
+}
+#endif
+
+/* ---- AVX512-BF16 without AMX: the weight dequantised a pair of blocks at a time, then every row against it ----
+ * y = x W^T (+ bias) for many rows on CPUs with AVX512-BF16 and no AMX (Zen 4 and 5): per pair of 16-row blocks
+ * the codes become bf16 input pairs, bitwise quant_dequantize_bf16's weights ((q - zero) * scale in float32, or
+ * one fused multiply-add where the midpoint makes it the same rounding, then nearest even), 16 outputs x 2
+ * inputs a vector in a per-thread buffer (L1/L2), and every row of the call runs against them 8 at a time:
+ * vdpbf16ps with x's own bf16 pairs broadcast, 16 float accumulators in named registers, one per (row, output)
+ * over the inputs in order, then the bias and one rounding. No int16 x and no per-group epilogue, which
+ * cost the GEMV's wide tiles most with 4-bit codes in groups of 32; each row's outputs depend on that row only. */
+#if ISA == 512 && defined(__AVX512BF16__)
+
+int quant_bf16_gemm_available(void) { return 1; }
+
+#define BF16_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) /* WIDE_MR of them */
+
+/* 16 floats each of two inputs (a: the even one) as bf16 pairs: lane i = bf16(a_i) | bf16(b_i) << 16 */
+INLINE __m512i bf16_pairs(__m512 a, __m512 b) {
+    const __m512i order = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    return _mm512_permutex2var_epi16(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(a)), order,
+                                     _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(b)));
+}
+
+/* An int16 pair vector (lane i: row i's codes of two neighbouring inputs) dequantised to bf16 pairs. */
+INLINE __m512i dequantize_pairs(__m512i codes, __m512 scale, __m512 zero, int symmetric) {
+    const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(0xffff)));
+    const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 16));
+    if (symmetric) { /* zero * scale is exact (a power of two times scale): (q - zero) * scale in one rounding */
+        const __m512 offset = _mm512_mul_ps(zero, scale);
+        return bf16_pairs(_mm512_fmsub_ps(even, scale, offset), _mm512_fmsub_ps(odd, scale, offset));
+    }
+    return bf16_pairs(_mm512_mul_ps(_mm512_sub_ps(even, zero), scale), _mm512_mul_ps(_mm512_sub_ps(odd, zero), scale));
+}
+
+/* Block `block`'s codes as bf16 input pairs: pairs [k / 2][16] (pair j: inputs 2j, 2j + 1). */
+static void dequantize_block_pairs(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                                   int64_t block, int64_t k, int64_t group, __m512i *pairs) {
+    const int64_t step = step_of(bits), chunks = k / step, groups = k / group, chunks_per_group = group / step;
+    const __m512i low8 = _mm512_set1_epi16(0x00ff), low4 = _mm512_set1_epi16(0x000f);
+    const __m512 midpoint = _mm512_set1_ps(bits == 8 ? 128.0f : 8.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t at = (block * groups + g) * BLOCK;
+        const __m512 scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
+        for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; c++) {
+            const __m512i words = _mm512_loadu_si512((const void *)(codes + (block * chunks + c) * CHUNK));
+            if (bits == 8) { /* low bytes: inputs 4c, 4c + 1; high bytes: 4c + 2, 4c + 3 */
+                pairs[2 * c] = dequantize_pairs(_mm512_and_si512(words, low8), scale, zero, zeros == NULL);
+                pairs[2 * c + 1] = dequantize_pairs(_mm512_srli_epi16(words, 8), scale, zero, zeros == NULL);
+            } else { /* nibble t: inputs 8c + 2t, 8c + 2t + 1 */
+                for (int t = 0; t < 4; t++)
+                    pairs[4 * c + t] = dequantize_pairs(_mm512_and_si512(_mm512_srli_epi16(words, 4 * t), low4), scale,
+                                                        zero, zeros == NULL);
+            }
+        }
+    }
+}
+
+/* Rows [r0, r0 + rows) (rows <= 8; x packed as xw [k / 2][8] bf16 pairs, zero past m) against blocks b0 and b1
+ * (b1 may repeat b0: then only b0 is stored). */
+static void bf16_tile(const __m512i *pairs0, const __m512i *pairs1, const uint32_t *xw, const uint16_t *bias,
+                      uint16_t *y, int64_t b0, int64_t b1, int64_t r0, int64_t rows, int64_t n, int64_t k) {
+#define BF16_ZERO(r) __m512 a0_##r = _mm512_setzero_ps(), a1_##r = _mm512_setzero_ps();
+    BF16_ROWS(BF16_ZERO)
+#define BF16_DOT(r)                                                                                      \
+    {                                                                                                    \
+        const __m512bh xr = (__m512bh)_mm512_set1_epi32((int)xs[r]);                                     \
+        a0_##r = _mm512_dpbf16_ps(a0_##r, w0, xr), a1_##r = _mm512_dpbf16_ps(a1_##r, w1, xr);            \
+    }
+    for (int64_t j = 0; j < k / 2; j++) {
+        const uint32_t *xs = xw + j * WIDE_MR;
+        const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(pairs0 + j));
+        const __m512bh w1 = (__m512bh)_mm512_load_si512((const void *)(pairs1 + j));
+        BF16_ROWS(BF16_DOT)
+    }
+#define BF16_STORE(r)                                                                                    \
+    if (r < rows) {                                                                                      \
+        store_rows(y + (r0 + r) * n, bias, b0 * BLOCK, n, a0_##r);                                       \
+        if (b1 != b0) store_rows(y + (r0 + r) * n, bias, b1 * BLOCK, n, a1_##r);                         \
+    }
+    BF16_ROWS(BF16_STORE)
+}
+
+/* Returns 0 (nothing computed) for shapes the layout does not cover or without memory. */
+int quant_gemm_bf16(const void *weight, const void *scales_, const void *zeros_, int bits, const void *x_,
+                    const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
+    if (m < 1 || !covered(bits, n, k, group)) return 0;
+    const uint8_t *codes = (const uint8_t *)weight;
+    const uint16_t *scales = (const uint16_t *)scales_, *zeros = (const uint16_t *)zeros_;
+    const uint16_t *bias = (const uint16_t *)bias_;
+    const uint32_t *x = (const uint32_t *)x_; /* bf16 pairs */
+    uint16_t *y = (uint16_t *)y_;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, pairs_per_row = k / 2, row_groups = (m + WIDE_MR - 1) / WIDE_MR;
+    const int64_t threads = num_threads < 1 ? 1 : (num_threads > (blocks + 1) / 2 ? (blocks + 1) / 2 : num_threads);
+    /* x as [row group][pair][8 rows] bf16 pairs, zero past m */
+    uint32_t *xw = (uint32_t *)calloc((size_t)(row_groups * pairs_per_row * WIDE_MR), sizeof(uint32_t));
+    if (xw == NULL) return 0;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < row_groups; g++)
+            for (int64_t r = g * WIDE_MR; r < m && r < (g + 1) * WIDE_MR; r++)
+                for (int64_t j = 0; j < pairs_per_row; j++)
+                    xw[(g * pairs_per_row + j) * WIDE_MR + r % WIDE_MR] = x[r * pairs_per_row + j];
+        const int64_t me = omp_get_thread_num(), block_pairs = (blocks + 1) / 2;
+        const int64_t first = block_pairs * me / threads, last = block_pairs * (me + 1) / threads;
+        __m512i *pairs = (__m512i *)aligned_alloc(64, sizeof(__m512i) * (size_t)(2 * pairs_per_row));
+        failed |= pairs == NULL;
+        for (int64_t pair = first; pair < last && pairs != NULL; pair++) {
+            const int64_t b0 = 2 * pair, b1 = b0 + 1 < blocks ? b0 + 1 : b0;
+            dequantize_block_pairs(bits, codes, scales, zeros, b0, k, group, pairs);
+            dequantize_block_pairs(bits, codes, scales, zeros, b1, k, group, pairs + pairs_per_row);
+            for (int64_t g = 0; g < row_groups; g++) {
+                const int64_t rows = m - g * WIDE_MR < WIDE_MR ? m - g * WIDE_MR : WIDE_MR;
+                bf16_tile(pairs, pairs + pairs_per_row, xw + g * pairs_per_row * WIDE_MR, bias, y, b0, b1,
+                          g * WIDE_MR, rows, n, k);
+            }
+        }
+        free(pairs);
+    }
+    free(xw);
+    return !failed;
+}
+
+#else
+int quant_bf16_gemm_available(void) { return 0; }
+int quant_gemm_bf16(const void *weight, const void *scales, const void *zeros, int bits, const void *x,
+                    const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
+    (void)weight, (void)scales, (void)zeros, (void)bits, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k,
+        (void)group, (void)num_threads;
+    return 0;
 }
 #endif

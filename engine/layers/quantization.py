@@ -80,6 +80,14 @@ NATIVE_MAX_ROWS = 48
 # 1024 rows 9357 / 9389 / 8116; int4-g32 64 rows 628 / 1470, 256 rows 2579 / 3001, 1024 rows 11571 / 9543. So
 # without AMX that body keeps the GEMV up to GEMV_MAX_ROWS_AVX512 rows (per code width), where dequantising ties.
 GEMV_MAX_ROWS_AVX512 = {8: 1024, 4: 512}
+# Where the CPU also has AVX512-BF16 (Zen 4 and 5), from BF16_GEMM_MIN_ROWS rows `gemm_bf16` runs instead: the
+# weight dequantised per call a pair of blocks at a time into bf16, then bf16 pair dot products on x as it is (no
+# int16 x, no per-group epilogue). A decoder layer's four linears (SmolLM-135M shapes), two threads, hot, µs, GEMV
+# / gemm_bf16 / bf16's oneDNN GEMM (Zen 5, two runs): int8 16 rows 224-241 / 252-273 / 234-240, 64 rows 750-864 /
+# 693-748 / 646-677, 128 rows 1506-1705 / 1266-1409 / 1173-1278; int4-g32 16 rows 245-270 / 246-280, 64 rows
+# 871-978 / 694-758, 128 rows 1704-1952 / 1279-1441; one thread, 1024 rows: int8 19125 / 18099, int4-g32 22904 /
+# 17718, bf16 16872.
+BF16_GEMM_MIN_ROWS = 32
 # Where the CPU has AMX, from 16 rows the native layout runs `gemm_amx` instead: its weight dequantised once per
 # call into bf16 AMX tiles that every row reuses (benchmarks/quant_kernels.py --batched: cold, one thread,
 # thread CPU time, load 8; GEMV / AMX µs: 3072x576 int8 8 rows 409 / 605, 16 rows 790 / 524, 64 rows 1792 / 692
@@ -453,7 +461,8 @@ def _native_product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.
     groups, AMX-INT8 from INT8_TILE_MIN_ROWS to INT8_TILE_MAX_ROWS (bitwise the GEMV); otherwise from
     AMX_MIN_ROWS the dequantising AMX GEMM, from AMX_MAX_ROWS bf16's AMX kernel on the weight dequantised into
     its tiles (the same outputs bitwise as each other: a row's result is the same for every row count from
-    AMX_MIN_ROWS); without AMX dequantise + one oneDNN GEMM from `gemv_max_rows`."""
+    AMX_MIN_ROWS); without AMX, where the CPU has AVX512-BF16, the dequantising bf16 GEMM from BF16_GEMM_MIN_ROWS,
+    else dequantise + one oneDNN GEMM from `gemv_max_rows`."""
     kernels, count = layer.quant_kernels, rows.shape[0]
     if kernels.has_amx and INT8_TILE_MIN_ROWS <= count < INT8_TILE_MAX_ROWS and layer.int8_tiles:
         return kernels.gemm_amx_int8(layer.kernel_weight, rows, bias)
@@ -461,6 +470,8 @@ def _native_product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.
         if count < AMX_MAX_ROWS or getattr(layer, "amx_kernels", None) is None:
             return kernels.gemm_amx(layer.kernel_weight, rows, bias)
         return layer.amx_kernels.gemm_amx(kernels.dequantize_amx(layer.kernel_weight), rows, layer.out_features, bias)
+    if kernels.has_bf16_gemm and count >= BF16_GEMM_MIN_ROWS:
+        return kernels.gemm_bf16(layer.kernel_weight, rows, bias)
     if count < gemv_max_rows(kernels, layer.kernel_weight.bits):
         return kernels.gemv(layer.kernel_weight, rows, bias)
     out = F.linear(rows, kernels.dequantize(layer.kernel_weight))
@@ -468,7 +479,8 @@ def _native_product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.
 
 
 def gemv_max_rows(kernels, bits: int) -> int:
-    """Without AMX, the row count from which the native layout dequantises and runs one GEMM instead of the GEMV."""
+    """Without AMX and AVX512-BF16, the row count from which the native layout dequantises and runs one GEMM
+    instead of the GEMV."""
     return GEMV_MAX_ROWS_AVX512[bits] if kernels.isa == 512 else NATIVE_MAX_ROWS
 
 
