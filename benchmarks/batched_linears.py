@@ -4,11 +4,11 @@ swings by 20-40 % between processes.
 
 Shapes: SmolLM-135M's (30 layers of qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, and the 49152x576
 lm_head), seeded random weights. Before each step a 256 MiB sweep stands in for the step's KV-cache reads
-(they evict the weights from the caches, as in benchmarks/quantization.py's batched workload). Each scheme
-runs the kernel the engine's policy gives M rows (engine/layers/quantization.py `_native_product`): bf16 the
-AMX kernel, int8 per channel AMX-INT8 (the GEMV below INT8_TILE_MIN_ROWS), int4-g32 the dequantising AMX GEMM
-(the GEMV below AMX_MIN_ROWS). Wall time per step (all threads); the table gives each scheme's median, its
-range and the ratio to the first scheme.
+(they evict the weights from the caches, as in benchmarks/quantization.py's batched workload). Each linear is the
+engine's own layer, built as the model runner builds it (bf16: `select_linear_method`, the AMX kernel or oneDNN's
+packed GEMM; int8 / int4-g32: `OnTheFlyIntLinearMethod`, the native layout), so M rows run the kernel the engine's
+policy gives them on this CPU (engine/layers/quantization.py `_native_product`). Wall time per step (all threads);
+the table gives each scheme's median, its range and the ratio to the first scheme.
 
     python benchmarks/batched_linears.py [--rows 64] [--threads 2] [--steps 12] [--schemes bf16,int8,int4-g32]
 """
@@ -22,34 +22,29 @@ import time
 
 import torch
 
-from llmctl.engine.kernels import load_cpu_kernels
+from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.kernels.quant import load_quant_kernels
-from llmctl.engine.layers.quantization import AMX_MIN_ROWS, INT8_TILE_MIN_ROWS, GroupedIntWeight
+from llmctl.engine.layers.linear import ColumnLinear, select_linear_method
+from llmctl.engine.layers.quantization import ON_THE_FLY_SCHEMES, quantized_linear_method
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
-SCHEMES = {"int8": (8, None), "int4-g32": (4, 32)}  # bits, group (None: per channel)
+CPU = torch.device("cpu")
 
 
-def step_calls(scheme: str, rows: int, cpu, quant) -> list:
-    """One callable a linear, in the step's order, each taking that linear's input."""
+def step_layers(scheme: str, rows: int) -> list[ColumnLinear]:
+    """The step's linears, in order, each loaded with seeded random weights and prepared as the engine does."""
     torch.manual_seed(0)
-    calls = []
+    if scheme == "bf16":
+        method = select_linear_method(CPU, torch.bfloat16, cpu_kernels_for(CPU, torch.bfloat16), batch_hint=rows)
+    else:
+        method = quantized_linear_method(scheme, CPU, torch.bfloat16)
+    layers = []
     for out_features, in_features in SHAPES:
-        weight = torch.randn(out_features, in_features) * 0.05
-        if scheme == "bf16":
-            tiles = cpu.pack_amx(weight.bfloat16())
-            calls.append(lambda x, t=tiles, n=out_features: cpu.gemm_amx(t, x, n))
-            continue
-        bits, group = SCHEMES[scheme]
-        grouped = GroupedIntWeight.quantize(weight, bits, group or in_features, True)
-        native = quant.pack(grouped.codes, grouped.scales, grouped.zeros, bits, grouped.group_size)
-        if bits == 8 and rows >= INT8_TILE_MIN_ROWS:
-            calls.append(lambda x, w=native: quant.gemm_amx_int8(w, x))
-        elif rows >= AMX_MIN_ROWS:
-            calls.append(lambda x, w=native: quant.gemm_amx(w, x))
-        else:
-            calls.append(lambda x, w=native: quant.gemv(w, x))
-    return calls
+        layer = ColumnLinear(in_features, out_features, False, method, torch.bfloat16)
+        layer.weight.data.copy_(torch.randn(out_features, in_features) * 0.05)
+        layer.process_weights_after_loading()
+        layers.append(layer)
+    return layers
 
 
 def main(argv=None) -> int:
@@ -59,18 +54,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--schemes", default="bf16,int8,int4-g32")
     args = parser.parse_args(argv)
-    cpu, quant = load_cpu_kernels(), load_quant_kernels()
-    if cpu is None or quant is None or not cpu.has_amx or not quant.has_amx:
-        print("batched_linears: needs the native kernels and AMX tiles on this CPU", file=sys.stderr)
+    if load_quant_kernels() is None:
+        print("batched_linears: needs the native quant kernels (a C compiler and AVX2 or AVX-512)", file=sys.stderr)
         return 1
     torch.set_num_threads(args.threads)
     schemes = args.schemes.split(",")
-    unknown = [s for s in schemes if s != "bf16" and s not in SCHEMES]
+    unknown = [s for s in schemes if s != "bf16" and s not in ON_THE_FLY_SCHEMES]
     if unknown:
-        print(f"batched_linears: unknown scheme(s) {', '.join(unknown)}; choose from bf16, {', '.join(SCHEMES)}",
-              file=sys.stderr)
+        print(f"batched_linears: unknown scheme(s) {', '.join(unknown)}; choose from bf16, "
+              f"{', '.join(ON_THE_FLY_SCHEMES)}", file=sys.stderr)
         return 2
-    steps = {scheme: step_calls(scheme, args.rows, cpu, quant) for scheme in schemes}
+    steps = {scheme: step_layers(scheme, args.rows) for scheme in schemes}
     inputs = {k: torch.randn(args.rows, k).bfloat16() for k in {k for _, k in SHAPES}}
     sweep = torch.ones(64 * 2**20)  # 256 MiB
     times: dict[str, list[float]] = {scheme: [] for scheme in schemes}
@@ -78,8 +72,9 @@ def main(argv=None) -> int:
         for scheme in schemes:
             sweep.sum()
             start = time.perf_counter()
-            for (_, in_features), call in zip(SHAPES, steps[scheme]):
-                call(inputs[in_features])
+            with torch.no_grad():
+                for (_, in_features), layer in zip(SHAPES, steps[scheme]):
+                    layer(inputs[in_features])
             if step:
                 times[scheme].append(time.perf_counter() - start)
     base = statistics.median(times[schemes[0]])

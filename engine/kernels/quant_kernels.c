@@ -1328,9 +1328,17 @@ static void dequantize_block_pairs(int bits, const uint8_t *codes, const uint16_
 }
 
 /* Rows [r0, r0 + rows) (rows <= 8; x packed as xw [k / 2][8] bf16 pairs, zero past m) against blocks b0 and b1
- * (b1 may repeat b0: then only b0 is stored). */
+ * (b1 may repeat b0: then only b0 is stored). Meanwhile `ahead` (the next pair's codes, then its scales, each
+ * contiguous) is prefetched a line an input pair, so their reads from DRAM overlap these dot products instead of
+ * stalling the next dequantisation. */
+typedef struct {
+    const uint8_t *codes, *scales;
+    int64_t code_lines, scale_lines;
+} Ahead;
+
 static void bf16_tile(const __m512i *pairs0, const __m512i *pairs1, const uint32_t *xw, const uint16_t *bias,
-                      uint16_t *y, int64_t b0, int64_t b1, int64_t r0, int64_t rows, int64_t n, int64_t k) {
+                      uint16_t *y, int64_t b0, int64_t b1, int64_t r0, int64_t rows, int64_t n, int64_t k,
+                      const Ahead *ahead) {
 #define BF16_ZERO(r) __m512 a0_##r = _mm512_setzero_ps(), a1_##r = _mm512_setzero_ps();
     BF16_ROWS(BF16_ZERO)
 #define BF16_DOT(r)                                                                                      \
@@ -1340,6 +1348,11 @@ static void bf16_tile(const __m512i *pairs0, const __m512i *pairs1, const uint32
     }
     for (int64_t j = 0; j < k / 2; j++) {
         const uint32_t *xs = xw + j * WIDE_MR;
+        if (ahead != NULL) {
+            if (j < ahead->code_lines) _mm_prefetch((const char *)(ahead->codes + CHUNK * j), _MM_HINT_T0);
+            else if (j - ahead->code_lines < ahead->scale_lines)
+                _mm_prefetch((const char *)(ahead->scales + CHUNK * (j - ahead->code_lines)), _MM_HINT_T0);
+        }
         const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(pairs0 + j));
         const __m512bh w1 = (__m512bh)_mm512_load_si512((const void *)(pairs1 + j));
         BF16_ROWS(BF16_DOT)
@@ -1362,6 +1375,7 @@ int quant_gemm_bf16(const void *weight, const void *scales_, const void *zeros_,
     const uint32_t *x = (const uint32_t *)x_; /* bf16 pairs */
     uint16_t *y = (uint16_t *)y_;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, pairs_per_row = k / 2, row_groups = (m + WIDE_MR - 1) / WIDE_MR;
+    const int64_t groups = k / group;
     const int64_t threads = num_threads < 1 ? 1 : (num_threads > (blocks + 1) / 2 ? (blocks + 1) / 2 : num_threads);
     /* x as [row group][pair][8 rows] bf16 pairs, zero past m */
     uint32_t *xw = (uint32_t *)calloc((size_t)(row_groups * pairs_per_row * WIDE_MR), sizeof(uint32_t));
@@ -1382,10 +1396,13 @@ int quant_gemm_bf16(const void *weight, const void *scales_, const void *zeros_,
             const int64_t b0 = 2 * pair, b1 = b0 + 1 < blocks ? b0 + 1 : b0;
             dequantize_block_pairs(bits, codes, scales, zeros, b0, k, group, pairs);
             dequantize_block_pairs(bits, codes, scales, zeros, b1, k, group, pairs + pairs_per_row);
+            const int64_t next = pair + 1 < last ? 2 * (pair + 1) : b0, next_blocks = next + 1 < blocks ? 2 : 1;
+            const Ahead ahead = {codes + next * (k / step_of(bits)) * CHUNK, (const uint8_t *)(scales + next * groups * BLOCK),
+                                 next_blocks * (k / step_of(bits)), next_blocks * groups * BLOCK * 2 / CHUNK};
             for (int64_t g = 0; g < row_groups; g++) {
                 const int64_t rows = m - g * WIDE_MR < WIDE_MR ? m - g * WIDE_MR : WIDE_MR;
                 bf16_tile(pairs, pairs + pairs_per_row, xw + g * pairs_per_row * WIDE_MR, bias, y, b0, b1,
-                          g * WIDE_MR, rows, n, k);
+                          g * WIDE_MR, rows, n, k, g == 0 && next != b0 ? &ahead : NULL);
             }
         }
         free(pairs);
