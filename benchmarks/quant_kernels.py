@@ -13,8 +13,10 @@ through copies totalling `--cold-mib` so every call streams its weight from memo
 
 `--batched` compares, per row count, the paths a quantised linear can take for several rows (cold weights):
 the native GEMV, the AMX dequantising GEMM (`gemm_amx`, where the CPU has AMX), AMX-INT8 on the codes
-(`gemm_amx_int8`, for weights whose x blocks are whole multiples of 32 inputs), dequantise + one F.linear,
-and bf16's own AMX kernel on the dequantised weight (what `--quantization-batch-cache` runs).
+(`gemm_amx_int8`, for weights whose x blocks are whole multiples of 32 inputs), the AVX512-BF16 dequantising
+GEMM (`gemm_bf16`, CPUs with AVX512-BF16 and no AMX), dequantise + one F.linear, and bf16's own linear on the
+dequantised weight (AMX tiles, else oneDNN's packed GEMM: what `--quantization-batch-cache` runs, and what an
+unquantised bf16 model runs).
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ def copies_of(native, count: int) -> list:
 
 
 def measure_batched(shape, scheme, rows_list, args, kernels) -> list[dict]:
-    """Per row count: GEMV, AMX dequantising GEMM, dequantise + F.linear, bf16 AMX (the batch cache)."""
+    """Per row count: GEMV, AMX dequantising GEMM, AMX-INT8, AVX512-BF16 dequantising GEMM (CPUs without AMX),
+    dequantise + F.linear, and bf16's own linear on the dequantised weight (AMX tiles, else oneDNN packed)."""
     out_features, in_features = shape
     bits, group, symmetric = SCHEMES[scheme]
     if group and in_features % group:
@@ -123,8 +126,10 @@ def measure_batched(shape, scheme, rows_list, args, kernels) -> list[dict]:
     bf16_amx = cpu is not None and cpu.has_amx
     dense = kernels.dequantize(native)
     tiles = [cpu.pack_amx(dense)] if bf16_amx else []
-    tiles += [tiles[0].clone() for _ in range(max(0, int(args.cold_mib * 2**20 // dense.numel() // 2) - 1))
-              if bf16_amx]
+    dense_copies = max(1, int(args.cold_mib * 2**20 // dense.numel() // 2))
+    tiles += [tiles[0].clone() for _ in range(dense_copies - 1) if bf16_amx]
+    packed = [] if bf16_amx or not torch.ops.mkldnn._is_mkldnn_bf16_supported() else \
+        [torch.ops.mkldnn._reorder_linear_weight(dense.clone(), 64) for _ in range(dense_copies)]
     results = []
     for rows in rows_list:
         x = torch.randn(rows, in_features, generator=generator).bfloat16()
@@ -140,12 +145,18 @@ def measure_batched(shape, scheme, rows_list, args, kernels) -> list[dict]:
             if int8_tile_depth(native.group_size, native.bits):
                 row["amx_int8_us"] = best_us([lambda n=n: kernels.gemm_amx_int8(n, x) for n in natives], repeats,
                                              per_block)
+        if kernels.has_bf16_gemm:
+            row["bf16_gemm_us"] = best_us([lambda n=n: kernels.gemm_bf16(n, x) for n in natives], repeats, per_block)
         if bf16_amx:
             row["bf16_amx_us"] = best_us([lambda t=t: cpu.gemm_amx(t, x, out_features) for t in tiles], repeats,
                                          per_block)
+        elif packed:  # bf16's own linear without AMX: oneDNN's GEMM on its packed weight
+            row["bf16_onednn_us"] = best_us([lambda w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                             for w in packed], repeats, per_block)
         results.append(row)
         cells = [f"{row[key]:.0f}" if key in row else "-" for key in
-                 ("gemv_us", "amx_us", "amx_int8_us", "dequant_linear_us", "bf16_amx_us")]
+                 ("gemv_us", "amx_us", "amx_int8_us", "bf16_gemm_us", "dequant_linear_us", "bf16_amx_us",
+                  "bf16_onednn_us")]
         print(f"| {row['shape']} | {scheme} | {rows} | " + " | ".join(cells) + " |", flush=True)
     return results
 
@@ -170,7 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cold-mib", type=float, default=512.0, help="total size of the rotated weight copies")
     parser.add_argument("--quick", action="store_true", help="qkv shape, int8 and int4-g32, rows 1 and 4, hot only")
     parser.add_argument("--batched", action="store_true",
-                        help="several rows: GEMV vs AMX dequantising GEMM vs dequantise + GEMM vs bf16 AMX (cold)")
+                        help="several rows: GEMV vs the dequantising GEMMs vs dequantise + GEMM vs bf16's linear (cold)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     kernels = load_quant_kernels()
@@ -184,9 +195,9 @@ def main(argv=None) -> int:
     print(f"native ISA {kernels.isa}, {args.threads} thread(s), thread CPU time, best of {args.repeats}")
     if args.batched:
         print(f"AMX: {kernels.has_amx}; cold (weights rotated over {args.cold_mib:.0f} MiB), µs per call")
-        print("| shape | scheme | rows | GEMV | AMX dequantising GEMM | AMX-INT8 on the codes | dequantise + F.linear "
-              "| bf16 AMX |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        print("| shape | scheme | rows | GEMV | AMX dequantising GEMM | AMX-INT8 on the codes | AVX512-BF16 dequantising "
+              "GEMM | dequantise + F.linear | bf16 AMX | bf16 oneDNN |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         results = [row for name in shapes for scheme in schemes
                    for row in measure_batched(SHAPES[name], scheme, rows_list, args, kernels)]
         if args.json:

@@ -7,6 +7,10 @@ dot products where it has those), the AVX2 + FMA + F16C body elsewhere, and None
 other CPUs. `load_quant_kernels("avx2")` builds the AVX2 body on any x86 CPU that runs it (the tests check
 both bodies here). Both bodies read one layout.
 
+Besides the GEMV (`gemv`, every row count), the library has dequantising GEMMs for many rows: on AMX tiles
+(`gemm_amx`, `gemm_amx_int8`, where the CPU has AMX) and, on CPUs with AVX512-BF16 and no AMX, `gemm_bf16`
+(vdpbf16ps on a per-call bf16 copy of a pair of blocks at a time); engine/layers/quantization.py chooses.
+
 `QuantKernels.pack` turns codes, scales and zeros into that layout (see the C source): output rows in
 blocks of 16, each block's codes in 64-byte chunks of 16 rows x 4 (8-bit) or 8 (4-bit) inputs
 (`interleave_codes`), scales and zeros as float16 [blocks, groups, 16] (`interleave_groups`); the padded

@@ -21,7 +21,8 @@
  * below bf16's own 2^-9 of each element. Per block and 16 rows the int32 dot products D = sum xq * q then
  * give  scale * xscale * (D - zero * sum xq)  (exact integers up to the float conversion).
  * Threads split the 16-row blocks; each thread streams its blocks once for all the x rows (x rows taken
- * MR at a time, re-reading a tile of blocks from L1/L2 for the next rows).
+ * MR at a time, re-reading a tile of blocks from L1/L2 for the next rows). The AVX-512 body takes 8 x rows at a
+ * time where it can (`wide_tile`: 16 int32 accumulators, near vpdpwssd's peak), the same arithmetic per output.
  */
 #include <math.h>
 #include <omp.h>

@@ -18,8 +18,11 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
   GPTQ, AWQ): engine/kernels/quant.py's output-row-interleaved GEMV (AVX-512 or AVX2) for few rows; where
   the CPU has AMX its dequantising AMX GEMM from AMX_MIN_ROWS rows (the weight stays quantised in memory,
   dequantised per call into bf16 tiles every row reuses) and bf16's AMX kernel on those tiles from
-  AMX_MAX_ROWS; without AMX its dequantisation to bf16 and one GEMM from NATIVE_MAX_ROWS. At M=1 it ran
-  2.1x torch's int8pack and 2.3x its int4pack (benchmarks/quant_kernels.py, benchmarks/README.md);
+  AMX_MAX_ROWS; without AMX, where the CPU has AVX512-BF16, its dequantising bf16 GEMM from BF16_GEMM_MIN_ROWS
+  (the weight dequantised per call a pair of 16-row blocks at a time); else the GEMV (the AVX-512 body's wide
+  tiles up to GEMV_MAX_ROWS_AVX512, the AVX2 body's up to NATIVE_MAX_ROWS) and its dequantisation to bf16 + one
+  GEMM above. At M=1 it ran 2.1x torch's int8pack and 2.3x its int4pack (benchmarks/quant_kernels.py,
+  benchmarks/README.md);
 - `int8pack` (float32 activations; 8 bits, one group per row, symmetric): `torch._weight_int8pack_mm`
   (it crashes when the inputs are not a multiple of 16, so those fall through);
 - `int4pack` (float32 activations; 4 bits, groups of 32/64/128/256, output rows a multiple of 16):
@@ -32,7 +35,7 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
 Activations should be bfloat16 on CPU: with float32 both torch kernels run about 5x slower.
 Batches of BATCH_MIN_ROWS+ rows on CPU (prefill, batched decode) are compute-bound, where oneDNN's bf16 GEMM is
 far ahead of torch's int8/int4 kernels: int8pack converts its codes per call and runs it (scales factored out),
-native runs the AMX GEMM above (or dequantises per call without AMX), and with `--quantization-batch-cache`
+native runs the dequantising GEMMs above (or the GEMV / dequantise + GEMM), and with `--quantization-batch-cache`
 (`add_batch_weights`) every CPU layout keeps a bf16 copy in bf16's own layout for them instead (no
 dequantisation per call, for 2 more bytes per weight).
 
