@@ -29,7 +29,7 @@ import time
 import torch
 
 from llmctl.engine.kernels import load_cpu_kernels
-from llmctl.engine.kernels.quant import int8_tile_depth, load_quant_kernels
+from llmctl.engine.kernels.quant import load_quant_kernels
 from llmctl.engine.layers.quantization import GroupedIntWeight, tinygemm_scales_and_offsets
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -142,7 +142,7 @@ def measure_batched(shape, scheme, rows_list, args, kernels) -> list[dict]:
                                              for n in natives], repeats, per_block)}
         if kernels.has_amx:
             row["amx_us"] = best_us([lambda n=n: kernels.gemm_amx(n, x) for n in natives], repeats, per_block)
-            if int8_tile_depth(native.group_size, native.bits):
+            if kernels.int8_tile_depth(native.group_size, native.bits):
                 row["amx_int8_us"] = best_us([lambda n=n: kernels.gemm_amx_int8(n, x) for n in natives], repeats,
                                              per_block)
         if kernels.has_bf16_gemm:

@@ -8,7 +8,7 @@ import torch
 
 from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.kernels.quant import (deinterleave_codes, deinterleave_groups, int8_tile_depth, interleave_codes,
+from llmctl.engine.kernels.quant import (deinterleave_codes, deinterleave_groups, interleave_codes,
                                          interleave_groups, load_quant_kernels)
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.kernels import load_cpu_kernels
@@ -501,9 +501,16 @@ def test_amx_int8_gemm_is_the_gemv_bitwise(bits, group, asymmetric, shape):
     assert (got.float() - expected).abs().max().item() <= 8e-3 * expected.abs().max().item()
 
 
+def test_int8_tile_depth_follows_the_kernels_x_blocks():
+    # the C x_block_of: the group up to 256 inputs, else its largest divisor that fits and is whole chunks
+    depth = kernels_or_skip("native").int8_tile_depth
+    assert depth(16, 8) == 0 and depth(32, 4) == 32 and depth(576, 8) == 64 and depth(1536, 8) == 64
+    assert depth(96, 8) == 32 and depth(1600, 8) == 0  # 1600: x blocks of 200 inputs
+    assert depth(64, 3) == 0
+
+
 def test_amx_int8_refuses_x_blocks_it_cannot_tile():
     kernels, _ = amx_kernels_or_skip()
-    assert int8_tile_depth(16, 8) == 0 and int8_tile_depth(32, 4) == 32 and int8_tile_depth(576, 8) == 64
     weight = random_grouped(16, 64, 8, 16)
     packed = kernels.pack(weight.codes, weight.scales, weight.zeros, 8, 16)
     with pytest.raises(ValueError, match="refused 8-bit weights"):

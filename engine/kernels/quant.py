@@ -106,6 +106,9 @@ class QuantKernels:
         self._dequantize_amx = library.quant_dequantize_amx_bf16
         self._dequantize_amx.argtypes = self._dequantize.argtypes
         self._dequantize_amx.restype = ctypes.c_int
+        self._x_block_of = library.quant_x_block_of
+        self._x_block_of.argtypes = [_INT64, ctypes.c_int]
+        self._x_block_of.restype = _INT64
         self._gemm_bf16 = library.quant_gemm_bf16
         self._gemm_bf16.argtypes = self._gemv.argtypes
         self._gemm_bf16.restype = ctypes.c_int
@@ -113,6 +116,12 @@ class QuantKernels:
         self.has_amx = bool(library.quant_amx_enable())
         # the dequantising bf16 GEMM for CPUs without AMX: AVX-512 builds on CPUs with AVX512-BF16
         self.has_bf16_gemm = bool(library.quant_bf16_gemm_available()) and not self.has_amx
+
+    def int8_tile_depth(self, group_size: int, bits: int) -> int:
+        """Inputs per AMX-INT8 tile `gemm_amx_int8` uses for this weight: 64 or 32 (its x blocks, the C
+        `x_block_of`, whole multiples of it), 0 where it does not run it."""
+        block = self._x_block_of(group_size, bits)
+        return 0 if block == 0 else 64 if block % 64 == 0 else 32 if block % 32 == 0 else 0
 
     @staticmethod
     def unsupported(bits: int, group_size: int, in_features: int) -> Optional[str]:
@@ -256,25 +265,6 @@ def interleave_groups(values: torch.Tensor) -> torch.Tensor:
 def deinterleave_groups(values: torch.Tensor, out_features: int) -> torch.Tensor:
     """The inverse of `interleave_groups`: [out_features, groups]."""
     return values.transpose(1, 2).reshape(-1, values.shape[1])[:out_features]
-
-
-X_BLOCK_MAX = 256  # quant_kernels.c: inputs per int16 block of x at most
-
-
-def x_block_of(group_size: int, bits: int) -> int:
-    """quant_kernels.c's x_block_of: inputs per int16 block of x (the group up to 256 inputs, else its largest
-    divisor that fits and is whole chunks; 0: none)."""
-    if group_size <= X_BLOCK_MAX:
-        return group_size
-    step = STEP[bits]
-    return next((size for size in range(X_BLOCK_MAX, step - 1, -step) if group_size % size == 0 and size % step == 0), 0)
-
-
-def int8_tile_depth(group_size: int, bits: int) -> int:
-    """Inputs per AMX-INT8 tile `QuantKernels.gemm_amx_int8` uses for this weight: 64 or 32 (its x blocks whole
-    multiples of it), 0 where it does not run it."""
-    block = x_block_of(group_size, bits)
-    return 0 if block == 0 else 64 if block % 64 == 0 else 32 if block % 32 == 0 else 0
 
 
 def fits_float16(values: torch.Tensor) -> bool:

@@ -65,6 +65,9 @@ static int64_t x_block_of(int64_t group, int bits) {
     return 0;
 }
 
+/* x_block_of for the Python side (QuantKernels.int8_tile_depth), so the rule lives here only. */
+int64_t quant_x_block_of(int64_t group, int bits) { return bits == 4 || bits == 8 ? x_block_of(group, bits) : 0; }
+
 /* Whether the layout covers this shape (the Python side checks first and explains). */
 static int covered(int bits, int64_t n, int64_t k, int64_t group) {
     if ((bits != 4 && bits != 8) || n < 1 || group < 1 || k < 1 || k % group) return 0;

@@ -58,8 +58,7 @@ from torch import nn
 
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.kernels import cpu_kernels_for
-from llmctl.engine.kernels.quant import (KernelWeight, QuantRowOperand, fits_float16, int8_tile_depth,
-                                         load_quant_kernels)
+from llmctl.engine.kernels.quant import KernelWeight, QuantRowOperand, fits_float16, load_quant_kernels
 from llmctl.engine.layers.linear import (CheckpointSlice, LinearBase, LinearMethod, UnquantizedLinearMethod, rank_rows)
 from llmctl.engine.layers.quantization_cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
                                                     install_cuda_layout)
@@ -355,7 +354,7 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
         zero = None if layer.weight_zero is None else layer.weight_zero.detach()
         layer.kernel_weight = KernelWeight(layer.weight.detach(), layer.weight_scale.detach(), zero, weight.bits,
                                            weight.group_size, weight.in_features, weight.out_features)
-        layer.int8_tiles = weight.bits == 8 and int8_tile_depth(weight.group_size, 8) == 64  # INT8_TILE_MIN_ROWS
+        layer.int8_tiles = weight.bits == 8 and layer.quant_kernels.int8_tile_depth(weight.group_size, 8) == 64
     elif layout in CUDA_LAYOUTS:
         for name, tensor in install_cuda_layout(layer, weight, layout, dtype,
                                                 tinygemm_scales_and_offsets(weight, dtype)).items():
