@@ -453,22 +453,16 @@ def test_bf16_gemm_multiplies_by_the_dequantised_weight(threads, bits, group, as
     assert (got.double() - expected).abs().max().item() <= 8e-3 * expected.abs().max().item()
 
 
-def test_the_avx2_build_has_no_bf16_gemm():
+def test_the_avx2_build_has_no_batched_gemms():
     kernels = kernels_or_skip("avx2")
-    assert not kernels.has_bf16_gemm
-    packed = kernels.pack(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), None, 4, 32)
-    with pytest.raises(ValueError, match="no AVX512-BF16 GEMM"):
-        kernels.gemm_bf16(packed, torch.zeros(32, 64, dtype=torch.bfloat16))
-
-
-def test_the_avx2_build_has_no_amx_gemm():
-    kernels = kernels_or_skip("avx2")
-    assert not kernels.has_amx
+    assert not kernels.has_amx and not kernels.has_bf16_gemm
     packed = kernels.pack(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), None, 4, 32)
     with pytest.raises(ValueError, match="no AMX tiles"):
         kernels.gemm_amx(packed, torch.zeros(16, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="no AMX tiles"):
         kernels.dequantize_amx(packed)
+    with pytest.raises(ValueError, match="no AVX512-BF16 GEMM"):
+        kernels.gemm_bf16(packed, torch.zeros(32, 64, dtype=torch.bfloat16))
 
 
 # ---- AMX-INT8 on the codes (quant_gemm_amx_int8): the GEMV's arithmetic on tiles -----------------------------
