@@ -1287,7 +1287,6 @@ int quant_gemm_amx_int8(const void *weight, const void *scales, const void *zero
 
 int quant_bf16_gemm_available(void) { return 1; }
 
-#define BF16_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) /* WIDE_MR of them */
 
 /* 16 floats each of two inputs (a: the even one) as bf16 pairs: lane i = bf16(a_i) | bf16(b_i) << 16 */
 INLINE __m512i bf16_pairs(__m512 a, __m512 b) {
@@ -1297,14 +1296,13 @@ INLINE __m512i bf16_pairs(__m512 a, __m512 b) {
                                      _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(b)));
 }
 
-/* An int16 pair vector (lane i: row i's codes of two neighbouring inputs) dequantised to bf16 pairs. */
-INLINE __m512i dequantize_pairs(__m512i codes, __m512 scale, __m512 zero, int symmetric) {
+/* An int16 pair vector (lane i: row i's codes of two neighbouring inputs) dequantised to bf16 pairs; `offset`
+ * (symmetric codes only) is zero * scale. */
+INLINE __m512i dequantize_pairs(__m512i codes, __m512 scale, __m512 zero, __m512 offset, int symmetric) {
     const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(0xffff)));
     const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 16));
-    if (symmetric) { /* zero * scale is exact (a power of two times scale): (q - zero) * scale in one rounding */
-        const __m512 offset = _mm512_mul_ps(zero, scale);
+    if (symmetric) /* zero * scale is exact (a power of two times scale): (q - zero) * scale in one rounding */
         return bf16_pairs(_mm512_fmsub_ps(even, scale, offset), _mm512_fmsub_ps(odd, scale, offset));
-    }
     return bf16_pairs(_mm512_mul_ps(_mm512_sub_ps(even, zero), scale), _mm512_mul_ps(_mm512_sub_ps(odd, zero), scale));
 }
 
@@ -1317,15 +1315,16 @@ static void dequantize_block_pairs(int bits, const uint8_t *codes, const uint16_
     for (int64_t g = 0; g < groups; g++) {
         const int64_t at = (block * groups + g) * BLOCK;
         const __m512 scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
+        const __m512 offset = _mm512_mul_ps(zero, scale);
         for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; c++) {
             const __m512i words = _mm512_loadu_si512((const void *)(codes + (block * chunks + c) * CHUNK));
             if (bits == 8) { /* low bytes: inputs 4c, 4c + 1; high bytes: 4c + 2, 4c + 3 */
-                pairs[2 * c] = dequantize_pairs(_mm512_and_si512(words, low8), scale, zero, zeros == NULL);
-                pairs[2 * c + 1] = dequantize_pairs(_mm512_srli_epi16(words, 8), scale, zero, zeros == NULL);
+                pairs[2 * c] = dequantize_pairs(_mm512_and_si512(words, low8), scale, zero, offset, zeros == NULL);
+                pairs[2 * c + 1] = dequantize_pairs(_mm512_srli_epi16(words, 8), scale, zero, offset, zeros == NULL);
             } else { /* nibble t: inputs 8c + 2t, 8c + 2t + 1 */
                 for (int t = 0; t < 4; t++)
                     pairs[4 * c + t] = dequantize_pairs(_mm512_and_si512(_mm512_srli_epi16(words, 4 * t), low4), scale,
-                                                        zero, zeros == NULL);
+                                                        zero, offset, zeros == NULL);
             }
         }
     }
@@ -1344,7 +1343,7 @@ static void bf16_tile(const __m512i *pairs0, const __m512i *pairs1, const uint32
                       uint16_t *y, int64_t b0, int64_t b1, int64_t r0, int64_t rows, int64_t n, int64_t k,
                       const Ahead *ahead) {
 #define BF16_ZERO(r) __m512 a0_##r = _mm512_setzero_ps(), a1_##r = _mm512_setzero_ps();
-    BF16_ROWS(BF16_ZERO)
+    WIDE_ROWS(BF16_ZERO)
 #define BF16_DOT(r)                                                                                      \
     {                                                                                                    \
         const __m512bh xr = (__m512bh)_mm512_set1_epi32((int)xs[r]);                                     \
@@ -1359,14 +1358,14 @@ static void bf16_tile(const __m512i *pairs0, const __m512i *pairs1, const uint32
         }
         const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(pairs0 + j));
         const __m512bh w1 = (__m512bh)_mm512_load_si512((const void *)(pairs1 + j));
-        BF16_ROWS(BF16_DOT)
+        WIDE_ROWS(BF16_DOT)
     }
 #define BF16_STORE(r)                                                                                    \
     if (r < rows) {                                                                                      \
         store_rows(y + (r0 + r) * n, bias, b0 * BLOCK, n, a0_##r);                                       \
         if (b1 != b0) store_rows(y + (r0 + r) * n, bias, b1 * BLOCK, n, a1_##r);                         \
     }
-    BF16_ROWS(BF16_STORE)
+    WIDE_ROWS(BF16_STORE)
 }
 
 /* Returns 0 (nothing computed) for shapes the layout does not cover or without memory. */
@@ -1379,7 +1378,7 @@ int quant_gemm_bf16(const void *weight, const void *scales_, const void *zeros_,
     const uint32_t *x = (const uint32_t *)x_; /* bf16 pairs */
     uint16_t *y = (uint16_t *)y_;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, pairs_per_row = k / 2, row_groups = (m + WIDE_MR - 1) / WIDE_MR;
-    const int64_t groups = k / group;
+    const int64_t groups = k / group, chunks = k / step_of(bits);
     const int64_t threads = num_threads < 1 ? 1 : (num_threads > (blocks + 1) / 2 ? (blocks + 1) / 2 : num_threads);
     /* x as [row group][pair][8 rows] bf16 pairs, zero past m */
     uint32_t *xw = (uint32_t *)calloc((size_t)(row_groups * pairs_per_row * WIDE_MR), sizeof(uint32_t));
@@ -1401,8 +1400,8 @@ int quant_gemm_bf16(const void *weight, const void *scales_, const void *zeros_,
             dequantize_block_pairs(bits, codes, scales, zeros, b0, k, group, pairs);
             dequantize_block_pairs(bits, codes, scales, zeros, b1, k, group, pairs + pairs_per_row);
             const int64_t next = pair + 1 < last ? 2 * (pair + 1) : b0, next_blocks = next + 1 < blocks ? 2 : 1;
-            const Ahead ahead = {codes + next * (k / step_of(bits)) * CHUNK, (const uint8_t *)(scales + next * groups * BLOCK),
-                                 next_blocks * (k / step_of(bits)), next_blocks * groups * BLOCK * 2 / CHUNK};
+            const Ahead ahead = {codes + next * chunks * CHUNK, (const uint8_t *)(scales + next * groups * BLOCK),
+                                 next_blocks * chunks, next_blocks * groups * BLOCK * 2 / CHUNK};
             for (int64_t g = 0; g < row_groups; g++) {
                 const int64_t rows = m - g * WIDE_MR < WIDE_MR ? m - g * WIDE_MR : WIDE_MR;
                 bf16_tile(pairs, pairs + pairs_per_row, xw + g * pairs_per_row * WIDE_MR, bias, y, b0, b1,
