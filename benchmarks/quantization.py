@@ -18,8 +18,10 @@ single-stream rate, a lower bound on what the decode streams (prefill is in the 
         [--schemes bf16,int8,int4-g32,int4,int8+cache,int4-g32+cache] [--workloads single,batched] [--rounds N]
         [--json out.json]
 
-`--rounds N` runs llmctl's schemes N times alternated, each run its own process, and reports the median, the
-ratio to llmctl bf16 and every run (the batched goal, int8/int4 not slower than bf16, is a ratio of medians).
+`--rounds N` runs every system and scheme N times alternated (llama.cpp's runs among llmctl's, each run its
+own process) and reports the median, every run, the ratio of medians and the median of the rounds' own ratios
+(the batched goal, int8/int4 not slower than bf16, is a ratio of medians). A shared host's speed can move 2x
+within minutes: a single llama.cpp run against llmctl's median compares two moments, not two programs.
 
 `NAME+cache` runs `--quantization NAME --quantization-batch-cache`: batches of 16+ rows on a bf16 copy of
 each quantised weight (bf16's batched speed, 2 more bytes per weight); batch 1 is the same as NAME's.
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from offline_throughput import SMOLLM_135M, VLLM_ENV, make_model, run_worker, summarize
 
@@ -174,9 +177,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--rounds", type=int, default=1,
-                        help="llmctl's schemes run this many times, alternated (A B C A B C ...), each run in its own "
-                             "process; the table shows each scheme's median and its spread (a shared host's load "
-                             "swings a run by 20%% and more)")
+                        help="every system and scheme (llama.cpp's too) runs this many times, alternated (A B C A B C "
+                             "...), each run in its own process; the table shows medians, every run and the rounds' "
+                             "own ratios (a shared host's load swings a run by 20%% and more)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     args.repeats, args.device = 1, "cpu"
@@ -192,66 +195,101 @@ def main() -> None:
             convert_to_gguf(args.llamacpp, folder, gguf["bf16"])
             for kind in ("Q8_0", "Q4_0"):
                 gguf[kind] = quantize_gguf(args.llamacpp, gguf["bf16"], kind)
-        rows += run_llmctl_schemes(folder, args, workloads)
         if args.vllm_python:
             print("running vLLM-CPU bf16 ...", file=sys.stderr, flush=True)
             run = run_worker(args.vllm_python, "vllm", folder, "bfloat16", args, VLLM_ENV)
             rows += [dict(r, system="vLLM-CPU", scheme="bf16") for r in summarize({("vllm", "bfloat16"): run}, workloads)]
-        if args.llamacpp:
-            for kind, path in gguf.items():
-                for workload in workloads:
-                    print(f"running llama.cpp {kind} {workload} ...", file=sys.stderr, flush=True)
-                    rate = llama_batched_rate(args.llamacpp, path, workload, args.num_prompts, args.output_len,
-                                              args.threads, args.llamacpp_no_repack)
-                    rows.append({"system": "llama.cpp", "scheme": kind, "workload": workload, "tokens_per_s": rate})
-                if kind != "bf16" and llmctl_reads_gguf():
-                    print(f"running llmctl GGUF {kind} ...", file=sys.stderr, flush=True)
-                    try:
-                        run = run_worker(sys.executable, "ours", path, "bfloat16", args, {})
-                    except SystemExit as failure:  # the other rows still print
-                        print(f"llmctl could not run the GGUF {kind} file: {failure}", file=sys.stderr, flush=True)
-                        continue
-                    rows += [dict(r, system="llmctl", scheme=f"gguf {kind}")
-                             for r in summarize({("ours", "bfloat16"): run}, workloads)]
+        rows += run_rounds(folder, gguf, args, workloads)
     print_table(rows, bandwidth)
     if args.json:
         args.json.write_text(json.dumps({"read_bandwidth_gbs": bandwidth, "rows": rows}, indent=2))
 
 
-def run_llmctl_schemes(folder: Path, args, workloads: list[str]) -> list[dict]:
-    """Each llmctl scheme `args.rounds` times, alternated, one process a run: a row per scheme and workload with
-    the median rate and the spread."""
-    schemes = args.schemes.split(",")
-    rates: dict[tuple[str, str], list[float]] = {(scheme, w): [] for scheme in schemes for w in workloads}
+def run_order(schemes: list[str], gguf: dict[str, Path]) -> list[tuple[str, str]]:
+    """(system, scheme) in the order a round runs them: each llmctl scheme next to its llama.cpp peer, then
+    llmctl on that peer's GGUF file."""
+    order: list[tuple[str, str]] = []
+    for scheme in schemes:
+        order.append(("llmctl", scheme))
+        peer = PEER_TYPE.get(scheme.removesuffix(CACHE_SUFFIX))
+        if peer in gguf and ("llama.cpp", peer) not in order:
+            order.append(("llama.cpp", peer))
+            if peer != "bf16" and llmctl_reads_gguf():
+                order.append(("llmctl", f"gguf {peer}"))
+    for kind in gguf:  # peers no scheme asked for still run, after the rest
+        if ("llama.cpp", kind) not in order:
+            order.append(("llama.cpp", kind))
+            if kind != "bf16" and llmctl_reads_gguf():
+                order.append(("llmctl", f"gguf {kind}"))
+    return order
+
+
+def run_once(system: str, scheme: str, folder: Path, gguf: dict[str, Path], args,
+             workloads: list[str]) -> dict[str, float]:
+    """One run of one system and scheme (each in its own process): tokens/s per workload."""
+    if system == "llama.cpp":
+        return {workload: llama_batched_rate(args.llamacpp, gguf[scheme], workload, args.num_prompts, args.output_len,
+                                             args.threads, args.llamacpp_no_repack) for workload in workloads}
+    if scheme.startswith("gguf "):
+        run = run_worker(sys.executable, "ours", gguf[scheme[5:]], "bfloat16", args, {})
+    else:
+        extra = [] if scheme == "bf16" else ["--quantization", scheme.removesuffix(CACHE_SUFFIX)]
+        if scheme.endswith(CACHE_SUFFIX):
+            extra.append("--quantization-batch-cache")
+        run = run_worker(sys.executable, "ours", folder, "bfloat16", args, {}, tuple(extra))
+    return {row["workload"]: row["tokens_per_s"] for row in summarize({("ours", "bfloat16"): run}, workloads)}
+
+
+def run_rounds(folder: Path, gguf: dict[str, Path], args, workloads: list[str]) -> list[dict]:
+    """Every system and scheme `args.rounds` times, alternated (A B C A B C ...), llama.cpp's runs among
+    llmctl's, one process a run: a row per system, scheme and workload with the median rate and every run,
+    in round order (so a ratio can also be taken round by round, the two sides minutes apart at most)."""
+    order = run_order(args.schemes.split(","), gguf)
+    rates: dict[tuple[str, str, str], list[float]] = {}
+    failed: set[tuple[str, str]] = set()
     for round_index in range(args.rounds):
-        for scheme in schemes:
-            print(f"running llmctl {scheme} (round {round_index + 1}/{args.rounds}) ...", file=sys.stderr, flush=True)
-            extra = [] if scheme == "bf16" else ["--quantization", scheme.removesuffix(CACHE_SUFFIX)]
-            if scheme.endswith(CACHE_SUFFIX):
-                extra.append("--quantization-batch-cache")
-            run = run_worker(sys.executable, "ours", folder, "bfloat16", args, {}, tuple(extra))
-            for row in summarize({("ours", "bfloat16"): run}, workloads):
-                rates[scheme, row["workload"]].append(row["tokens_per_s"])
-    return [{"system": "llmctl", "scheme": scheme, "workload": workload, "tokens_per_s": statistics.median(values),
-             "runs": values} for (scheme, workload), values in rates.items() if values]
+        for system, scheme in order:
+            if (system, scheme) in failed:
+                continue
+            print(f"running {system} {scheme} (round {round_index + 1}/{args.rounds}) ...", file=sys.stderr, flush=True)
+            try:
+                measured = run_once(system, scheme, folder, gguf, args, workloads)
+            except SystemExit as failure:
+                if not scheme.startswith("gguf "):
+                    raise
+                print(f"llmctl could not run the GGUF {scheme[5:]} file: {failure}", file=sys.stderr, flush=True)
+                failed.add((system, scheme))  # the other rows still print
+                continue
+            for workload, rate in measured.items():
+                rates.setdefault((system, scheme, workload), []).append(rate)
+    return [{"system": system, "scheme": scheme, "workload": workload, "tokens_per_s": statistics.median(values),
+             "runs": values} for (system, scheme, workload), values in rates.items()]
 
 
 def print_table(rows: list[dict], bandwidth: float) -> None:
-    def rate(system: str, scheme: str, workload: str):
-        return next((r["tokens_per_s"] for r in rows if (r["system"], r["scheme"], r["workload"]) == (system, scheme, workload)), None)
+    def find(system: str, scheme: str, workload: str) -> Optional[dict]:
+        return next((r for r in rows if (r["system"], r["scheme"], r["workload"]) == (system, scheme, workload)), None)
+
+    def rate(system: str, scheme: str, workload: str) -> Optional[float]:
+        row = find(system, scheme, workload)
+        return row["tokens_per_s"] if row else None
 
     header = (f"{'workload':<8} {'system':<10} {'scheme':<15} {'tok/s':>8} {'vs bf16':>8} {'vs llama.cpp':>18} "
-              f"{'vs vLLM bf16':>13} {'weights GB/s':>13}  runs")
+              f"{'per round':>10} {'vs vLLM bf16':>13} {'weights GB/s':>13}  runs")
     print(f"read bandwidth (llmctl bench --cpu's memory read): {bandwidth:.1f} GB/s")
+    print("vs llama.cpp: ratio of the medians; per round: the median of the rounds' own ratios")
     print(header)
     print("-" * len(header))
     for r in rows:
         peer = PEER_TYPE.get(r["scheme"].removesuffix(CACHE_SUFFIX)) if r["system"] == "llmctl" else None
         if r["scheme"].startswith("gguf "):
             peer = r["scheme"][5:]
-        peer_rate = rate("llama.cpp", peer, r["workload"]) if peer else None
+        peer_row = find("llama.cpp", peer, r["workload"]) if peer else None
         vllm = rate("vLLM-CPU", "bf16", r["workload"])
-        vs_llama = f"{r['tokens_per_s'] / peer_rate:.2f}x ({peer})" if peer_rate else "-"
+        vs_llama = f"{r['tokens_per_s'] / peer_row['tokens_per_s']:.2f}x ({peer})" if peer_row else "-"
+        per_round = "-"
+        if peer_row and len(peer_row.get("runs", [])) == len(r.get("runs", [])) > 1:
+            per_round = f"{statistics.median(a / b for a, b in zip(r['runs'], peer_row['runs'])):.2f}x"
         vs_vllm = f"{r['tokens_per_s'] / vllm:.2f}x" if vllm and r["system"] == "llmctl" else "-"
         ours_bf16 = rate("llmctl", "bf16", r["workload"])
         vs_bf16 = f"{r['tokens_per_s'] / ours_bf16:.2f}x" if ours_bf16 and r["system"] == "llmctl" else "-"
@@ -261,7 +299,7 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
             gbs = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX)) * r["tokens_per_s"] / 1e9
             streamed = f"{gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
         print(f"{r['workload']:<8} {r['system']:<10} {r['scheme']:<15} {r['tokens_per_s']:>8.1f} {vs_bf16:>8} "
-              f"{vs_llama:>18} {vs_vllm:>13} {streamed:>13}  {runs}")
+              f"{vs_llama:>18} {per_round:>10} {vs_vllm:>13} {streamed:>13}  {runs}")
 
 
 if __name__ == "__main__":

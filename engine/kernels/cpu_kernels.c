@@ -663,36 +663,46 @@ void write_kv_bf16(WRITE_KV_ARGS) { write_kv(WRITE_KV_PASS, 1); }
 void write_kv_f32(WRITE_KV_ARGS) { write_kv(WRITE_KV_PASS, 0); }
 
 /* y = W x (+ bias) for one bfloat16 row x [K] and W [N, K] row-major, in one pass over W: the
- * batch-1 decode step is these GEMVs, and torch.mv streams bf16 weights at ~11 GB/s here. Four rows
- * share each load of x; products of bf16 pairs accumulate in float32 (dpbf16). A group's four rows are one
- * contiguous run of W read as four streams a few hundred bytes long, too short for the hardware prefetchers:
- * the run GEMV_AHEAD elements (8 KiB) ahead is prefetched at the rate it is read (Zen 5, cold: the 49152x576
- * lm_head, one thread, 7.1 -> 36-40 GB/s; a SmolLM-135M token's 121 GEMVs, two threads, 22 -> 7-10 ms; 2048
- * and 3072 elements ahead did as well or a little worse, 1024 and 8192 worse). */
+ * batch-1 decode step is these GEMVs, and torch.mv streams bf16 weights at ~11 GB/s here. Each thread reads
+ * its contiguous share of W row after row, one sequential stream (x stays in L1), with products of bf16 pairs
+ * in four float32 accumulators (dpbf16) and the stream prefetched GEMV_AHEAD elements (8 KiB) ahead at the
+ * rate it is read. Measured on Zen 5 (2 vCPUs, cold, a SmolLM-135M token's 121 GEMVs, variants alternated in
+ * one process): four rows read side by side (four interleaved streams a few hundred bytes long) took
+ * 7.4-8.0 ms on two threads when the host's memory was contended, one stream 5.5-5.7 ms; 3.7 ms against 3.7
+ * when it was not; one thread 6.8-7.0 ms either way. Without the prefetch the cold lm_head (49152x576, one
+ * thread) of the four-stream reading ran at 7.1 against 36-40 GB/s; 2048 and 8192 elements ahead did as
+ * well or a little worse. */
 #if defined(__AVX512BF16__)
-#define GEMV_ROWS 4
 #define GEMV_AHEAD 4096
+INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    int64_t c = 0;
+    for (; c + 128 <= k; c += 128) {
+        for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(row + c + GEMV_AHEAD + 32 * line), _MM_HINT_T0);
+        acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_epi16(row + c), (__m512bh)_mm512_loadu_epi16(vector + c));
+        acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_epi16(row + c + 32),
+                                (__m512bh)_mm512_loadu_epi16(vector + c + 32));
+        acc2 = _mm512_dpbf16_ps(acc2, (__m512bh)_mm512_loadu_epi16(row + c + 64),
+                                (__m512bh)_mm512_loadu_epi16(vector + c + 64));
+        acc3 = _mm512_dpbf16_ps(acc3, (__m512bh)_mm512_loadu_epi16(row + c + 96),
+                                (__m512bh)_mm512_loadu_epi16(vector + c + 96));
+    }
+    for (; c < k; c += 32) {
+        _mm_prefetch((const char *)(row + c + GEMV_AHEAD), _MM_HINT_T0);
+        const __mmask32 live = k - c >= 32 ? 0xffffffffu : (__mmask32)((1ull << (k - c)) - 1);
+        acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_maskz_loadu_epi16(live, row + c),
+                                (__m512bh)_mm512_maskz_loadu_epi16(live, vector + c));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
+}
+
 int gemv_bf16(const void *w, const void *x, const void *bias, void *y, int64_t n, int64_t k, int num_threads) {
     const uint16_t *weight = (const uint16_t *)w, *vector = (const uint16_t *)x;
-    const int64_t groups = (n + GEMV_ROWS - 1) / GEMV_ROWS;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t group = 0; group < groups; group++) {
-        const int64_t first = group * GEMV_ROWS, rows = n - first < GEMV_ROWS ? n - first : GEMV_ROWS;
-        __m512 acc[GEMV_ROWS];
-        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm512_setzero_ps();
-        const uint16_t *ahead = weight + first * k + GEMV_AHEAD;
-        for (int64_t c = 0; c < k; c += 32, ahead += 32 * GEMV_ROWS) {
-            for (int r = 0; r < GEMV_ROWS; r++) _mm_prefetch((const char *)(ahead + 32 * r), _MM_HINT_T0);
-            const __mmask32 live = k - c >= 32 ? 0xffffffffu : (__mmask32)((1ull << (k - c)) - 1);
-            const __m512bh xs = (__m512bh)_mm512_maskz_loadu_epi16(live, vector + c);
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(live, weight + (first + r) * k + c), xs);
-        }
-        for (int r = 0; r < rows; r++) {
-            float value = _mm512_reduce_add_ps(acc[r]);
-            if (bias != NULL) value += _mm512_cvtss_f32(load16m(bias, first + r, 1, 1));
-            store16m(y, first + r, _mm512_set1_ps(value), 1, 1);
-        }
+    for (int64_t r = 0; r < n; r++) {
+        float value = gemv_row(weight + r * k, vector, k);
+        if (bias != NULL) value += _mm512_cvtss_f32(load16m(bias, r, 1, 1));
+        store16m(y, r, _mm512_set1_ps(value), 1, 1);
     }
     return 1;
 }
