@@ -365,6 +365,8 @@ def test_amx_gemm_rows_do_not_depend_on_the_rest_of_the_call(threads, kernel, bi
 @pytest.mark.parametrize("bits, group, asymmetric, shape", [
     (8, 576, False, (200, 576)),   # 13 blocks: six pairs and a lone one per wide tile row
     (4, 32, True, (72, 96)),
+    (8, 12, True, (40, 96)),       # 3 and 1 chunks an x block: the one-row stream's lone last chunk
+    (4, 8, False, (48, 64)),
 ])
 def test_gemv_rows_do_not_depend_on_the_rest_of_the_call(target, threads, bits, group, asymmetric, shape):
     # 70 rows: the AVX-512 body's 8-row wide tiles, then its narrow ones for the last 6
