@@ -10,7 +10,8 @@ included) for every system: llama.cpp through `llama-batched-bench` (-npp 128 -n
 -ntg 128, its B*TG / T). Pairs compared: bf16 - bf16, int8 - Q8_0 (both 8-bit symmetric; Q8_0 has a scale
 per 32 weights, ours per row) and int4-g32 - Q4_0 (both symmetric 4-bit in groups of 32).
 
-Bandwidth: the machine's read bandwidth as `llmctl bench --cpu` measures it (a sum over a large buffer), and
+Bandwidth: the machine's read bandwidth as `llmctl bench --cpu` measures it (a sum over a large buffer, at the
+start of every round; the table uses their median), and
 the weight bytes each batch-1 token streams (every linear and the lm_head in its stored form) times the
 single-stream rate, a lower bound on what the decode streams (prefill is in the time).
 
@@ -185,8 +186,6 @@ def main() -> None:
     args.repeats, args.device = 1, "cpu"
     workloads = args.workloads.split(",")
     rows: list[dict] = []
-    bandwidth = read_bandwidth_gbs()
-    print(f"read bandwidth: {bandwidth:.1f} GB/s", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="llmctl-quant-bench-") as tmp:
         folder = make_model(Path(tmp) / "model", "bfloat16")
         gguf: dict[str, Path] = {}
@@ -199,10 +198,13 @@ def main() -> None:
             print("running vLLM-CPU bf16 ...", file=sys.stderr, flush=True)
             run = run_worker(args.vllm_python, "vllm", folder, "bfloat16", args, VLLM_ENV)
             rows += [dict(r, system="vLLM-CPU", scheme="bf16") for r in summarize({("vllm", "bfloat16"): run}, workloads)]
-        rows += run_rounds(folder, gguf, args, workloads)
-    print_table(rows, bandwidth)
+        measured, bandwidths = run_rounds(folder, gguf, args, workloads)
+        rows += measured
+    bandwidth = statistics.median(bandwidths)
+    print_table(rows, bandwidth, bandwidths)
     if args.json:
-        args.json.write_text(json.dumps({"read_bandwidth_gbs": bandwidth, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"read_bandwidth_gbs": bandwidth, "read_bandwidth_rounds_gbs": bandwidths,
+                                         "rows": rows}, indent=2))
 
 
 def run_order(schemes: list[str], gguf: dict[str, Path]) -> list[tuple[str, str]]:
@@ -240,14 +242,18 @@ def run_once(system: str, scheme: str, folder: Path, gguf: dict[str, Path], args
     return {row["workload"]: row["tokens_per_s"] for row in summarize({("ours", "bfloat16"): run}, workloads)}
 
 
-def run_rounds(folder: Path, gguf: dict[str, Path], args, workloads: list[str]) -> list[dict]:
+def run_rounds(folder: Path, gguf: dict[str, Path], args, workloads: list[str]) -> tuple[list[dict], list[float]]:
     """Every system and scheme `args.rounds` times, alternated (A B C A B C ...), llama.cpp's runs among
     llmctl's, one process a run: a row per system, scheme and workload with the median rate and every run,
-    in round order (so a ratio can also be taken round by round, the two sides minutes apart at most)."""
+    in round order (so a ratio can also be taken round by round, the two sides minutes apart at most); and
+    the read bandwidth measured at each round's start (the host's own figure moves with its load too)."""
     order = run_order(args.schemes.split(","), gguf)
     rates: dict[tuple[str, str, str], list[float]] = {}
     failed: set[tuple[str, str]] = set()
+    bandwidths: list[float] = []
     for round_index in range(args.rounds):
+        bandwidths.append(read_bandwidth_gbs())
+        print(f"read bandwidth: {bandwidths[-1]:.1f} GB/s", file=sys.stderr, flush=True)
         for system, scheme in order:
             if (system, scheme) in failed:
                 continue
@@ -262,11 +268,12 @@ def run_rounds(folder: Path, gguf: dict[str, Path], args, workloads: list[str]) 
                 continue
             for workload, rate in measured.items():
                 rates.setdefault((system, scheme, workload), []).append(rate)
-    return [{"system": system, "scheme": scheme, "workload": workload, "tokens_per_s": statistics.median(values),
+    rows = [{"system": system, "scheme": scheme, "workload": workload, "tokens_per_s": statistics.median(values),
              "runs": values} for (system, scheme, workload), values in rates.items()]
+    return rows, bandwidths
 
 
-def print_table(rows: list[dict], bandwidth: float) -> None:
+def print_table(rows: list[dict], bandwidth: float, bandwidths: list[float]) -> None:
     def find(system: str, scheme: str, workload: str) -> Optional[dict]:
         return next((r for r in rows if (r["system"], r["scheme"], r["workload"]) == (system, scheme, workload)), None)
 
@@ -276,7 +283,8 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
 
     header = (f"{'workload':<8} {'system':<10} {'scheme':<15} {'tok/s':>8} {'vs bf16':>8} {'vs llama.cpp':>18} "
               f"{'per round':>10} {'vs vLLM bf16':>13} {'weights GB/s':>13}  runs")
-    print(f"read bandwidth (llmctl bench --cpu's memory read): {bandwidth:.1f} GB/s")
+    print(f"read bandwidth (llmctl bench --cpu's memory read, median of the rounds'): {bandwidth:.1f} GB/s "
+          f"({' '.join(f'{b:.1f}' for b in bandwidths)})")
     print("vs llama.cpp: ratio of the medians; per round: the median of the rounds' own ratios")
     print(header)
     print("-" * len(header))
