@@ -13,7 +13,15 @@ calling thread (`time.thread_time_ns`: descheduling on a shared host is not coun
 Both for the native step (`ModelRunner.native_decode`: the whole forward in one C call) and for the
 model's Python forward, interleaved; beside them the linears alone (the step's weight streaming).
 
+`--streaming` measures instead what issue 15's goal asks for: the rate at which a batch-1 token's weights
+stream. Wall-clock time of native decode steps (the whole engine step, sampling and scheduling included),
+the bytes of every linear's operands as stored (bf16 weights; codes, scales and zero points), and the
+machine's read bandwidth as `llmctl bench --cpu` measures it, taken between the passes so both see the same
+moment of a shared host; the figure is each pass's bytes / median step time over the read bandwidth measured
+right after it, the median of the passes'.
+
     python benchmarks/decode_overhead.py [--steps 64] [--repeats 5] [--quantization int4-g32] [--json]
+    python benchmarks/decode_overhead.py --streaming --threads 2 [--quantization int8|int4-g32] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -128,6 +136,64 @@ def median(values: list[int]) -> int:
     return sorted(values)[len(values) // 2]
 
 
+def weight_bytes_per_token(runner) -> int:
+    """Bytes of every linear's native row operands as stored (what a batch-1 step reads of the weights)."""
+    from llmctl.engine.layers.linear import LinearBase
+
+    total = 0
+    for linear in runner.model.modules():
+        if not isinstance(linear, LinearBase):
+            continue
+        kind, operand, bias = linear.method.native_row_operands(linear)
+        tensors = [operand.weight.codes, operand.weight.scales, operand.weight.zeros] if kind == "quant" else [operand]
+        total += sum(t.numel() * t.element_size() for t in tensors + [bias] if t is not None)
+    return total
+
+
+def wall_steps(engine, prompt: list[int], steps: int) -> list[int]:
+    """Wall-clock ns of each decode step of one request (the prefill step excluded)."""
+    from llmctl.engine.sampling_params import SamplingParams
+
+    engine.add_request(f"w{time.monotonic_ns()}", prompt,
+                       SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    engine.step()
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter_ns()
+        engine.step()
+        times.append(time.perf_counter_ns() - start)
+    return times
+
+
+def streaming(engine, prompt: list[int], args) -> dict:
+    """Native batch-1 steps' weight streaming rate against the read bandwidth, passes and bandwidth
+    measurements alternated."""
+    import statistics
+
+    import torch
+
+    from llmctl.bench import kernels as bench_kernels
+    from llmctl.bench.hardware import _cpu_caches
+
+    runner = engine.executor.runner
+    caches = _cpu_caches()
+    llc = caches.get(max(caches)) if caches else 32 << 20
+    size = max(256 << 20, 4 * llc)
+    step_ns, bandwidths = [], []
+    for _ in range(args.repeats):
+        step_ns.append(median(wall_steps(engine, prompt, args.steps)))
+        measured = bench_kernels.memory_read(bench_kernels.Timer(0.2, 5), torch.device("cpu"), size, peak_key=None)
+        bandwidths.append(statistics.median(measured.values))
+    weights = weight_bytes_per_token(runner)
+    step_s, bandwidth = statistics.median(step_ns) / 1e9, statistics.median(bandwidths)
+    fractions = [weights / ns / bw for ns, bw in zip(step_ns, bandwidths)]  # GB/s over GB/s, pass by pass
+    return {"quantization": args.quantization, "threads": args.threads, "native_step": runner.native_decode is not None,
+            "weight_bytes_per_token": weights, "step_ms_per_pass": [round(ns / 1e6, 3) for ns in step_ns],
+            "read_gbs_per_pass": [round(b, 1) for b in bandwidths], "step_ms": round(step_s * 1e3, 3),
+            "streamed_gbs": round(weights / step_s / 1e9, 1), "read_gbs": round(bandwidth, 1),
+            "fraction_per_pass": [round(f, 3) for f in fractions], "fraction": round(statistics.median(fractions), 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM-135M shape, random bf16)")
@@ -137,6 +203,8 @@ def main() -> None:
     parser.add_argument("--quantization", default=None,
                         help="--quantization of the engine (int8, int4-g32, int4-g32-asym, ...; default: none, bf16); "
                              "a GGUF --model runs its own quantisation")
+    parser.add_argument("--streaming", action="store_true",
+                        help="wall-clock native steps: the weights' streaming rate against the read bandwidth")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -159,6 +227,21 @@ def main() -> None:
     torch.manual_seed(0)
     prompt = torch.randint(0, runner.config.model_config.vocab_size, (128,)).tolist()
     decode_steps(engine, prompt, 8)  # warm-up
+    if args.streaming:
+        report = streaming(engine, prompt, args)
+        if args.json:
+            print(json.dumps(report))
+            return
+        print(f"batch-1 {args.quantization or 'bf16'} decode, {args.threads} thread(s), "
+              f"{'native step' if report['native_step'] else 'Python forward'}, wall clock, {args.repeats} passes of "
+              f"{args.steps} steps alternated with read-bandwidth measurements")
+        print(f"  weights a token reads   {report['weight_bytes_per_token'] / 1e6:8.1f} MB")
+        print(f"  step (median of passes) {report['step_ms']:8.3f} ms   passes: {report['step_ms_per_pass']}")
+        print(f"  weights streamed        {report['streamed_gbs']:8.1f} GB/s")
+        print(f"  read bandwidth          {report['read_gbs']:8.1f} GB/s   passes: {report['read_gbs_per_pass']}")
+        print(f"  fraction (median of the passes' own) {100 * report['fraction']:.0f} %   passes: "
+              f"{[round(100 * f) for f in report['fraction_per_pass']]}")
+        return
     plain: dict[str, list[int]] = {path: [] for path in paths}
     floors: list[int] = []
     for _ in range(args.repeats):  # interleaved, so a slower phase of a shared host hits every figure
