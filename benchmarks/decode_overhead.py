@@ -84,8 +84,10 @@ def instrument(engine) -> Timers:
     return timers
 
 
-def decode_steps(engine, prompt: list[int], steps: int, timers: "Timers | None" = None) -> list[int]:
-    """Thread CPU ns of each decode step of one request (the prefill step excluded, from `timers` too)."""
+def decode_steps(engine, prompt: list[int], steps: int, timers: "Timers | None" = None,
+                 clock=time.thread_time_ns) -> list[int]:
+    """`clock` ns (thread CPU time unless told) of each decode step of one request (the prefill step excluded,
+    from `timers` too)."""
     from llmctl.engine.sampling_params import SamplingParams
 
     engine.add_request(f"r{time.monotonic_ns()}", prompt,
@@ -95,9 +97,9 @@ def decode_steps(engine, prompt: list[int], steps: int, timers: "Timers | None" 
         timers.total.clear()
     times = []
     while engine.has_unfinished_requests():
-        start = time.thread_time_ns()
+        start = clock()
         engine.step()
-        times.append(time.thread_time_ns() - start)
+        times.append(clock() - start)
     return times
 
 
@@ -150,40 +152,18 @@ def weight_bytes_per_token(runner) -> int:
     return total
 
 
-def wall_steps(engine, prompt: list[int], steps: int) -> list[int]:
-    """Wall-clock ns of each decode step of one request (the prefill step excluded)."""
-    from llmctl.engine.sampling_params import SamplingParams
-
-    engine.add_request(f"w{time.monotonic_ns()}", prompt,
-                       SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    engine.step()
-    times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter_ns()
-        engine.step()
-        times.append(time.perf_counter_ns() - start)
-    return times
-
-
 def streaming(engine, prompt: list[int], args) -> dict:
     """Native batch-1 steps' weight streaming rate against the read bandwidth, passes and bandwidth
     measurements alternated."""
     import statistics
 
-    import torch
-
-    from llmctl.bench import kernels as bench_kernels
-    from llmctl.bench.hardware import _cpu_caches
+    from quantization import read_bandwidth_gbs
 
     runner = engine.executor.runner
-    caches = _cpu_caches()
-    llc = caches.get(max(caches)) if caches else 32 << 20
-    size = max(256 << 20, 4 * llc)
     step_ns, bandwidths = [], []
     for _ in range(args.repeats):
-        step_ns.append(median(wall_steps(engine, prompt, args.steps)))
-        measured = bench_kernels.memory_read(bench_kernels.Timer(0.2, 5), torch.device("cpu"), size, peak_key=None)
-        bandwidths.append(statistics.median(measured.values))
+        step_ns.append(median(decode_steps(engine, prompt, args.steps, clock=time.perf_counter_ns)))
+        bandwidths.append(read_bandwidth_gbs(warmup_s=0.2, reps=5))
     weights = weight_bytes_per_token(runner)
     step_s, bandwidth = statistics.median(step_ns) / 1e9, statistics.median(bandwidths)
     fractions = [weights / ns / bw for ns, bw in zip(step_ns, bandwidths)]  # GB/s over GB/s, pass by pass

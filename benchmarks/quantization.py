@@ -72,10 +72,8 @@ def stored_bytes_per_token(scheme: str) -> int:
     return total
 
 
-def read_bandwidth_gbs() -> float:
+def read_bandwidth_gbs(warmup_s: float = 0.5, reps: int = 7) -> float:
     """`llmctl bench --cpu`'s memory-read figure: the median GB/s of a sum over 256 MiB or 4x the LLC."""
-    import statistics
-
     import torch
 
     from llmctl.bench import kernels
@@ -83,7 +81,8 @@ def read_bandwidth_gbs() -> float:
 
     caches = _cpu_caches()
     llc = caches.get(max(caches)) if caches else 32 << 20
-    measured = kernels.memory_read(kernels.Timer(0.5, 7), torch.device("cpu"), max(256 << 20, 4 * llc), peak_key=None)
+    measured = kernels.memory_read(kernels.Timer(warmup_s, reps), torch.device("cpu"), max(256 << 20, 4 * llc),
+                                   peak_key=None)
     return statistics.median(measured.values)
 
 
@@ -209,20 +208,20 @@ def main() -> None:
 
 def run_order(schemes: list[str], gguf: dict[str, Path]) -> list[tuple[str, str]]:
     """(system, scheme) in the order a round runs them: each llmctl scheme next to its llama.cpp peer, then
-    llmctl on that peer's GGUF file."""
+    llmctl on that peer's GGUF file; peers no scheme asked for after the rest."""
     order: list[tuple[str, str]] = []
-    for scheme in schemes:
-        order.append(("llmctl", scheme))
-        peer = PEER_TYPE.get(scheme.removesuffix(CACHE_SUFFIX))
-        if peer in gguf and ("llama.cpp", peer) not in order:
-            order.append(("llama.cpp", peer))
-            if peer != "bf16" and llmctl_reads_gguf():
-                order.append(("llmctl", f"gguf {peer}"))
-    for kind in gguf:  # peers no scheme asked for still run, after the rest
-        if ("llama.cpp", kind) not in order:
+
+    def add_peer(kind: Optional[str]) -> None:
+        if kind in gguf and ("llama.cpp", kind) not in order:
             order.append(("llama.cpp", kind))
             if kind != "bf16" and llmctl_reads_gguf():
                 order.append(("llmctl", f"gguf {kind}"))
+
+    for scheme in schemes:
+        order.append(("llmctl", scheme))
+        add_peer(PEER_TYPE.get(scheme.removesuffix(CACHE_SUFFIX)))
+    for kind in gguf:
+        add_peer(kind)
     return order
 
 
