@@ -391,8 +391,11 @@ static void run_wide(int bits, const uint8_t *codes, const uint16_t *scales, con
  * ahead. Eight int32 chains (the chunk's parity x its four nibble planes, or its two byte planes) hide the
  * dot products' latency; they are added at the x block's end, exact integers, so every output is bitwise
  * gemv_tile's. A SmolLM-135M token's 121 GEMVs (Zen 5, cold, alternated in one process), two threads:
- * int4-g32 1.91 -> 1.38 ms, int8 3.47 -> 2.72 ms; one thread 3.17 -> 2.13 and 4.42 -> 3.37 ms. */
-#define STREAM_AHEAD 4096
+ * int4-g32 1.91 -> 1.38 ms, int8 3.47 -> 2.72 ms; one thread 3.17 -> 2.13 and 4.42 -> 3.37 ms. STREAM_AHEAD:
+ * 6 KiB, where 4 KiB fell behind when the host's memory was fast (the same GEMVs, two threads, alternated pass
+ * by pass with a 256 MiB read: at a read figure of 60-80 GB/s, int8 51.1 -> 55.9 GB/s and int4-g32 37.2 ->
+ * 40.8 GB/s over 145 and 312 passes; at 36-45 GB/s even; 8, 12 and 16 KiB between the two). */
+#define STREAM_AHEAD 6144
 INLINE void stream_block(const int BITS, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
                          const Prepared *p, const uint16_t *bias, uint16_t *y, int64_t block, int64_t n, int64_t k,
                          int64_t group) {
