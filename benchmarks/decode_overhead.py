@@ -88,10 +88,12 @@ def decode_steps(engine, prompt: list[int], steps: int, timers: "Timers | None" 
                  clock=time.thread_time_ns) -> list[int]:
     """`clock` ns (thread CPU time unless told) of each decode step of one request (the prefill step excluded,
     from `timers` too)."""
-    from llmctl.engine.sampling_params import SamplingParams
+    from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
+    # FINAL_ONLY, as `LLM.generate` and the server's non-streaming requests run (no output object per step)
     engine.add_request(f"r{time.monotonic_ns()}", prompt,
-                       SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+                       SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True,
+                                      output_kind=RequestOutputKind.FINAL_ONLY))
     engine.step()  # prefill + first token
     if timers is not None:
         timers.total.clear()
