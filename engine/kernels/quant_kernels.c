@@ -387,6 +387,16 @@ static void run_wide(int bits, const uint8_t *codes, const uint16_t *scales, con
 #endif
 
 #if ISA == 512
+/* One block's 16 rows of x block xb added to acc: the exact int32 dot products `dot` to float, the zero point's
+ * share taken off, times the weight's and x's scales (gemv_tile's arithmetic, one row). */
+INLINE fvec add_x_block(fvec acc, ivec dot, const uint16_t *scales, const uint16_t *zeros, fvec midpoint,
+                        const Prepared *p, int64_t block, int64_t groups, int64_t group, int64_t xb) {
+    const int64_t at = (block * groups + xb * p->x_block / group) * BLOCK;
+    const fvec scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
+    const fvec exact = ffnma(zero, fset1(p->xsum[xb]), fcvt(dot));
+    return ffma(exact, fmul(scale, fset1(p->xscale[xb])), acc);
+}
+
 /* gemv_tile for one x row and one block: a thread reads its blocks' codes in order, one stream, where a tile
  * of eight blocks read eight interleaved ones (each block's run a few KiB), prefetched STREAM_AHEAD bytes
  * ahead. Eight int32 chains (the chunk's parity x its four nibble planes, or its two byte planes) hide the
@@ -433,10 +443,7 @@ INLINE void stream_block(const int BITS, const uint8_t *codes, const uint16_t *s
 #undef STREAM_CHUNK
         const ivec dot = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_add_epi32(d2, d3)),
                                           _mm512_add_epi32(_mm512_add_epi32(d4, d5), _mm512_add_epi32(d6, d7)));
-        const int64_t at = (block * groups + xb * p->x_block / group) * BLOCK;
-        const fvec scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
-        const fvec exact = ffnma(zero, fset1(p->xsum[xb]), fcvt(dot));
-        acc = ffma(exact, fmul(scale, fset1(p->xscale[xb])), acc);
+        acc = add_x_block(acc, dot, scales, zeros, midpoint, p, block, groups, group, xb);
     }
     store_rows(y, bias, block * BLOCK, n, acc);
 }
@@ -500,10 +507,7 @@ INLINE void stream_block_bytes(const uint8_t *codes, const uint16_t *scales, con
         const ivec high = _mm512_add_epi32(_mm512_add_epi32(h0, h1), _mm512_add_epi32(h2, h3));
         const ivec low = _mm512_add_epi32(_mm512_add_epi32(l0, l1), _mm512_add_epi32(l2, l3));
         const ivec dot = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
-        const int64_t at = (block * groups + xb * p->x_block / group) * BLOCK;
-        const fvec scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
-        const fvec exact = ffnma(zero, fset1(p->xsum[xb]), fcvt(dot));
-        acc = ffma(exact, fmul(scale, fset1(p->xscale[xb])), acc);
+        acc = add_x_block(acc, dot, scales, zeros, midpoint, p, block, groups, group, xb);
     }
     store_rows(y, bias, block * BLOCK, n, acc);
 }
