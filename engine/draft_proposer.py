@@ -335,7 +335,7 @@ class DraftProposer(AdaptiveProposer):
     def _draw(self, logits: torch.Tensor, active: list[tuple[Sequence, int, _DraftState]]) -> None:
         """One more draft per active sequence: the argmax for a greedy request, else a draw from the
         draft's distribution under the request's sampling settings (kept as its q)."""
-        greedy = row_argmax(logits).tolist()
+        greedy = row_argmax(logits)
         for i, (seq, _, state) in enumerate(active):
             if seq.params.greedy:
                 state.drafts.append(greedy[i])

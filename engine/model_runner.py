@@ -389,14 +389,16 @@ class ModelRunner:
                 owners.append(batch_index[id(item)])
         result = ModelRunnerOutput([[] for _ in scheduled], [[] for _ in scheduled], [[] for _ in scheduled])
         if positions:
-            sampled = self.sampler(logits[: len(positions)], positions, drafts)
+            # the logits' rows are the sampled positions', then the prompt rows' (no torch call when none: each
+            # costs ~15-50 us of cold caches after a step's weight stream)
+            sampled = self.sampler(logits[: len(positions)] if step.prompt_rows else logits, positions, drafts)
             logprobs = sampled.logprobs or [None] * len(positions)
             for owner, token, entry in zip(owners, sampled.token_ids, logprobs):
                 if token == PLACEHOLDER_TOKEN_ID:
                     continue  # past a rejected draft
                 result.sampled_token_ids[owner].append(token)
                 result.logprobs[owner].append(entry)
-        scored = _prompt_logprobs(logits[len(positions):], step.prompt_rows)
+        scored = _prompt_logprobs(logits[len(positions):], step.prompt_rows) if step.prompt_rows else {}
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = scored.get(item.seq.seq_id, [])
         return result
