@@ -377,7 +377,8 @@ def test_a_maximal_token_id_prompt_is_refused_without_stalling_the_server():
     with running_server() as srv:
         before = rss_mib()
         worst, responses = _worst_health_latency_while_refusing(srv, body, "an 8 MiB token-id prompt")
-        assert worst < 0.3
+        # 3-8 ms idle, 364 ms once on a loaded 2-core host; the GIL-holding parse this guards took 0.7 s idle
+        assert worst < 0.5
         for response in responses:
             assert response.status_code == 400 and "JSON array of" in response.json()["error"]["message"]
         srv.assert_recovered(before, rss_bound_mib=128)
