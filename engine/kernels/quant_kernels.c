@@ -451,6 +451,13 @@ INLINE void stream_block(const int BITS, const uint8_t *codes, const uint16_t *s
 
 #if ISA == 512 && defined(__AVX512VNNI__)
 #define BYTE_PLANES 1
+/* stream_block_bytes prefetches in two steps, into L2 12 KiB ahead and into L1 2 KiB ahead, where stream_block
+ * prefetches once into L1 STREAM_AHEAD ahead: the 121 int4-g32 GEMVs of a SmolLM-135M token, cold, two threads,
+ * alternated pass by pass with a 256 MiB read (Zen 5), GB/s by the pass's read figure: ~38 GB/s 34.6 -> 35.9,
+ * ~55 GB/s 33.3 -> 34.8, ~65 GB/s 40.2 -> 44.7 (127, 28 and 45 passes); 16/2 and 8/1 KiB did the same as 12/2
+ * in a slow spell, and the 8-bit stream_block lost 2 % this way. */
+#define BYTES_AHEAD_L2 12288
+#define BYTES_AHEAD_L1 2048
 /* One x row as the byte pairs vpdpbusd takes for 4-bit codes: x = 256 * hi + lo exactly (hi signed, lo unsigned),
  * and per chunk four 32-bit words in the order a nibble plane's bytes hold the inputs (below): [hi of inputs 0,
  * 4, 1, 5], [lo of the same], [hi of 2, 6, 3, 7], [lo of the same]. */
@@ -489,7 +496,8 @@ INLINE void stream_block_bytes(const uint8_t *codes, const uint16_t *scales, con
 #define BYTES_CHUNK(c, high_a, low_a, high_b, low_b)                                                          \
         {                                                                                                     \
             const uint32_t *xs = planes + (c) * 4;                                                            \
-            _mm_prefetch((const char *)(base + (c) * CHUNK + STREAM_AHEAD), _MM_HINT_T0);                     \
+            _mm_prefetch((const char *)(base + (c) * CHUNK + BYTES_AHEAD_L2), _MM_HINT_T1);                   \
+            _mm_prefetch((const char *)(base + (c) * CHUNK + BYTES_AHEAD_L1), _MM_HINT_T0);                   \
             const ivec words = iload(base + (c) * CHUNK);                                                     \
             const ivec a = iand(words, low4), b = iand(isrl16(words, 4), low4);                               \
             high_a = _mm512_dpbusd_epi32(high_a, a, _mm512_set1_epi32((int)xs[0]));                           \
