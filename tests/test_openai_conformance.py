@@ -279,7 +279,13 @@ def test_guidellm_streaming_body_with_continuous_usage(server, path, body):
     counts = [event["usage"]["completion_tokens"] for event in events]
     assert counts == sorted(counts) and counts[-1] == 6
     assert all(event["usage"]["prompt_tokens"] > 0 for event in events)
-    assert events[-1]["choices"] == [] and any(0 < n < 6 for n in counts)
+    assert events[-1]["choices"] == []
+    # Every chunk with text carries the tokens so far. How many chunks there are is not fixed: a reader that
+    # falls behind the engine gets the tokens not yet read in one chunk (RequestStream), all 6 on a loaded host.
+    texts = [(event["choices"][0].get("text") or event["choices"][0].get("delta", {}).get("content"))
+             if event["choices"] else None for event in events]
+    with_text = [event["usage"]["completion_tokens"] for event, text in zip(events, texts) if text]
+    assert with_text and with_text[0] > 0 and with_text == sorted(set(with_text))
 
 
 def test_litellm_completion_and_chat(server):
