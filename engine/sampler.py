@@ -41,6 +41,14 @@ class SamplingRow:
             self.generator.manual_seed(position_seed(self.draw_seed, len(self.output_token_ids) + offset, stream))
         return self.generator
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing to apply first: no logits processors, penalties, log-probs or min_tokens mask."""
+        params = self.params
+        return (params.greedy and not params.logits_processors and params.logprobs is None
+                and not params.needs_penalties
+                and not (len(self.output_token_ids) < params.min_tokens and self.stop_token_ids))
+
 
 @dataclass
 class SamplerOutput:
@@ -84,6 +92,8 @@ class Sampler:
         """One token per row of `logits`; the rows of each span in `drafts` (a verify row with its draft
         distribution) are sampled together by the rejection sampler, unless the request is greedy (then
         the target's argmax at each position is the rejection sampler's answer for any q)."""
+        if all(row.argmax_only for row in rows):  # the passes below would change nothing: after a batch-1
+            return SamplerOutput(row_argmax(logits), None)  # step's weight stream each costs cold caches
         logits = self._apply_processors(logits, rows)
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
