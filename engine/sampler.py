@@ -42,12 +42,16 @@ class SamplingRow:
         return self.generator
 
     @property
+    def masks_stops(self) -> bool:
+        """Its stop tokens are masked: fewer than min_tokens generated yet."""
+        return bool(self.stop_token_ids) and len(self.output_token_ids) < self.params.min_tokens
+
+    @property
     def argmax_only(self) -> bool:
         """Greedy with nothing to apply first: no logits processors, penalties, log-probs or min_tokens mask."""
         params = self.params
         return (params.greedy and not params.logits_processors and params.logprobs is None
-                and not params.needs_penalties
-                and not (len(self.output_token_ids) < params.min_tokens and self.stop_token_ids))
+                and not params.needs_penalties and not self.masks_stops)
 
 
 @dataclass
@@ -146,7 +150,7 @@ class Sampler:
         return logits
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        early = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens and r.stop_token_ids]
+        early = [i for i, r in enumerate(rows) if r.masks_stops]
         if not early:
             return logits
         logits = logits.clone()

@@ -455,7 +455,7 @@ INLINE void stream_block(const int BITS, const uint8_t *codes, const uint16_t *s
  * prefetches once into L1 STREAM_AHEAD ahead: the 121 int4-g32 GEMVs of a SmolLM-135M token, cold, two threads,
  * alternated pass by pass with a 256 MiB read (Zen 5), GB/s by the pass's read figure: ~38 GB/s 34.6 -> 35.9,
  * ~55 GB/s 33.3 -> 34.8, ~65 GB/s 40.2 -> 44.7 (127, 28 and 45 passes); 16/2 and 8/1 KiB did the same as 12/2
- * in a slow spell, and the 8-bit stream_block lost 2 % this way. */
+ * in a slow spell, and the 8-bit stream_block lost 2-4 % this way. */
 #define BYTES_AHEAD_L2 12288
 #define BYTES_AHEAD_L1 2048
 /* One x row as the byte pairs vpdpbusd takes for 4-bit codes: x = 256 * hi + lo exactly (hi signed, lo unsigned),
