@@ -98,12 +98,15 @@ def test_a_block_rule_ends_the_stream_with_content_filter_and_frees_the_request(
     server, block = filtered[0], filtered[2]
     original = "".join(plain["blocked"])
     before = original[:original.index(block)]
+    # Room for 480 tokens, so that the abort lands long before the end: a server loop that falls
+    # behind the engine gets its tokens in one delta (CI once saw all 24 of a 24-token budget).
+    long = {**GREEDY, "max_tokens": 480}
     chunks = list(client.completions.create(prompt=BLOCKED_PROMPT, stream=True, stream_options={"include_usage": True},
-                                            **GREEDY))
+                                            **long))
     choices = [c.choices[0] for c in chunks if c.choices]
     assert "".join(c.text for c in choices) == before
     assert choices[-1].finish_reason == "content_filter"
-    assert chunks[-1].usage.completion_tokens < GREEDY["max_tokens"]  # aborted, not generated to the end
+    assert chunks[-1].usage.completion_tokens < long["max_tokens"]  # aborted, not generated to the end
     server.wait_idle()
     whole = client.completions.create(prompt=BLOCKED_PROMPT, **GREEDY).choices[0]
     assert whole.text == before and whole.finish_reason == "content_filter"
