@@ -79,9 +79,9 @@ class QuantRowOperand:
 
     def stack_fields(self) -> tuple[int, ...]:
         """decode_stack_bf16's descriptor fields after the kind: codes, scales, zeros (0: the midpoint), bits,
-        group size, the GEMV's address."""
+        group size, the address of the GEMV that also prefetches the next linear (quant_gemv_bf16_chain)."""
         codes, scales, zeros, bits = self.weight.arguments
-        return codes, scales, zeros or 0, bits, self.weight.group_size, self.kernels.gemv_address
+        return codes, scales, zeros or 0, bits, self.weight.group_size, self.kernels.chain_gemv_address
 
 
 class QuantKernels:
@@ -95,8 +95,9 @@ class QuantKernels:
         self._dequantize = library.quant_dequantize_bf16
         self._dequantize.argtypes = [_POINTER] * 3 + [ctypes.c_int, _POINTER] + [_INT64] * 3 + [ctypes.c_int]
         self._dequantize.restype = ctypes.c_int
-        # for the native decode step (cpu_kernels.c's decode_stack_bf16 calls this library's GEMV by address)
-        self.gemv_address = ctypes.cast(self._gemv, ctypes.c_void_p).value
+        # for the native decode step: cpu_kernels.c's decode_stack_bf16 calls this library's GEMV by address, the
+        # variant that also prefetches the start of the linear the step runs next
+        self.chain_gemv_address = ctypes.cast(library.quant_gemv_bf16_chain, ctypes.c_void_p).value
         self._gemm_amx = library.quant_gemm_amx_bf16
         self._gemm_amx.argtypes = self._gemv.argtypes
         self._gemm_amx.restype = ctypes.c_int
