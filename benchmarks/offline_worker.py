@@ -1,6 +1,6 @@
 """One system's side of benchmarks/offline_throughput.py, run in its own process (and, for vLLM,
 its own Python). Prints `FIRST_TOKEN` as soon as the first token exists and one `RESULT {json}`
-line per workload. Standalone on purpose: vLLM's venv does not have llmctl installed."""
+line per workload (llmctl's one-request runs add `decode_tokens` and `decode_seconds`: first token to last). Standalone on purpose: vLLM's venv does not have llmctl installed."""
 
 from __future__ import annotations
 
@@ -31,7 +31,12 @@ def run_ours(args, workloads):
     def run(prompts):
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         outputs = llm.generate(prompts, params)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if len(outputs) != 1:
+            return tokens
+        # one request: its decode alone (first token to the last), the time per output token without the prefill
+        metrics = outputs[0].metrics
+        return tokens, {"decode_tokens": tokens - 1, "decode_seconds": metrics.finished_time - metrics.first_token_time}
 
     return run
 
@@ -107,11 +112,12 @@ def main() -> None:
     for name in args.workloads.split(","):
         for repeat in range(args.repeats):
             start = time.perf_counter()
-            tokens = run(workloads[name])
+            tokens = run(workloads[name])  # or (tokens, decode-only figures) where the system reports them
             seconds = time.perf_counter() - start
+            tokens, decode = tokens if isinstance(tokens, tuple) else (tokens, {})
             print("RESULT " + json.dumps({"system": args.system, "dtype": args.dtype, "workload": name,
                                           "repeat": repeat, "tokens": tokens, "seconds": seconds,
-                                          "tokens_per_s": tokens / seconds}), flush=True)
+                                          "tokens_per_s": tokens / seconds, **decode}), flush=True)
 
 
 if __name__ == "__main__":

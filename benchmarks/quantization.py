@@ -13,7 +13,8 @@ per 32 weights, ours per row) and int4-g32 - Q4_0 (both symmetric 4-bit in group
 Bandwidth: the machine's read bandwidth as `llmctl bench --cpu` measures it (a sum over a large buffer, at the
 start of every round; the table uses their median), and
 the weight bytes each batch-1 token streams (every linear and the lm_head in its stored form) times the
-single-stream rate, a lower bound on what the decode streams (prefill is in the time).
+single-stream rate: over the whole run (prefill in the time, a lower bound) and over the decode alone (llmctl's
+request metrics, first token to last: a token's weights over the time per output token).
 
     python benchmarks/quantization.py [--llamacpp DIR [--llamacpp-no-repack]] [--vllm-python VENV/bin/python]
         [--schemes bf16,int8,int4-g32,int4,int8+cache,int4-g32+cache] [--workloads single,batched] [--rounds N]
@@ -226,11 +227,12 @@ def run_order(schemes: list[str], gguf: dict[str, Path]) -> list[tuple[str, str]
 
 
 def run_once(system: str, scheme: str, folder: Path, gguf: dict[str, Path], args,
-             workloads: list[str]) -> dict[str, float]:
-    """One run of one system and scheme (each in its own process): tokens/s per workload."""
+             workloads: list[str]) -> dict[str, tuple[float, Optional[float]]]:
+    """One run of one system and scheme (each in its own process): per workload, tokens/s and (llmctl's single
+    workload) the decode's own tokens/s, first token to last, without the prefill."""
     if system == "llama.cpp":
-        return {workload: llama_batched_rate(args.llamacpp, gguf[scheme], workload, args.num_prompts, args.output_len,
-                                             args.threads, args.llamacpp_no_repack) for workload in workloads}
+        return {workload: (llama_batched_rate(args.llamacpp, gguf[scheme], workload, args.num_prompts, args.output_len,
+                                              args.threads, args.llamacpp_no_repack), None) for workload in workloads}
     if scheme.startswith("gguf "):
         run = run_worker(sys.executable, "ours", gguf[scheme[5:]], "bfloat16", args, {})
     else:
@@ -238,7 +240,9 @@ def run_once(system: str, scheme: str, folder: Path, gguf: dict[str, Path], args
         if scheme.endswith(CACHE_SUFFIX):
             extra.append("--quantization-batch-cache")
         run = run_worker(sys.executable, "ours", folder, "bfloat16", args, {}, tuple(extra))
-    return {row["workload"]: row["tokens_per_s"] for row in summarize({("ours", "bfloat16"): run}, workloads)}
+    decode = {r["workload"]: r["decode_tokens"] / r["decode_seconds"] for r in run["results"] if r.get("decode_seconds")}
+    return {row["workload"]: (row["tokens_per_s"], decode.get(row["workload"]))
+            for row in summarize({("ours", "bfloat16"): run}, workloads)}
 
 
 def run_rounds(folder: Path, gguf: dict[str, Path], args, workloads: list[str]) -> tuple[list[dict], list[float]]:
@@ -248,6 +252,7 @@ def run_rounds(folder: Path, gguf: dict[str, Path], args, workloads: list[str]) 
     the read bandwidth measured at each round's start (the host's own figure moves with its load too)."""
     order = run_order(args.schemes.split(","), gguf)
     rates: dict[tuple[str, str, str], list[float]] = {}
+    decode_rates: dict[tuple[str, str, str], list[float]] = {}
     failed: set[tuple[str, str]] = set()
     bandwidths: list[float] = []
     for round_index in range(args.rounds):
@@ -265,10 +270,16 @@ def run_rounds(folder: Path, gguf: dict[str, Path], args, workloads: list[str]) 
                 print(f"llmctl could not run the GGUF {scheme[5:]} file: {failure}", file=sys.stderr, flush=True)
                 failed.add((system, scheme))  # the other rows still print
                 continue
-            for workload, rate in measured.items():
+            for workload, (rate, decode_rate) in measured.items():
                 rates.setdefault((system, scheme, workload), []).append(rate)
+                if decode_rate is not None:
+                    decode_rates.setdefault((system, scheme, workload), []).append(decode_rate)
     rows = [{"system": system, "scheme": scheme, "workload": workload, "tokens_per_s": statistics.median(values),
              "runs": values} for (system, scheme, workload), values in rates.items()]
+    for row in rows:
+        decode = decode_rates.get((row["system"], row["scheme"], row["workload"]))
+        if decode:
+            row["decode_tokens_per_s"], row["decode_runs"] = statistics.median(decode), decode
     return rows, bandwidths
 
 
@@ -281,7 +292,7 @@ def print_table(rows: list[dict], bandwidth: float, bandwidths: list[float]) -> 
         return row["tokens_per_s"] if row else None
 
     header = (f"{'workload':<8} {'system':<10} {'scheme':<15} {'tok/s':>8} {'vs bf16':>8} {'vs llama.cpp':>18} "
-              f"{'per round':>10} {'vs vLLM bf16':>13} {'weights GB/s':>13}  runs")
+              f"{'per round':>10} {'vs vLLM bf16':>13} {'weights GB/s: all, decode':>26}  runs")
     print(f"read bandwidth (llmctl bench --cpu's memory read, median of the rounds'): {bandwidth:.1f} GB/s "
           f"({' '.join(f'{b:.1f}' for b in bandwidths)})")
     print("vs llama.cpp: ratio of the medians; per round: the median of the rounds' own ratios")
@@ -305,8 +316,11 @@ def print_table(rows: list[dict], bandwidth: float, bandwidths: list[float]) -> 
         if r["system"] == "llmctl" and r["workload"] == "single" and not r["scheme"].startswith("gguf"):
             gbs = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX)) * r["tokens_per_s"] / 1e9
             streamed = f"{gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
+            if r.get("decode_tokens_per_s"):  # the decode alone: a token's weights over the time per output token
+                gbs = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX)) * r["decode_tokens_per_s"] / 1e9
+                streamed += f" {gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
         print(f"{r['workload']:<8} {r['system']:<10} {r['scheme']:<15} {r['tokens_per_s']:>8.1f} {vs_bf16:>8} "
-              f"{vs_llama:>18} {per_round:>10} {vs_vllm:>13} {streamed:>13}  {runs}")
+              f"{vs_llama:>18} {per_round:>10} {vs_vllm:>13} {streamed:>26}  {runs}")
 
 
 if __name__ == "__main__":
