@@ -298,6 +298,7 @@ def print_table(rows: list[dict], bandwidth: float, bandwidths: list[float]) -> 
     print("vs llama.cpp: ratio of the medians; per round: the median of the rounds' own ratios")
     print(header)
     print("-" * len(header))
+    decode_shares: list[str] = []
     for r in rows:
         peer = PEER_TYPE.get(r["scheme"].removesuffix(CACHE_SUFFIX)) if r["system"] == "llmctl" else None
         if r["scheme"].startswith("gguf "):
@@ -317,10 +318,18 @@ def print_table(rows: list[dict], bandwidth: float, bandwidths: list[float]) -> 
             gbs = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX)) * r["tokens_per_s"] / 1e9
             streamed = f"{gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
             if r.get("decode_tokens_per_s"):  # the decode alone: a token's weights over the time per output token
-                gbs = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX)) * r["decode_tokens_per_s"] / 1e9
+                per_token = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX))
+                gbs = per_token * r["decode_tokens_per_s"] / 1e9
                 streamed += f" {gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
+                if len(r["decode_runs"]) == len(bandwidths) > 1:  # each round's run against that round's read figure
+                    shares = sorted(100 * per_token * d / 1e9 / b for d, b in zip(r["decode_runs"], bandwidths))
+                    decode_shares.append(f"{r['scheme']} {statistics.median(shares):.0f}% "
+                                         f"({' '.join(f'{x:.0f}' for x in shares)})")
         print(f"{r['workload']:<8} {r['system']:<10} {r['scheme']:<15} {r['tokens_per_s']:>8.1f} {vs_bf16:>8} "
               f"{vs_llama:>18} {per_round:>10} {vs_vllm:>13} {streamed:>26}  {runs}")
+    if decode_shares:
+        print("decode weights stream, each round against its own read figure (median, then every round): "
+              + "; ".join(decode_shares))
 
 
 if __name__ == "__main__":
