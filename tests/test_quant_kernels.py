@@ -237,6 +237,34 @@ def test_the_avx512_and_avx2_bodies_agree_bitwise(bits, group, in_features):
 
 
 @pytest.mark.parametrize("target", ["native", "avx2"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_chained_gemv_is_the_gemv_whatever_comes_next(target, rows):
+    # decode_stack_bf16 calls quant_gemv_bf16_chain by address with the linear it runs next: its threads then
+    # prefetch that weight's start, which must not change a bit of this one's outputs (nor fault on a next
+    # weight the layout does not cover)
+    import ctypes
+
+    kernels = kernels_or_skip(target)
+    pointer, int64 = ctypes.c_void_p, ctypes.c_int64
+    chain = ctypes.CFUNCTYPE(ctypes.c_int, pointer, pointer, pointer, ctypes.c_int, pointer, pointer, pointer, int64,
+                             int64, int64, int64, ctypes.c_int, pointer, pointer, pointer, ctypes.c_int, int64, int64,
+                             int64)(kernels.chain_gemv_address)
+    weight = GroupedIntWeight.quantize(torch.randn(40, 576) * 0.05, 4, 32, False)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, 4, 32)
+    following = GroupedIntWeight.quantize(torch.randn(576, 1536) * 0.05, 8, 64, False)
+    after = kernels.pack(following.codes, following.scales, following.zeros, 8, 64)
+    x, bias = torch.randn(rows, 576).bfloat16(), torch.randn(40).bfloat16()
+    expected = kernels.gemv(packed, x, bias)
+    codes, scales, zeros, bits = after.arguments
+    for next_weight in ((codes, scales, zeros, bits, 576, 1536, 64), (None, None, None, 0, 0, 0, 0),
+                        (codes, scales, zeros, 5, 576, 1536, 64)):  # a next weight of bits the layout lacks: none
+        got = torch.empty_like(expected)
+        assert chain(*packed.arguments, x.data_ptr(), bias.data_ptr(), got.data_ptr(), rows, 40, 576, 32,
+                     torch.get_num_threads(), *next_weight) == 1
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("target", ["native", "avx2"])
 def test_activations_are_scaled_per_block_not_per_row(target):
     # inputs 0..31 are 10^4 times inputs 32..63; row 0's weights on the large inputs are all 0, so its output
     # depends on the small inputs alone: one int16 scale for the whole row would round them all to 0
