@@ -1,5 +1,5 @@
 """Quantised decode on CPU: llmctl bf16 / int8 / int4 beside llama.cpp (the same model converted to GGUF
-bf16, Q8_0 and Q4_0) and vLLM-CPU bf16, ratios in one run.
+bf16, Q8_0, Q4_0 and Q4_K_M) and vLLM-CPU bf16, ratios in one run.
 
 Model: SmolLM-135M's shape with seeded random weights (offline_throughput.py's), saved in bfloat16; every
 system loads that folder (llama.cpp: its GGUF conversions, made by llama.cpp's own converter and
@@ -8,7 +8,9 @@ system loads that folder (llama.cpp: its GGUF conversions, made by llama.cpp's o
 average) and 128 output tokens each. Rate = output tokens / wall time of the whole workload (prefill
 included) for every system: llama.cpp through `llama-batched-bench` (-npp 128 -npl 1 and -npp 144 -npl 64,
 -ntg 128, its B*TG / T). Pairs compared: bf16 - bf16, int8 - Q8_0 (both 8-bit symmetric; Q8_0 has a scale
-per 32 weights, ours per row) and int4-g32 - Q4_0 (both symmetric 4-bit in groups of 32).
+per 32 weights, ours per row) and int4-g32 - Q4_0 (both symmetric 4-bit in groups of 32). Q4_K_M, the file
+type most users download, has no on-the-fly twin: llmctl runs llama.cpp's file (for this shape mostly Q5_0 and
+Q8_0, as 576 inputs are not whole 256-value K-quant super-blocks; Q4_K/Q6_K on the 1536-input down_proj).
 
 Bandwidth: the machine's read bandwidth as `llmctl bench --cpu` measures it (a sum over a large buffer, at the
 start of every round; the table uses their median), and
@@ -192,7 +194,7 @@ def main() -> None:
         if args.llamacpp:  # converted first, so a failing conversion stops the run before the long part
             gguf["bf16"] = Path(tmp) / "model-bf16.gguf"
             convert_to_gguf(args.llamacpp, folder, gguf["bf16"])
-            for kind in ("Q8_0", "Q4_0"):
+            for kind in ("Q8_0", "Q4_0", "Q4_K_M"):
                 gguf[kind] = quantize_gguf(args.llamacpp, gguf["bf16"], kind)
         if args.vllm_python:
             print("running vLLM-CPU bf16 ...", file=sys.stderr, flush=True)

@@ -97,7 +97,7 @@ class GGUFFile:
         return config
 
     def head_from_embedding(self) -> bool:
-        """A tied file (no output.weight) whose token_embd is in a grouped type (Q8_0, Q4_0, Q4_1, Q4_K): its
+        """A tied file (no output.weight) whose token_embd is in a grouped type (`GROUPED_DECODERS`): its
         output matrix runs as an lm_head of its own from token_embd's blocks (`lm_head.qweight`, the quantised
         GEMV on the file's codes, as llama.cpp runs it) while the embedding lookup reads the dequantised table.
         Tying the lm_head to that table instead streamed it in bf16 (SmolLM-135M: 57 MB a token against Q8_0's

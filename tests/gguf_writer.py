@@ -1,7 +1,7 @@
 """Test-side GGUF conversion of a tiny Hugging Face model, the way llama.cpp's convert_hf_to_gguf.py writes it:
-the gguf package's writer and tensor-name map, its quantisers for Q8_0/Q4_0/Q4_1/BF16 and round-to-nearest
-Q4_K/Q6_K packers written here from ggml's block layouts (the gguf package only dequantises K-quants; its
-dequantisers check these packers). Llama q/k rows are permuted as the converter does."""
+the gguf package's writer and tensor-name map, its quantisers for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/TQ2_0/BF16 and
+round-to-nearest Q4_K/Q5_K/Q6_K packers written here from ggml's block layouts (the gguf package only dequantises
+K-quants; its dequantisers check these packers). Llama q/k rows are permuted as the converter does."""
 
 from __future__ import annotations
 
@@ -18,28 +18,48 @@ def _f16(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
 
 
-def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
-    """float [n, k * 256] -> Q4_K blocks uint8 [n, k * 144]: per 32 values a 6-bit scale and min against the
-    super-block's float16 d and dmin; w = d * sc * q - dmin * m."""
+def _k_scales_mins(rows: np.ndarray, levels: int) -> tuple:
+    """Q4_K/Q5_K's rounding: per 32 values a 6-bit scale and min against the super-block's float16 d and dmin,
+    codes 0..levels; returns the codes [n, k, 8, 32] and the 12 packed scale bytes, d and dmin per super-block."""
     n = rows.shape[0]
     x = rows.astype(np.float32).reshape(n, -1, 8, 32)
     low = np.minimum(x.min(-1), 0)
-    span = (x.max(-1) - low) / 15
+    span = (x.max(-1) - low) / levels
     d = (span.max(-1) / 63).astype(np.float16).astype(np.float32)
     dmin = (-low.min(-1) / 63).astype(np.float16).astype(np.float32)
     sc = np.clip(np.round(span / np.where(d == 0, 1, d)[..., None]), 0, 63).astype(np.uint8)
     m = np.clip(np.round(-low / np.where(dmin == 0, 1, dmin)[..., None]), 0, 63).astype(np.uint8)
     scale = d[..., None] * sc
-    q = np.clip(np.round((x + (dmin[..., None] * m)[..., None]) / np.where(scale == 0, 1, scale)[..., None]), 0, 15)
-    q = q.astype(np.uint8)
+    q = np.clip(np.round((x + (dmin[..., None] * m)[..., None]) / np.where(scale == 0, 1, scale)[..., None]), 0, levels)
     packed_scales = np.concatenate([
         (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
         (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
         (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4),
     ], axis=-1)
+    return q.astype(np.uint8), packed_scales, d, dmin
+
+
+def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
+    """float [n, k * 256] -> Q4_K blocks uint8 [n, k * 144]: w = d * sc * q - dmin * m, q 0..15."""
+    n = rows.shape[0]
+    q, packed_scales, d, dmin = _k_scales_mins(rows, 15)
     q = q.reshape(n, -1, 4, 2, 32)
     qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, -1, 128)
     blocks = np.concatenate([_f16(d), _f16(dmin), packed_scales, qs], axis=-1)
+    return blocks.reshape(n, -1)
+
+
+def quantize_q5_k(rows: np.ndarray) -> np.ndarray:
+    """float [n, k * 256] -> Q5_K blocks uint8 [n, k * 176]: Q4_K's scales and mins, q 0..31 as a nibble
+    (sub-blocks 2c and 2c + 1 share qs chunk c) and a high bit (sub-block s: bit s of qh's 32 bytes)."""
+    n = rows.shape[0]
+    q, packed_scales, d, dmin = _k_scales_mins(rows, 31)
+    low, high = q & 0xF, q >> 4  # [n, k, 8, 32]
+    qs = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(n, -1, 128)
+    qh = np.zeros(high.shape[:2] + (32,), dtype=np.uint8)
+    for sub in range(8):
+        qh |= high[:, :, sub] << sub
+    blocks = np.concatenate([_f16(d), _f16(dmin), packed_scales, qh, qs], axis=-1)
     return blocks.reshape(n, -1)
 
 
@@ -68,6 +88,8 @@ def quantize(rows: np.ndarray, type_name: str) -> np.ndarray:
 
     if type_name == "Q4_K":
         return quantize_q4_k(rows)
+    if type_name == "Q5_K":
+        return quantize_q5_k(rows)
     if type_name == "Q6_K":
         return quantize_q6_k(rows)
     if type_name == "F32":

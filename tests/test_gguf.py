@@ -24,7 +24,12 @@ from llmctl.engine.layers.gguf_linear import GROUPED_DECODERS, grouped_weight
 from llmctl.engine.layers.linear import LinearBase
 from llmctl.engine.tokenizer import Tokenizer
 
-Q4_K_M = {"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K"}
+# llama.cpp's Q4_K_M mix on two layers (Q6_K for the output, attn_v and ffn_down where it spends more bits), with
+# one tensor in a type that has no grouped form (TQ2_0, ternary), which runs dequantised
+Q4_K_M = {"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K",
+          "blk.1.ffn_down.weight": "TQ2_0"}
+# Q5_K_M: Q5_K with the same Q6_K tensors
+Q5_K_M = {"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K"}
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +51,18 @@ def layouts(llm) -> dict[str, str]:
     return {name: getattr(m, "quant_layout", "float") for name, m in model.named_modules() if isinstance(m, LinearBase)}
 
 
+def grouped_forms(llm) -> dict[str, object]:
+    """Per linear: (bits, group) of its grouped weight, or "float" where it runs dequantised."""
+    model = llm.engine.executor.runner.model
+    return {name: (m.quant_bits, m.quant_group_size) if hasattr(m, "quant_layout") else "float"
+            for name, m in model.named_modules() if isinstance(m, LinearBase)}
+
+
 # llama: untied lm_head, q/k rows permuted in the file; qwen2: tied lm_head, q/k/v biases; qwen3: q/k norms
 # llama3: the llama3 rope scaling as the file's rope_freqs divisors
 @pytest.mark.parametrize("arch, kind, layout", [("llama", "Q8_0", "dequant"), ("qwen2", "Q4_0", "int4pack"),
-                                                ("llama", "Q4_1", "int4pack"), ("qwen3", "BF16", "float"),
+                                                ("llama", "Q4_1", "int4pack"), ("llama", "Q5_0", "dequant"),
+                                                ("qwen2", "Q5_1", "dequant"), ("qwen3", "BF16", "float"),
                                                 ("mistral", "F16", "float"), ("llama3", "F32", "float")])
 def test_greedy_tokens_and_logits_match_the_dequantised_reference(tiny_models, tmp_path, arch, kind, layout):
     from transformers import AutoModelForCausalLM
@@ -69,7 +82,7 @@ def test_greedy_tokens_and_logits_match_the_dequantised_reference(tiny_models, t
                             prompts=3)
 
 
-def test_q4_k_m_mix_runs_q4_k_grouped_and_q6_k_dequantised(k_quant_model, tmp_path, caplog):
+def test_q4_k_m_mix_runs_grouped_with_q6_k_as_8_bit_codes(k_quant_model, tmp_path, caplog):
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "model-Q4_K_M.gguf"
@@ -77,14 +90,36 @@ def test_q4_k_m_mix_runs_q4_k_grouped_and_q6_k_dequantised(k_quant_model, tmp_pa
     with caplog.at_level("INFO", logger="llmctl"):
         llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
                   max_num_batched_tokens=96)
-    found = layouts(llm)
-    # layer 0: v is Q6_K, so its fused q/k/v runs dequantised, like its Q6_K down_proj and the lm_head
-    assert found["model.layers.0.self_attn.qkv_proj"] == found["model.layers.0.mlp.down_proj"] == "float"
-    assert found["lm_head"] == "float"
-    assert found["model.layers.1.self_attn.qkv_proj"] == found["model.layers.0.mlp.gate_up_proj"] == "int4pack"
-    assert "GGUF Q6_K linears are dequantised to torch.float32" in caplog.text
+    found = grouped_forms(llm)
+    # layer 0: Q4_K q/k beside a Q6_K v make one 8-bit qkv in groups of 16; its Q6_K down_proj and the lm_head too
+    assert found["model.layers.0.self_attn.qkv_proj"] == found["model.layers.0.mlp.down_proj"] == (8, 16)
+    assert found["lm_head"] == (8, 16)
+    assert found["model.layers.1.self_attn.qkv_proj"] == found["model.layers.0.mlp.gate_up_proj"] == (4, 32)
+    assert found["model.layers.1.mlp.down_proj"] == "float"  # TQ2_0: no grouped form
+    assert "GGUF TQ2_0 linears are dequantised to torch.float32" in caplog.text
+    assert "Q6_K" not in caplog.text and "Q4_K" not in caplog.text
     unquantised = AutoModelForCausalLM.from_pretrained(k_quant_model, dtype=torch.float32).eval()
     check_against_reference(llm, reference_model(k_quant_model, held), unquantised, prompts=3)
+
+
+def test_q5_k_m_mix_runs_as_8_bit_codes(k_quant_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "model-Q5_K_M.gguf"
+    held = write_gguf(k_quant_model, path, Q5_K_M, default_type="Q5_K")
+    llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400,
+              max_num_batched_tokens=96)
+    found = grouped_forms(llm)
+    assert found["model.layers.1.self_attn.qkv_proj"] == found["model.layers.1.mlp.down_proj"] == (8, 32)
+    assert found["model.layers.0.self_attn.qkv_proj"] == found["lm_head"] == (8, 16)
+    reference = reference_model(k_quant_model, held)
+    for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:2]):  # bf16: the native decode step's kernels
+        expected = reference_logits(reference, prompt, tokens)
+        assert (ours.float() - expected).abs().max().item() < 0.05 * expected.abs().max().item() + 0.05
+    float32 = LLM(str(path), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
+                  max_num_batched_tokens=96)
+    unquantised = AutoModelForCausalLM.from_pretrained(k_quant_model, dtype=torch.float32).eval()
+    check_against_reference(float32, reference, unquantised, prompts=3)
 
 
 @pytest.mark.parametrize("kind", sorted(GROUPED_DECODERS))
@@ -93,7 +128,7 @@ def test_grouped_decoders_match_the_gguf_dequantiser(kind):
     rows[3, :32] = 0.0  # an all-zero group
     blocks = quantize(rows, kind)
     weight = grouped_weight([(kind, blocks)])
-    assert weight is not None and weight.bits == GROUPED_DECODERS[kind][0] and weight.group_size == 32
+    assert weight is not None and (weight.bits, weight.group_size) == GROUPED_DECODERS[kind][:2]
     expected = torch.from_numpy(dequantize(blocks, kind).reshape(rows.shape))
     assert torch.allclose(weight.dequantize(), expected, atol=1e-6, rtol=1e-5)
     assert (expected - torch.from_numpy(rows)).abs().max() < 0.02  # the packer quantised, not scrambled
@@ -101,16 +136,29 @@ def test_grouped_decoders_match_the_gguf_dequantiser(kind):
 
 def test_test_side_k_quant_packers_round_trip():
     rows = np.random.default_rng(1).normal(size=(4, 512)).astype(np.float32)
-    for kind, tolerance in (("Q4_K", 0.35), ("Q6_K", 0.08)):
+    for kind, tolerance in (("Q4_K", 0.35), ("Q5_K", 0.18), ("Q6_K", 0.08)):
         restored = dequantize(quantize(rows, kind), kind).reshape(rows.shape)
         assert np.abs(restored - rows).max() < tolerance, kind
 
 
-def test_a_fused_layer_of_mixed_bit_widths_is_not_grouped():
-    rows = np.random.default_rng(2).normal(size=(16, 64)).astype(np.float32)
-    assert grouped_weight([("Q8_0", quantize(rows, "Q8_0")), ("Q4_0", quantize(rows, "Q4_0"))]) is None
-    mixed = grouped_weight([("Q4_0", quantize(rows, "Q4_0")), ("Q4_1", quantize(rows, "Q4_1"))])
-    assert mixed is not None and mixed.zeros is not None and torch.all(mixed.zeros[:16] == 8)
+def test_a_fused_layer_of_mixed_types_is_one_weight_of_the_widest_bits_and_smallest_group():
+    rows = np.random.default_rng(2).normal(size=(16, 256)).astype(np.float32)
+
+    def check(kinds, bits, group, has_zeros):
+        shards = [(kind, quantize(rows, kind)) for kind in kinds]
+        weight = grouped_weight(shards)
+        assert weight is not None and (weight.bits, weight.group_size) == (bits, group)
+        assert (weight.zeros is not None) == has_zeros
+        expected = torch.cat([torch.from_numpy(dequantize(raw, kind).reshape(rows.shape)) for kind, raw in shards])
+        assert torch.allclose(weight.dequantize(), expected, atol=1e-6, rtol=1e-5)
+        return weight
+
+    check(["Q8_0", "Q4_0"], 8, 32, False)  # Q4_0's codes widened: its midpoint 8 moves to 128 with them
+    check(["Q4_K", "Q4_K", "Q6_K"], 8, 16, True)  # Q4_K_M's q, k, v
+    check(["Q5_0", "Q8_0", "Q5_1"], 8, 32, True)
+    mixed = check(["Q4_0", "Q4_1"], 4, 32, True)
+    assert torch.all(mixed.zeros[:16] == 8)
+    assert grouped_weight([("Q4_K", quantize(rows, "Q4_K")), ("TQ2_0", quantize(rows, "TQ2_0"))]) is None
 
 
 # ---- tokenizer from the metadata -----------------------------------------------------------------
@@ -211,7 +259,7 @@ def test_a_quantised_file_runs_in_bfloat16_by_default_and_tracks_the_reference(t
         assert (ours.float() - expected).abs().max().item() < 0.05 * expected.abs().max().item() + 0.05
 
 
-@pytest.mark.parametrize("embedding_type", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("embedding_type", ["Q8_0", "Q4_0", "Q5_0"])
 def test_a_tied_files_lm_head_runs_on_the_embeddings_own_codes(tiny_models, tmp_path, embedding_type):
     """No output.weight: the lm_head is token_embd's blocks in the quantised kernel's layout (llama.cpp writes a
     tied SmolLM's token_embd as Q8_0 in its Q4_0 file: rows of 576 are no multiple of 256), the embedding
@@ -221,7 +269,7 @@ def test_a_tied_files_lm_head_runs_on_the_embeddings_own_codes(tiny_models, tmp_
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400)
     model = llm.engine.executor.runner.model
     head, table = model.lm_head, model.model.embed_tokens.weight
-    assert head.quant_layout == "native" and head.quant_bits == {"Q8_0": 8, "Q4_0": 4}[embedding_type]
+    assert head.quant_layout == "native" and head.quant_bits == {"Q8_0": 8, "Q4_0": 4, "Q5_0": 8}[embedding_type]
     assert head.weight.dtype == torch.uint8 and head.weight.data_ptr() != table.data_ptr()
     expected = torch.from_numpy(held["model.embed_tokens.weight"])
     assert torch.equal(table, expected.bfloat16())

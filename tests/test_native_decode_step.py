@@ -111,14 +111,17 @@ def test_on_the_fly_quantised_linears_run_in_the_native_step_bitwise(tmp_path, a
 
 
 @needs_gemv
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_gguf_q4_0_files_step_runs_natively_bitwise(tiny_models, tmp_path, arch):
+@pytest.mark.parametrize("arch, default_type, types", [
+    ("llama", "Q4_0", {}), ("qwen2", "Q4_0", {}),
+    # 5-bit types as 8-bit codes, a Q4_0 v widened into its 8-bit qkv, an asymmetric Q5_1 down_proj
+    ("llama", "Q5_0", {"attn_v.weight": "Q4_0", "ffn_down.weight": "Q5_1"})])
+def test_a_gguf_files_step_runs_natively_bitwise(tiny_models, tmp_path, arch, default_type, types):
     from gguf_writer import write_gguf
 
-    path = tmp_path / "model-Q4_0.gguf"
-    write_gguf(tiny_models[arch], path, {}, default_type="Q4_0")
+    path = tmp_path / f"model-{default_type}.gguf"
+    write_gguf(tiny_models[arch], path, types, default_type=default_type)
     llm = _llm(path)
-    # llama: its own Q4_0 output matrix; qwen2: tied, the lm_head from the embedding's Q4_0 codes
+    # llama: its own output matrix; qwen2: tied, the lm_head from the embedding's Q4_0 codes
     _check_one_token_steps_against_the_python_forward(llm, {"quant"})
 
 

@@ -87,6 +87,8 @@ HAS_KERNELS = load_quant_kernels() is not None
     ((32, 64), 8, 64, False, True, ("int8pack", "native", "int8pack")),
     ((32, 64), 8, 32, True, False, ("dequant", "native", "dequant")),      # grouped int8 with zeros (GPTQ 8-bit)
     ((40, 256), 8, 32, False, False, ("dequant", "native", "dequant")),    # GGUF Q8_0: symmetric, groups of 32
+    ((48, 512), 8, 16, False, False, ("dequant", "native", "dequant")),    # GGUF Q6_K as 8-bit codes: groups of 16
+    ((32, 256), 8, 16, True, False, ("dequant", "native", "dequant")),     # Q4_K beside Q6_K in one fused layer
     ((32, 40), 8, 40, False, False, ("dequant", "native", "dequant")),     # inputs int8pack does not take
     ((32, 42), 8, 42, False, False, ("dequant", "dequant", "dequant")),    # groups not whole 4-input chunks
     ((32, 128), 4, 32, False, False, ("int4pack", "native", "int4pack")),

@@ -7,18 +7,26 @@ layer picks its run-time form once all are in.
 - Q4_1 (d, m, nibbles; w = q * d + m) -> 4-bit group 32 with zero -m / d;
 - Q4_K (super-blocks of 256: float16 d and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of
   nibbles; w = d * sc * q - dmin * m per 32) -> 4-bit group 32 with scale d * sc and zero dmin * m / (d * sc);
-- every other type (Q6_K, Q5_K, Q5_0, ... and F32/F16/BF16) is dequantised by the gguf package to the
-  model dtype and runs as an unquantised linear (logged once per type): the engine has no grouped kernel
-  for 5/6-bit codes, and Q6_K tensors are the minority of a Q4_K_M file (attn_v, ffn_down, output).
-A fused layer whose shards mix 4- and 8-bit types runs dequantised too. With tensor parallelism every rank
-decodes the layer's whole tensors and keeps its part (`rank_grouped_part`, or `rank_rows`/`rank_columns` of
-the dequantised weight, as the unquantised method would have loaded it).
+- the 5- and 6-bit types run as 8-bit codes (the kernels have 4- and 8-bit paths; 8 bits hold them exactly):
+  Q5_0 (d, 32 high bits, nibbles; w = (q - 16) * d) -> group 32, code q + 112; Q5_1 (d, m, ...; w = q * d + m)
+  -> group 32 with zero -m / d; Q5_K (Q4_K's scales and mins, a high bit per value) -> group 32 like Q4_K;
+  Q6_K (super-blocks of 256: low nibbles, 2 high bits, an int8 scale per 16, float16 d; w = d * sc * (q - 32))
+  -> group 16, code q + 96. A Q4_K_M file is mostly Q4_K with Q6_K for attn_v, half the ffn_down and the output
+  (and Q5_0/Q8_0 where rows are not whole 256-value super-blocks, as SmolLM's 576): dequantised to bf16, those
+  tensors streamed 2 bytes a weight where 8-bit codes stream 1.06-1.13;
+- every other type (Q2_K, Q3_K, the IQ types, and F32/F16/BF16) is dequantised by the gguf package to the model
+  dtype and runs as an unquantised linear (logged once per type).
+A fused layer's shards run as one grouped weight of the widest bits and the smallest group among them (4-bit
+codes widened to 8 bits keep their values; a group of 32 is two groups of 16 with the same scale), so a Q4_K
+q/k beside a Q6_K v is one 8-bit qkv, not a dequantised one. With tensor parallelism every rank decodes the
+layer's whole tensors and keeps its part (`rank_grouped_part`, or `rank_rows`/`rank_columns` of the dequantised
+weight, as the unquantised method would have loaded it).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -32,7 +40,7 @@ from llmctl.engine.layers.quantization import (GroupedIntWeight, apply_grouped_w
 
 logger = logging.getLogger(__name__)
 
-QK = 32  # values per Q8_0/Q4_0/Q4_1 block and per Q4_K sub-block
+QK = 32  # values per Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 block and per Q4_K/Q5_K sub-block
 QK_K = 256
 
 
@@ -84,6 +92,53 @@ def q4_k_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.n
     return codes, scales.reshape(rows, -1), _zeros(offsets.reshape(rows, -1), scales.reshape(rows, -1))
 
 
+def _high_bits_32(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32) -> [..., 32] bits: bit j is value j's fifth bit (Q5_0, Q5_1)."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def q5_0_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    blocks = _blocks(raw, 2 + 4 + QK // 2)
+    q = _nibbles_32(blocks[..., 6:]) | (_high_bits_32(blocks[..., 2:6]) << 4)
+    return (q + 112).reshape(raw.shape[0], -1), _float16(blocks[..., :2]), None
+
+
+def q5_1_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    blocks = _blocks(raw, 4 + 4 + QK // 2)
+    scales, mins = _float16(blocks[..., :2]), _float16(blocks[..., 2:4])
+    q = _nibbles_32(blocks[..., 8:]) | (_high_bits_32(blocks[..., 4:8]) << 4)
+    return q.reshape(raw.shape[0], -1), scales, _zeros(-mins, scales)
+
+
+def q5_k_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    from gguf.quants import Q4_K
+
+    blocks = _blocks(raw, 4 + 12 + QK_K // 8 + QK_K // 2)
+    rows, count = blocks.shape[:2]
+    d, dmin = _float16(blocks[..., :2]), _float16(blocks[..., 2:4])
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+    scales = (d[..., None] * sc.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
+    offsets = (dmin[..., None] * m.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
+    # sub-block s: the low nibbles of qs chunk s // 2 (s even) or its high ones (s odd), and bit s of qh's 32 bytes
+    qs = blocks[..., 48:].reshape(rows, count, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    qh = blocks[..., 16:48].reshape(rows, count, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    codes = ((qs & 0x0F).reshape(rows, count, 8, 32) | ((qh & 0x01) << 4)).reshape(rows, -1)
+    return codes, scales, _zeros(offsets, scales)
+
+
+def q6_k_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    blocks = _blocks(raw, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2)
+    rows, count = blocks.shape[:2]
+    d = _float16(blocks[..., -2:])
+    sc = blocks[..., QK_K * 3 // 4:QK_K * 3 // 4 + 16].view(np.int8).astype(np.float32)
+    # values 32 at a time: the low (then high) nibbles of ql's 64-byte halves, 2 bits of qh's 32-byte quarters
+    ql = blocks[..., :QK_K // 2].reshape(rows, count, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    qh = blocks[..., QK_K // 2:QK_K * 3 // 4].reshape(rows, count, 2, 1, 32) >> np.array(
+        [0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    q = (ql & 0x0F).reshape(rows, count, 8, 32) | ((qh & 0x03).reshape(rows, count, 8, 32) << 4)
+    return (q + 96).reshape(rows, -1), (d[..., None] * sc).reshape(rows, -1), None
+
+
 def _zeros(offsets: np.ndarray, scales: np.ndarray) -> Optional[np.ndarray]:
     """w = q * scale - offset as (q - zero) * scale: zero = offset / scale. None where a group has scale 0
     and an offset (a constant group the grouped form cannot hold)."""
@@ -92,10 +147,19 @@ def _zeros(offsets: np.ndarray, scales: np.ndarray) -> Optional[np.ndarray]:
     return np.divide(offsets, scales, out=np.zeros_like(offsets), where=scales != 0)
 
 
-# ggml type name -> (bits, decoder to (codes [rows, in], scales [rows, in / 32], zeros or None))
-GROUPED_DECODERS = {"Q8_0": (8, q8_0_grouped), "Q4_0": (4, q4_0_grouped), "Q4_1": (4, q4_1_grouped),
-                    "Q4_K": (4, q4_k_grouped)}
-ASYMMETRIC = ("Q4_1", "Q4_K")
+class GroupedDecoder(NamedTuple):
+    bits: int  # of the codes it returns
+    group: int  # inputs per scale
+    decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]
+
+
+# ggml type name -> its decoder to (codes uint8 [rows, in], scales [rows, in / group], zeros or None: symmetric at
+# the bits' midpoint)
+GROUPED_DECODERS = {"Q8_0": GroupedDecoder(8, QK, q8_0_grouped), "Q4_0": GroupedDecoder(4, QK, q4_0_grouped),
+                    "Q4_1": GroupedDecoder(4, QK, q4_1_grouped), "Q4_K": GroupedDecoder(4, QK, q4_k_grouped),
+                    "Q5_0": GroupedDecoder(8, QK, q5_0_grouped), "Q5_1": GroupedDecoder(8, QK, q5_1_grouped),
+                    "Q5_K": GroupedDecoder(8, QK, q5_k_grouped), "Q6_K": GroupedDecoder(8, 16, q6_k_grouped)}
+ASYMMETRIC = ("Q4_1", "Q4_K", "Q5_1", "Q5_K")
 
 
 def dequantize_raw(raw: np.ndarray, type_name: str, in_features: int) -> torch.Tensor:
@@ -113,24 +177,37 @@ def dequantize_raw(raw: np.ndarray, type_name: str, in_features: int) -> torch.T
     return torch.from_numpy(values).reshape(raw.shape[0], in_features)
 
 
+def _as_part(decoder: GroupedDecoder, raw: np.ndarray, bits: int,
+             group: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """One shard decoded into a layer of `bits` codes and groups of `group` inputs (group divides its own)."""
+    codes, scales, zeros = decoder.decode(raw)
+    if decoder.bits < bits and zeros is None:  # symmetric: the midpoint moves from 8 to 128 with the codes
+        codes = codes + np.uint8((1 << (bits - 1)) - (1 << (decoder.bits - 1)))
+    repeat = decoder.group // group
+    if repeat > 1:
+        scales = np.repeat(scales, repeat, axis=-1)
+        zeros = np.repeat(zeros, repeat, axis=-1) if zeros is not None else None
+    return codes, scales, zeros
+
+
 def grouped_weight(shards: list[tuple[str, np.ndarray]]) -> Optional[GroupedIntWeight]:
-    """The (fused) layer's shards, in output order, as one grouped weight; None where their types do not
-    all map onto one grouped form."""
-    names = {name for name, _ in shards}
-    if not names <= set(GROUPED_DECODERS) or len({GROUPED_DECODERS[n][0] for n in names}) != 1:
+    """The (fused) layer's shards, in output order, as one grouped weight of the widest bits and the smallest
+    group among them; None where a type has no grouped form (or an asymmetric group cannot be held)."""
+    if not all(name in GROUPED_DECODERS for name, _ in shards):
         return None
-    parts = [GROUPED_DECODERS[name][1](raw) for name, raw in shards]
-    if any(name in ASYMMETRIC for name in names):
-        if any(n in ASYMMETRIC and zeros is None for (n, _), (_, _, zeros) in zip(shards, parts)):
-            return None
-        midpoint = float(1 << (GROUPED_DECODERS[shards[0][0]][0] - 1))
+    decoders = [GROUPED_DECODERS[name] for name, _ in shards]
+    bits, group = max(d.bits for d in decoders), min(d.group for d in decoders)
+    parts = [_as_part(decoder, raw, bits, group) for decoder, (_, raw) in zip(decoders, shards)]
+    if any(name in ASYMMETRIC and zeros is None for (name, _), (_, _, zeros) in zip(shards, parts)):
+        return None
+    zeros = None
+    if any(name in ASYMMETRIC for name, _ in shards):
+        midpoint = float(1 << (bits - 1))
         zeros = torch.cat([torch.from_numpy(z) if z is not None else torch.full(s.shape, midpoint)
                            for _, s, z in parts]).float()
-    else:
-        zeros = None
     return GroupedIntWeight(codes=torch.from_numpy(np.concatenate([c for c, _, _ in parts])),
                             scales=torch.from_numpy(np.concatenate([s for _, s, _ in parts])), zeros=zeros,
-                            bits=GROUPED_DECODERS[shards[0][0]][0], group_size=QK)
+                            bits=bits, group_size=group)
 
 
 class GGUFLinearMethod(LinearMethod):
