@@ -1,7 +1,7 @@
 """Test-side GGUF conversion of a tiny Hugging Face model, the way llama.cpp's convert_hf_to_gguf.py writes it:
 the gguf package's writer and tensor-name map, its quantisers for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/TQ2_0/BF16 and
-round-to-nearest Q4_K/Q5_K/Q6_K packers written here from ggml's block layouts (the gguf package only dequantises
-K-quants; its dequantisers check these packers). Llama q/k rows are permuted as the converter does."""
+round-to-nearest Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS packers written here from ggml's block layouts (the gguf package
+only dequantises those; its dequantisers check these packers). Llama q/k rows are permuted as the converter does."""
 
 from __future__ import annotations
 
@@ -82,6 +82,50 @@ def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+IQ4_GRID = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _iq4_indices(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The nearest grid value's index for each of x's values / scale (scale broadcast over x's last axis)."""
+    ratio = x / np.where(scale == 0, 1, scale)[..., None]
+    return np.abs(ratio[..., None] - IQ4_GRID).argmin(-1).astype(np.uint8)
+
+
+def _iq4_nibbles(index: np.ndarray) -> np.ndarray:
+    """[..., 32] indices -> [..., 16] bytes: values 0..15 in the low nibbles, 16..31 in the high ones."""
+    return index[..., :16] | (index[..., 16:] << 4)
+
+
+def quantize_iq4_nl(rows: np.ndarray) -> np.ndarray:
+    """float [n, k * 32] -> IQ4_NL blocks uint8 [n, k * 18]: float16 d (the block's largest magnitude onto the
+    grid's -127), nibbles indexing the grid; w = d * grid[q]."""
+    n = rows.shape[0]
+    x = rows.astype(np.float32).reshape(n, -1, 32)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    d = (-peak / 127).astype(np.float16).astype(np.float32)
+    return np.concatenate([_f16(d), _iq4_nibbles(_iq4_indices(x, d))], axis=-1).reshape(n, -1)
+
+
+def quantize_iq4_xs(rows: np.ndarray) -> np.ndarray:
+    """float [n, k * 256] -> IQ4_XS blocks uint8 [n, k * 136]: float16 d, per 32 values a 6-bit scale ls
+    (scales_h: 2 bits each, scales_l: a nibble each), nibbles indexing IQ4_NL's grid; w = d * (ls - 32) * grid[q]."""
+    n = rows.shape[0]
+    x = rows.astype(np.float32).reshape(n, -1, 8, 32)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    ideal = -peak / 127  # [n, k, 8]
+    d = (np.abs(ideal).max(-1) / 31).astype(np.float16).astype(np.float32)
+    ls = (np.clip(np.round(ideal / np.where(d == 0, 1, d)[..., None]), -32, 31) + 32).astype(np.uint16)
+    index = _iq4_indices(x, d[..., None] * (ls.astype(np.float32) - 32))
+    scales_h = np.zeros(ls.shape[:2], dtype=np.uint16)
+    for sub in range(8):
+        scales_h |= (ls[..., sub] >> 4) << (2 * sub)
+    low = (ls & 0x0F).astype(np.uint8)
+    scales_l = low[..., 0::2] | (low[..., 1::2] << 4)
+    blocks = np.concatenate([_f16(d), scales_h[..., None].view(np.uint8), scales_l,
+                             _iq4_nibbles(index).reshape(n, -1, 128)], axis=-1)
+    return blocks.reshape(n, -1)
+
+
 def quantize(rows: np.ndarray, type_name: str) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
@@ -90,6 +134,10 @@ def quantize(rows: np.ndarray, type_name: str) -> np.ndarray:
         return quantize_q4_k(rows)
     if type_name == "Q5_K":
         return quantize_q5_k(rows)
+    if type_name == "IQ4_NL":
+        return quantize_iq4_nl(rows)
+    if type_name == "IQ4_XS":
+        return quantize_iq4_xs(rows)
     if type_name == "Q6_K":
         return quantize_q6_k(rows)
     if type_name == "F32":

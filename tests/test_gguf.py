@@ -28,7 +28,7 @@ from llmctl.engine.tokenizer import Tokenizer
 # one tensor in a type that has no grouped form (TQ2_0, ternary), which runs dequantised
 Q4_K_M = {"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K",
           "blk.1.ffn_down.weight": "TQ2_0"}
-# Q5_K_M: Q5_K with the same Q6_K tensors
+# Q5_K_M: Q5_K with the same Q6_K tensors (and an IQ4_XS file's mix the same way)
 Q5_K_M = {"output.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K"}
 
 
@@ -62,7 +62,8 @@ def grouped_forms(llm) -> dict[str, object]:
 # llama3: the llama3 rope scaling as the file's rope_freqs divisors
 @pytest.mark.parametrize("arch, kind, layout", [("llama", "Q8_0", "dequant"), ("qwen2", "Q4_0", "int4pack"),
                                                 ("llama", "Q4_1", "int4pack"), ("llama", "Q5_0", "dequant"),
-                                                ("qwen2", "Q5_1", "dequant"), ("qwen3", "BF16", "float"),
+                                                ("qwen2", "Q5_1", "dequant"), ("qwen2", "IQ4_NL", "dequant"),
+                                                ("qwen3", "BF16", "float"),
                                                 ("mistral", "F16", "float"), ("llama3", "F32", "float")])
 def test_greedy_tokens_and_logits_match_the_dequantised_reference(tiny_models, tmp_path, arch, kind, layout):
     from transformers import AutoModelForCausalLM
@@ -102,11 +103,12 @@ def test_q4_k_m_mix_runs_grouped_with_q6_k_as_8_bit_codes(k_quant_model, tmp_pat
     check_against_reference(llm, reference_model(k_quant_model, held), unquantised, prompts=3)
 
 
-def test_q5_k_m_mix_runs_as_8_bit_codes(k_quant_model, tmp_path):
+@pytest.mark.parametrize("default_type", ["Q5_K", "IQ4_XS"])
+def test_q5_k_m_and_iq4_xs_mixes_run_as_8_bit_codes(k_quant_model, tmp_path, default_type):
     from transformers import AutoModelForCausalLM
 
-    path = tmp_path / "model-Q5_K_M.gguf"
-    held = write_gguf(k_quant_model, path, Q5_K_M, default_type="Q5_K")
+    path = tmp_path / f"model-{default_type}.gguf"
+    held = write_gguf(k_quant_model, path, Q5_K_M, default_type=default_type)
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400,
               max_num_batched_tokens=96)
     found = grouped_forms(llm)
@@ -136,7 +138,7 @@ def test_grouped_decoders_match_the_gguf_dequantiser(kind):
 
 def test_test_side_k_quant_packers_round_trip():
     rows = np.random.default_rng(1).normal(size=(4, 512)).astype(np.float32)
-    for kind, tolerance in (("Q4_K", 0.35), ("Q5_K", 0.18), ("Q6_K", 0.08)):
+    for kind, tolerance in (("Q4_K", 0.35), ("Q5_K", 0.18), ("Q6_K", 0.08), ("IQ4_NL", 0.4), ("IQ4_XS", 0.4)):
         restored = dequantize(quantize(rows, kind), kind).reshape(rows.shape)
         assert np.abs(restored - rows).max() < tolerance, kind
 

@@ -11,10 +11,11 @@ layer picks its run-time form once all are in.
   Q5_0 (d, 32 high bits, nibbles; w = (q - 16) * d) -> group 32, code q + 112; Q5_1 (d, m, ...; w = q * d + m)
   -> group 32 with zero -m / d; Q5_K (Q4_K's scales and mins, a high bit per value) -> group 32 like Q4_K;
   Q6_K (super-blocks of 256: low nibbles, 2 high bits, an int8 scale per 16, float16 d; w = d * sc * (q - 32))
-  -> group 16, code q + 96. A Q4_K_M file is mostly Q4_K with Q6_K for attn_v, half the ffn_down and the output
+  -> group 16, code q + 96; IQ4_NL (d, nibbles indexing a 16-value non-linear grid) and IQ4_XS (IQ4_NL's grid,
+  a 6-bit scale per 32 against d) -> group 32, code grid[q] + 128. A Q4_K_M file is mostly Q4_K with Q6_K for attn_v, half the ffn_down and the output
   (and Q5_0/Q8_0 where rows are not whole 256-value super-blocks, as SmolLM's 576): dequantised to bf16, those
   tensors streamed 2 bytes a weight where 8-bit codes stream 1.06-1.13;
-- every other type (Q2_K, Q3_K, the IQ types, and F32/F16/BF16) is dequantised by the gguf package to the model
+- every other type (Q2_K, Q3_K, the IQ types but IQ4_NL/IQ4_XS, and F32/F16/BF16) is dequantised by the gguf package to the model
   dtype and runs as an unquantised linear (logged once per type).
 A fused layer's shards run as one grouped weight of the widest bits and the smallest group among them (4-bit
 codes widened to 8 bits keep their values; a group of 32 is two groups of 16 with the same scale), so a Q4_K
@@ -139,6 +140,28 @@ def q6_k_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.n
     return (q + 96).reshape(rows, -1), (d[..., None] * sc).reshape(rows, -1), None
 
 
+# IQ4_NL/IQ4_XS's non-linear 4-bit grid (ggml's kvalues_iq4nl): a code is an index into it
+IQ4_GRID = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
+
+
+def iq4_nl_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    blocks = _blocks(raw, 2 + QK // 2)
+    codes = (IQ4_GRID[_nibbles_32(blocks[..., 2:])] + 128).astype(np.uint8)
+    return codes.reshape(raw.shape[0], -1), _float16(blocks[..., :2]), None
+
+
+def iq4_xs_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    blocks = _blocks(raw, 2 + 2 + QK_K // 64 + QK_K // 2)
+    rows, count = blocks.shape[:2]
+    d = _float16(blocks[..., :2])
+    # sub-block s's 6-bit scale: a nibble of scales_l byte s // 2, 2 bits of the 16-bit scales_h
+    high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)[..., 0, None] >> (2 * np.arange(8, dtype=np.uint16))
+    low = blocks[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)
+    scales = (low.reshape(rows, count, 8) & 0x0F) | ((high & 0x03).astype(np.uint8) << 4)
+    codes = (IQ4_GRID[_nibbles_32(blocks[..., 8:].reshape(rows, count, 8, 16))] + 128).astype(np.uint8)
+    return codes.reshape(rows, -1), (d[..., None] * (scales.astype(np.float32) - 32)).reshape(rows, -1), None
+
+
 def _zeros(offsets: np.ndarray, scales: np.ndarray) -> Optional[np.ndarray]:
     """w = q * scale - offset as (q - zero) * scale: zero = offset / scale. None where a group has scale 0
     and an offset (a constant group the grouped form cannot hold)."""
@@ -158,7 +181,8 @@ class GroupedDecoder(NamedTuple):
 GROUPED_DECODERS = {"Q8_0": GroupedDecoder(8, QK, q8_0_grouped), "Q4_0": GroupedDecoder(4, QK, q4_0_grouped),
                     "Q4_1": GroupedDecoder(4, QK, q4_1_grouped), "Q4_K": GroupedDecoder(4, QK, q4_k_grouped),
                     "Q5_0": GroupedDecoder(8, QK, q5_0_grouped), "Q5_1": GroupedDecoder(8, QK, q5_1_grouped),
-                    "Q5_K": GroupedDecoder(8, QK, q5_k_grouped), "Q6_K": GroupedDecoder(8, 16, q6_k_grouped)}
+                    "Q5_K": GroupedDecoder(8, QK, q5_k_grouped), "Q6_K": GroupedDecoder(8, 16, q6_k_grouped),
+                    "IQ4_NL": GroupedDecoder(8, QK, iq4_nl_grouped), "IQ4_XS": GroupedDecoder(8, QK, iq4_xs_grouped)}
 ASYMMETRIC = ("Q4_1", "Q4_K", "Q5_1", "Q5_K")
 
 
