@@ -82,13 +82,16 @@ def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-IQ4_GRID = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+def _iq4_grid() -> np.ndarray:
+    from gguf.quants import IQ4_NL
+
+    return np.array(IQ4_NL.kvalues, dtype=np.float32)
 
 
 def _iq4_indices(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The nearest grid value's index for each of x's values / scale (scale broadcast over x's last axis)."""
     ratio = x / np.where(scale == 0, 1, scale)[..., None]
-    return np.abs(ratio[..., None] - IQ4_GRID).argmin(-1).astype(np.uint8)
+    return np.abs(ratio[..., None] - _iq4_grid()).argmin(-1).astype(np.uint8)
 
 
 def _iq4_nibbles(index: np.ndarray) -> np.ndarray:

@@ -12,11 +12,12 @@ layer picks its run-time form once all are in.
   -> group 32 with zero -m / d; Q5_K (Q4_K's scales and mins, a high bit per value) -> group 32 like Q4_K;
   Q6_K (super-blocks of 256: low nibbles, 2 high bits, an int8 scale per 16, float16 d; w = d * sc * (q - 32))
   -> group 16, code q + 96; IQ4_NL (d, nibbles indexing a 16-value non-linear grid) and IQ4_XS (IQ4_NL's grid,
-  a 6-bit scale per 32 against d) -> group 32, code grid[q] + 128. A Q4_K_M file is mostly Q4_K with Q6_K for attn_v, half the ffn_down and the output
-  (and Q5_0/Q8_0 where rows are not whole 256-value super-blocks, as SmolLM's 576): dequantised to bf16, those
+  a 6-bit scale per 32 against d) -> group 32, code grid[q] + 128. A Q4_K_M file is mostly Q4_K with Q6_K
+  for attn_v, half the ffn_down and the output (and Q5_0/Q8_0 where rows are not whole 256-value super-blocks,
+  as SmolLM's 576): dequantised to bf16, those
   tensors streamed 2 bytes a weight where 8-bit codes stream 1.06-1.13;
-- every other type (Q2_K, Q3_K, the IQ types but IQ4_NL/IQ4_XS, and F32/F16/BF16) is dequantised by the gguf package to the model
-  dtype and runs as an unquantised linear (logged once per type).
+- every other type (Q2_K, Q3_K, the IQ types but IQ4_NL/IQ4_XS, and F32/F16/BF16) is dequantised by the gguf
+  package to the model dtype and runs as an unquantised linear (logged once per type).
 A fused layer's shards run as one grouped weight of the widest bits and the smallest group among them (4-bit
 codes widened to 8 bits keep their values; a group of 32 is two groups of 16 with the same scale), so a Q4_K
 q/k beside a Q6_K v is one 8-bit qkv, not a dequantised one. With tensor parallelism every rank decodes the
@@ -78,19 +79,25 @@ def q4_1_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.n
     return _nibbles_32(blocks[..., 4:]).reshape(raw.shape[0], -1), scales, _zeros(-mins, scales)
 
 
-def q4_k_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+def _k_scales_offsets(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-blocks [rows, count, bytes] -> per 32 values d * sc and dmin * m [rows, count * 8]."""
     from gguf.quants import Q4_K
 
-    blocks = _blocks(raw, 4 + 12 + QK_K // 2)
     rows, count = blocks.shape[:2]
     d, dmin = _float16(blocks[..., :2]), _float16(blocks[..., 2:4])
     sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
     scales = d[..., None] * sc.reshape(rows, count, 8).astype(np.float32)
     offsets = dmin[..., None] * m.reshape(rows, count, 8).astype(np.float32)
+    return scales.reshape(rows, -1), offsets.reshape(rows, -1)
+
+
+def q4_k_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    blocks = _blocks(raw, 4 + 12 + QK_K // 2)
+    rows, count = blocks.shape[:2]
+    scales, offsets = _k_scales_offsets(blocks)
     # 4 chunks of 32 bytes; chunk c: sub-block 2c in the low nibbles, 2c + 1 in the high ones
     qs = blocks[..., 16:].reshape(rows, count, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    codes = (qs & 0x0F).reshape(rows, -1)
-    return codes, scales.reshape(rows, -1), _zeros(offsets.reshape(rows, -1), scales.reshape(rows, -1))
+    return (qs & 0x0F).reshape(rows, -1), scales, _zeros(offsets, scales)
 
 
 def _high_bits_32(qh: np.ndarray) -> np.ndarray:
@@ -112,14 +119,9 @@ def q5_1_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.n
 
 
 def q5_k_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    from gguf.quants import Q4_K
-
     blocks = _blocks(raw, 4 + 12 + QK_K // 8 + QK_K // 2)
     rows, count = blocks.shape[:2]
-    d, dmin = _float16(blocks[..., :2]), _float16(blocks[..., 2:4])
-    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
-    scales = (d[..., None] * sc.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
-    offsets = (dmin[..., None] * m.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
+    scales, offsets = _k_scales_offsets(blocks)
     # sub-block s: the low nibbles of qs chunk s // 2 (s even) or its high ones (s odd), and bit s of qh's 32 bytes
     qs = blocks[..., 48:].reshape(rows, count, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     qh = blocks[..., 16:48].reshape(rows, count, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
@@ -140,13 +142,16 @@ def q6_k_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.n
     return (q + 96).reshape(rows, -1), (d[..., None] * sc).reshape(rows, -1), None
 
 
-# IQ4_NL/IQ4_XS's non-linear 4-bit grid (ggml's kvalues_iq4nl): a code is an index into it
-IQ4_GRID = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
+def _iq4_grid() -> np.ndarray:
+    """IQ4_NL/IQ4_XS's non-linear 4-bit grid (the gguf package's, ggml's kvalues_iq4nl): a code indexes it."""
+    from gguf.quants import IQ4_NL
+
+    return np.array(IQ4_NL.kvalues, dtype=np.int16)
 
 
 def iq4_nl_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     blocks = _blocks(raw, 2 + QK // 2)
-    codes = (IQ4_GRID[_nibbles_32(blocks[..., 2:])] + 128).astype(np.uint8)
+    codes = (_iq4_grid()[_nibbles_32(blocks[..., 2:])] + 128).astype(np.uint8)
     return codes.reshape(raw.shape[0], -1), _float16(blocks[..., :2]), None
 
 
@@ -158,7 +163,7 @@ def iq4_xs_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np
     high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)[..., 0, None] >> (2 * np.arange(8, dtype=np.uint16))
     low = blocks[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)
     scales = (low.reshape(rows, count, 8) & 0x0F) | ((high & 0x03).astype(np.uint8) << 4)
-    codes = (IQ4_GRID[_nibbles_32(blocks[..., 8:].reshape(rows, count, 8, 16))] + 128).astype(np.uint8)
+    codes = (_iq4_grid()[_nibbles_32(blocks[..., 8:].reshape(rows, count, 8, 16))] + 128).astype(np.uint8)
     return codes.reshape(rows, -1), (d[..., None] * (scales.astype(np.float32) - 32)).reshape(rows, -1), None
 
 
