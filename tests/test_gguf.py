@@ -83,7 +83,7 @@ def test_greedy_tokens_and_logits_match_the_dequantised_reference(tiny_models, t
                             prompts=3)
 
 
-def test_q4_k_m_mix_runs_grouped_with_q6_k_as_8_bit_codes(k_quant_model, tmp_path, caplog):
+def test_q4_k_m_mix_runs_grouped_with_q6_k_as_6_bit_codes(k_quant_model, tmp_path, caplog):
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "model-Q4_K_M.gguf"
@@ -92,9 +92,9 @@ def test_q4_k_m_mix_runs_grouped_with_q6_k_as_8_bit_codes(k_quant_model, tmp_pat
         llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
                   max_num_batched_tokens=96)
     found = grouped_forms(llm)
-    # layer 0: Q4_K q/k beside a Q6_K v make one 8-bit qkv in groups of 16; its Q6_K down_proj and the lm_head too
-    assert found["model.layers.0.self_attn.qkv_proj"] == found["model.layers.0.mlp.down_proj"] == (8, 16)
-    assert found["lm_head"] == (8, 16)
+    # layer 0: Q4_K q/k beside a Q6_K v make one 6-bit qkv in groups of 16; its Q6_K down_proj and the lm_head too
+    assert found["model.layers.0.self_attn.qkv_proj"] == found["model.layers.0.mlp.down_proj"] == (6, 16)
+    assert found["lm_head"] == (6, 16)
     assert found["model.layers.1.self_attn.qkv_proj"] == found["model.layers.0.mlp.gate_up_proj"] == (4, 32)
     assert found["model.layers.1.mlp.down_proj"] == "float"  # TQ2_0: no grouped form
     assert "GGUF TQ2_0 linears are dequantised to torch.float32" in caplog.text
@@ -103,8 +103,8 @@ def test_q4_k_m_mix_runs_grouped_with_q6_k_as_8_bit_codes(k_quant_model, tmp_pat
     check_against_reference(llm, reference_model(k_quant_model, held), unquantised, prompts=3)
 
 
-@pytest.mark.parametrize("default_type", ["Q5_K", "IQ4_XS"])
-def test_q5_k_m_and_iq4_xs_mixes_run_as_8_bit_codes(k_quant_model, tmp_path, default_type):
+@pytest.mark.parametrize("default_type, bits", [("Q5_K", 6), ("IQ4_XS", 8)])
+def test_q5_k_m_and_iq4_xs_mixes_run_grouped(k_quant_model, tmp_path, default_type, bits):
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / f"model-{default_type}.gguf"
@@ -112,8 +112,9 @@ def test_q5_k_m_and_iq4_xs_mixes_run_as_8_bit_codes(k_quant_model, tmp_path, def
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400,
               max_num_batched_tokens=96)
     found = grouped_forms(llm)
-    assert found["model.layers.1.self_attn.qkv_proj"] == found["model.layers.1.mlp.down_proj"] == (8, 32)
-    assert found["model.layers.0.self_attn.qkv_proj"] == found["lm_head"] == (8, 16)
+    assert found["model.layers.1.self_attn.qkv_proj"] == found["model.layers.1.mlp.down_proj"] == (bits, 32)
+    # layer 0's qkv: q/k of the default type beside a Q6_K v (6-bit codes in groups of 16)
+    assert found["model.layers.0.self_attn.qkv_proj"] == (bits, 16) and found["lm_head"] == (6, 16)
     reference = reference_model(k_quant_model, held)
     for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:2]):  # bf16: the native decode step's kernels
         expected = reference_logits(reference, prompt, tokens)
@@ -156,7 +157,8 @@ def test_a_fused_layer_of_mixed_types_is_one_weight_of_the_widest_bits_and_small
         return weight
 
     check(["Q8_0", "Q4_0"], 8, 32, False)  # Q4_0's codes widened: its midpoint 8 moves to 128 with them
-    check(["Q4_K", "Q4_K", "Q6_K"], 8, 16, True)  # Q4_K_M's q, k, v
+    check(["Q5_0", "Q4_0"], 6, 32, False)  # ... and to 6 bits' 32
+    check(["Q4_K", "Q4_K", "Q6_K"], 6, 16, True)  # Q4_K_M's q, k, v
     check(["Q5_0", "Q8_0", "Q5_1"], 8, 32, True)
     mixed = check(["Q4_0", "Q4_1"], 4, 32, True)
     assert torch.all(mixed.zeros[:16] == 8)
@@ -271,7 +273,7 @@ def test_a_tied_files_lm_head_runs_on_the_embeddings_own_codes(tiny_models, tmp_
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16", device="cpu", max_model_len=400)
     model = llm.engine.executor.runner.model
     head, table = model.lm_head, model.model.embed_tokens.weight
-    assert head.quant_layout == "native" and head.quant_bits == {"Q8_0": 8, "Q4_0": 4, "Q5_0": 8}[embedding_type]
+    assert head.quant_layout == "native" and head.quant_bits == {"Q8_0": 8, "Q4_0": 4, "Q5_0": 6}[embedding_type]
     assert head.weight.dtype == torch.uint8 and head.weight.data_ptr() != table.data_ptr()
     expected = torch.from_numpy(held["model.embed_tokens.weight"])
     assert torch.equal(table, expected.bfloat16())

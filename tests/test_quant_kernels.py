@@ -87,8 +87,10 @@ HAS_KERNELS = load_quant_kernels() is not None
     ((32, 64), 8, 64, False, True, ("int8pack", "native", "int8pack")),
     ((32, 64), 8, 32, True, False, ("dequant", "native", "dequant")),      # grouped int8 with zeros (GPTQ 8-bit)
     ((40, 256), 8, 32, False, False, ("dequant", "native", "dequant")),    # GGUF Q8_0: symmetric, groups of 32
-    ((48, 512), 8, 16, False, False, ("dequant", "native", "dequant")),    # GGUF Q6_K as 8-bit codes: groups of 16
-    ((32, 256), 8, 16, True, False, ("dequant", "native", "dequant")),     # Q4_K beside Q6_K in one fused layer
+    ((48, 512), 6, 16, False, False, ("dequant", "native", "dequant")),    # GGUF Q6_K: 6-bit codes, groups of 16
+    ((32, 256), 6, 16, True, False, ("dequant", "native", "dequant")),     # Q4_K beside Q6_K in one fused layer
+    ((40, 256), 6, 32, True, False, ("dequant", "native", "dequant")),     # GGUF Q5_1/Q5_K
+    ((48, 512), 8, 16, False, False, ("dequant", "native", "dequant")),    # Q6_K beside Q8_0: 8-bit groups of 16
     ((32, 40), 8, 40, False, False, ("dequant", "native", "dequant")),     # inputs int8pack does not take
     ((32, 42), 8, 42, False, False, ("dequant", "dequant", "dequant")),    # groups not whole 4-input chunks
     ((32, 128), 4, 32, False, False, ("int4pack", "native", "int4pack")),
@@ -135,9 +137,10 @@ def test_install_refuses_a_weight_of_another_shape():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(bits=3), "bits must be 4 or 8"),
+    (dict(bits=3), "bits must be 4, 6 or 8"),
     (dict(group_size=48), "group size 48 does not divide the 64 inputs"),
     (dict(codes=torch.full((8, 64), 16, dtype=torch.uint8)), "4-bit codes must lie in 0..15"),
+    (dict(codes=torch.full((8, 64), 64, dtype=torch.uint8), bits=6), "6-bit codes must lie in 0..63"),
     (dict(codes=torch.zeros(8, 64, dtype=torch.int32)), "codes must be a uint8"),
     (dict(scales=torch.ones(8, 3)), r"scales must be a float \(8, 2\) tensor"),
     (dict(zeros=torch.ones(8, 1)), r"zeros must be a real \(8, 2\) tensor"),
@@ -160,11 +163,19 @@ def kernels_or_skip(target):
     return kernels
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("out_features, in_features", [(16, 64), (37, 576), (5, 24)])
 def test_the_interleaved_layout_round_trips(bits, out_features, in_features):
     codes = torch.randint(0, 1 << bits, (out_features, in_features), dtype=torch.uint8)
     packed = interleave_codes(codes, bits)
+    assert torch.equal(deinterleave_codes(packed, bits, out_features), codes)
+    if bits == 6:  # the 8-bit layout's chunks, each in 48 bytes: nibbles two a byte, then the high 2 bits
+        eight = interleave_codes(codes, 8)
+        assert packed.shape == eight.shape[:2] + (48,)
+        assert torch.equal(packed[..., :32], (eight[..., 0::2] & 15) | (eight[..., 1::2] & 15) << 4)
+        row, byte = 3, 2  # row 3's bytes 4 * 3 + j: their high bits at bits 2j of high byte 3
+        assert int(packed[0, 1, 32 + row] >> 2 * byte) & 3 == int(eight[0, 1, 4 * row + byte]) >> 4
+        return
     step = 4 if bits == 8 else 8  # inputs per 64-byte chunk of 16 rows
     assert packed.shape == (-(-out_features // 16), in_features // step, 64) and packed.dtype is torch.uint8
     assert torch.equal(deinterleave_codes(packed, bits, out_features), codes)
@@ -189,6 +200,7 @@ def test_the_interleaved_layout_round_trips(bits, out_features, in_features):
     (8, 4, True, (19, 36)), (4, 8, False, (5, 24)),  # the smallest groups, one partial block of rows
     (4, 8, True, (21, 40)),  # five chunks: one row's byte planes four chunks a vector, then one alone
     (4, 32, False, (20, 8224)),  # one row past the 8192 inputs prepared on the stack: heap buffers
+    (6, 16, False, (37, 576)), (6, 32, True, (37, 576)), (6, 4, True, (19, 36)),  # GGUF Q6_K, Q5_K; the smallest
 ])
 def test_kernel_matches_the_dequantised_reference(target, bits, group, asymmetric, shape):
     kernels = kernels_or_skip(target)
@@ -211,7 +223,7 @@ def test_kernel_matches_the_dequantised_reference(target, bits, group, asymmetri
 @pytest.mark.parametrize("target", ["native", "avx2"])
 @pytest.mark.parametrize("bits, group, asymmetric, in_features", [
     (8, 32, True, 576), (8, 576, False, 576), (4, 32, False, 576), (4, 64, True, 576), (4, 576, False, 576),
-    (8, 4, False, 36), (4, 8, True, 24)])
+    (8, 4, False, 36), (4, 8, True, 24), (6, 16, False, 576), (6, 32, True, 576), (6, 4, True, 36)])
 def test_kernel_dequantises_to_the_reference_in_bfloat16(target, bits, group, asymmetric, in_features):
     kernels = kernels_or_skip(target)
     weight = GroupedIntWeight.quantize(torch.randn(21, in_features) * 0.05, bits, group, not asymmetric)
@@ -219,7 +231,8 @@ def test_kernel_dequantises_to_the_reference_in_bfloat16(target, bits, group, as
     assert got.dtype is torch.bfloat16 and torch.equal(got, weight.dequantize().to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("bits, group, in_features", [(4, 32, 576), (8, 576, 576), (8, 1536, 1536), (4, 8, 24)])
+@pytest.mark.parametrize("bits, group, in_features", [(4, 32, 576), (8, 576, 576), (8, 1536, 1536), (4, 8, 24),
+                                                     (6, 16, 576), (6, 4, 36)])
 def test_the_avx512_and_avx2_bodies_agree_bitwise(bits, group, in_features):
     """The AVX-512 body converts activation blocks 16 a vector, the AVX2 body one at a time (the scalar rules):
     the same codes, scales and sums, so the same outputs bit for bit; blocks of zeros, of a magnitude past 3e38,
@@ -236,6 +249,34 @@ def test_the_avx512_and_avx2_bodies_agree_bitwise(bits, group, in_features):
     bias = torch.randn(40).bfloat16()
     got = [k.gemv(w, x, bias).view(torch.int16) for k, w in zip((native, avx2), packed)]
     assert torch.equal(got[0], got[1])
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("bits, group, asymmetric", [(4, 32, False), (6, 16, False), (6, 32, True), (8, 64, True)])
+def test_the_avx512_body_without_vnni_vbmi_and_bf16_agrees_bitwise(bits, group, asymmetric):
+    """Skylake-X to Ice Lake: the AVX-512 body built without VNNI (pair dot products as madd + add), VBMI (6-bit
+    chunks' high bits spread by shifts) and AVX512-BF16 (the dequantiser's own rounding) gives this CPU's build's
+    outputs bit for bit."""
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= cpu_flags():
+        pytest.skip("this CPU cannot run a Skylake-X AVX-512 build")
+    native, older = kernels_or_skip("native"), kernels_or_skip("skylake-avx512")
+    if native.isa != 512:
+        pytest.skip("the native body is the AVX2 one here")
+    assert older.isa == 512 and not older.has_bf16_gemm and not older.has_amx
+    weight = random_grouped(40, 576, bits, group, asymmetric=asymmetric)
+    packed = [k.pack(weight.codes, weight.scales, weight.zeros, bits, group) for k in (native, older)]
+    for rows in (1, 3, 19):  # the one-row stream, narrow tiles, wide tiles
+        x = torch.randn(rows, 576).bfloat16()
+        got = [k.gemv(w, x).view(torch.int16) for k, w in zip((native, older), packed)]
+        assert torch.equal(got[0], got[1]), rows
+    assert torch.equal(older.dequantize(packed[1]), weight.dequantize().to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("target", ["native", "avx2"])
@@ -399,6 +440,7 @@ def test_amx_gemm_rows_do_not_depend_on_the_rest_of_the_call(threads, kernel, bi
     (4, 32, True, (72, 96)),
     (8, 12, True, (40, 96)),       # 3 and 1 chunks an x block: the one-row stream's lone last chunk
     (4, 8, False, (48, 64)),
+    (6, 16, True, (200, 96)),
 ])
 def test_gemv_rows_do_not_depend_on_the_rest_of_the_call(target, threads, bits, group, asymmetric, shape):
     # 70 rows: the AVX-512 body's 8-row wide tiles, then its narrow ones for the last 6
@@ -418,21 +460,23 @@ def test_gemv_rows_do_not_depend_on_the_rest_of_the_call(target, threads, bits, 
     assert torch.equal(whole.view(torch.int16), one_by_one.view(torch.int16))
 
 
-def test_a_layer_runs_the_kernel_its_row_count_calls_for():
+@pytest.mark.parametrize("bits", [4, 6])
+def test_a_layer_runs_the_kernel_its_row_count_calls_for(bits):
     kernels = kernels_or_skip("native")
-    weight = random_grouped(48, 128, 4, 32, asymmetric=True)
+    weight = random_grouped(48, 128, bits, 32, asymmetric=True)
     layer, layout = make_layer(weight, bias=True)
     assert layout == "native"
-    gemv_rows = gemv_max_rows(kernels, 4)
+    gemv_rows = gemv_max_rows(kernels, bits)
+    amx = kernels.has_amx and bits != 6  # 6-bit codes: the GEMV, then dequantise + one GEMM, on AMX CPUs
     for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS,
                         NATIVE_MAX_ROWS, gemv_rows - 1, gemv_rows, AMX_MAX_ROWS}):
         x = torch.randn(rows, 128).bfloat16()
         got = layer(x)
-        if kernels.has_amx and rows >= AMX_MIN_ROWS:  # bitwise the same whichever AMX kernel runs
+        if amx and rows >= AMX_MIN_ROWS:  # bitwise the same whichever AMX kernel runs
             expected = kernels.gemm_amx(layer.kernel_weight, x, layer.bias)
         elif kernels.has_bf16_gemm and rows >= BF16_GEMM_MIN_ROWS:
             expected = kernels.gemm_bf16(layer.kernel_weight, x, layer.bias)
-        elif rows < (AMX_MIN_ROWS if kernels.has_amx else gemv_rows):
+        elif rows < (AMX_MIN_ROWS if amx else gemv_rows):
             expected = kernels.gemv(layer.kernel_weight, x, layer.bias)
         else:
             expected = torch.nn.functional.linear(x, kernels.dequantize(layer.kernel_weight)) + layer.bias
@@ -461,6 +505,8 @@ def bf16_gemm_kernels_or_skip():
     (4, 32, False, (64, 576)),
     (4, 64, True, (37, 128)),
     (4, 8, True, (17, 24)),       # the smallest 4-bit groups
+    (6, 16, False, (37, 576)),    # GGUF Q6_K
+    (6, 32, True, (40, 96)),      # GGUF Q5_K
 ])
 def test_bf16_gemm_multiplies_by_the_dequantised_weight(threads, bits, group, asymmetric, shape):
     kernels = bf16_gemm_kernels_or_skip()

@@ -5,7 +5,8 @@ a library of its own, because it also builds for CPUs with AVX2 and no AVX-512 (
 kernels need AVX-512): `load_quant_kernels()` gives the AVX-512 body where the CPU has AVX512-BW (with VNNI
 dot products where it has those), the AVX2 + FMA + F16C body elsewhere, and None without a compiler or on
 other CPUs. `load_quant_kernels("avx2")` builds the AVX2 body on any x86 CPU that runs it (the tests check
-both bodies here). Both bodies read one layout.
+both bodies here). Both bodies read one layout: 4- and 8-bit codes, and 6-bit ones (GGUF's 5- and 6-bit types) as
+the 8-bit layout with each 64-byte chunk in 48 bytes; the AMX kernels take 4 and 8 bits only.
 
 Besides the GEMV (`gemv`, every row count), the library has dequantising GEMMs for many rows: on AMX tiles
 (`gemm_amx`, `gemm_amx_int8`, where the CPU has AMX) and, on CPUs with AVX512-BF16 and no AMX, `gemm_bf16`
@@ -33,10 +34,14 @@ from llmctl.engine.kernels import FLAGS, build_library, profiled
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("quant_kernels.c")
-TARGETS = {"native": FLAGS, "avx2": tuple(f for f in FLAGS if f != "-march=native") + ("-march=haswell",)}
+_PORTABLE = tuple(f for f in FLAGS if f != "-march=native")
+# "skylake-avx512": the AVX-512 body without VNNI, VBMI and AVX512-BF16 (Skylake-X to Ice Lake), for the tests
+TARGETS = {"native": FLAGS, "avx2": _PORTABLE + ("-march=haswell",), "skylake-avx512": _PORTABLE + ("-march=skylake-avx512",)}
 FP16 = torch.finfo(torch.float16)
 BLOCK, CHUNK = 16, 64  # output rows per block, bytes per chunk (quant_kernels.c)
-STEP = {8: 4, 4: 8}  # inputs per chunk
+STEP = {8: 4, 6: 4, 4: 8}  # inputs per chunk
+# bytes a chunk is stored in: 6-bit codes are the 8-bit layout's chunks, each in 48 bytes (quant_kernels.c SIX_CHUNK)
+CHUNK_BYTES = {8: CHUNK, 6: 48, 4: CHUNK}
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -44,7 +49,7 @@ _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 class KernelWeight:
     """A grouped weight in the kernel's layout (all contiguous, on the CPU)."""
 
-    codes: torch.Tensor  # uint8 [blocks, k / STEP, 64]: 16 output rows x STEP inputs per 64 bytes
+    codes: torch.Tensor  # uint8 [blocks, k / STEP, CHUNK_BYTES]: 16 output rows x STEP inputs a chunk
     scales: torch.Tensor  # float16 [blocks, groups, 16]
     zeros: Optional[torch.Tensor]  # float16 [blocks, groups, 16] or None (the midpoint)
     bits: int
@@ -56,7 +61,7 @@ class KernelWeight:
         """Checked once here (the dataclass is frozen), so a call checks only its activations."""
         blocks, k = -(-self.out_features // BLOCK), self.in_features
         groups = (blocks, k // self.group_size, BLOCK)
-        expected_codes = (blocks, k // STEP[self.bits], CHUNK)
+        expected_codes = (blocks, k // STEP[self.bits], CHUNK_BYTES[self.bits])
         if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != expected_codes \
                 or not self.codes.is_contiguous() or self.codes.device.type != "cpu":
             raise ValueError(f"quant gemv: codes must be contiguous uint8 {expected_codes} CPU tensors")
@@ -127,7 +132,7 @@ class QuantKernels:
     @staticmethod
     def unsupported(bits: int, group_size: int, in_features: int) -> Optional[str]:
         """Why the kernels cannot run this weight shape (None: they can)."""
-        if bits not in (4, 8):
+        if bits not in STEP:
             return f"{bits}-bit codes are not supported"
         step = STEP[bits]
         if group_size < 1 or in_features % group_size:
@@ -232,9 +237,11 @@ def _padded_rows(values: torch.Tensor) -> torch.Tensor:
 
 
 def interleave_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [n, k] -> the kernel's layout [blocks, k / STEP, 64] (see quant_kernels.c): per chunk,
+    """uint8 codes [n, k] -> the kernel's layout [blocks, k / STEP, CHUNK_BYTES] (see quant_kernels.c): per chunk,
     16-bit word 2i + e of row i holds (8 bits) inputs e and 2 + e in its low and high byte, (4 bits)
-    inputs 2t + e in nibble t."""
+    inputs 2t + e in nibble t; 6 bits: the 8-bit chunk's 64 bytes stored in 48 (`_six_bit_chunks`)."""
+    if bits == 6:
+        return _six_bit_chunks(interleave_codes(codes, 8))
     n, k = codes.shape
     step = STEP[bits]
     rows = _padded_rows(codes).to(torch.int32)
@@ -246,8 +253,26 @@ def interleave_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return words.view(torch.uint8).view(blocks, k // step, CHUNK)
 
 
+def _six_bit_chunks(chunks: torch.Tensor) -> torch.Tensor:
+    """8-bit layout chunks [..., 64] of codes below 64 -> [..., 48]: the 64 bytes' low nibbles two a byte (byte t:
+    bytes 2t and 2t + 1), then their high 2 bits four a byte (byte i: row i's bytes 4i + j at bits 2j)."""
+    nibbles = chunks & 0x0F
+    high = (chunks >> 4).view(*chunks.shape[:-1], BLOCK, 4)
+    packed_high = high[..., 0] | high[..., 1] << 2 | high[..., 2] << 4 | high[..., 3] << 6
+    return torch.cat([nibbles[..., 0::2] | nibbles[..., 1::2] << 4, packed_high], dim=-1)
+
+
+def _eight_bit_chunks(chunks: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_six_bit_chunks`."""
+    nibbles = torch.stack([chunks[..., :32] & 0x0F, chunks[..., :32] >> 4], dim=-1).flatten(-2)
+    high = torch.stack([(chunks[..., 32:] >> (2 * j)) & 0x03 for j in range(4)], dim=-1).flatten(-2)
+    return nibbles | high << 4
+
+
 def deinterleave_codes(packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
     """The inverse of `interleave_codes`: uint8 codes [out_features, k]."""
+    if bits == 6:
+        return deinterleave_codes(_eight_bit_chunks(packed), 8, out_features)
     blocks, chunks = packed.shape[:2]
     step = STEP[bits]
     words = packed.contiguous().view(torch.int16).view(blocks, chunks, BLOCK, 2).to(torch.int32) & 0xFFFF
@@ -276,7 +301,8 @@ def fits_float16(values: torch.Tensor) -> bool:
 
 @lru_cache(maxsize=None)
 def load_quant_kernels(target: str = "native") -> Optional[QuantKernels]:
-    """The built kernels for `target` ("native": this CPU's best body; "avx2"), or None (logged) if unavailable."""
+    """The built kernels for `target` ("native": this CPU's best body; "avx2", "skylake-avx512": the bodies older
+    CPUs get, for the tests), or None (logged) if unavailable."""
     library = build_library(SOURCE, TARGETS[target], "quantised linears use torch's kernels")
     if library is None:
         return None

@@ -10,7 +10,8 @@
  * block's codes are chunks of 64 bytes, each 16 rows x STEP inputs read as 32 little-endian 16-bit words,
  * word 2i + e belonging to row i:
  *   8 bits (STEP 4):  low byte = input 4c + e, high byte = input 4c + 2 + e;
- *   4 bits (STEP 8):  nibble t (from the lowest) = input 8c + 2t + e.
+ *   4 bits (STEP 8):  nibble t (from the lowest) = input 8c + 2t + e;
+ *   6 bits (STEP 4):  the 8-bit chunk stored in 48 bytes (SIX_CHUNK below), rebuilt in registers.
  * codes uint8 [blocks, k / STEP, 64]; scales and zeros float16 [blocks, groups, 16] (zeros may be NULL: the
  * midpoint 2^(bits-1)). A masked shift turns a chunk into words whose lane i pair (e = 0, 1) is row i's
  * codes of two neighbouring inputs, so one int16 pair dot product (vpdpwssd: 16 rows x 2 inputs) takes
@@ -55,7 +56,16 @@ INLINE uint16_t f32_to_bf16(float value) { /* round to nearest even, NaN kept qu
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-INLINE int64_t step_of(int bits) { return bits == 8 ? 4 : 8; }
+INLINE int64_t step_of(int bits) { return bits == 4 ? 8 : 4; }
+
+/* 6-bit codes (GGUF's 5- and 6-bit types) keep the 8-bit layout, each 64-byte chunk stored in SIX_CHUNK bytes: 32
+ * bytes of the chunk's bytes' low nibbles (byte t: chunk bytes 2t and 2t + 1 in its low and high nibble), then
+ * 16 of their high 2 bits (byte i: row i's four bytes 4i + j at bits 2j); `six_words` rebuilds the 8-bit chunk in
+ * registers, so every path runs its 8-bit arithmetic on 0.75 bytes a code instead of 1. */
+#define SIX_CHUNK 48
+INLINE int64_t chunk_bytes(int bits) { return bits == 6 ? SIX_CHUNK : CHUNK; }
+INLINE float midpoint_of(int bits) { return (float)(1 << (bits - 1)); }
+INLINE int known_bits(int bits) { return bits == 4 || bits == 6 || bits == 8; }
 
 /* Inputs per x block: the group itself up to X_BLOCK_MAX, else its largest divisor that fits and is whole
  * chunks (0: none). */
@@ -68,11 +78,11 @@ static int64_t x_block_of(int64_t group, int bits) {
 }
 
 /* x_block_of for the Python side (QuantKernels.int8_tile_depth), so the rule lives here only. */
-int64_t quant_x_block_of(int64_t group, int bits) { return bits == 4 || bits == 8 ? x_block_of(group, bits) : 0; }
+int64_t quant_x_block_of(int64_t group, int bits) { return known_bits(bits) ? x_block_of(group, bits) : 0; }
 
 /* Whether the layout covers this shape (the Python side checks first and explains). */
 static int covered(int bits, int64_t n, int64_t k, int64_t group) {
-    if ((bits != 4 && bits != 8) || n < 1 || group < 1 || k < 1 || k % group) return 0;
+    if (!known_bits(bits) || n < 1 || group < 1 || k < 1 || k % group) return 0;
     return group % step_of(bits) == 0 && x_block_of(group, bits) > 0;
 }
 
@@ -200,6 +210,24 @@ INLINE fvec fmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
 INLINE fvec fsub(fvec a, fvec b) { return _mm512_sub_ps(a, b); }
 INLINE fvec fload_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 INLINE void fstore(float *p, fvec v) { _mm512_storeu_ps(p, v); }
+/* A 6-bit chunk (SIX_CHUNK bytes at `chunk`) as its 64-byte 8-bit chunk: the nibbles widened to bytes, each row's
+ * high-bits byte spread to bits 4-5 of its four bytes (one multishift with VBMI: output byte j of a row's lane
+ * takes bits 2j - 4 on, rotated, of the lane's 64-bit pair). */
+INLINE __m512i six_words(const uint8_t *chunk, int half) {
+    (void)half;
+    const __m512i nibbles = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)chunk));
+    const __m512i low = _mm512_and_si512(_mm512_or_si512(nibbles, _mm512_slli_epi16(nibbles, 4)),
+                                         _mm512_set1_epi16(0x0f0f));
+    const __m512i high = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(chunk + 32)));
+#if defined(__AVX512VBMI__)
+    const __m512i spread = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x22201e1c02003e3cLL), high);
+#else /* byte j of a lane: its bits 0-1 are high's bits 2j, 2j + 1 (the other fields land elsewhere), moved to 4-5 */
+    const __m512i spread = _mm512_slli_epi32(_mm512_or_si512(_mm512_or_si512(high, _mm512_slli_epi32(high, 6)),
+                                                             _mm512_or_si512(_mm512_slli_epi32(high, 12),
+                                                                             _mm512_slli_epi32(high, 18))), 4);
+#endif
+    return _mm512_ternarylogic_epi32(low, spread, _mm512_set1_epi8(0x30), 0xf8); /* low | (spread & 0x30) */
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ISA 256
@@ -224,6 +252,17 @@ INLINE fvec fmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
 INLINE fvec fsub(fvec a, fvec b) { return _mm256_sub_ps(a, b); }
 INLINE fvec fload_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 INLINE void fstore(float *p, fvec v) { _mm256_storeu_ps(p, v); }
+/* The AVX-512 body's six_words for one half of the chunk (rows 8 half .. 8 half + 7: its nibble bytes 16 half on,
+ * its high-bits bytes 8 half on). */
+INLINE __m256i six_words(const uint8_t *chunk, int half) {
+    const __m256i nibbles = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(chunk + 16 * half)));
+    const __m256i low = _mm256_and_si256(_mm256_or_si256(nibbles, _mm256_slli_epi16(nibbles, 4)),
+                                         _mm256_set1_epi16(0x0f0f));
+    const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(chunk + 32 + 8 * half)));
+    const __m256i spread = _mm256_or_si256(_mm256_or_si256(high, _mm256_slli_epi32(high, 6)),
+                                           _mm256_or_si256(_mm256_slli_epi32(high, 12), _mm256_slli_epi32(high, 18)));
+    return _mm256_or_si256(low, _mm256_and_si256(_mm256_slli_epi32(spread, 4), _mm256_set1_epi8(0x30)));
+}
 #else
 #define ISA 0
 #endif
@@ -233,6 +272,11 @@ int quant_kernel_isa(void) { return ISA; }
 #if ISA
 
 #define VBYTES (CHUNK / HALVES) /* bytes of one vector: rows [h * LANES, (h + 1) * LANES) of a chunk */
+
+/* Vector `half` of the chunk at `chunk` as 8-bit (or 4-bit) layout words. */
+INLINE ivec load_words(const int BITS, const uint8_t *chunk, int half) {
+    return BITS == 6 ? six_words(chunk, half) : iload(chunk + half * VBYTES);
+}
 
 /* Rows [first, first + LANES) of y[r] from the float accumulator, bias added, rounded to bf16; rows past
  * n (the padded block) are not written. */
@@ -248,10 +292,10 @@ INLINE void store_rows(uint16_t *y_row, const uint16_t *bias, int64_t first, int
 INLINE void gemv_tile(const int BITS, const int T, const int MR, const uint8_t *codes, const uint16_t *scales,
                       const uint16_t *zeros, const Prepared *p, const uint16_t *bias, uint16_t *y, int64_t block,
                       int64_t r0, int64_t n, int64_t k, int64_t group) {
-    const int64_t step = BITS == 8 ? 4 : 8, chunks = k / step, groups = k / group;
+    const int64_t step = step_of(BITS), chunks = k / step, groups = k / group, bytes = chunk_bytes(BITS);
     const int64_t chunks_per_x_block = p->x_block / step;
     const ivec low8 = iset16(0x00ff), low4 = iset16(0x000f);
-    const fvec midpoint = fset1(BITS == 8 ? 128.0f : 8.0f);
+    const fvec midpoint = fset1(midpoint_of(BITS));
     fvec acc[T][MR][HALVES];
     for (int t = 0; t < T; t++)
         for (int r = 0; r < MR; r++)
@@ -264,11 +308,11 @@ INLINE void gemv_tile(const int BITS, const int T, const int MR, const uint8_t *
         for (int64_t c = xb * chunks_per_x_block; c < (xb + 1) * chunks_per_x_block; c++) {
             const int16_t *xs = p->xq + r0 * k + c * step;
             for (int t = 0; t < T; t++) /* prefetching never faults, so past a block's end is harmless */
-                _mm_prefetch((const char *)(codes + ((block + t) * chunks + c + PREFETCH_CHUNKS) * CHUNK), _MM_HINT_T0);
+                _mm_prefetch((const char *)(codes + ((block + t) * chunks + c + PREFETCH_CHUNKS) * bytes), _MM_HINT_T0);
             for (int t = 0; t < T; t++)
                 for (int h = 0; h < HALVES; h++) {
-                    const ivec words = iload(codes + ((block + t) * chunks + c) * CHUNK + h * VBYTES);
-                    if (BITS == 8) {
+                    const ivec words = load_words(BITS, codes + ((block + t) * chunks + c) * bytes, h);
+                    if (BITS != 4) {
                         const ivec lo = iand(words, low8), hi = isrl16(words, 8);
                         for (int r = 0; r < MR; r++) {
                             dot[t][r][h] = idot(dot[t][r][h], lo, ipair(xs + r * k));
@@ -314,11 +358,11 @@ INLINE void gemv_tile(const int BITS, const int T, const int MR, const uint8_t *
 INLINE void wide_tile(const int BITS, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
                       const Prepared *p, const int16_t *xw, const uint16_t *bias, uint16_t *y, int64_t b0, int64_t b1,
                       int64_t r0, int64_t n, int64_t k, int64_t group) {
-    const int step = BITS == 8 ? 4 : 8;
-    const int64_t chunks = k / step, groups = k / group, chunks_per_x_block = p->x_block / step;
+    const int step = (int)step_of(BITS);
+    const int64_t chunks = k / step, groups = k / group, chunks_per_x_block = p->x_block / step, bytes = chunk_bytes(BITS);
     const ivec low8 = iset16(0x00ff), low4 = iset16(0x000f);
-    const fvec midpoint = fset1(BITS == 8 ? 128.0f : 8.0f);
-    const uint8_t *codes0 = codes + b0 * chunks * CHUNK, *codes1 = codes + b1 * chunks * CHUNK;
+    const fvec midpoint = fset1(midpoint_of(BITS));
+    const uint8_t *codes0 = codes + b0 * chunks * bytes, *codes1 = codes + b1 * chunks * bytes;
     float acc[2][WIDE_MR][LANES] __attribute__((aligned(64)));
     for (int t = 0; t < 2; t++)
         for (int r = 0; r < WIDE_MR; r++) fstore(acc[t][r], fzero());
@@ -335,10 +379,10 @@ INLINE void wide_tile(const int BITS, const uint8_t *codes, const uint16_t *scal
 #define WIDE_N3(r) WIDE_DOT(r, n3, m3, 6)
         for (int64_t c = xb * chunks_per_x_block; c < (xb + 1) * chunks_per_x_block; c++) {
             const int16_t *xs = xw + c * WIDE_MR * step;
-            _mm_prefetch((const char *)(codes0 + (c + PREFETCH_CHUNKS) * CHUNK), _MM_HINT_T0);
-            _mm_prefetch((const char *)(codes1 + (c + PREFETCH_CHUNKS) * CHUNK), _MM_HINT_T0);
-            const ivec words0 = iload(codes0 + c * CHUNK), words1 = iload(codes1 + c * CHUNK);
-            if (BITS == 8) {
+            _mm_prefetch((const char *)(codes0 + (c + PREFETCH_CHUNKS) * bytes), _MM_HINT_T0);
+            _mm_prefetch((const char *)(codes1 + (c + PREFETCH_CHUNKS) * bytes), _MM_HINT_T0);
+            const ivec words0 = load_words(BITS, codes0 + c * bytes, 0), words1 = load_words(BITS, codes1 + c * bytes, 0);
+            if (BITS != 4) {
                 const ivec lo0 = iand(words0, low8), lo1 = iand(words1, low8);
                 WIDE_ROWS(WIDE_LO)
                 const ivec hi0 = isrl16(words0, 8), hi1 = isrl16(words1, 8);
@@ -381,6 +425,7 @@ static void run_wide(int bits, const uint8_t *codes, const uint16_t *scales, con
     for (int64_t b = block; b < block + width; b += 2) {
         const int64_t b1 = b + 1 < block + width ? b + 1 : b;
         if (bits == 8) wide_tile(8, codes, scales, zeros, p, xw, bias, y, b, b1, r0, n, k, group);
+        else if (bits == 6) wide_tile(6, codes, scales, zeros, p, xw, bias, y, b, b1, r0, n, k, group);
         else wide_tile(4, codes, scales, zeros, p, xw, bias, y, b, b1, r0, n, k, group);
     }
 }
@@ -410,11 +455,11 @@ INLINE fvec add_x_block(fvec acc, ivec dot, const uint16_t *scales, const uint16
 INLINE void stream_block(const int BITS, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
                          const Prepared *p, const uint16_t *bias, uint16_t *y, int64_t block, int64_t n, int64_t k,
                          int64_t group) {
-    const int64_t step = BITS == 8 ? 4 : 8, chunks = k / step, groups = k / group;
+    const int64_t step = step_of(BITS), chunks = k / step, groups = k / group, bytes = chunk_bytes(BITS);
     const int64_t chunks_per_x_block = p->x_block / step;
     const ivec low8 = iset16(0x00ff), low4 = iset16(0x000f);
-    const fvec midpoint = fset1(BITS == 8 ? 128.0f : 8.0f);
-    const uint8_t *base = codes + block * chunks * CHUNK;
+    const fvec midpoint = fset1(midpoint_of(BITS));
+    const uint8_t *base = codes + block * chunks * bytes;
     fvec acc = fzero();
     for (int64_t xb = 0; xb < p->x_blocks; xb++) {
         ivec d0 = izero(), d1 = izero(), d2 = izero(), d3 = izero(), d4 = izero(), d5 = izero(), d6 = izero(), d7 = izero();
@@ -422,9 +467,9 @@ INLINE void stream_block(const int BITS, const uint8_t *codes, const uint16_t *s
 #define STREAM_CHUNK(c, a0, a1, a2, a3)                                                                       \
         {                                                                                                     \
             const int16_t *xs = p->xq + (c) * step;                                                           \
-            _mm_prefetch((const char *)(base + (c) * CHUNK + STREAM_AHEAD), _MM_HINT_T0);                     \
-            const ivec words = iload(base + (c) * CHUNK);                                                     \
-            if (BITS == 8) {                                                                                  \
+            _mm_prefetch((const char *)(base + (c) * bytes + STREAM_AHEAD), _MM_HINT_T0);                     \
+            const ivec words = load_words(BITS, base + (c) * bytes, 0);                                       \
+            if (BITS != 4) {                                                                                  \
                 a0 = idot(a0, iand(words, low8), ipair(xs));                                                  \
                 a1 = idot(a1, isrl16(words, 8), ipair(xs + 2));                                               \
             } else {                                                                                          \
@@ -558,6 +603,8 @@ static void run_rows(int bits, int MR, const uint8_t *codes, const uint16_t *sca
         while (T > block + width - b) T /= 2;
         if (bits == 8) {
             if (MR == 1) WIDTHS(8, 1); else if (MR == 2) WIDTHS(8, 2); else WIDTHS(8, 4);
+        } else if (bits == 6) {
+            if (MR == 1) WIDTHS(6, 1); else if (MR == 2) WIDTHS(6, 2); else WIDTHS(6, 4);
         } else {
             if (MR == 1) WIDTHS(4, 1); else if (MR == 2) WIDTHS(4, 2); else WIDTHS(4, 4);
         }
@@ -631,6 +678,7 @@ static void gemv_run(int bits, const uint8_t *codes, const uint16_t *scales, con
                 }
 #endif
                 if (bits == 8) stream_block(8, codes, scales, zeros, p, bias, y, block, n, k, group);
+                else if (bits == 6) stream_block(6, codes, scales, zeros, p, bias, y, block, n, k, group);
                 else stream_block(4, codes, scales, zeros, p, bias, y, block, n, k, group);
             }
         } else
@@ -725,12 +773,31 @@ int quant_gemv_bf16_chain(const void *weight, const void *scales, const void *ze
 
 /* One code of the layout: row i (of its block) at input j of chunk `chunk` (a chunk's 64 bytes). */
 INLINE uint32_t layout_code(const uint8_t *chunk, int64_t i, int64_t j, int bits) {
+    if (bits == 6) { /* byte 2e + t of row i's lane (e = j & 1, t = j >> 1): a nibble and two high bits */
+        const int64_t at = 4 * i + 2 * (j & 1) + (j >> 1);
+        const uint32_t low = (chunk[at / 2] >> (4 * (at & 1))) & 0xf;
+        return low | ((uint32_t)(chunk[32 + i] >> (2 * (at & 3))) & 3u) << 4;
+    }
     const uint8_t *lane = chunk + 4 * i; /* words 2i (e = 0) and 2i + 1 (e = 1) */
     const uint32_t word = (uint32_t)lane[2 * (j & 1)] | (uint32_t)lane[2 * (j & 1) + 1] << 8;
     return (word >> (bits * (j >> 1))) & ((1u << bits) - 1);
 }
 
 #if ISA == 512
+#if defined(__AVX512BF16__)
+INLINE __m256i bf16_of(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
+/* f32_to_bf16 16 a vector, for AVX-512 CPUs without AVX512-BF16 (Skylake-X to Ice Lake): nearest even, NaN kept
+ * quiet (vcvtneps2bf16 also flushes subnormals to zero) */
+INLINE __m256i bf16_of(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet));
+}
+#endif
+
 /* 16 vectors of 16 floats transposed in place (v[i][j] <- v[j][i]): four rounds of lane shuffles. A gather per
  * 16 outputs was most of the dequantisation (one thread, into a reused buffer, Zen 5: 960x576 284 -> 57 us,
  * 576x1536 457 -> 90 us). */
@@ -767,7 +834,8 @@ int quant_dequantize_bf16(const void *weight, const void *scales_, const void *z
     const uint8_t *codes = (const uint8_t *)weight;
     const uint16_t *scales = (const uint16_t *)scales_, *zeros = (const uint16_t *)zeros_;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, step = step_of(bits), chunks = k / step, groups = k / group;
-    const float midpoint = bits == 8 ? 128.0f : 8.0f;
+    const int64_t bytes = chunk_bytes(bits);
+    const float midpoint = midpoint_of(bits);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -777,17 +845,20 @@ int quant_dequantize_bf16(const void *weight, const void *scales_, const void *z
         for (int64_t block = 0; block < blocks; block++) {
             if (columns == NULL) continue;
             const int64_t rows = n - block * BLOCK < BLOCK ? n - block * BLOCK : BLOCK;
-            const uint8_t *base = codes + block * chunks * CHUNK;
+            const uint8_t *base = codes + block * chunks * bytes;
 #if ISA == 512
             const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+            const int width = bits == 4 ? 4 : 8; /* bits a code takes in its word */
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t at = (block * groups + g) * BLOCK;
                 const __m512 scale = fload_f16(scales + at);
                 const __m512 zero = zeros != NULL ? fload_f16(zeros + at) : fset1(midpoint);
                 for (int64_t c = g * group / step; c < (g + 1) * group / step; c++) {
-                    const __m512i lanes = _mm512_loadu_si512((const void *)(base + c * CHUNK)); /* lane i: words 2i, 2i+1 */
+                    /* lane i: words 2i, 2i + 1 */
+                    const __m512i lanes = bits == 6 ? six_words(base + c * bytes, 0)
+                                                    : _mm512_loadu_si512((const void *)(base + c * bytes));
                     for (int j = 0; j < step; j++) {
-                        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(lanes, 16 * (j & 1) + bits * (j >> 1)), mask);
+                        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(lanes, 16 * (j & 1) + width * (j >> 1)), mask);
                         _mm512_storeu_ps(columns + (c * step + j) * BLOCK,
                                          _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), zero), scale));
                     }
@@ -799,8 +870,7 @@ int quant_dequantize_bf16(const void *weight, const void *scales_, const void *z
                 for (int t = 0; t < 16; t++) tile[t] = _mm512_loadu_ps(columns + (j + t) * BLOCK);
                 transpose_16x16(tile);
                 for (int64_t i = 0; i < rows; i++)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + (block * BLOCK + i) * k + j),
-                                        (__m256i)_mm512_cvtneps_pbh(tile[i]));
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + (block * BLOCK + i) * k + j), bf16_of(tile[i]));
             }
             for (int64_t i = 0; i < rows; i++) {
                 uint16_t *dst = (uint16_t *)out + (block * BLOCK + i) * k;
@@ -813,7 +883,7 @@ int quant_dequantize_bf16(const void *weight, const void *scales_, const void *z
                     const float scale = _cvtsh_ss(scales[at]), zero = zeros != NULL ? _cvtsh_ss(zeros[at]) : midpoint;
                     for (int64_t c = g * group / step; c < (g + 1) * group / step; c++)
                         for (int64_t j = 0; j < step; j++)
-                            columns[(c * step + j) * BLOCK + i] = ((float)layout_code(base + c * CHUNK, i, j, bits) - zero) * scale;
+                            columns[(c * step + j) * BLOCK + i] = ((float)layout_code(base + c * bytes, i, j, bits) - zero) * scale;
                 }
             for (int64_t i = 0; i < rows; i++) {
                 uint16_t *dst = (uint16_t *)out + (block * BLOCK + i) * k;
@@ -1042,7 +1112,7 @@ static void dequantize_pair(int bits, const uint8_t *codes, const uint16_t *scal
  * beats the pipelined one below; each output is bitwise the same. Returns 0 for shapes not covered. */
 int quant_dequantize_amx_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
                               int64_t k, int64_t group, int num_threads) {
-    if (!covered(bits, n, k, group)) return 0;
+    if (bits == 6 || !covered(bits, n, k, group)) return 0; /* AMX tiles take 4- and 8-bit codes */
     const int64_t kp = (k + 31) / 32 * 32, pairs = (n + 63) / 64 * 2, blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < pairs; p++)
@@ -1163,7 +1233,7 @@ INLINE void amx_pairs(const int BITS, const uint16_t *a, amx_producer *producer,
 /* Returns 0 (nothing computed) for shapes the layout does not cover or without memory for the tiles. */
 int quant_gemm_amx_bf16(const void *weight, const void *scales_, const void *zeros_, int bits, const void *x,
                         const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
-    if (m < 1 || !covered(bits, n, k, group)) return 0;
+    if (m < 1 || bits == 6 || !covered(bits, n, k, group)) return 0; /* AMX tiles take 4- and 8-bit codes */
     const uint16_t *bias = (const uint16_t *)bias_;
     uint16_t *y = (uint16_t *)y_;
     const int64_t kp = (k + 31) / 32 * 32, mp = (m + 15) / 16 * 16, steps = kp / 32;
@@ -1447,7 +1517,7 @@ static void int_group(const IntCall *c, const uint8_t *const *b, int64_t g0, int
  * memory; the caller keeps its other paths. */
 int quant_gemm_amx_int8(const void *weight, const void *scales_, const void *zeros_, int bits, const void *x,
                         const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
-    if (m < 1 || !covered(bits, n, k, group)) return 0;
+    if (m < 1 || bits == 6 || !covered(bits, n, k, group)) return 0; /* AMX tiles take 4- and 8-bit codes */
     const int64_t x_block = x_block_of(group, bits);
     if (x_block % 32) return 0;
     const int64_t depth = x_block % 64 == 0 ? 64 : 32, mp = (m + 15) / 16 * 16;
@@ -1570,15 +1640,17 @@ INLINE __m512i dequantize_pairs(__m512i codes, __m512 scale, __m512 zero, __m512
 static void dequantize_block_pairs(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
                                    int64_t block, int64_t k, int64_t group, __m512i *pairs) {
     const int64_t step = step_of(bits), chunks = k / step, groups = k / group, chunks_per_group = group / step;
+    const int64_t bytes = chunk_bytes(bits);
     const __m512i low8 = _mm512_set1_epi16(0x00ff), low4 = _mm512_set1_epi16(0x000f);
-    const __m512 midpoint = _mm512_set1_ps(bits == 8 ? 128.0f : 8.0f);
+    const __m512 midpoint = _mm512_set1_ps(midpoint_of(bits));
     for (int64_t g = 0; g < groups; g++) {
         const int64_t at = (block * groups + g) * BLOCK;
         const __m512 scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
         const __m512 offset = _mm512_mul_ps(zero, scale);
         for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; c++) {
-            const __m512i words = _mm512_loadu_si512((const void *)(codes + (block * chunks + c) * CHUNK));
-            if (bits == 8) { /* low bytes: inputs 4c, 4c + 1; high bytes: 4c + 2, 4c + 3 */
+            const uint8_t *chunk = codes + (block * chunks + c) * bytes;
+            const __m512i words = bits == 6 ? six_words(chunk, 0) : _mm512_loadu_si512((const void *)chunk);
+            if (bits != 4) { /* low bytes: inputs 4c, 4c + 1; high bytes: 4c + 2, 4c + 3 */
                 pairs[2 * c] = dequantize_pairs(_mm512_and_si512(words, low8), scale, zero, offset, zeros == NULL);
                 pairs[2 * c + 1] = dequantize_pairs(_mm512_srli_epi16(words, 8), scale, zero, offset, zeros == NULL);
             } else { /* nibble t: inputs 8c + 2t, 8c + 2t + 1 */
@@ -1638,7 +1710,7 @@ int quant_gemm_bf16(const void *weight, const void *scales_, const void *zeros_,
     const uint32_t *x = (const uint32_t *)x_; /* bf16 pairs */
     uint16_t *y = (uint16_t *)y_;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, pairs_per_row = k / 2, row_groups = (m + WIDE_MR - 1) / WIDE_MR;
-    const int64_t groups = k / group, chunks = k / step_of(bits);
+    const int64_t groups = k / group, chunks = k / step_of(bits), bytes = chunk_bytes(bits);
     const int64_t threads = num_threads < 1 ? 1 : (num_threads > (blocks + 1) / 2 ? (blocks + 1) / 2 : num_threads);
     /* x as [row group][pair][8 rows] bf16 pairs, zero past m */
     uint32_t *xw = (uint32_t *)calloc((size_t)(row_groups * pairs_per_row * WIDE_MR), sizeof(uint32_t));
@@ -1660,8 +1732,8 @@ int quant_gemm_bf16(const void *weight, const void *scales_, const void *zeros_,
             dequantize_block_pairs(bits, codes, scales, zeros, b0, k, group, pairs);
             dequantize_block_pairs(bits, codes, scales, zeros, b1, k, group, pairs + pairs_per_row);
             const int64_t next = pair + 1 < last ? 2 * (pair + 1) : b0, next_blocks = next + 1 < blocks ? 2 : 1;
-            const Ahead ahead = {codes + next * chunks * CHUNK, (const uint8_t *)(scales + next * groups * BLOCK),
-                                 next_blocks * chunks, next_blocks * groups * BLOCK * 2 / CHUNK};
+            const Ahead ahead = {codes + next * chunks * bytes, (const uint8_t *)(scales + next * groups * BLOCK),
+                                 next_blocks * chunks * bytes / CHUNK, next_blocks * groups * BLOCK * 2 / CHUNK};
             for (int64_t g = 0; g < row_groups; g++) {
                 const int64_t rows = m - g * WIDE_MR < WIDE_MR ? m - g * WIDE_MR : WIDE_MR;
                 bf16_tile(pairs, pairs + pairs_per_row, xw + g * pairs_per_row * WIDE_MR, bias, y, b0, b1,

@@ -7,20 +7,21 @@ layer picks its run-time form once all are in.
 - Q4_1 (d, m, nibbles; w = q * d + m) -> 4-bit group 32 with zero -m / d;
 - Q4_K (super-blocks of 256: float16 d and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of
   nibbles; w = d * sc * q - dmin * m per 32) -> 4-bit group 32 with scale d * sc and zero dmin * m / (d * sc);
-- the 5- and 6-bit types run as 8-bit codes (the kernels have 4- and 8-bit paths; 8 bits hold them exactly):
-  Q5_0 (d, 32 high bits, nibbles; w = (q - 16) * d) -> group 32, code q + 112; Q5_1 (d, m, ...; w = q * d + m)
-  -> group 32 with zero -m / d; Q5_K (Q4_K's scales and mins, a high bit per value) -> group 32 like Q4_K;
-  Q6_K (super-blocks of 256: low nibbles, 2 high bits, an int8 scale per 16, float16 d; w = d * sc * (q - 32))
-  -> group 16, code q + 96; IQ4_NL (d, nibbles indexing a 16-value non-linear grid) and IQ4_XS (IQ4_NL's grid,
-  a 6-bit scale per 32 against d) -> group 32, code grid[q] + 128. A Q4_K_M file is mostly Q4_K with Q6_K
-  for attn_v, half the ffn_down and the output (and Q5_0/Q8_0 where rows are not whole 256-value super-blocks,
-  as SmolLM's 576): dequantised to bf16, those
-  tensors streamed 2 bytes a weight where 8-bit codes stream 1.06-1.13;
+- the 5- and 6-bit types run as 6-bit codes (the kernels' 6-bit layout: 0.75 bytes a code, 8-bit arithmetic):
+  Q5_0 (d, 32 high bits, nibbles; w = (q - 16) * d) -> group 32, code q + 16 (the midpoint 32); Q5_1 (d, m, ...;
+  w = q * d + m) -> group 32 with zero -m / d; Q5_K (Q4_K's scales and mins, a high bit per value) -> group 32
+  like Q4_K; Q6_K (super-blocks of 256: low nibbles, 2 high bits, an int8 scale per 16, float16 d;
+  w = d * sc * (q - 32)) -> group 16, code q;
+- IQ4_NL (d, nibbles indexing a 16-value non-linear grid) and IQ4_XS (IQ4_NL's grid, a 6-bit scale per 32
+  against d) -> 8-bit codes, group 32, code grid[q] + 128. A Q4_K_M file is mostly Q4_K with Q6_K for attn_v,
+  half the ffn_down and the output (and Q5_0/Q8_0 where rows are not whole 256-value super-blocks, as
+  SmolLM's 576): dequantised to bf16, those tensors streamed 2 bytes a weight where 6-bit codes stream 0.81-0.88
+  (8-bit codes, before: 1.06-1.13);
 - every other type (Q2_K, Q3_K, the IQ types but IQ4_NL/IQ4_XS, and F32/F16/BF16) is dequantised by the gguf
   package to the model dtype and runs as an unquantised linear (logged once per type).
-A fused layer's shards run as one grouped weight of the widest bits and the smallest group among them (4-bit
-codes widened to 8 bits keep their values; a group of 32 is two groups of 16 with the same scale), so a Q4_K
-q/k beside a Q6_K v is one 8-bit qkv, not a dequantised one. With tensor parallelism every rank decodes the
+A fused layer's shards run as one grouped weight of the widest bits and the smallest group among them (codes
+widened to 6 or 8 bits keep their values; a group of 32 is two groups of 16 with the same scale), so a Q4_K
+q/k beside a Q6_K v is one 6-bit qkv, not a dequantised one. With tensor parallelism every rank decodes the
 layer's whole tensors and keeps its part (`rank_grouped_part`, or `rank_rows`/`rank_columns` of the dequantised
 weight, as the unquantised method would have loaded it).
 """
@@ -108,7 +109,7 @@ def _high_bits_32(qh: np.ndarray) -> np.ndarray:
 def q5_0_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     blocks = _blocks(raw, 2 + 4 + QK // 2)
     q = _nibbles_32(blocks[..., 6:]) | (_high_bits_32(blocks[..., 2:6]) << 4)
-    return (q + 112).reshape(raw.shape[0], -1), _float16(blocks[..., :2]), None
+    return (q + 16).reshape(raw.shape[0], -1), _float16(blocks[..., :2]), None
 
 
 def q5_1_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
@@ -139,7 +140,7 @@ def q6_k_grouped(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.n
     qh = blocks[..., QK_K // 2:QK_K * 3 // 4].reshape(rows, count, 2, 1, 32) >> np.array(
         [0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
     q = (ql & 0x0F).reshape(rows, count, 8, 32) | ((qh & 0x03).reshape(rows, count, 8, 32) << 4)
-    return (q + 96).reshape(rows, -1), (d[..., None] * sc).reshape(rows, -1), None
+    return q.reshape(rows, -1), (d[..., None] * sc).reshape(rows, -1), None
 
 
 def _iq4_grid() -> np.ndarray:
@@ -185,8 +186,8 @@ class GroupedDecoder(NamedTuple):
 # the bits' midpoint)
 GROUPED_DECODERS = {"Q8_0": GroupedDecoder(8, QK, q8_0_grouped), "Q4_0": GroupedDecoder(4, QK, q4_0_grouped),
                     "Q4_1": GroupedDecoder(4, QK, q4_1_grouped), "Q4_K": GroupedDecoder(4, QK, q4_k_grouped),
-                    "Q5_0": GroupedDecoder(8, QK, q5_0_grouped), "Q5_1": GroupedDecoder(8, QK, q5_1_grouped),
-                    "Q5_K": GroupedDecoder(8, QK, q5_k_grouped), "Q6_K": GroupedDecoder(8, 16, q6_k_grouped),
+                    "Q5_0": GroupedDecoder(6, QK, q5_0_grouped), "Q5_1": GroupedDecoder(6, QK, q5_1_grouped),
+                    "Q5_K": GroupedDecoder(6, QK, q5_k_grouped), "Q6_K": GroupedDecoder(6, 16, q6_k_grouped),
                     "IQ4_NL": GroupedDecoder(8, QK, iq4_nl_grouped), "IQ4_XS": GroupedDecoder(8, QK, iq4_xs_grouped)}
 ASYMMETRIC = ("Q4_1", "Q4_K", "Q5_1", "Q5_K")
 
@@ -210,7 +211,7 @@ def _as_part(decoder: GroupedDecoder, raw: np.ndarray, bits: int,
              group: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """One shard decoded into a layer of `bits` codes and groups of `group` inputs (group divides its own)."""
     codes, scales, zeros = decoder.decode(raw)
-    if decoder.bits < bits and zeros is None:  # symmetric: the midpoint moves from 8 to 128 with the codes
+    if decoder.bits < bits and zeros is None:  # symmetric: the midpoint moves (8 -> 32 or 128) with the codes
         codes = codes + np.uint8((1 << (bits - 1)) - (1 << (decoder.bits - 1)))
     repeat = decoder.group // group
     if repeat > 1:

@@ -81,7 +81,7 @@ NATIVE_MAX_ROWS = 48
 # GEMM on its packed weight (Zen 5, no AMX): 3072x576 int8 64 rows 546 / 1508 / 516, 256 rows 2141 / 3050 / 1995,
 # 1024 rows 9357 / 9389 / 8116; int4-g32 64 rows 628 / 1470, 256 rows 2579 / 3001, 1024 rows 11571 / 9543. So
 # without AMX that body keeps the GEMV up to GEMV_MAX_ROWS_AVX512 rows (per code width), where dequantising ties.
-GEMV_MAX_ROWS_AVX512 = {8: 1024, 4: 512}
+GEMV_MAX_ROWS_AVX512 = {8: 1024, 6: 1024, 4: 512}  # 6 bits: the 8-bit arithmetic
 # Where the CPU also has AVX512-BF16 (Zen 4 and 5), from BF16_GEMM_MIN_ROWS rows `gemm_bf16` runs instead: the
 # weight dequantised per call a pair of blocks at a time into bf16, then bf16 pair dot products on x as it is (no
 # int16 x, no per-group epilogue). A decoder layer's four linears (SmolLM-135M shapes), two threads, hot, µs, GEMV
@@ -119,6 +119,8 @@ INT8_TILE_MAX_ROWS = 96
 # native kernel) ran 4-17x torch's int8pack/int4pack (3072x576, one thread, thread CPU time: 64 rows 342 µs
 # against 3963 / 3499 µs, 256 rows 820 against 15357 / 13992 µs); see `_product` and `add_batch_weights`.
 BATCH_MIN_ROWS = 16
+# the code widths the AMX kernels take (6-bit codes run the GEMV, then dequantise + one GEMM, on AMX CPUs)
+AMX_BITS = (4, 8)
 CPU_LAYOUTS = ("int8pack", "int4pack", "native")
 
 
@@ -130,7 +132,7 @@ class GroupedIntWeight:
     scales: float [out, in / group_size];
     zeros: float or integer [out, in / group_size] in code units, or None for symmetric codes centred at
         the midpoint 2^(bits - 1) (int4: 8, int8: 128);
-    bits: 4 or 8; group_size: inputs per group (per output channel: group_size = in);
+    bits: 4, 6 (GGUF's 5- and 6-bit types) or 8; group_size: inputs per group (per output channel: group_size = in);
     perm: None, or int64 [in] for act-order checkpoints (GPTQ desc_act): column j of `codes` holds input
         perm[j], so the layer computes x[..., perm] against the grouped codes.
     """
@@ -148,8 +150,8 @@ class GroupedIntWeight:
             raise ValueError(f"GroupedIntWeight: {problem}")
 
     def _problem(self) -> Optional[str]:
-        if self.bits not in (4, 8):
-            return f"bits must be 4 or 8, got {self.bits}"
+        if self.bits not in (4, 6, 8):
+            return f"bits must be 4, 6 or 8, got {self.bits}"
         if self.codes.dtype != torch.uint8 or self.codes.dim() != 2:
             return f"codes must be a uint8 [out, in] tensor, got {self.codes.dtype} {tuple(self.codes.shape)}"
         out_features, in_features = self.codes.shape
@@ -160,8 +162,8 @@ class GroupedIntWeight:
             return f"scales must be a float {groups} tensor, got {self.scales.dtype} {tuple(self.scales.shape)}"
         if self.zeros is not None and (self.zeros.is_complex() or tuple(self.zeros.shape) != groups):
             return f"zeros must be a real {groups} tensor or None, got {tuple(self.zeros.shape)}"
-        if self.bits == 4 and self.codes.numel() and int(self.codes.max()) > 15:
-            return "4-bit codes must lie in 0..15"
+        if self.bits < 8 and self.codes.numel() and int(self.codes.max()) >= 1 << self.bits:
+            return f"{self.bits}-bit codes must lie in 0..{(1 << self.bits) - 1}"
         if self.perm is not None:
             if self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (in_features,):
                 return f"perm must be int64 [{in_features}]"
@@ -466,9 +468,10 @@ def _native_product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.
     AMX_MIN_ROWS); without AMX, where the CPU has AVX512-BF16, the dequantising bf16 GEMM from BF16_GEMM_MIN_ROWS,
     else dequantise + one oneDNN GEMM from `gemv_max_rows`."""
     kernels, count = layer.quant_kernels, rows.shape[0]
-    if kernels.has_amx and INT8_TILE_MIN_ROWS <= count < INT8_TILE_MAX_ROWS and layer.int8_tiles:
+    amx = kernels.has_amx and layer.kernel_weight.bits in AMX_BITS
+    if amx and INT8_TILE_MIN_ROWS <= count < INT8_TILE_MAX_ROWS and layer.int8_tiles:
         return kernels.gemm_amx_int8(layer.kernel_weight, rows, bias)
-    if kernels.has_amx and count >= AMX_MIN_ROWS:
+    if amx and count >= AMX_MIN_ROWS:
         if count < AMX_MAX_ROWS or getattr(layer, "amx_kernels", None) is None:
             return kernels.gemm_amx(layer.kernel_weight, rows, bias)
         return layer.amx_kernels.gemm_amx(kernels.dequantize_amx(layer.kernel_weight), rows, layer.out_features, bias)
