@@ -66,6 +66,7 @@ INLINE int64_t step_of(int bits) { return bits == 4 ? 8 : 4; }
 INLINE int64_t chunk_bytes(int bits) { return bits == 6 ? SIX_CHUNK : CHUNK; }
 INLINE float midpoint_of(int bits) { return (float)(1 << (bits - 1)); }
 INLINE int known_bits(int bits) { return bits == 4 || bits == 6 || bits == 8; }
+INLINE int amx_bits(int bits) { return bits == 4 || bits == 8; } /* the AMX kernels' code widths */
 
 /* Inputs per x block: the group itself up to X_BLOCK_MAX, else its largest divisor that fits and is whole
  * chunks (0: none). */
@@ -771,7 +772,7 @@ int quant_gemv_bf16_chain(const void *weight, const void *scales, const void *ze
     return gemv_then(weight, scales, zeros, bits, x, bias, y, m, n, k, group, num_threads, usable ? &next : NULL);
 }
 
-/* One code of the layout: row i (of its block) at input j of chunk `chunk` (a chunk's 64 bytes). */
+/* One code of the layout: row i (of its block) at input j of chunk `chunk` (its 64 bytes; 6 bits: its 48). */
 INLINE uint32_t layout_code(const uint8_t *chunk, int64_t i, int64_t j, int bits) {
     if (bits == 6) { /* byte 2e + t of row i's lane (e = j & 1, t = j >> 1): a nibble and two high bits */
         const int64_t at = 4 * i + 2 * (j & 1) + (j >> 1);
@@ -1112,7 +1113,7 @@ static void dequantize_pair(int bits, const uint8_t *codes, const uint16_t *scal
  * beats the pipelined one below; each output is bitwise the same. Returns 0 for shapes not covered. */
 int quant_dequantize_amx_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
                               int64_t k, int64_t group, int num_threads) {
-    if (bits == 6 || !covered(bits, n, k, group)) return 0; /* AMX tiles take 4- and 8-bit codes */
+    if (!amx_bits(bits) || !covered(bits, n, k, group)) return 0;
     const int64_t kp = (k + 31) / 32 * 32, pairs = (n + 63) / 64 * 2, blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < pairs; p++)
@@ -1233,7 +1234,7 @@ INLINE void amx_pairs(const int BITS, const uint16_t *a, amx_producer *producer,
 /* Returns 0 (nothing computed) for shapes the layout does not cover or without memory for the tiles. */
 int quant_gemm_amx_bf16(const void *weight, const void *scales_, const void *zeros_, int bits, const void *x,
                         const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
-    if (m < 1 || bits == 6 || !covered(bits, n, k, group)) return 0; /* AMX tiles take 4- and 8-bit codes */
+    if (m < 1 || !amx_bits(bits) || !covered(bits, n, k, group)) return 0;
     const uint16_t *bias = (const uint16_t *)bias_;
     uint16_t *y = (uint16_t *)y_;
     const int64_t kp = (k + 31) / 32 * 32, mp = (m + 15) / 16 * 16, steps = kp / 32;
@@ -1517,7 +1518,7 @@ static void int_group(const IntCall *c, const uint8_t *const *b, int64_t g0, int
  * memory; the caller keeps its other paths. */
 int quant_gemm_amx_int8(const void *weight, const void *scales_, const void *zeros_, int bits, const void *x,
                         const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads) {
-    if (m < 1 || bits == 6 || !covered(bits, n, k, group)) return 0; /* AMX tiles take 4- and 8-bit codes */
+    if (m < 1 || !amx_bits(bits) || !covered(bits, n, k, group)) return 0;
     const int64_t x_block = x_block_of(group, bits);
     if (x_block % 32) return 0;
     const int64_t depth = x_block % 64 == 0 ? 64 : 32, mp = (m + 15) / 16 * 16;
