@@ -20,6 +20,7 @@ from test_quantization import run_greedy
 
 from llmctl.engine import LLM
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.kernels.quant import IQ4_CODES, IQ4_GRID, load_quant_kernels
 from llmctl.engine.layers.gguf_linear import GROUPED_DECODERS, grouped_weight
 from llmctl.engine.layers.linear import LinearBase
 from llmctl.engine.tokenizer import Tokenizer
@@ -115,6 +116,14 @@ def test_q5_k_m_and_iq4_xs_mixes_run_grouped(k_quant_model, tmp_path, default_ty
     assert found["model.layers.1.self_attn.qkv_proj"] == found["model.layers.1.mlp.down_proj"] == (bits, 32)
     # layer 0's qkv: q/k of the default type beside a Q6_K v (6-bit codes in groups of 16)
     assert found["model.layers.0.self_attn.qkv_proj"] == (bits, 16) and found["lm_head"] == (6, 16)
+    if default_type == "IQ4_XS" and load_quant_kernels() is not None:
+        # the IQ4 layers' 8-bit codes all lie on the grid: the kernels keep them as 4-bit grid indices; layer 0's
+        # qkv (Q6_K codes widened beside them) stays 8-bit
+        kernel_formats = {name: m.kernel_weight.bits for name, m in llm.engine.executor.runner.model.named_modules()
+                          if hasattr(m, "kernel_weight")}
+        assert kernel_formats["model.layers.1.self_attn.qkv_proj"] == IQ4_CODES
+        assert kernel_formats["model.layers.1.mlp.down_proj"] == IQ4_CODES
+        assert kernel_formats["model.layers.0.self_attn.qkv_proj"] == 8
     reference = reference_model(k_quant_model, held)
     for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:2]):  # bf16: the native decode step's kernels
         expected = reference_logits(reference, prompt, tokens)
@@ -135,6 +144,12 @@ def test_grouped_decoders_match_the_gguf_dequantiser(kind):
     expected = torch.from_numpy(dequantize(blocks, kind).reshape(rows.shape))
     assert torch.allclose(weight.dequantize(), expected, atol=1e-6, rtol=1e-5)
     assert (expected - torch.from_numpy(rows)).abs().max() < 0.02  # the packer quantised, not scrambled
+
+
+def test_the_kernels_iq4_grid_is_ggmls():
+    from gguf.quants import IQ4_NL
+
+    assert IQ4_GRID == tuple(int(v) + 128 for v in IQ4_NL.kvalues)
 
 
 def test_test_side_k_quant_packers_round_trip():

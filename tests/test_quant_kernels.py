@@ -8,8 +8,8 @@ import torch
 
 from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.kernels.quant import (deinterleave_codes, deinterleave_groups, interleave_codes,
-                                         interleave_groups, load_quant_kernels)
+from llmctl.engine.kernels.quant import (IQ4_CODES, IQ4_GRID, KernelWeight, deinterleave_codes, deinterleave_groups,
+                                         interleave_codes, interleave_groups, load_quant_kernels)
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.kernels import load_cpu_kernels
 from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS, INT8_TILE_MAX_ROWS,
@@ -192,6 +192,66 @@ def test_the_interleaved_layout_round_trips(bits, out_features, in_features):
     assert torch.equal(deinterleave_groups(grouped, out_features), scales)
 
 
+def iq4_grouped(out_features, in_features, group_size, *, asymmetric=False, seed=0):
+    """8-bit codes as GGUF's IQ4_NL/IQ4_XS load: every code one of IQ4_GRID's 16."""
+    weight = random_grouped(out_features, in_features, 8, group_size, asymmetric=asymmetric, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    indices = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    codes = torch.tensor(IQ4_GRID, dtype=torch.uint8)[indices]
+    return GroupedIntWeight(codes, weight.scales, weight.zeros, 8, group_size)
+
+
+@pytest.mark.parametrize("out_features, in_features", [(16, 64), (37, 576), (5, 24)])
+def test_iq4_grid_codes_store_as_grid_indices(out_features, in_features):
+    codes = iq4_grouped(out_features, in_features, in_features).codes
+    packed = interleave_codes(codes, IQ4_CODES)
+    # the 8-bit layout's chunks, each byte replaced by its grid index, two a byte as the 6-bit format's nibbles
+    indices = torch.tensor([IQ4_GRID.index(int(c)) for c in codes.flatten()], dtype=torch.uint8).view(codes.shape)
+    assert packed.shape == (-(-out_features // 16), in_features // 4, 32) and packed.is_contiguous()
+    assert torch.equal(packed, interleave_codes(indices, 6)[..., :32])
+    assert torch.equal(deinterleave_codes(packed, IQ4_CODES, out_features), codes)
+    off_grid = codes.clone()
+    off_grid[-1, -1] = 128  # the midpoint itself is not on IQ4_NL's grid
+    with pytest.raises(ValueError, match="must all lie in IQ4_GRID"):
+        interleave_codes(off_grid, IQ4_CODES)
+
+
+@pytest.mark.parametrize("target", ["native", "avx2", "skylake-avx512"])
+@pytest.mark.parametrize("group, asymmetric, shape", [(32, False, (40, 576)), (256, True, (37, 512)),
+                                                      (4, False, (19, 36))])
+def test_iq4_grid_codes_run_as_the_8_bit_layout_bitwise(target, group, asymmetric, shape):
+    """`pack` keeps 8-bit codes that all lie on IQ4_NL's grid as IQ4_CODES (half the bytes); every kernel then
+    gives the 8-bit layout's outputs bit for bit: the one-row stream, narrow and wide tiles, the dequantiser and the
+    bf16 GEMM."""
+    if target == "skylake-avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= cpu_flags():
+        pytest.skip("this CPU cannot run a Skylake-X AVX-512 build")
+    kernels = kernels_or_skip(target)
+    weight = iq4_grouped(*shape, group, asymmetric=asymmetric)
+    grid = kernels.pack(weight.codes, weight.scales, weight.zeros, 8, group)
+    assert grid.bits == IQ4_CODES and grid.codes.shape[-1] == 32
+    eight = KernelWeight(interleave_codes(weight.codes, 8), grid.scales, grid.zeros, 8, group, shape[1], shape[0])
+    bias = torch.randn(shape[0]).bfloat16()
+    for rows in (1, 3, 19, 40):
+        x = torch.randn(rows, shape[1]).bfloat16()
+        assert torch.equal(kernels.gemv(grid, x, bias).view(torch.int16), kernels.gemv(eight, x, bias).view(torch.int16))
+        if kernels.has_bf16_gemm:
+            assert torch.equal(kernels.gemm_bf16(grid, x, bias), kernels.gemm_bf16(eight, x, bias))
+    assert torch.equal(kernels.dequantize(grid), weight.dequantize().to(torch.bfloat16))
+
+
+def test_only_codes_on_the_iq4_grid_change_format():
+    kernels = kernels_or_skip("native")
+    on_grid = iq4_grouped(16, 64, 32)
+    assert kernels.code_format(on_grid.codes, 8) == IQ4_CODES
+    assert kernels.code_format(on_grid.codes, 6) == 6  # only 8-bit codes
+    int8 = GroupedIntWeight.quantize(torch.randn(300, 64), 8, 64)  # on the fly: codes off the grid (128 is)
+    assert kernels.code_format(int8.codes, 8) == 8
+    assert kernels.pack(int8.codes, int8.scales, None, 8, 64).bits == 8
+    late = on_grid.codes.repeat(20, 1)
+    late[-1, 0] = 2  # one code off the grid past the first slice of rows
+    assert kernels.code_format(late, 8) == 8
+
+
 @pytest.mark.parametrize("target", ["native", "avx2"])
 @pytest.mark.parametrize("bits, group, asymmetric, shape", [
     (8, 576, False, (37, 576)), (8, 32, True, (37, 576)), (8, 64, False, (37, 576)), (4, 32, False, (37, 576)),
@@ -299,7 +359,10 @@ def test_the_chained_gemv_is_the_gemv_whatever_comes_next(target, rows):
     x, bias = torch.randn(rows, 576).bfloat16(), torch.randn(40).bfloat16()
     expected = kernels.gemv(packed, x, bias)
     codes, scales, zeros, bits = after.arguments
+    grid = iq4_grouped(576, 1536, 32)
+    grid_next = kernels.pack(grid.codes, grid.scales, None, 8, 32)
     for next_weight in ((codes, scales, zeros, bits, 576, 1536, 64), (None, None, None, 0, 0, 0, 0),
+                        (*grid_next.arguments, 576, 1536, 32),  # IQ4_CODES: its chunks are 32 bytes
                         (codes, scales, zeros, 5, 576, 1536, 64)):  # a next weight of bits the layout lacks: none
         got = torch.empty_like(expected)
         assert chain(*packed.arguments, x.data_ptr(), bias.data_ptr(), got.data_ptr(), rows, 40, 576, 32,
@@ -460,14 +523,18 @@ def test_gemv_rows_do_not_depend_on_the_rest_of_the_call(target, threads, bits, 
     assert torch.equal(whole.view(torch.int16), one_by_one.view(torch.int16))
 
 
-@pytest.mark.parametrize("bits", [4, 6])
+@pytest.mark.parametrize("bits", [4, 6, IQ4_CODES])
 def test_a_layer_runs_the_kernel_its_row_count_calls_for(bits):
     kernels = kernels_or_skip("native")
-    weight = random_grouped(48, 128, bits, 32, asymmetric=True)
+    if bits == IQ4_CODES:
+        weight = iq4_grouped(48, 128, 32, asymmetric=True)
+    else:
+        weight = random_grouped(48, 128, bits, 32, asymmetric=True)
     layer, layout = make_layer(weight, bias=True)
-    assert layout == "native"
+    assert layout == "native" and layer.kernel_weight.bits == bits
     gemv_rows = gemv_max_rows(kernels, bits)
-    amx = kernels.has_amx and bits != 6  # 6-bit codes: the GEMV, then dequantise + one GEMM, on AMX CPUs
+    # 6-bit and IQ4_CODES codes: the GEMV, then dequantise + one GEMM, on AMX CPUs
+    amx = kernels.has_amx and bits in (4, 8)
     for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS,
                         NATIVE_MAX_ROWS, gemv_rows - 1, gemv_rows, AMX_MAX_ROWS}):
         x = torch.randn(rows, 128).bfloat16()

@@ -5,8 +5,10 @@ a library of its own, because it also builds for CPUs with AVX2 and no AVX-512 (
 kernels need AVX-512): `load_quant_kernels()` gives the AVX-512 body where the CPU has AVX512-BW (with VNNI
 dot products where it has those), the AVX2 + FMA + F16C body elsewhere, and None without a compiler or on
 other CPUs. `load_quant_kernels("avx2")` builds the AVX2 body on any x86 CPU that runs it (the tests check
-both bodies here). Both bodies read one layout: 4- and 8-bit codes, and 6-bit ones (GGUF's 5- and 6-bit types) as
-the 8-bit layout with each 64-byte chunk in 48 bytes; the AMX kernels take 4 and 8 bits only.
+both bodies here). Both bodies read one layout: 4- and 8-bit codes, 6-bit ones (GGUF's 5- and 6-bit types) as
+the 8-bit layout with each 64-byte chunk in 48 bytes, and 8-bit codes that take only the 16 values of IQ4_NL's grid
+(GGUF's IQ4_NL and IQ4_XS) as the 8-bit layout with each chunk's bytes stored as grid indices in 32 bytes
+(`IQ4_CODES`: `pack` chooses it for such codes by itself); the AMX kernels take 4 and 8 bits only.
 
 Besides the GEMV (`gemv`, every row count), the library has dequantising GEMMs for many rows: on AMX tiles
 (`gemm_amx`, `gemm_amx_int8`, where the CPU has AMX) and, on CPUs with AVX512-BF16 and no AMX, `gemm_bf16`
@@ -39,9 +41,15 @@ _PORTABLE = tuple(f for f in FLAGS if f != "-march=native")
 TARGETS = {"native": FLAGS, "avx2": _PORTABLE + ("-march=haswell",), "skylake-avx512": _PORTABLE + ("-march=skylake-avx512",)}
 FP16 = torch.finfo(torch.float16)
 BLOCK, CHUNK = 16, 64  # output rows per block, bytes per chunk (quant_kernels.c)
-STEP = {8: 4, 6: 4, 4: 8}  # inputs per chunk
-# bytes a chunk is stored in: 6-bit codes are the 8-bit layout's chunks, each in 48 bytes (quant_kernels.c SIX_CHUNK)
-CHUNK_BYTES = {8: CHUNK, 6: 48, 4: CHUNK}
+# The kernels' code formats: 4, 6 and 8 bits, and IQ4_CODES: 8-bit codes from IQ4_GRID, stored as 4-bit indices
+# into it (quant_kernels.c: 0x48, stored in 4 bits, computed in 8)
+IQ4_CODES = 0x48
+# ggml's kvalues_iq4nl (IQ4_NL and IQ4_XS dequantise to d * kvalue) + 128: the 8-bit codes they load as
+IQ4_GRID = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
+STEP = {8: 4, 6: 4, 4: 8, IQ4_CODES: 4}  # inputs per chunk
+# bytes a chunk is stored in: 6-bit codes are the 8-bit layout's chunks, each in 48 bytes (quant_kernels.c SIX_CHUNK),
+# IQ4_CODES ones each in 32 (GRID_CHUNK)
+CHUNK_BYTES = {8: CHUNK, 6: 48, 4: CHUNK, IQ4_CODES: 32}
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -52,7 +60,7 @@ class KernelWeight:
     codes: torch.Tensor  # uint8 [blocks, k / STEP, CHUNK_BYTES]: 16 output rows x STEP inputs a chunk
     scales: torch.Tensor  # float16 [blocks, groups, 16]
     zeros: Optional[torch.Tensor]  # float16 [blocks, groups, 16] or None (the midpoint)
-    bits: int
+    bits: int  # the code format: 4, 6, 8 or IQ4_CODES
     group_size: int
     in_features: int
     out_features: int
@@ -130,6 +138,12 @@ class QuantKernels:
         return 0 if block == 0 else 64 if block % 64 == 0 else 32 if block % 32 == 0 else 0
 
     @staticmethod
+    def code_format(codes: torch.Tensor, bits: int) -> int:
+        """The code format `pack` stores `bits`-bit codes in: IQ4_CODES for 8-bit codes that all lie in
+        IQ4_GRID (half the bytes), else `bits`."""
+        return IQ4_CODES if bits == 8 and _grid_indices(codes) is not None else bits
+
+    @staticmethod
     def unsupported(bits: int, group_size: int, in_features: int) -> Optional[str]:
         """Why the kernels cannot run this weight shape (None: they can)."""
         if bits not in STEP:
@@ -143,13 +157,15 @@ class QuantKernels:
 
     def pack(self, codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], bits: int,
              group_size: int) -> KernelWeight:
-        """uint8 codes [n, k] (0..2^bits - 1), float scales and zeros [n, k / group_size] -> the kernel's layout."""
+        """uint8 codes [n, k] (0..2^bits - 1), float scales and zeros [n, k / group_size] -> the kernel's layout
+        (8-bit codes that all lie in IQ4_GRID in the IQ4_CODES format: `code_format`)."""
         n, k = codes.shape
         problem = self.unsupported(bits, group_size, k)
         if problem:
             raise ValueError(f"quant kernels: {problem}")
-        return KernelWeight(interleave_codes(codes, bits), interleave_groups(scales.to(torch.float16)),
-                            None if zeros is None else interleave_groups(zeros.to(torch.float16)), bits, group_size,
+        stored = self.code_format(codes, bits)
+        return KernelWeight(interleave_codes(codes, stored), interleave_groups(scales.to(torch.float16)),
+                            None if zeros is None else interleave_groups(zeros.to(torch.float16)), stored, group_size,
                             k, n)
 
     @profiled("quant_gemv")
@@ -242,6 +258,11 @@ def interleave_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     inputs 2t + e in nibble t; 6 bits: the 8-bit chunk's 64 bytes stored in 48 (`_six_bit_chunks`)."""
     if bits == 6:
         return _six_bit_chunks(interleave_codes(codes, 8))
+    if bits == IQ4_CODES:
+        indices = _grid_indices(codes)
+        if indices is None:
+            raise ValueError("quant kernels: IQ4_CODES codes must all lie in IQ4_GRID")
+        return _six_bit_chunks(interleave_codes(indices, 8))[..., :32].contiguous()
     n, k = codes.shape
     step = STEP[bits]
     rows = _padded_rows(codes).to(torch.int32)
@@ -251,6 +272,22 @@ def interleave_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     words = sum(parts[:, :, :, t, :] << (bits * t) for t in range(step // 2))  # [block, i, chunk, e]
     words = words.permute(0, 2, 1, 3).to(torch.int16).contiguous()  # [block, chunk, i, e]
     return words.view(torch.uint8).view(blocks, k // step, CHUNK)
+
+
+def _grid_indices(codes: torch.Tensor) -> Optional[torch.Tensor]:
+    """uint8 codes [n, k] -> their indices into IQ4_GRID (uint8), or None where a code is not in it. Rows a
+    slice at a time, so 8-bit codes of other sources (nearly every one of them off the grid) stop at the first."""
+    if codes.numel() == 0:
+        return None
+    index = torch.full((256,), 255, dtype=torch.uint8)
+    index[list(IQ4_GRID)] = torch.arange(len(IQ4_GRID), dtype=torch.uint8)
+    parts = []
+    for rows in codes.split(256):
+        part = index[rows.long()]
+        if bool((part == 255).any()):
+            return None
+        parts.append(part)
+    return torch.cat(parts)
 
 
 def _six_bit_chunks(chunks: torch.Tensor) -> torch.Tensor:
@@ -273,6 +310,10 @@ def deinterleave_codes(packed: torch.Tensor, bits: int, out_features: int) -> to
     """The inverse of `interleave_codes`: uint8 codes [out_features, k]."""
     if bits == 6:
         return deinterleave_codes(_eight_bit_chunks(packed), 8, out_features)
+    if bits == IQ4_CODES:
+        high_bits = packed.new_zeros(*packed.shape[:-1], 16)
+        indices = deinterleave_codes(_eight_bit_chunks(torch.cat([packed, high_bits], dim=-1)), 8, out_features)
+        return torch.tensor(IQ4_GRID, dtype=torch.uint8)[indices.long()]
     blocks, chunks = packed.shape[:2]
     step = STEP[bits]
     words = packed.contiguous().view(torch.int16).view(blocks, chunks, BLOCK, 2).to(torch.int32) & 0xFFFF

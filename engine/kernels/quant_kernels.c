@@ -11,8 +11,10 @@
  * word 2i + e belonging to row i:
  *   8 bits (STEP 4):  low byte = input 4c + e, high byte = input 4c + 2 + e;
  *   4 bits (STEP 8):  nibble t (from the lowest) = input 8c + 2t + e;
- *   6 bits (STEP 4):  the 8-bit chunk stored in 48 bytes (SIX_CHUNK below), rebuilt in registers.
- * codes uint8 [blocks, k / STEP, 64]; scales and zeros float16 [blocks, groups, 16] (zeros may be NULL: the
+ *   6 bits (STEP 4):  the 8-bit chunk stored in 48 bytes (SIX_CHUNK below), rebuilt in registers;
+ *   IQ4_CODES (STEP 4): 8-bit codes from IQ4_NL's 16-value grid, the 8-bit chunk stored as 4-bit grid indices in
+ *                     32 bytes (GRID_CHUNK below), rebuilt in registers.
+ * codes uint8 [blocks, k / STEP, 64 (6 bits: 48; IQ4_CODES: 32)]; scales and zeros float16 [blocks, groups, 16] (zeros may be NULL: the
  * midpoint 2^(bits-1)). A masked shift turns a chunk into words whose lane i pair (e = 0, 1) is row i's
  * codes of two neighbouring inputs, so one int16 pair dot product (vpdpwssd: 16 rows x 2 inputs) takes
  * x[2j], x[2j+1] broadcast as one 32-bit word.
@@ -63,9 +65,18 @@ INLINE int64_t step_of(int bits) { return bits == 4 ? 8 : 4; }
  * 16 of their high 2 bits (byte i: row i's four bytes 4i + j at bits 2j); `six_words` rebuilds the 8-bit chunk in
  * registers, so every path runs its 8-bit arithmetic on 0.75 bytes a code instead of 1. */
 #define SIX_CHUNK 48
-INLINE int64_t chunk_bytes(int bits) { return bits == 6 ? SIX_CHUNK : CHUNK; }
-INLINE float midpoint_of(int bits) { return (float)(1 << (bits - 1)); }
-INLINE int known_bits(int bits) { return bits == 4 || bits == 6 || bits == 8; }
+/* GGUF's IQ4_NL and IQ4_XS weights are 4-bit indices into ggml's non-linear grid kvalues_iq4nl; as 8-bit codes
+ * (grid + 128, the midpoint 128) they ran the 8-bit layout at 1 byte a weight. IQ4_CODES keeps the 8-bit layout's
+ * chunks as the grid indices of their bytes, two a byte as SIX_CHUNK's first 32 bytes hold nibbles, and
+ * `grid_words` looks the codes up in registers (vpshufb): 0.5 bytes a code, 8-bit arithmetic. The value says what it
+ * is: stored in 4 bits (0x40), computed in 8 (0x08). */
+#define IQ4_CODES 0x48
+#define GRID_CHUNK 32
+static const uint8_t IQ4_GRID[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+INLINE int64_t chunk_bytes(int bits) { return bits == 6 ? SIX_CHUNK : bits == IQ4_CODES ? GRID_CHUNK : CHUNK; }
+INLINE int code_bits(int bits) { return bits == IQ4_CODES ? 8 : bits; } /* the width the arithmetic sees */
+INLINE float midpoint_of(int bits) { return (float)(1 << (code_bits(bits) - 1)); }
+INLINE int known_bits(int bits) { return bits == 4 || bits == 6 || bits == 8 || bits == IQ4_CODES; }
 INLINE int amx_bits(int bits) { return bits == 4 || bits == 8; } /* the AMX kernels' code widths */
 
 /* Inputs per x block: the group itself up to X_BLOCK_MAX, else its largest divisor that fits and is whole
@@ -229,6 +240,14 @@ INLINE __m512i six_words(const uint8_t *chunk, int half) {
 #endif
     return _mm512_ternarylogic_epi32(low, spread, _mm512_set1_epi8(0x30), 0xf8); /* low | (spread & 0x30) */
 }
+/* An IQ4_CODES chunk (GRID_CHUNK bytes) as its 64-byte 8-bit chunk: six_words' nibbles, each looked up in the grid. */
+INLINE __m512i grid_words(const uint8_t *chunk, int half) {
+    (void)half;
+    const __m512i nibbles = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)chunk));
+    const __m512i indices = _mm512_and_si512(_mm512_or_si512(nibbles, _mm512_slli_epi16(nibbles, 4)),
+                                             _mm512_set1_epi16(0x0f0f));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)), indices);
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ISA 256
@@ -264,6 +283,13 @@ INLINE __m256i six_words(const uint8_t *chunk, int half) {
                                            _mm256_or_si256(_mm256_slli_epi32(high, 12), _mm256_slli_epi32(high, 18)));
     return _mm256_or_si256(low, _mm256_and_si256(_mm256_slli_epi32(spread, 4), _mm256_set1_epi8(0x30)));
 }
+/* The AVX-512 body's grid_words for one half of the chunk (its index bytes 16 half on). */
+INLINE __m256i grid_words(const uint8_t *chunk, int half) {
+    const __m256i nibbles = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(chunk + 16 * half)));
+    const __m256i indices = _mm256_and_si256(_mm256_or_si256(nibbles, _mm256_slli_epi16(nibbles, 4)),
+                                             _mm256_set1_epi16(0x0f0f));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID)), indices);
+}
 #else
 #define ISA 0
 #endif
@@ -276,7 +302,8 @@ int quant_kernel_isa(void) { return ISA; }
 
 /* Vector `half` of the chunk at `chunk` as 8-bit (or 4-bit) layout words. */
 INLINE ivec load_words(const int BITS, const uint8_t *chunk, int half) {
-    return BITS == 6 ? six_words(chunk, half) : iload(chunk + half * VBYTES);
+    if (BITS == 6) return six_words(chunk, half);
+    return BITS == IQ4_CODES ? grid_words(chunk, half) : iload(chunk + half * VBYTES);
 }
 
 /* Rows [first, first + LANES) of y[r] from the float accumulator, bias added, rounded to bf16; rows past
@@ -427,6 +454,7 @@ static void run_wide(int bits, const uint8_t *codes, const uint16_t *scales, con
         const int64_t b1 = b + 1 < block + width ? b + 1 : b;
         if (bits == 8) wide_tile(8, codes, scales, zeros, p, xw, bias, y, b, b1, r0, n, k, group);
         else if (bits == 6) wide_tile(6, codes, scales, zeros, p, xw, bias, y, b, b1, r0, n, k, group);
+        else if (bits == IQ4_CODES) wide_tile(IQ4_CODES, codes, scales, zeros, p, xw, bias, y, b, b1, r0, n, k, group);
         else wide_tile(4, codes, scales, zeros, p, xw, bias, y, b, b1, r0, n, k, group);
     }
 }
@@ -606,6 +634,8 @@ static void run_rows(int bits, int MR, const uint8_t *codes, const uint16_t *sca
             if (MR == 1) WIDTHS(8, 1); else if (MR == 2) WIDTHS(8, 2); else WIDTHS(8, 4);
         } else if (bits == 6) {
             if (MR == 1) WIDTHS(6, 1); else if (MR == 2) WIDTHS(6, 2); else WIDTHS(6, 4);
+        } else if (bits == IQ4_CODES) {
+            if (MR == 1) WIDTHS(IQ4_CODES, 1); else if (MR == 2) WIDTHS(IQ4_CODES, 2); else WIDTHS(IQ4_CODES, 4);
         } else {
             if (MR == 1) WIDTHS(4, 1); else if (MR == 2) WIDTHS(4, 2); else WIDTHS(4, 4);
         }
@@ -635,7 +665,8 @@ static void prefetch_next(const Next *next, int64_t me) {
     const int64_t threads = next->num_threads < 1 ? 1 : (next->num_threads > blocks ? blocks : next->num_threads);
     if (me >= threads) return;
     const int64_t first = blocks * me / threads, last = blocks * (me + 1) / threads;
-    const int64_t block_bytes = next->k * BLOCK * next->bits / 8, group_bytes = next->k / next->group * BLOCK * 2;
+    const int64_t block_bytes = next->k / step_of(next->bits) * chunk_bytes(next->bits);
+    const int64_t group_bytes = next->k / next->group * BLOCK * 2;
     const int64_t code_bytes = (last - first) * block_bytes < NEXT_AHEAD ? (last - first) * block_bytes : NEXT_AHEAD;
     const int64_t scale_bytes = (last - first) * group_bytes < NEXT_SCALES_AHEAD ? (last - first) * group_bytes
                                                                                    : NEXT_SCALES_AHEAD;
@@ -680,6 +711,7 @@ static void gemv_run(int bits, const uint8_t *codes, const uint16_t *scales, con
 #endif
                 if (bits == 8) stream_block(8, codes, scales, zeros, p, bias, y, block, n, k, group);
                 else if (bits == 6) stream_block(6, codes, scales, zeros, p, bias, y, block, n, k, group);
+                else if (bits == IQ4_CODES) stream_block(IQ4_CODES, codes, scales, zeros, p, bias, y, block, n, k, group);
                 else stream_block(4, codes, scales, zeros, p, bias, y, block, n, k, group);
             }
         } else
@@ -772,11 +804,14 @@ int quant_gemv_bf16_chain(const void *weight, const void *scales, const void *ze
     return gemv_then(weight, scales, zeros, bits, x, bias, y, m, n, k, group, num_threads, usable ? &next : NULL);
 }
 
-/* One code of the layout: row i (of its block) at input j of chunk `chunk` (its 64 bytes; 6 bits: its 48). */
+/* One code of the layout: row i (of its block) at input j of chunk `chunk` (its 64 bytes; 6 bits: its 48;
+ * IQ4_CODES: its 32). */
 INLINE uint32_t layout_code(const uint8_t *chunk, int64_t i, int64_t j, int bits) {
-    if (bits == 6) { /* byte 2e + t of row i's lane (e = j & 1, t = j >> 1): a nibble and two high bits */
+    if (bits == 6 || bits == IQ4_CODES) { /* byte 2e + t of row i's lane (e = j & 1, t = j >> 1): a nibble (and two
+                                             high bits, or the nibble indexes the grid) */
         const int64_t at = 4 * i + 2 * (j & 1) + (j >> 1);
         const uint32_t low = (chunk[at / 2] >> (4 * (at & 1))) & 0xf;
+        if (bits == IQ4_CODES) return IQ4_GRID[low];
         return low | ((uint32_t)(chunk[32 + i] >> (2 * (at & 3))) & 3u) << 4;
     }
     const uint8_t *lane = chunk + 4 * i; /* words 2i (e = 0) and 2i + 1 (e = 1) */
@@ -848,7 +883,7 @@ int quant_dequantize_bf16(const void *weight, const void *scales_, const void *z
             const int64_t rows = n - block * BLOCK < BLOCK ? n - block * BLOCK : BLOCK;
             const uint8_t *base = codes + block * chunks * bytes;
 #if ISA == 512
-            const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+            const __m512i mask = _mm512_set1_epi32((1 << code_bits(bits)) - 1);
             const int width = bits == 4 ? 4 : 8; /* bits a code takes in its word */
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t at = (block * groups + g) * BLOCK;
@@ -856,8 +891,7 @@ int quant_dequantize_bf16(const void *weight, const void *scales_, const void *z
                 const __m512 zero = zeros != NULL ? fload_f16(zeros + at) : fset1(midpoint);
                 for (int64_t c = g * group / step; c < (g + 1) * group / step; c++) {
                     /* lane i: words 2i, 2i + 1 */
-                    const __m512i lanes = bits == 6 ? six_words(base + c * bytes, 0)
-                                                    : _mm512_loadu_si512((const void *)(base + c * bytes));
+                    const __m512i lanes = load_words(bits, base + c * bytes, 0);
                     for (int j = 0; j < step; j++) {
                         const __m512i q = _mm512_and_si512(_mm512_srli_epi32(lanes, 16 * (j & 1) + width * (j >> 1)), mask);
                         _mm512_storeu_ps(columns + (c * step + j) * BLOCK,
@@ -1650,7 +1684,7 @@ static void dequantize_block_pairs(int bits, const uint8_t *codes, const uint16_
         const __m512 offset = _mm512_mul_ps(zero, scale);
         for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; c++) {
             const uint8_t *chunk = codes + (block * chunks + c) * bytes;
-            const __m512i words = bits == 6 ? six_words(chunk, 0) : _mm512_loadu_si512((const void *)chunk);
+            const __m512i words = load_words(bits, chunk, 0);
             if (bits != 4) { /* low bytes: inputs 4c, 4c + 1; high bytes: 4c + 2, 4c + 3 */
                 pairs[2 * c] = dequantize_pairs(_mm512_and_si512(words, low8), scale, zero, offset, zeros == NULL);
                 pairs[2 * c + 1] = dequantize_pairs(_mm512_srli_epi16(words, 8), scale, zero, offset, zeros == NULL);

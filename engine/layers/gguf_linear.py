@@ -13,7 +13,8 @@ layer picks its run-time form once all are in.
   like Q4_K; Q6_K (super-blocks of 256: low nibbles, 2 high bits, an int8 scale per 16, float16 d;
   w = d * sc * (q - 32)) -> group 16, code q;
 - IQ4_NL (d, nibbles indexing a 16-value non-linear grid) and IQ4_XS (IQ4_NL's grid, a 6-bit scale per 32
-  against d) -> 8-bit codes, group 32, code grid[q] + 128. A Q4_K_M file is mostly Q4_K with Q6_K for attn_v,
+  against d) -> 8-bit codes, group 32, code grid[q] + 128, which the native kernels store as the 4-bit grid
+  indices again (kernels/quant.py `IQ4_CODES`: 0.5 bytes a code where 8-bit codes took 1). A Q4_K_M file is mostly Q4_K with Q6_K for attn_v,
   half the ffn_down and the output (and Q5_0/Q8_0 where rows are not whole 256-value super-blocks, as
   SmolLM's 576): dequantised to bf16, those tensors streamed 2 bytes a weight where 6-bit codes stream 0.81-0.88
   (8-bit codes, before: 1.06-1.13);

@@ -13,9 +13,9 @@ turns it into the fastest run-time layout this device offers and registers the l
 `GroupedIntWeight` and calls `install_grouped_weight`.
 
 Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS.md section 2):
-- `native` (bfloat16 activations on CPU: every 4- and 8-bit weight whose groups are whole multiples of 8
-  (4-bit) or 4 (8-bit) inputs, per row or grouped, symmetric or with zero points, GGUF Q8_0/Q4_0/Q4_1/Q4_K,
-  GPTQ, AWQ): engine/kernels/quant.py's output-row-interleaved GEMV (AVX-512 or AVX2) for few rows; where
+- `native` (bfloat16 activations on CPU: every 4-, 6- and 8-bit weight whose groups are whole multiples of 8
+  (4-bit) or 4 (6- and 8-bit) inputs, per row or grouped, symmetric or with zero points, GGUF's grouped types,
+  GPTQ, AWQ; 8-bit codes from IQ4_NL's grid stored as 4-bit grid indices, `IQ4_CODES`): engine/kernels/quant.py's output-row-interleaved GEMV (AVX-512 or AVX2) for few rows; where
   the CPU has AMX its dequantising AMX GEMM from AMX_MIN_ROWS rows (the weight stays quantised in memory,
   dequantised per call into bf16 tiles every row reuses) and bf16's AMX kernel on those tiles from
   AMX_MAX_ROWS; without AMX, where the CPU has AVX512-BF16, its dequantising bf16 GEMM from BF16_GEMM_MIN_ROWS
@@ -58,7 +58,7 @@ from torch import nn
 
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.kernels import cpu_kernels_for
-from llmctl.engine.kernels.quant import KernelWeight, QuantRowOperand, fits_float16, load_quant_kernels
+from llmctl.engine.kernels.quant import IQ4_CODES, KernelWeight, QuantRowOperand, fits_float16, load_quant_kernels
 from llmctl.engine.layers.linear import (CheckpointSlice, LinearBase, LinearMethod, UnquantizedLinearMethod, rank_rows)
 from llmctl.engine.layers.quantization_cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
                                                     install_cuda_layout)
@@ -81,7 +81,7 @@ NATIVE_MAX_ROWS = 48
 # GEMM on its packed weight (Zen 5, no AMX): 3072x576 int8 64 rows 546 / 1508 / 516, 256 rows 2141 / 3050 / 1995,
 # 1024 rows 9357 / 9389 / 8116; int4-g32 64 rows 628 / 1470, 256 rows 2579 / 3001, 1024 rows 11571 / 9543. So
 # without AMX that body keeps the GEMV up to GEMV_MAX_ROWS_AVX512 rows (per code width), where dequantising ties.
-GEMV_MAX_ROWS_AVX512 = {8: 1024, 6: 1024, 4: 512}  # 6 bits: the 8-bit arithmetic
+GEMV_MAX_ROWS_AVX512 = {8: 1024, 6: 1024, IQ4_CODES: 1024, 4: 512}  # 6 bits, IQ4_CODES: the 8-bit arithmetic
 # Where the CPU also has AVX512-BF16 (Zen 4 and 5), from BF16_GEMM_MIN_ROWS rows `gemm_bf16` runs instead: the
 # weight dequantised per call a pair of blocks at a time into bf16, then bf16 pair dot products on x as it is (no
 # int16 x, no per-group epilogue). A decoder layer's four linears (SmolLM-135M shapes), two threads, hot, µs, GEMV
@@ -119,7 +119,8 @@ INT8_TILE_MAX_ROWS = 96
 # native kernel) ran 4-17x torch's int8pack/int4pack (3072x576, one thread, thread CPU time: 64 rows 342 µs
 # against 3963 / 3499 µs, 256 rows 820 against 15357 / 13992 µs); see `_product` and `add_batch_weights`.
 BATCH_MIN_ROWS = 16
-# the code widths the AMX kernels take (6-bit codes run the GEMV, then dequantise + one GEMM, on AMX CPUs)
+# the code formats the AMX kernels take (6-bit and IQ4_CODES ones run the GEMV, then dequantise + one GEMM, on AMX
+# CPUs)
 AMX_BITS = (4, 8)
 CPU_LAYOUTS = ("int8pack", "int4pack", "native")
 
@@ -354,9 +355,9 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
         # built once (its checks and pointers) on the registered parameters' storage, which its detached
         # tensors keep alive even if a parameter's data were replaced later
         zero = None if layer.weight_zero is None else layer.weight_zero.detach()
-        layer.kernel_weight = KernelWeight(layer.weight.detach(), layer.weight_scale.detach(), zero, weight.bits,
+        layer.kernel_weight = KernelWeight(layer.weight.detach(), layer.weight_scale.detach(), zero, packed.bits,
                                            weight.group_size, weight.in_features, weight.out_features)
-        layer.int8_tiles = weight.bits == 8 and layer.quant_kernels.int8_tile_depth(weight.group_size, 8) == 64
+        layer.int8_tiles = packed.bits == 8 and layer.quant_kernels.int8_tile_depth(weight.group_size, 8) == 64
     elif layout in CUDA_LAYOUTS:
         for name, tensor in install_cuda_layout(layer, weight, layout, dtype,
                                                 tinygemm_scales_and_offsets(weight, dtype)).items():
