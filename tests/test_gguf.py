@@ -119,11 +119,10 @@ def test_q5_k_m_and_iq4_xs_mixes_run_grouped(k_quant_model, tmp_path, default_ty
     if default_type == "IQ4_XS" and load_quant_kernels() is not None:
         # the IQ4 layers' 8-bit codes all lie on the grid: the kernels keep them as 4-bit grid indices; layer 0's
         # qkv (Q6_K codes widened beside them) stays 8-bit
-        kernel_formats = {name: m.kernel_weight.bits for name, m in llm.engine.executor.runner.model.named_modules()
-                          if hasattr(m, "kernel_weight")}
-        assert kernel_formats["model.layers.1.self_attn.qkv_proj"] == IQ4_CODES
-        assert kernel_formats["model.layers.1.mlp.down_proj"] == IQ4_CODES
-        assert kernel_formats["model.layers.0.self_attn.qkv_proj"] == 8
+        kernel_formats = {name: [(p.bits, p.group_size) for p in m.kernel_parts.parts]
+                          for name, m in llm.engine.executor.runner.model.named_modules() if hasattr(m, "kernel_parts")}
+        assert kernel_formats["model.layers.1.self_attn.qkv_proj"] == [(IQ4_CODES, 32)]
+        assert kernel_formats["model.layers.1.mlp.down_proj"] == [(IQ4_CODES, 32)]
     reference = reference_model(k_quant_model, held)
     for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:2]):  # bf16: the native decode step's kernels
         expected = reference_logits(reference, prompt, tokens)
@@ -292,7 +291,8 @@ def test_a_tied_files_lm_head_runs_on_the_embeddings_own_codes(tiny_models, tmp_
     assert head.weight.dtype == torch.uint8 and head.weight.data_ptr() != table.data_ptr()
     expected = torch.from_numpy(held["model.embed_tokens.weight"])
     assert torch.equal(table, expected.bfloat16())
-    assert torch.equal(head.quant_kernels.dequantize(head.kernel_weight), table)
+    (part,) = head.kernel_parts.parts
+    assert torch.equal(head.quant_kernels.dequantize(part), table)
     reference = reference_model(tiny_models["qwen2"], held)  # tied: its lm_head is the dequantised table
     for prompt, tokens, ours in run_greedy(llm, make_prompts(512)[:2]):
         expected = reference_logits(reference, prompt, tokens)

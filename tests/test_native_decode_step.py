@@ -126,6 +126,25 @@ def test_a_gguf_files_step_runs_natively_bitwise(tiny_models, tmp_path, arch, de
 
 
 @needs_gemv
+@pytest.mark.parametrize("default_type, narrow", [("Q4_0", 4), ("IQ4_NL", "iq4")])
+def test_a_fused_layer_in_parts_runs_natively_bitwise(tiny_models, tmp_path, monkeypatch, default_type, narrow):
+    """q/k of 4-bit (or IQ4) codes beside a Q8_0 v: one 8-bit qkv weight, kept by the kernels as two parts (every
+    split taken here, however few bytes it saves), in the native step as in the Python forward."""
+    from gguf_writer import write_gguf
+
+    from llmctl.engine.kernels import quant
+
+    monkeypatch.setattr(quant, "PART_MIN_SAVED_BYTES", 0)
+    path = tmp_path / f"model-{default_type}.gguf"
+    write_gguf(tiny_models["llama"], path, {"attn_v.weight": "Q8_0"}, default_type=default_type)
+    llm = _llm(path)
+    qkv = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_bits == 8
+    assert [part.bits for part in qkv.kernel_parts.parts] == [quant.IQ4_CODES if narrow == "iq4" else 4, 8]
+    _check_one_token_steps_against_the_python_forward(llm, {"quant"})
+
+
+@needs_gemv
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_a_pre_quantised_checkpoints_step_mixes_quantised_and_bf16_linears(tiny_models, tmp_path, method):
     from test_gptq_awq import Scheme, write_quantised_checkpoint
@@ -210,7 +229,7 @@ def test_operands_are_checked_when_the_step_is_bound():
     codes = torch.full((vocab, hidden), 8, dtype=torch.uint8)  # 4-bit codes at the midpoint: weight 0
     lm_heads = [("gemv", embedding)]
     if quant is not None:
-        lm_heads.append(("quant", QuantRowOperand(quant, quant.pack(codes, torch.ones(vocab, 2), None, 4, 32))))
+        lm_heads.append(("quant", QuantRowOperand(quant, quant.pack_parts(codes, torch.ones(vocab, 2), None, 4, 32))))
     for lm_head in lm_heads:
         stack = KERNELS.decode_stack([layer], embedding, torch.ones(hidden, **bf16), lm_head, table, table, **args)
         logits = stack(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), [[0]], [1], [1], torch.tensor([0]))

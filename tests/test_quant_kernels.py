@@ -8,8 +8,10 @@ import torch
 
 from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.kernels.quant import (IQ4_CODES, IQ4_GRID, KernelWeight, deinterleave_codes, deinterleave_groups,
-                                         interleave_codes, interleave_groups, load_quant_kernels)
+from llmctl.engine.kernels import quant as quant_module
+from llmctl.engine.kernels.quant import (IQ4_CODES, IQ4_GRID, KernelWeight, PartPlan, deinterleave_codes,
+                                         deinterleave_groups, interleave_codes, interleave_groups, load_quant_kernels,
+                                         plan_parts)
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.kernels import load_cpu_kernels
 from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS, INT8_TILE_MAX_ROWS,
@@ -220,36 +222,106 @@ def test_iq4_grid_codes_store_as_grid_indices(out_features, in_features):
 @pytest.mark.parametrize("group, asymmetric, shape", [(32, False, (40, 576)), (256, True, (37, 512)),
                                                       (4, False, (19, 36))])
 def test_iq4_grid_codes_run_as_the_8_bit_layout_bitwise(target, group, asymmetric, shape):
-    """`pack` keeps 8-bit codes that all lie on IQ4_NL's grid as IQ4_CODES (half the bytes); every kernel then
-    gives the 8-bit layout's outputs bit for bit: the one-row stream, narrow and wide tiles, the dequantiser and the
-    bf16 GEMM."""
+    """8-bit codes that all lie on IQ4_NL's grid packed as IQ4_CODES (half the bytes), as `pack_parts` chooses for
+    them: every kernel gives the 8-bit layout's outputs bit for bit: the one-row stream, narrow and wide tiles, the
+    dequantiser and the bf16 GEMM."""
     if target == "skylake-avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= cpu_flags():
         pytest.skip("this CPU cannot run a Skylake-X AVX-512 build")
     kernels = kernels_or_skip(target)
     weight = iq4_grouped(*shape, group, asymmetric=asymmetric)
-    grid = kernels.pack(weight.codes, weight.scales, weight.zeros, 8, group)
+    (grid,) = kernels.pack_parts(weight.codes, weight.scales, weight.zeros, 8, group).parts
     assert grid.bits == IQ4_CODES and grid.codes.shape[-1] == 32
     eight = KernelWeight(interleave_codes(weight.codes, 8), grid.scales, grid.zeros, 8, group, shape[1], shape[0])
     bias = torch.randn(shape[0]).bfloat16()
     for rows in (1, 3, 19, 40):
         x = torch.randn(rows, shape[1]).bfloat16()
-        assert torch.equal(kernels.gemv(grid, x, bias).view(torch.int16), kernels.gemv(eight, x, bias).view(torch.int16))
+        got, expected = (kernels.gemv(weight_, x, bias).view(torch.int16) for weight_ in (grid, eight))
+        assert torch.equal(got, expected)
         if kernels.has_bf16_gemm:
             assert torch.equal(kernels.gemm_bf16(grid, x, bias), kernels.gemm_bf16(eight, x, bias))
     assert torch.equal(kernels.dequantize(grid), weight.dequantize().to(torch.bfloat16))
 
 
 def test_only_codes_on_the_iq4_grid_change_format():
-    kernels = kernels_or_skip("native")
     on_grid = iq4_grouped(16, 64, 32)
-    assert kernels.code_format(on_grid.codes, 8) == IQ4_CODES
-    assert kernels.code_format(on_grid.codes, 6) == 6  # only 8-bit codes
+    assert plan_parts(on_grid.codes, on_grid.scales, None, 8, 32) == [PartPlan(0, 16, IQ4_CODES, 0)]
     int8 = GroupedIntWeight.quantize(torch.randn(300, 64), 8, 64)  # on the fly: codes off the grid (128 is)
-    assert kernels.code_format(int8.codes, 8) == 8
-    assert kernels.pack(int8.codes, int8.scales, None, 8, 64).bits == 8
+    assert plan_parts(int8.codes, int8.scales, None, 8, 64) == [PartPlan(0, 300, 8, 0)]
     late = on_grid.codes.repeat(20, 1)
-    late[-1, 0] = 2  # one code off the grid past the first slice of rows
-    assert kernels.code_format(late, 8) == 8
+    late[-1, 0] = 2  # one code off the grid in the last block: too few rows saved to split
+    assert plan_parts(late, torch.ones(320, 2), None, 8, 32) == [PartPlan(0, 320, 8, 0)]
+
+
+def q4_k_beside_q6_k(q_rows=768, v_rows=192, k=576):
+    """A fused GGUF qkv as it loads: Q4_K q/k (4-bit codes, zeros, scales of 32 repeated to Q6_K's groups of 16)
+    beside a Q6_K v (6-bit codes symmetric at 32, stored as zeros)."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (q_rows, k), generator=generator).to(torch.uint8)
+    v = torch.randint(0, 64, (v_rows, k), generator=generator).to(torch.uint8)
+    q_scales = (torch.rand(q_rows, k // 32, generator=generator) * 0.01 + 0.001).repeat_interleave(2, dim=1)
+    q_zeros = (torch.rand(q_rows, k // 32, generator=generator) * 8).repeat_interleave(2, dim=1)
+    v_scales = torch.rand(v_rows, k // 16, generator=generator) * 0.01 + 0.001
+    scales = torch.cat([q_scales, v_scales]).half().float()
+    zeros = torch.cat([q_zeros, torch.full((v_rows, k // 16), 32.0)]).half().float()
+    return GroupedIntWeight(torch.cat([q, v]), scales, zeros, 6, 16)
+
+
+def test_rows_whose_codes_fit_fewer_bits_become_parts_of_their_own():
+    weight = q4_k_beside_q6_k()
+    # the q/k rows save (0.75 - 0.5) bytes a code over 768 x 576: above PART_MIN_SAVED_BYTES
+    assert plan_parts(weight.codes, weight.scales, weight.zeros, 6, 16) == [PartPlan(0, 768, 4, 0),
+                                                                          PartPlan(768, 960, 6, 0)]
+    # symmetric 8-bit codes: Q4_0 rows widened (q + 120) return to 4 bits at their own midpoint 8
+    generator = torch.Generator().manual_seed(4)
+    widened = torch.randint(0, 16, (512, 576), generator=generator).to(torch.uint8) + 120
+    wide = torch.randint(1, 256, (48, 576), generator=generator).to(torch.uint8)
+    codes = torch.cat([widened, wide])
+    assert plan_parts(codes, torch.ones(560, 18), None, 8, 32) == [PartPlan(0, 512, 4, 120), PartPlan(512, 560, 8, 0)]
+    # IQ4 grid rows beside others; a narrow run saving too little stays in the weight's format
+    grid = iq4_grouped(256, 576, 32).codes
+    assert plan_parts(torch.cat([grid, wide]), torch.ones(304, 18), None, 8, 32) == [
+        PartPlan(0, 256, IQ4_CODES, 0), PartPlan(256, 304, 8, 0)]
+    assert plan_parts(torch.cat([grid[:64], wide]), torch.ones(112, 18), None, 8, 32) == [PartPlan(0, 112, 8, 0)]
+    # every row narrower: one part whatever it saves
+    assert plan_parts(grid[:16], torch.ones(16, 18), None, 8, 32) == [PartPlan(0, 16, IQ4_CODES, 0)]
+
+
+@pytest.mark.parametrize("target", ["native", "avx2"])
+def test_a_weight_in_parts_runs_each_part_in_its_own_format_and_groups(target):
+    kernels = kernels_or_skip(target)
+    weight = q4_k_beside_q6_k()
+    packed = kernels.pack_parts(weight.codes, weight.scales, weight.zeros, 6, 16)
+    assert [(p.bits, p.group_size, p.out_features) for p in packed.parts] == [(4, 32, 768), (6, 16, 192)]
+    assert packed.starts == (0, 768) and packed.out_features == 960
+    # one flat storage, the parts views of it: the q/k rows' groups of 32 restored (half the scale bytes)
+    assert packed.codes.numel() == 768 * 576 // 2 + 192 * 576 * 3 // 4
+    assert packed.scales.numel() == 768 * 18 + 192 * 36 == packed.zeros.numel()
+    assert packed.parts[1].codes.data_ptr() == packed.codes.data_ptr() + 768 * 576 // 2
+    reference = weight.dequantize()
+    for rows in (1, 5):
+        x = torch.randn(rows, 576).bfloat16()
+        got = torch.cat([kernels.gemv(part, x) for part in packed.parts], dim=1)
+        expected = x.float() @ reference.T
+        assert (got.float() - expected).abs().max().item() <= 8e-3 * expected.abs().max().item()
+
+
+def test_a_layer_in_parts_is_its_parts_products_side_by_side(monkeypatch):
+    kernels = kernels_or_skip("native")
+    weight = q4_k_beside_q6_k(q_rows=64, v_rows=32, k=64)
+    layer, layout = make_layer(weight, bias=True)  # saves too little to split
+    assert layout == "native" and len(layer.kernel_parts.parts) == 1
+    monkeypatch.setattr(quant_module, "PART_MIN_SAVED_BYTES", 0)
+    layer, layout = make_layer(weight, bias=True)
+    parts = layer.kernel_parts.parts
+    assert [(p.bits, p.group_size) for p in parts] == [(4, 32), (6, 16)] and layer.int8_tiles == (False, False)
+    for rows in (1, 3, BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS):
+        x = torch.randn(rows, 64).bfloat16()
+        got = layer(x)
+        if rows < AMX_MIN_ROWS:  # the GEMV on every CPU: each part's own, bitwise
+            expected = torch.cat([kernels.gemv(part, x, layer.bias[start:start + part.out_features])
+                                  for part, start in zip(parts, layer.kernel_parts.starts)], dim=1)
+            assert torch.equal(got, expected), rows
+        assert (got.float() - (x.float() @ weight.dequantize().T + layer.bias.float())).abs().max() < 0.05
 
 
 @pytest.mark.parametrize("target", ["native", "avx2"])
@@ -531,7 +603,9 @@ def test_a_layer_runs_the_kernel_its_row_count_calls_for(bits):
     else:
         weight = random_grouped(48, 128, bits, 32, asymmetric=True)
     layer, layout = make_layer(weight, bias=True)
-    assert layout == "native" and layer.kernel_weight.bits == bits
+    assert layout == "native" and len(layer.kernel_parts.parts) == 1
+    (part,) = layer.kernel_parts.parts
+    assert part.bits == bits
     gemv_rows = gemv_max_rows(kernels, bits)
     # 6-bit and IQ4_CODES codes: the GEMV, then dequantise + one GEMM, on AMX CPUs
     amx = kernels.has_amx and bits in (4, 8)
@@ -540,13 +614,13 @@ def test_a_layer_runs_the_kernel_its_row_count_calls_for(bits):
         x = torch.randn(rows, 128).bfloat16()
         got = layer(x)
         if amx and rows >= AMX_MIN_ROWS:  # bitwise the same whichever AMX kernel runs
-            expected = kernels.gemm_amx(layer.kernel_weight, x, layer.bias)
+            expected = kernels.gemm_amx(part, x, layer.bias)
         elif kernels.has_bf16_gemm and rows >= BF16_GEMM_MIN_ROWS:
-            expected = kernels.gemm_bf16(layer.kernel_weight, x, layer.bias)
+            expected = kernels.gemm_bf16(part, x, layer.bias)
         elif rows < (AMX_MIN_ROWS if amx else gemv_rows):
-            expected = kernels.gemv(layer.kernel_weight, x, layer.bias)
+            expected = kernels.gemv(part, x, layer.bias)
         else:
-            expected = torch.nn.functional.linear(x, kernels.dequantize(layer.kernel_weight)) + layer.bias
+            expected = torch.nn.functional.linear(x, kernels.dequantize(part)) + layer.bias
         assert torch.equal(got, expected), rows
 
 
@@ -661,14 +735,15 @@ def test_amx_int8_refuses_x_blocks_it_cannot_tile():
 def test_a_per_channel_int8_layer_gives_every_row_the_gemvs_result_below_the_tile_limit():
     kernels = kernels_or_skip("native")
     layer, layout = make_layer(random_grouped(96, 576, 8, 576), bias=True)
-    assert layout == "native" and layer.int8_tiles
+    assert layout == "native" and layer.int8_tiles == (True,)
+    (part,) = layer.kernel_parts.parts
     for rows in sorted({1, INT8_TILE_MIN_ROWS - 1, INT8_TILE_MIN_ROWS, 64, INT8_TILE_MAX_ROWS - 1}):
         x = torch.randn(rows, 576).bfloat16()
         got = layer(x)
         if kernels.has_amx or rows < (BF16_GEMM_MIN_ROWS if kernels.has_bf16_gemm else gemv_max_rows(kernels, 8)):
-            assert torch.equal(got, kernels.gemv(layer.kernel_weight, x, layer.bias)), rows
+            assert torch.equal(got, kernels.gemv(part, x, layer.bias)), rows
         if kernels.has_amx and rows >= INT8_TILE_MIN_ROWS:
-            assert torch.equal(got, kernels.gemm_amx_int8(layer.kernel_weight, x, layer.bias)), rows
+            assert torch.equal(got, kernels.gemm_amx_int8(part, x, layer.bias)), rows
     # grouped int8 in 32s (GGUF Q8_0) keeps the dequantising kernel
     grouped, _ = make_layer(random_grouped(32, 64, 8, 32))
-    assert not grouped.int8_tiles
+    assert grouped.int8_tiles == (False,)

@@ -378,16 +378,25 @@ class DecodeStack:
         expected["v_pool"] = expected["k_pool"]
         if kv_heads != num_kv_heads or num_heads % num_kv_heads or block_size & (block_size - 1):
             raise ValueError("decode_stack: the pools' heads or block size do not fit the model")
-        descriptors: list[tuple[int, ...]] = []  # one per linear, the lm_head's last
+        # one or more per linear (a quantised weight's parts: the first, then the others, each naming the next by
+        # index here and by address below), the lm_head's last
+        descriptors: list[list[int]] = []
         entries: list[tuple[str, int]] = []  # per layer field: ("address", value) or ("linear", descriptor index)
+
+        def add_linear(what: str, linear: object, out_features: int, in_features: int) -> int:
+            parts = _linear_descriptors(what, linear, out_features, in_features)
+            first = len(descriptors)
+            for index, part in enumerate(parts):
+                descriptors.append([*part, first + index + 1 if index + 1 < len(parts) else -1])
+            return first
+
         for layer in layers:
             if set(layer) != set(self.LAYER_FIELDS):
                 raise ValueError(f"decode_stack: a layer needs exactly {', '.join(self.LAYER_FIELDS)}")
             for name in self.LAYER_FIELDS:
                 tensor = layer[name]
                 if name in linear_shapes:
-                    descriptors.append(_linear_descriptor(f"decode_stack: {name}", tensor, *linear_shapes[name]))
-                    entries.append(("linear", len(descriptors) - 1))
+                    entries.append(("linear", add_linear(f"decode_stack: {name}", tensor, *linear_shapes[name])))
                 elif tensor is None and name in self.BIASES:
                     entries.append(("address", 0))
                 else:
@@ -395,17 +404,20 @@ class DecodeStack:
                     entries.append(("address", tensor.data_ptr()))
         _check_operand("decode_stack: the embedding", embedding, (vocab, hidden))
         _check_operand("decode_stack: the final norm", final_norm, (hidden,))
-        descriptors.append(_linear_descriptor("decode_stack: the lm_head", lm_head, vocab, hidden))
+        lm_head_index = add_linear("decode_stack: the lm_head", lm_head, vocab, hidden)
         for table in (cos, sin):
             _check_operand("decode_stack: a RoPE table", table, (cos.shape[0], head_dim // 2))
         self._function = function
         self._operands = (layers, embedding, final_norm, lm_head, cos, sin)  # alive while their addresses are used
         self.vocab, self.positions, self.pool_slots, self.num_blocks = vocab, cos.shape[0], num_blocks * block_size, num_blocks
         self.block_size = block_size
-        self._descriptors = torch.tensor(descriptors, dtype=torch.int64)  # [linears, STACK_LINEAR_FIELDS]
+        self._descriptors = torch.tensor(descriptors, dtype=torch.int64)  # [descriptors, STACK_LINEAR_FIELDS]
 
         def descriptor_address(index: int) -> int:
             return self._descriptors[index].data_ptr()
+
+        for index, descriptor in enumerate(descriptors):  # STACK_NEXT_PART: the next part's address, or 0
+            self._descriptors[index, -1] = descriptor_address(descriptor[-1]) if descriptor[-1] >= 0 else 0
 
         self._layers = torch.tensor([descriptor_address(value) if what == "linear" else value
                                      for what, value in entries], dtype=torch.int64)
@@ -418,7 +430,7 @@ class DecodeStack:
         self._scratch = [torch.empty(self.max_tokens * size, dtype=torch.bfloat16) for size in sizes]
         self._scratch_addresses = (ctypes.c_void_p * len(sizes))(*(t.data_ptr() for t in self._scratch))
         self._fixed = (self._layers.data_ptr(), self._sizes.data_ptr(), self._scratch_addresses, embedding.data_ptr(),
-                       final_norm.data_ptr(), descriptor_address(len(descriptors) - 1), cos.data_ptr(), sin.data_ptr())
+                       final_norm.data_ptr(), descriptor_address(lm_head_index), cos.data_ptr(), sin.data_ptr())
         self._eps, self._scale = eps, scale
 
     def can_run(self, query_lens: list[int], max_row_tokens: int) -> bool:
@@ -488,8 +500,9 @@ def _linear_operand_shape(kind: str, out_features: int, in_features: int) -> tup
     return (out_features, in_features)
 
 
-def _linear_descriptor(what: str, linear: object, out_features: int, in_features: int) -> tuple[int, ...]:
-    """decode_stack_bf16's descriptor of a linear given as (kind, operand), its operand checked for the shape."""
+def _linear_descriptors(what: str, linear: object, out_features: int, in_features: int) -> list[tuple[int, ...]]:
+    """decode_stack_bf16's descriptors of a linear given as (kind, operand), its operand checked for the shape:
+    one, or one per part of a quantised weight; without the last field (the next part)."""
     from llmctl.engine.kernels.quant import QuantRowOperand
 
     kind, operand = linear if isinstance(linear, tuple) and len(linear) == 2 else (None, None)
@@ -497,11 +510,11 @@ def _linear_descriptor(what: str, linear: object, out_features: int, in_features
         if not isinstance(operand, QuantRowOperand) or (operand.weight.out_features, operand.weight.in_features) \
                 != (out_features, in_features):
             raise ValueError(f"{what} must be a quantised weight [{out_features}, {in_features}]")
-        return (DecodeStack.KINDS[kind], *operand.stack_fields())
+        return [(DecodeStack.KINDS[kind], *fields) for fields in operand.stack_fields()]
     if kind not in DecodeStack.KINDS:
         raise ValueError(f"{what} must be a (kind, operand) pair, kind one of {', '.join(DecodeStack.KINDS)}")
     _check_operand(what, operand, _linear_operand_shape(kind, out_features, in_features))
-    return (DecodeStack.KINDS[kind], operand.data_ptr(), 0, 0, 0, 0, 0)
+    return [(DecodeStack.KINDS[kind], operand.data_ptr(), 0, 0, 0, 0, 0, out_features)]
 
 
 def _check_operand(what: str, tensor: Optional[torch.Tensor], shape: tuple[int, ...]) -> None:

@@ -1011,9 +1011,12 @@ enum { STACK_LAYERS, STACK_HIDDEN, STACK_HEADS, STACK_KV_HEADS, STACK_HEAD_DIM, 
  * weight operands. STACK_GEMV: gemv_bf16 on the plain weight [N, K]; STACK_AMX: gemm_amx_bf16 on its pack_amx
  * tiles; STACK_QUANT: quant_gemv_bf16_chain of the quantised library (a separate .so, also built for AVX2, so
  * its address comes with the weight: the Python forward's quant_gemv_bf16, then the next linear's prefetch) on
- * codes, scales, zeros (0: the midpoint), bits and group size in its layout. Scales, zeros, bits, group and function are 0 for the others. */
-enum { STACK_KIND, STACK_WEIGHT, STACK_SCALES, STACK_ZEROS, STACK_BITS, STACK_GROUP, STACK_QUANT_GEMV,
-       STACK_LINEAR_FIELDS };
+ * codes, scales, zeros (0: the midpoint), code format and group size in its layout, for STACK_ROWS output rows;
+ * a quantised weight in parts (kernels/quant.py KernelParts: runs of rows in different code formats) is a chain
+ * of such descriptors, each naming the next part's (STACK_NEXT_PART; 0: the last). Scales, zeros, bits, group,
+ * function and next part are 0 for the others (their STACK_ROWS: the linear's). */
+enum { STACK_KIND, STACK_WEIGHT, STACK_SCALES, STACK_ZEROS, STACK_BITS, STACK_GROUP, STACK_QUANT_GEMV, STACK_ROWS,
+       STACK_NEXT_PART, STACK_LINEAR_FIELDS };
 enum { STACK_GEMV, STACK_AMX, STACK_QUANT };
 typedef int (*stack_quant_gemv)(const void *codes, const void *scales, const void *zeros, int bits, const void *x,
                                 const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
@@ -1028,25 +1031,45 @@ enum { STACK_HIDDEN_BUF, STACK_RESIDUAL_BUF, STACK_NORMED_BUF, STACK_QKV_BUF, ST
        STACK_BUFFERS };
 
 #if defined(__AVX512BF16__)
+/* One part of a quantised linear (its STACK_ROWS rows of y and bias from `offset`), then each thread prefetches
+ * the start of its share of `next` (NULL, or not quantised: nothing), whose inputs are next_k. */
+INLINE int stack_quant_part(const int64_t *part, const void *x, const void *bias, void *y, int64_t m, int64_t offset,
+                            int64_t k, int num_threads, const int64_t *next, int64_t next_k) {
+    const int chained = next != NULL && next[STACK_KIND] == STACK_QUANT;
+#define STACK_NEXT(field) (chained ? (const void *)(intptr_t)next[field] : NULL)
+    return ((stack_quant_gemv)(intptr_t)part[STACK_QUANT_GEMV])(
+        (const void *)(intptr_t)part[STACK_WEIGHT], (const void *)(intptr_t)part[STACK_SCALES],
+        (const void *)(intptr_t)part[STACK_ZEROS], (int)part[STACK_BITS], x,
+        bias != NULL ? (const void *)((const uint16_t *)bias + offset) : NULL, (uint16_t *)y + offset, m,
+        part[STACK_ROWS], k, part[STACK_GROUP], num_threads, STACK_NEXT(STACK_WEIGHT), STACK_NEXT(STACK_SCALES),
+        STACK_NEXT(STACK_ZEROS), chained ? (int)next[STACK_BITS] : 0, chained ? next[STACK_ROWS] : 0, next_k,
+        chained ? next[STACK_GROUP] : 0);
+#undef STACK_NEXT
+}
+
 /* Rows through a linear's kernel: 0 where gemm_amx_bf16 or the quantised GEMV found no memory for its
- * prepared input. gemv_bf16 serves one row only (the caller never sends it more). `next` (its shape next_n x
- * next_k) is the linear the step runs after this one: a quantised GEMV followed by another (the library's
- * quant_gemv_bf16_chain) ends with its threads prefetching the start of their shares of it. */
+ * prepared input. gemv_bf16 serves one row only (the caller never sends it more), and so do a quantised
+ * weight's parts (each writes its columns of y as one row; DecodeStack runs quantised linears one token a step).
+ * `next` (next_k inputs) is the linear the step runs after this one: a quantised GEMV followed by another (the
+ * library's quant_gemv_bf16_chain) ends with its threads prefetching the start of their shares of it (a part, of
+ * the part after it). */
 INLINE int stack_linear(const int64_t *linear, const void *x, const void *bias, void *y, int64_t m, int64_t n,
-                        int64_t k, int num_threads, const int64_t *next, int64_t next_n, int64_t next_k) {
+                        int64_t k, int num_threads, const int64_t *next, int64_t next_k) {
     const void *w = (const void *)(intptr_t)linear[STACK_WEIGHT];
     switch (linear[STACK_KIND]) {
     case STACK_AMX: return gemm_amx_bf16(w, x, bias, y, m, n, k, num_threads);
     case STACK_GEMV: return m == 1 && gemv_bf16(w, x, bias, y, n, k, num_threads);
     case STACK_QUANT: {
-        const int chained = next != NULL && next[STACK_KIND] == STACK_QUANT;
-#define STACK_NEXT(field) (chained ? (const void *)(intptr_t)next[field] : NULL)
-        return ((stack_quant_gemv)(intptr_t)linear[STACK_QUANT_GEMV])(
-            w, (const void *)(intptr_t)linear[STACK_SCALES], (const void *)(intptr_t)linear[STACK_ZEROS],
-            (int)linear[STACK_BITS], x, bias, y, m, n, k, linear[STACK_GROUP], num_threads, STACK_NEXT(STACK_WEIGHT),
-            STACK_NEXT(STACK_SCALES), STACK_NEXT(STACK_ZEROS), chained ? (int)next[STACK_BITS] : 0, next_n, next_k,
-            chained ? next[STACK_GROUP] : 0);
-#undef STACK_NEXT
+        if (linear[STACK_NEXT_PART] != 0 && m != 1) return 0;
+        int64_t offset = 0;
+        for (const int64_t *part = linear; part != NULL;) {
+            const int64_t *after = (const int64_t *)(intptr_t)part[STACK_NEXT_PART];
+            if (!stack_quant_part(part, x, bias, y, m, offset, k, num_threads, after != NULL ? after : next,
+                                  after != NULL ? k : next_k))
+                return 0;
+            offset += part[STACK_ROWS], part = after;
+        }
+        return offset == n;
     }
     }
     return 0;
@@ -1121,7 +1144,7 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
         stack_prefetch_keys(k_pool, v_pool, tables, table_width, lens, num_rows, kv_heads, head_dim, num_blocks,
                             block_size, sizes[STACK_WINDOW]);
         if (!stack_linear(STACK_LINEAR(STACK_QKV), normed, STACK_PTR(STACK_QKV_BIAS), qkv, tokens, qkv_size, hidden,
-                          num_threads, STACK_LINEAR(STACK_O), hidden, q_size))
+                          num_threads, STACK_LINEAR(STACK_O), q_size))
             return 0;
         rotary(qkv, tokens, qkv_size, heads + kv_heads, head_dim, cos, sin, num_threads, 1);
         write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, k_pool, v_pool, slot, tokens, kv_heads,
@@ -1130,11 +1153,11 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
                         heads, kv_heads, head_dim, num_blocks, block_size, scale, sizes[STACK_WINDOW], num_threads, 1);
         prefetch_row(STACK_PTR(STACK_POST_NORM), 0, hidden, 1);
         if (!stack_linear(STACK_LINEAR(STACK_O), attended, STACK_PTR(STACK_O_BIAS), x, tokens, hidden, q_size,
-                          num_threads, STACK_LINEAR(STACK_GATE_UP), 2 * intermediate, hidden))
+                          num_threads, STACK_LINEAR(STACK_GATE_UP), hidden))
             return 0;
         rms_norm(x, residual, STACK_PTR(STACK_POST_NORM), normed, tokens, hidden, eps, num_threads, 1);
         if (!stack_linear(STACK_LINEAR(STACK_GATE_UP), normed, STACK_PTR(STACK_GATE_UP_BIAS), gate_up, tokens,
-                          2 * intermediate, hidden, num_threads, STACK_LINEAR(STACK_DOWN), hidden, intermediate))
+                          2 * intermediate, hidden, num_threads, STACK_LINEAR(STACK_DOWN), intermediate))
             return 0;
         silu_and_mul(gate_up, act, tokens, intermediate, num_threads, 1);
         prefetch_row(l + 1 < sizes[STACK_LAYERS] ? (const void *)(intptr_t)layer[STACK_LAYER_FIELDS + STACK_INPUT_NORM]
@@ -1142,7 +1165,7 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
         const int last_layer = l + 1 == sizes[STACK_LAYERS];
         const int64_t *next = last_layer ? lm_head : (const int64_t *)(intptr_t)layer[STACK_LAYER_FIELDS + STACK_QKV];
         if (!stack_linear(STACK_LINEAR(STACK_DOWN), act, STACK_PTR(STACK_DOWN_BIAS), x, tokens, hidden, intermediate,
-                          num_threads, next, last_layer ? sizes[STACK_VOCAB] : qkv_size, hidden))
+                          num_threads, next, hidden))
             return 0;
 #undef STACK_LINEAR
 #undef STACK_PTR
@@ -1156,7 +1179,7 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
     rms_norm(last_x, last_residual, final_norm, normed, num_logits, hidden, eps, num_threads, 1);
     uint16_t *rounded = buffers[STACK_LOGITS_BUF];
     const int64_t vocab = sizes[STACK_VOCAB];
-    if (!stack_linear(lm_head, normed, NULL, rounded, num_logits, vocab, hidden, num_threads, NULL, 0, 0))
+    if (!stack_linear(lm_head, normed, NULL, rounded, num_logits, vocab, hidden, num_threads, NULL, 0))
         return 0;
     for (int64_t i = 0; i < num_logits * vocab; i++) { /* bf16 -> float32 is exact: the bits move up 16 */
         const uint32_t bits = (uint32_t)rounded[i] << 16;

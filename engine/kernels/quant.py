@@ -8,7 +8,9 @@ other CPUs. `load_quant_kernels("avx2")` builds the AVX2 body on any x86 CPU tha
 both bodies here). Both bodies read one layout: 4- and 8-bit codes, 6-bit ones (GGUF's 5- and 6-bit types) as
 the 8-bit layout with each 64-byte chunk in 48 bytes, and 8-bit codes that take only the 16 values of IQ4_NL's grid
 (GGUF's IQ4_NL and IQ4_XS) as the 8-bit layout with each chunk's bytes stored as grid indices in 32 bytes
-(`IQ4_CODES`: `pack` chooses it for such codes by itself); the AMX kernels take 4 and 8 bits only.
+(`IQ4_CODES`); the AMX kernels take 4 and 8 bits only. `pack_parts` stores each run of a weight's output rows in
+the format that holds its codes in the fewest bytes (`KernelParts`), so a fused GGUF layer whose shards are of
+different types keeps each shard's own width.
 
 Besides the GEMV (`gemv`, every row count), the library has dequantising GEMMs for many rows: on AMX tiles
 (`gemm_amx`, `gemm_amx_int8`, where the CPU has AMX) and, on CPUs with AVX512-BF16 and no AMX, `gemm_bf16`
@@ -27,7 +29,7 @@ import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -83,18 +85,67 @@ class KernelWeight:
 
 
 @dataclass(frozen=True)
+class KernelParts:
+    """A weight's output rows as consecutive parts, each a `KernelWeight` of its own code format and group
+    (`QuantKernels.pack_parts`): `parts[i]` holds rows [starts[i], starts[i] + its out_features). Every part's codes,
+    scales and zeros are views of the flat `codes`, `scales` and `zeros` (None where no part has zeros), the
+    storage a layer registers."""
+
+    parts: tuple[KernelWeight, ...]
+    starts: tuple[int, ...]
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+
+    @property
+    def out_features(self) -> int:
+        return self.starts[-1] + self.parts[-1].out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @classmethod
+    def of(cls, weights: list[KernelWeight]) -> "KernelParts":
+        """`weights` (consecutive rows) moved into one flat storage each for codes, scales and zeros."""
+        flat = {name: [getattr(w, name) for w in weights if getattr(w, name) is not None]
+                for name in ("codes", "scales", "zeros")}
+        storage = {name: (tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors]))
+                   if tensors else None for name, tensors in flat.items()}
+        offsets, parts, starts, start = dict.fromkeys(storage, 0), [], [], 0
+        for weight in weights:
+            views = {}
+            for name in storage:
+                tensor = getattr(weight, name)
+                if tensor is not None:
+                    views[name] = storage[name][offsets[name]:offsets[name] + tensor.numel()].view(tensor.shape)
+                    offsets[name] += tensor.numel()
+            parts.append(KernelWeight(views["codes"], views["scales"], views.get("zeros"), weight.bits,
+                                      weight.group_size, weight.in_features, weight.out_features))
+            starts.append(start)
+            start += weight.out_features
+        return cls(tuple(parts), tuple(starts), storage["codes"], storage["scales"], storage["zeros"])
+
+
+@dataclass(frozen=True)
 class QuantRowOperand:
     """A quantised linear's operand for the native decode step (`CpuKernels.decode_stack`, kind `"quant"`): its
-    weight and the library whose GEMV the layer's forward runs on it, so the step calls that same function."""
+    weight's parts and the library whose GEMV the layer's forward runs on them, so the step calls that same
+    function."""
 
     kernels: "QuantKernels"
-    weight: KernelWeight
+    weight: KernelParts
 
-    def stack_fields(self) -> tuple[int, ...]:
-        """decode_stack_bf16's descriptor fields after the kind: codes, scales, zeros (0: the midpoint), bits,
-        group size, the address of the GEMV that also prefetches the next linear (quant_gemv_bf16_chain)."""
-        codes, scales, zeros, bits = self.weight.arguments
-        return codes, scales, zeros or 0, bits, self.weight.group_size, self.kernels.chain_gemv_address
+    def stack_fields(self) -> list[tuple[int, ...]]:
+        """decode_stack_bf16's descriptor fields after the kind, one tuple per part: codes, scales, zeros (0: the
+        midpoint), code format, group size, the address of the GEMV that also prefetches the next linear
+        (quant_gemv_bf16_chain), the part's rows (the descriptor's next-part address is the caller's)."""
+        fields = []
+        for part in self.weight.parts:
+            codes, scales, zeros, bits = part.arguments
+            fields.append((codes, scales, zeros or 0, bits, part.group_size, self.kernels.chain_gemv_address,
+                           part.out_features))
+        return fields
 
 
 class QuantKernels:
@@ -138,12 +189,6 @@ class QuantKernels:
         return 0 if block == 0 else 64 if block % 64 == 0 else 32 if block % 32 == 0 else 0
 
     @staticmethod
-    def code_format(codes: torch.Tensor, bits: int) -> int:
-        """The code format `pack` stores `bits`-bit codes in: IQ4_CODES for 8-bit codes that all lie in
-        IQ4_GRID (half the bytes), else `bits`."""
-        return IQ4_CODES if bits == 8 and _grid_indices(codes) is not None else bits
-
-    @staticmethod
     def unsupported(bits: int, group_size: int, in_features: int) -> Optional[str]:
         """Why the kernels cannot run this weight shape (None: they can)."""
         if bits not in STEP:
@@ -157,16 +202,32 @@ class QuantKernels:
 
     def pack(self, codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], bits: int,
              group_size: int) -> KernelWeight:
-        """uint8 codes [n, k] (0..2^bits - 1), float scales and zeros [n, k / group_size] -> the kernel's layout
-        (8-bit codes that all lie in IQ4_GRID in the IQ4_CODES format: `code_format`)."""
+        """uint8 codes [n, k] (0..2^bits - 1; IQ4_CODES: 8-bit codes in IQ4_GRID), float scales and zeros
+        [n, k / group_size] -> the kernel's layout in that one code format (`pack_parts` chooses formats)."""
         n, k = codes.shape
         problem = self.unsupported(bits, group_size, k)
         if problem:
             raise ValueError(f"quant kernels: {problem}")
-        stored = self.code_format(codes, bits)
-        return KernelWeight(interleave_codes(codes, stored), interleave_groups(scales.to(torch.float16)),
-                            None if zeros is None else interleave_groups(zeros.to(torch.float16)), stored, group_size,
+        return KernelWeight(interleave_codes(codes, bits), interleave_groups(scales.to(torch.float16)),
+                            None if zeros is None else interleave_groups(zeros.to(torch.float16)), bits, group_size,
                             k, n)
+
+    def pack_parts(self, codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], bits: int,
+                   group_size: int) -> KernelParts:
+        """`pack`'s weight with each run of output rows in the format that holds its codes in the fewest bytes
+        (`plan_parts`): a fused GGUF layer keeps its Q4_K q/k in 4 bits in groups of 32 beside a Q6_K v, where one
+        format for all rows takes the widest bits and the smallest group."""
+        problem = self.unsupported(bits, group_size, codes.shape[1])
+        if problem:
+            raise ValueError(f"quant kernels: {problem}")
+        weights = []
+        for plan in plan_parts(codes, scales, zeros, bits, group_size):
+            rows = slice(plan.start, plan.end)
+            part_codes = codes[rows] if plan.shift == 0 else codes[rows] - plan.shift
+            part_zeros = None if zeros is None else zeros[rows].float() - plan.shift
+            part_scales, part_zeros, group = coarsest_groups(scales[rows], part_zeros, group_size, codes.shape[1])
+            weights.append(self.pack(part_codes, part_scales, part_zeros, plan.bits, group))
+        return KernelParts.of(weights)
 
     @profiled("quant_gemv")
     def gemv(self, weight: KernelWeight, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -274,20 +335,101 @@ def interleave_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return words.view(torch.uint8).view(blocks, k // step, CHUNK)
 
 
+class PartPlan(NamedTuple):
+    start: int  # output rows [start, end)
+    end: int
+    bits: int  # the code format
+    shift: int  # subtracted from the codes (and zeros): symmetric codes narrowed keep their midpoint's distance
+
+
+# A weight splits into parts only where a part saves at least this many bytes of codes against the weight's own
+# format: each part is one more GEMV call in a decode step, whose fixed cost (a parallel region, x prepared again,
+# the stream's ramp) is ~1-2 us, what ~64 KiB take to stream from memory at 30-60 GB/s.
+PART_MIN_SAVED_BYTES = 64 << 10
+_NARROWER = (4, IQ4_CODES, 6, 8)  # code formats by bytes a code (4-bit codes compute cheaper than IQ4's lookup)
+
+
+def _stored_bytes(bits: int) -> float:
+    return CHUNK_BYTES[bits] / (BLOCK * STEP[bits])
+
+
+def plan_parts(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], bits: int,
+               group_size: int) -> list[PartPlan]:
+    """Runs of 16-row blocks whose codes a narrower format holds (4 bits: codes 0..15; IQ4_CODES: 8-bit codes
+    on IQ4_GRID; 6 bits: 0..63), each its own part where it saves PART_MIN_SAVED_BYTES (or holds every row), the
+    rest in `bits`. With zeros None (symmetric at the midpoint) a narrower part's codes shift by the two midpoints'
+    difference, so it stays symmetric at its own: a fused GGUF layer's Q4_0 rows widened to 8 bits (q + 120)
+    return to 4."""
+    n, k = codes.shape
+    blocks = -(-n // BLOCK)
+    low, high = codes.amin(dim=1).int(), codes.amax(dim=1).int()
+    padding = blocks * BLOCK - n
+    low = torch.cat([low, low.new_full((padding,), 255)]).view(blocks, BLOCK).amin(dim=1).tolist()
+    high = torch.cat([high, high.new_zeros(padding)]).view(blocks, BLOCK).amax(dim=1).tolist()
+    on_grid = _blocks_on_grid(codes, low, high) if bits == 8 else [False] * blocks
+    plans: list[PartPlan] = []
+    for block in range(blocks):
+        chosen = (bits, 0)
+        for candidate in _NARROWER:
+            if _stored_bytes(candidate) >= _stored_bytes(bits) or QuantKernels.unsupported(candidate, group_size, k):
+                continue
+            if candidate == IQ4_CODES:
+                if on_grid[block]:
+                    chosen = (candidate, 0)
+                    break
+                continue
+            shift = (1 << (bits - 1)) - (1 << (candidate - 1)) if zeros is None else 0
+            if low[block] - shift >= 0 and high[block] - shift < 1 << candidate:
+                chosen = (candidate, shift)
+                break
+        start, end = block * BLOCK, min(n, (block + 1) * BLOCK)
+        if plans and (plans[-1].bits, plans[-1].shift) == chosen:
+            plans[-1] = plans[-1]._replace(end=end)
+        else:
+            plans.append(PartPlan(start, end, *chosen))
+    if len(plans) == 1:  # all rows in one narrower format: no part more
+        return plans
+    kept = [plan if plan.bits == bits or (_stored_bytes(bits) - _stored_bytes(plan.bits)) * (plan.end - plan.start) * k
+            >= PART_MIN_SAVED_BYTES else PartPlan(plan.start, plan.end, bits, 0) for plan in plans]
+    merged: list[PartPlan] = []
+    for plan in kept:
+        if merged and (merged[-1].bits, merged[-1].shift) == (plan.bits, plan.shift):
+            merged[-1] = merged[-1]._replace(end=plan.end)
+        else:
+            merged.append(plan)
+    return merged
+
+
+def coarsest_groups(scales: torch.Tensor, zeros: Optional[torch.Tensor], group_size: int,
+                    in_features: int) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
+    """Scales (and zeros) [rows, in / group_size] as the largest groups over which they repeat: a Q4_K part of a
+    fused layer widened to Q6_K's groups of 16 returns to its own 32 (half the scale bytes)."""
+    while in_features % (2 * group_size) == 0:
+        pairs = scales.view(scales.shape[0], -1, 2)
+        zero_pairs = None if zeros is None else zeros.view(zeros.shape[0], -1, 2)
+        if not torch.equal(pairs[..., 0], pairs[..., 1]) or (
+                zero_pairs is not None and not torch.equal(zero_pairs[..., 0], zero_pairs[..., 1])):
+            break
+        scales, zeros = pairs[..., 0], None if zero_pairs is None else zero_pairs[..., 0]
+        group_size *= 2
+    return scales.contiguous(), None if zeros is None else zeros.contiguous(), group_size
+
+
+def _blocks_on_grid(codes: torch.Tensor, low: list[int], high: list[int]) -> list[bool]:
+    """Per 16-row block (its lowest and highest code given), whether all its codes lie in IQ4_GRID. Only blocks
+    inside the grid's range are looked at, so int8 and Q8_0 weights (each row reaching 255 or 0) cost no pass."""
+    valid = torch.zeros(256, dtype=torch.bool)
+    valid[list(IQ4_GRID)] = True
+    return [IQ4_GRID[0] <= low[block] and high[block] <= IQ4_GRID[-1]
+            and bool(valid[codes[block * BLOCK:(block + 1) * BLOCK].long()].all()) for block in range(len(low))]
+
+
 def _grid_indices(codes: torch.Tensor) -> Optional[torch.Tensor]:
-    """uint8 codes [n, k] -> their indices into IQ4_GRID (uint8), or None where a code is not in it. Rows a
-    slice at a time, so 8-bit codes of other sources (nearly every one of them off the grid) stop at the first."""
-    if codes.numel() == 0:
-        return None
+    """uint8 codes [n, k] -> their indices into IQ4_GRID (uint8), or None where a code is not in it."""
     index = torch.full((256,), 255, dtype=torch.uint8)
     index[list(IQ4_GRID)] = torch.arange(len(IQ4_GRID), dtype=torch.uint8)
-    parts = []
-    for rows in codes.split(256):
-        part = index[rows.long()]
-        if bool((part == 255).any()):
-            return None
-        parts.append(part)
-    return torch.cat(parts)
+    indices = index[codes.long()]
+    return None if bool((indices == 255).any()) else indices
 
 
 def _six_bit_chunks(chunks: torch.Tensor) -> torch.Tensor:

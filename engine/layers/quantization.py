@@ -15,7 +15,9 @@ turns it into the fastest run-time layout this device offers and registers the l
 Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS.md section 2):
 - `native` (bfloat16 activations on CPU: every 4-, 6- and 8-bit weight whose groups are whole multiples of 8
   (4-bit) or 4 (6- and 8-bit) inputs, per row or grouped, symmetric or with zero points, GGUF's grouped types,
-  GPTQ, AWQ; 8-bit codes from IQ4_NL's grid stored as 4-bit grid indices, `IQ4_CODES`): engine/kernels/quant.py's output-row-interleaved GEMV (AVX-512 or AVX2) for few rows; where
+  GPTQ, AWQ; 8-bit codes from IQ4_NL's grid stored as 4-bit grid indices, `IQ4_CODES`; each run of output rows
+  in the narrowest format its codes fit, `KernelParts`, so a fused GGUF layer of mixed types keeps each width):
+  engine/kernels/quant.py's output-row-interleaved GEMV (AVX-512 or AVX2) for few rows; where
   the CPU has AMX its dequantising AMX GEMM from AMX_MIN_ROWS rows (the weight stays quantised in memory,
   dequantised per call into bf16 tiles every row reuses) and bf16's AMX kernel on those tiles from
   AMX_MAX_ROWS; without AMX, where the CPU has AVX512-BF16, its dequantising bf16 GEMM from BF16_GEMM_MIN_ROWS
@@ -345,19 +347,19 @@ def install_grouped_weight(layer: LinearBase, weight: GroupedIntWeight, dtype: O
         _register(layer, "weight", packed)
         _register(layer, "weight_scales_and_zeros", tinygemm_scales_and_offsets(weight, dtype))
     elif layout == "native":
-        packed = load_quant_kernels().pack(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size)
+        kernels = load_quant_kernels()
+        packed = kernels.pack_parts(weight.codes, weight.scales, weight.zeros, weight.bits, weight.group_size)
+        # the parts' flat storage; the parts (their checks and pointers, built once) are views of it, which keep it
+        # alive even if a parameter's data were replaced later
         _register(layer, "weight", packed.codes)
         _register(layer, "weight_scale", packed.scales)
         _register(layer, "weight_zero", packed.zeros)
-        layer.quant_kernels = load_quant_kernels()
+        layer.quant_kernels = kernels
         amx = cpu_kernels_for(weight.codes.device, torch.bfloat16)  # bf16's AMX kernel, for the largest batches
         layer.amx_kernels = amx if amx is not None and amx.has_amx else None
-        # built once (its checks and pointers) on the registered parameters' storage, which its detached
-        # tensors keep alive even if a parameter's data were replaced later
-        zero = None if layer.weight_zero is None else layer.weight_zero.detach()
-        layer.kernel_weight = KernelWeight(layer.weight.detach(), layer.weight_scale.detach(), zero, packed.bits,
-                                           weight.group_size, weight.in_features, weight.out_features)
-        layer.int8_tiles = packed.bits == 8 and layer.quant_kernels.int8_tile_depth(weight.group_size, 8) == 64
+        layer.kernel_parts = packed
+        layer.int8_tiles = tuple(part.bits == 8 and kernels.int8_tile_depth(part.group_size, 8) == 64
+                                 for part in packed.parts)
     elif layout in CUDA_LAYOUTS:
         for name, tensor in install_cuda_layout(layer, weight, layout, dtype,
                                                 tinygemm_scales_and_offsets(weight, dtype)).items():
@@ -434,7 +436,7 @@ def grouped_row_operands(layer: LinearBase) -> Optional[tuple[str, object, Optio
     bias = layer.bias
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
-    return "quant", QuantRowOperand(layer.quant_kernels, layer.kernel_weight), bias
+    return "quant", QuantRowOperand(layer.quant_kernels, layer.kernel_parts), bias
 
 
 def _product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -462,25 +464,38 @@ def _product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 def _native_product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The native layout's product, each part of the weight's rows (`KernelParts`) by `_part_product`."""
+    packed = layer.kernel_parts
+    if len(packed.parts) == 1:
+        return _part_product(layer, packed.parts[0], layer.int8_tiles[0], rows, bias)
+    out = rows.new_empty(rows.shape[0], layer.out_features)
+    for part, start, int8_tiles in zip(packed.parts, packed.starts, layer.int8_tiles):
+        end = start + part.out_features
+        out[:, start:end] = _part_product(layer, part, int8_tiles, rows, None if bias is None else bias[start:end])
+    return out
+
+
+def _part_product(layer: LinearBase, weight: KernelWeight, int8_tiles: bool, rows: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
     """The native layout's kernel for this many rows: the GEMV for few; on AMX CPUs, for 8-bit weights in long
-    groups, AMX-INT8 from INT8_TILE_MIN_ROWS to INT8_TILE_MAX_ROWS (bitwise the GEMV); otherwise from
+    groups (`int8_tiles`), AMX-INT8 from INT8_TILE_MIN_ROWS to INT8_TILE_MAX_ROWS (bitwise the GEMV); otherwise from
     AMX_MIN_ROWS the dequantising AMX GEMM, from AMX_MAX_ROWS bf16's AMX kernel on the weight dequantised into
     its tiles (the same outputs bitwise as each other: a row's result is the same for every row count from
     AMX_MIN_ROWS); without AMX, where the CPU has AVX512-BF16, the dequantising bf16 GEMM from BF16_GEMM_MIN_ROWS,
     else dequantise + one oneDNN GEMM from `gemv_max_rows`."""
     kernels, count = layer.quant_kernels, rows.shape[0]
-    amx = kernels.has_amx and layer.kernel_weight.bits in AMX_BITS
-    if amx and INT8_TILE_MIN_ROWS <= count < INT8_TILE_MAX_ROWS and layer.int8_tiles:
-        return kernels.gemm_amx_int8(layer.kernel_weight, rows, bias)
+    amx = kernels.has_amx and weight.bits in AMX_BITS
+    if amx and INT8_TILE_MIN_ROWS <= count < INT8_TILE_MAX_ROWS and int8_tiles:
+        return kernels.gemm_amx_int8(weight, rows, bias)
     if amx and count >= AMX_MIN_ROWS:
         if count < AMX_MAX_ROWS or getattr(layer, "amx_kernels", None) is None:
-            return kernels.gemm_amx(layer.kernel_weight, rows, bias)
-        return layer.amx_kernels.gemm_amx(kernels.dequantize_amx(layer.kernel_weight), rows, layer.out_features, bias)
+            return kernels.gemm_amx(weight, rows, bias)
+        return layer.amx_kernels.gemm_amx(kernels.dequantize_amx(weight), rows, weight.out_features, bias)
     if kernels.has_bf16_gemm and count >= BF16_GEMM_MIN_ROWS:
-        return kernels.gemm_bf16(layer.kernel_weight, rows, bias)
-    if count < gemv_max_rows(kernels, layer.kernel_weight.bits):
-        return kernels.gemv(layer.kernel_weight, rows, bias)
-    out = F.linear(rows, kernels.dequantize(layer.kernel_weight))
+        return kernels.gemm_bf16(weight, rows, bias)
+    if count < gemv_max_rows(kernels, weight.bits):
+        return kernels.gemv(weight, rows, bias)
+    out = F.linear(rows, kernels.dequantize(weight))
     return out if bias is None else out + bias
 
 
