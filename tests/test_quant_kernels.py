@@ -252,7 +252,7 @@ def test_only_codes_on_the_iq4_grid_change_format():
     assert plan_parts(late, torch.ones(320, 2), None, 8, 32) == [PartPlan(0, 320, 8, 0)]
 
 
-def q4_k_beside_q6_k(q_rows=768, v_rows=192, k=576):
+def q4_k_beside_q6_k(q_rows=2048, v_rows=192, k=576):
     """A fused GGUF qkv as it loads: Q4_K q/k (4-bit codes, zeros, scales of 32 repeated to Q6_K's groups of 16)
     beside a Q6_K v (6-bit codes symmetric at 32, stored as zeros)."""
     generator = torch.Generator().manual_seed(3)
@@ -268,19 +268,21 @@ def q4_k_beside_q6_k(q_rows=768, v_rows=192, k=576):
 
 def test_rows_whose_codes_fit_fewer_bits_become_parts_of_their_own():
     weight = q4_k_beside_q6_k()
-    # the q/k rows save (0.75 - 0.5) bytes a code over 768 x 576: above PART_MIN_SAVED_BYTES
-    assert plan_parts(weight.codes, weight.scales, weight.zeros, 6, 16) == [PartPlan(0, 768, 4, 0),
-                                                                          PartPlan(768, 960, 6, 0)]
+    # the q/k rows save (0.75 - 0.5) bytes a code over 2048 x 576 (288 KiB): above PART_MIN_SAVED_BYTES
+    assert 0.25 * 2048 * 576 > quant_module.PART_MIN_SAVED_BYTES > 0.25 * 1024 * 576
+    assert plan_parts(weight.codes, weight.scales, weight.zeros, 6, 16) == [PartPlan(0, 2048, 4, 0),
+                                                                          PartPlan(2048, 2240, 6, 0)]
     # symmetric 8-bit codes: Q4_0 rows widened (q + 120) return to 4 bits at their own midpoint 8
     generator = torch.Generator().manual_seed(4)
-    widened = torch.randint(0, 16, (512, 576), generator=generator).to(torch.uint8) + 120
+    widened = torch.randint(0, 16, (1024, 576), generator=generator).to(torch.uint8) + 120
     wide = torch.randint(1, 256, (48, 576), generator=generator).to(torch.uint8)
     codes = torch.cat([widened, wide])
-    assert plan_parts(codes, torch.ones(560, 18), None, 8, 32) == [PartPlan(0, 512, 4, 120), PartPlan(512, 560, 8, 0)]
+    assert plan_parts(codes, torch.ones(1072, 18), None, 8, 32) == [PartPlan(0, 1024, 4, 120),
+                                                                    PartPlan(1024, 1072, 8, 0)]
     # IQ4 grid rows beside others; a narrow run saving too little stays in the weight's format
-    grid = iq4_grouped(256, 576, 32).codes
-    assert plan_parts(torch.cat([grid, wide]), torch.ones(304, 18), None, 8, 32) == [
-        PartPlan(0, 256, IQ4_CODES, 0), PartPlan(256, 304, 8, 0)]
+    grid = iq4_grouped(1024, 576, 32).codes
+    assert plan_parts(torch.cat([grid, wide]), torch.ones(1072, 18), None, 8, 32) == [
+        PartPlan(0, 1024, IQ4_CODES, 0), PartPlan(1024, 1072, 8, 0)]
     assert plan_parts(torch.cat([grid[:64], wide]), torch.ones(112, 18), None, 8, 32) == [PartPlan(0, 112, 8, 0)]
     # every row narrower: one part whatever it saves
     assert plan_parts(grid[:16], torch.ones(16, 18), None, 8, 32) == [PartPlan(0, 16, IQ4_CODES, 0)]
@@ -291,12 +293,12 @@ def test_a_weight_in_parts_runs_each_part_in_its_own_format_and_groups(target):
     kernels = kernels_or_skip(target)
     weight = q4_k_beside_q6_k()
     packed = kernels.pack_parts(weight.codes, weight.scales, weight.zeros, 6, 16)
-    assert [(p.bits, p.group_size, p.out_features) for p in packed.parts] == [(4, 32, 768), (6, 16, 192)]
-    assert packed.starts == (0, 768) and packed.out_features == 960
+    assert [(p.bits, p.group_size, p.out_features) for p in packed.parts] == [(4, 32, 2048), (6, 16, 192)]
+    assert packed.starts == (0, 2048) and packed.out_features == 2240
     # one flat storage, the parts views of it: the q/k rows' groups of 32 restored (half the scale bytes)
-    assert packed.codes.numel() == 768 * 576 // 2 + 192 * 576 * 3 // 4
-    assert packed.scales.numel() == 768 * 18 + 192 * 36 == packed.zeros.numel()
-    assert packed.parts[1].codes.data_ptr() == packed.codes.data_ptr() + 768 * 576 // 2
+    assert packed.codes.numel() == 2048 * 576 // 2 + 192 * 576 * 3 // 4
+    assert packed.scales.numel() == 2048 * 18 + 192 * 36 == packed.zeros.numel()
+    assert packed.parts[1].codes.data_ptr() == packed.codes.data_ptr() + 2048 * 576 // 2
     reference = weight.dequantize()
     for rows in (1, 5):
         x = torch.randn(rows, 576).bfloat16()

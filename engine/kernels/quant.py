@@ -343,9 +343,11 @@ class PartPlan(NamedTuple):
 
 
 # A weight splits into parts only where a part saves at least this many bytes of codes against the weight's own
-# format: each part is one more GEMV call in a decode step, whose fixed cost (a parallel region, x prepared again,
-# the stream's ramp) is ~1-2 us, what ~64 KiB take to stream from memory at 30-60 GB/s.
-PART_MIN_SAVED_BYTES = 64 << 10
+# format: each part is one more GEMV call in a decode step (a parallel region, x prepared again, the stream's ramp).
+# Measured (Zen 5, two threads, decode_overhead.py --streaming, alternated): SmolLM-135M Q4_K_M, whose 14 qkv with a
+# Q8_0 v split at 110 KB saved each, ran no faster (2.395 against 2.33-2.44 ms a step at a ~80 GB/s read figure;
+# 0.97x in the offline single-stream runs); the hidden-1024 IQ4_XS qkv, 655 KB saved each, ran ~4 % faster.
+PART_MIN_SAVED_BYTES = 256 << 10
 _NARROWER = (4, IQ4_CODES, 6, 8)  # code formats by bytes a code (4-bit codes compute cheaper than IQ4's lookup)
 
 
