@@ -284,6 +284,11 @@ def test_rows_whose_codes_fit_fewer_bits_become_parts_of_their_own():
     assert plan_parts(torch.cat([grid, wide]), torch.ones(1072, 18), None, 8, 32) == [
         PartPlan(0, 1024, IQ4_CODES, 0), PartPlan(1024, 1072, 8, 0)]
     assert plan_parts(torch.cat([grid[:64], wide]), torch.ones(112, 18), None, 8, 32) == [PartPlan(0, 112, 8, 0)]
+    # a run saving too little beside another part is a part anyway: it keeps its own format (IQ4_XS q/k beside
+    # a Q5_K v)
+    five_bit = torch.randint(0, 32, (64, 576), generator=generator).to(torch.uint8)
+    assert plan_parts(torch.cat([grid, five_bit]), torch.ones(1088, 18), torch.zeros(1088, 18), 8, 32) == [
+        PartPlan(0, 1024, IQ4_CODES, 0), PartPlan(1024, 1088, 6, 0)]
     # every row narrower: one part whatever it saves
     assert plan_parts(grid[:16], torch.ones(16, 18), None, 8, 32) == [PartPlan(0, 16, IQ4_CODES, 0)]
 

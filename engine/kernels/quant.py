@@ -358,8 +358,8 @@ def _stored_bytes(bits: int) -> float:
 def plan_parts(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], bits: int,
                group_size: int) -> list[PartPlan]:
     """Runs of 16-row blocks whose codes a narrower format holds (4 bits: codes 0..15; IQ4_CODES: 8-bit codes
-    on IQ4_GRID; 6 bits: 0..63), each its own part where it saves PART_MIN_SAVED_BYTES (or holds every row), the
-    rest in `bits`. With zeros None (symmetric at the midpoint) a narrower part's codes shift by the two midpoints'
+    on IQ4_GRID; 6 bits: 0..63), each its own part where it saves PART_MIN_SAVED_BYTES (or is a part anyway: it holds
+    every row, or its neighbours are other parts), the rest in `bits`. With zeros None (symmetric at the midpoint) a narrower part's codes shift by the two midpoints'
     difference, so it stays symmetric at its own: a fused GGUF layer's Q4_0 rows widened to 8 bits (q + 120)
     return to 4."""
     n, k = codes.shape
@@ -399,7 +399,9 @@ def plan_parts(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.
             merged[-1] = merged[-1]._replace(end=plan.end)
         else:
             merged.append(plan)
-    return merged
+    # a run put back in `bits` that merged with nothing is a part anyway: it keeps its narrower format
+    narrowest = {(plan.start, plan.end): plan for plan in plans}
+    return [narrowest.get((plan.start, plan.end), plan) for plan in merged]
 
 
 def coarsest_groups(scales: torch.Tensor, zeros: Optional[torch.Tensor], group_size: int,
