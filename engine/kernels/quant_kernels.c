@@ -240,13 +240,22 @@ INLINE __m512i six_words(const uint8_t *chunk, int half) {
 #endif
     return _mm512_ternarylogic_epi32(low, spread, _mm512_set1_epi8(0x30), 0xf8); /* low | (spread & 0x30) */
 }
-/* An IQ4_CODES chunk (GRID_CHUNK bytes) as its 64-byte 8-bit chunk: six_words' nibbles, each looked up in the grid. */
+/* An IQ4_CODES chunk (GRID_CHUNK bytes) as its 64-byte 8-bit chunk: nibble i (the chunk's 32 bytes read from the
+ * lowest) indexes the grid for byte i. With VBMI each 32 bits of nibbles widen to a 64-bit lane, one multishift puts
+ * nibble 8d + j at the bottom of the lane's byte j, and vpermb looks it up in the grid repeated four times (it reads
+ * 6 index bits: the next nibble's low 2 bits above it pick a copy); else six_words' nibble spread and a vpshufb. */
 INLINE __m512i grid_words(const uint8_t *chunk, int half) {
     (void)half;
+#if defined(__AVX512VBMI__)
+    const __m512i lanes = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)chunk));
+    const __m512i indices = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x1c1814100c080400LL), lanes);
+    return _mm512_permutexvar_epi8(indices, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)));
+#else
     const __m512i nibbles = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)chunk));
     const __m512i indices = _mm512_and_si512(_mm512_or_si512(nibbles, _mm512_slli_epi16(nibbles, 4)),
                                              _mm512_set1_epi16(0x0f0f));
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_GRID)), indices);
+#endif
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
