@@ -363,6 +363,8 @@ def plan_parts(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.
     difference, so it stays symmetric at its own: a fused GGUF layer's Q4_0 rows widened to 8 bits (q + 120)
     return to 4."""
     n, k = codes.shape
+    if n == 0:
+        return [PartPlan(0, 0, bits, 0)]
     blocks = -(-n // BLOCK)
     low, high = codes.amin(dim=1).int(), codes.amax(dim=1).int()
     padding = blocks * BLOCK - n
@@ -408,7 +410,7 @@ def coarsest_groups(scales: torch.Tensor, zeros: Optional[torch.Tensor], group_s
                     in_features: int) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
     """Scales (and zeros) [rows, in / group_size] as the largest groups over which they repeat: a Q4_K part of a
     fused layer widened to Q6_K's groups of 16 returns to its own 32 (half the scale bytes)."""
-    while in_features % (2 * group_size) == 0:
+    while scales.numel() and in_features % (2 * group_size) == 0:
         pairs = scales.view(scales.shape[0], -1, 2)
         zero_pairs = None if zeros is None else zeros.view(zeros.shape[0], -1, 2)
         if not torch.equal(pairs[..., 0], pairs[..., 1]) or (
