@@ -121,8 +121,8 @@ INT8_TILE_MAX_ROWS = 96
 # native kernel) ran 4-17x torch's int8pack/int4pack (3072x576, one thread, thread CPU time: 64 rows 342 µs
 # against 3963 / 3499 µs, 256 rows 820 against 15357 / 13992 µs); see `_product` and `add_batch_weights`.
 BATCH_MIN_ROWS = 16
-# the code formats the AMX kernels take (6-bit and IQ4_CODES ones run the GEMV, then dequantise + one GEMM, on AMX
-# CPUs)
+# the code formats the AMX kernels take (on AMX CPUs 6-bit and IQ4_CODES ones run the GEMV, then from AMX_MIN_ROWS
+# rows dequantise + one GEMM: `gemv_max_rows`)
 AMX_BITS = (4, 8)
 CPU_LAYOUTS = ("int8pack", "int4pack", "native")
 
@@ -500,8 +500,13 @@ def _part_product(layer: LinearBase, weight: KernelWeight, int8_tiles: bool, row
 
 
 def gemv_max_rows(kernels, bits: int) -> int:
-    """Without AMX and AVX512-BF16, the row count from which the native layout dequantises and runs one GEMM
-    instead of the GEMV."""
+    """The row count from which the native layout dequantises and runs one GEMM instead of the GEMV, for weights
+    the batched kernels above do not take: without AMX and AVX512-BF16, any; with AMX, the code formats outside
+    AMX_BITS (6-bit, IQ4_CODES), whose GEMM is then oneDNN's bf16 one on AMX tiles: from AMX_MIN_ROWS, where the
+    dequantising AMX GEMM overtook the GEMV for 8-bit weights (the 2-core Xeon's figures above: 3072x576 16 rows
+    790 against 524 us, 64 rows 1792 against 692, bf16's AMX 626), and these formats' GEMV does more work a weight."""
+    if kernels.has_amx:
+        return AMX_MIN_ROWS
     return GEMV_MAX_ROWS_AVX512[bits] if kernels.isa == 512 else NATIVE_MAX_ROWS
 
 
