@@ -20,7 +20,7 @@ request metrics, first token to last: a token's weights over the time per output
 
     python benchmarks/quantization.py [--llamacpp DIR [--llamacpp-no-repack]] [--vllm-python VENV/bin/python]
         [--schemes bf16,int8,int4-g32,int4,int8+cache,int4-g32+cache] [--workloads single,batched] [--rounds N]
-        [--json out.json]
+        [--gguf-types Q8_0,Q4_0,Q4_K_M,IQ4_XS,...] [--json out.json]
 
 `--rounds N` runs every system and scheme N times alternated (llama.cpp's runs among llmctl's, each run its
 own process) and reports the median, every run, the ratio of medians and the median of the rounds' own ratios
@@ -126,8 +126,11 @@ def llama_env(llamacpp: Path) -> dict[str, str]:
 
 def quantize_gguf(llamacpp: Path, source: Path, kind: str) -> Path:
     out = source.with_name(f"model-{kind}.gguf")
-    subprocess.run([str(llamacpp / "bin" / "llama-quantize"), str(source), str(out), kind], check=True,
-                   capture_output=True, text=True, env=llama_env(llamacpp))
+    done = subprocess.run([str(llamacpp / "bin" / "llama-quantize"), str(source), str(out), kind],
+                          capture_output=True, text=True, env=llama_env(llamacpp))
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+        raise SystemExit(f"llama-quantize could not make a {kind} file (a type it knows? --gguf-types):\n{tail}")
     return out
 
 
@@ -183,6 +186,9 @@ def main() -> None:
                         help="every system and scheme (llama.cpp's too) runs this many times, alternated (A B C A B C "
                              "...), each run in its own process; the table shows medians, every run and the rounds' "
                              "own ratios (a shared host's load swings a run by 20%% and more)")
+    parser.add_argument("--gguf-types", default="Q8_0,Q4_0,Q4_K_M",
+                        help="llama-quantize types of the model both llama.cpp and llmctl run (with --llamacpp), e.g. "
+                             "Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q6_K,IQ4_XS")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     args.repeats, args.device = 1, "cpu"
@@ -194,7 +200,7 @@ def main() -> None:
         if args.llamacpp:  # converted first, so a failing conversion stops the run before the long part
             gguf["bf16"] = Path(tmp) / "model-bf16.gguf"
             convert_to_gguf(args.llamacpp, folder, gguf["bf16"])
-            for kind in ("Q8_0", "Q4_0", "Q4_K_M"):
+            for kind in args.gguf_types.split(","):
                 gguf[kind] = quantize_gguf(args.llamacpp, gguf["bf16"], kind)
         if args.vllm_python:
             print("running vLLM-CPU bf16 ...", file=sys.stderr, flush=True)
