@@ -358,10 +358,10 @@ def _stored_bytes(bits: int) -> float:
 def plan_parts(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], bits: int,
                group_size: int) -> list[PartPlan]:
     """Runs of 16-row blocks whose codes a narrower format holds (4 bits: codes 0..15; IQ4_CODES: 8-bit codes
-    on IQ4_GRID; 6 bits: 0..63), each its own part where it saves PART_MIN_SAVED_BYTES (or is a part anyway: it holds
-    every row, or its neighbours are other parts), the rest in `bits`. With zeros None (symmetric at the midpoint) a narrower part's codes shift by the two midpoints'
-    difference, so it stays symmetric at its own: a fused GGUF layer's Q4_0 rows widened to 8 bits (q + 120)
-    return to 4."""
+    on IQ4_GRID; 6 bits: 0..63), each its own part where it saves PART_MIN_SAVED_BYTES (or is a part anyway: it
+    holds every row, or its neighbours are other parts), the rest in `bits`. With zeros None (symmetric at the
+    midpoint) a narrower part's codes shift by the two midpoints' difference, so it stays symmetric at its own: a
+    fused GGUF layer's Q4_0 rows widened to 8 bits (q + 120) return to 4."""
     n, k = codes.shape
     if n == 0:
         return [PartPlan(0, 0, bits, 0)]
@@ -371,39 +371,36 @@ def plan_parts(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.
     low = torch.cat([low, low.new_full((padding,), 255)]).view(blocks, BLOCK).amin(dim=1).tolist()
     high = torch.cat([high, high.new_zeros(padding)]).view(blocks, BLOCK).amax(dim=1).tolist()
     on_grid = _blocks_on_grid(codes, low, high) if bits == 8 else [False] * blocks
-    plans: list[PartPlan] = []
+    candidates = [(candidate, (1 << (bits - 1)) - (1 << (candidate - 1)) if zeros is None and candidate != IQ4_CODES
+                   else 0) for candidate in _NARROWER
+                  if _stored_bytes(candidate) < _stored_bytes(bits)
+                  and QuantKernels.unsupported(candidate, group_size, k) is None]
+    plans = []
     for block in range(blocks):
-        chosen = (bits, 0)
-        for candidate in _NARROWER:
-            if _stored_bytes(candidate) >= _stored_bytes(bits) or QuantKernels.unsupported(candidate, group_size, k):
-                continue
-            if candidate == IQ4_CODES:
-                if on_grid[block]:
-                    chosen = (candidate, 0)
-                    break
-                continue
-            shift = (1 << (bits - 1)) - (1 << (candidate - 1)) if zeros is None else 0
-            if low[block] - shift >= 0 and high[block] - shift < 1 << candidate:
-                chosen = (candidate, shift)
-                break
-        start, end = block * BLOCK, min(n, (block + 1) * BLOCK)
-        if plans and (plans[-1].bits, plans[-1].shift) == chosen:
-            plans[-1] = plans[-1]._replace(end=end)
-        else:
-            plans.append(PartPlan(start, end, *chosen))
+        chosen = next(((candidate, shift) for candidate, shift in candidates
+                       if (on_grid[block] if candidate == IQ4_CODES
+                           else low[block] - shift >= 0 and high[block] - shift < 1 << candidate)), (bits, 0))
+        plans.append(PartPlan(block * BLOCK, min(n, (block + 1) * BLOCK), *chosen))
+    plans = _merged_runs(plans)
     if len(plans) == 1:  # all rows in one narrower format: no part more
         return plans
-    kept = [plan if plan.bits == bits or (_stored_bytes(bits) - _stored_bytes(plan.bits)) * (plan.end - plan.start) * k
-            >= PART_MIN_SAVED_BYTES else PartPlan(plan.start, plan.end, bits, 0) for plan in plans]
+    merged = _merged_runs([plan if plan.bits == bits or (_stored_bytes(bits) - _stored_bytes(plan.bits))
+                           * (plan.end - plan.start) * k >= PART_MIN_SAVED_BYTES
+                           else PartPlan(plan.start, plan.end, bits, 0) for plan in plans])
+    # a run put back in `bits` that merged with nothing is a part anyway: it keeps its narrower format
+    narrowest = {(plan.start, plan.end): plan for plan in plans}
+    return [narrowest.get((plan.start, plan.end), plan) for plan in merged]
+
+
+def _merged_runs(plans: list[PartPlan]) -> list[PartPlan]:
+    """Neighbouring plans of the same format and shift as one."""
     merged: list[PartPlan] = []
-    for plan in kept:
+    for plan in plans:
         if merged and (merged[-1].bits, merged[-1].shift) == (plan.bits, plan.shift):
             merged[-1] = merged[-1]._replace(end=plan.end)
         else:
             merged.append(plan)
-    # a run put back in `bits` that merged with nothing is a part anyway: it keeps its narrower format
-    narrowest = {(plan.start, plan.end): plan for plan in plans}
-    return [narrowest.get((plan.start, plan.end), plan) for plan in merged]
+    return merged
 
 
 def coarsest_groups(scales: torch.Tensor, zeros: Optional[torch.Tensor], group_size: int,
@@ -424,10 +421,8 @@ def coarsest_groups(scales: torch.Tensor, zeros: Optional[torch.Tensor], group_s
 def _blocks_on_grid(codes: torch.Tensor, low: list[int], high: list[int]) -> list[bool]:
     """Per 16-row block (its lowest and highest code given), whether all its codes lie in IQ4_GRID. Only blocks
     inside the grid's range are looked at, so int8 and Q8_0 weights (each row reaching 255 or 0) cost no pass."""
-    valid = torch.zeros(256, dtype=torch.bool)
-    valid[list(IQ4_GRID)] = True
     return [IQ4_GRID[0] <= low[block] and high[block] <= IQ4_GRID[-1]
-            and bool(valid[codes[block * BLOCK:(block + 1) * BLOCK].long()].all()) for block in range(len(low))]
+            and _grid_indices(codes[block * BLOCK:(block + 1) * BLOCK]) is not None for block in range(len(low))]
 
 
 def _grid_indices(codes: torch.Tensor) -> Optional[torch.Tensor]:
