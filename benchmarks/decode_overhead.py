@@ -122,8 +122,10 @@ def gemv_floor(runner, repeats: int) -> float:
         x = torch.randn(1, linear.in_features).bfloat16()
         if kind == "amx":
             calls.append(lambda w=weight, x=x, n=linear.out_features, b=bias: kernels.gemm_amx(w, x, n, b))
-        elif kind == "quant":
-            calls.append(lambda w=weight, x=x, b=bias: w.kernels.gemv(w.weight, x, b))
+        elif kind == "quant":  # a weight in parts (KernelParts) is one GEMV per part, as the native step runs it
+            for part, start in zip(weight.weight.parts, weight.weight.starts):
+                part_bias = bias[start:start + part.out_features] if bias is not None else None
+                calls.append(lambda w=weight, p=part, x=x, b=part_bias: w.kernels.gemv(p, x, b))
         else:
             calls.append(lambda w=weight, x=x, b=bias: kernels.gemv(w, x, b))
     best = None

@@ -671,14 +671,17 @@ void write_kv_f32(WRITE_KV_ARGS) { write_kv(WRITE_KV_PASS, 0); }
  * 7.4-8.0 ms on two threads when the host's memory was contended, one stream 5.5-5.7 ms; 3.7 ms against 3.7
  * when it was not; one thread 6.8-7.0 ms either way. Without the prefetch the cold lm_head (49152x576, one
  * thread) of the four-stream reading ran at 7.1 against 36-40 GB/s; 2048 and 8192 elements ahead did as
- * well or a little worse. */
+ * well or a little worse. The prefetch is non-temporal, as the quantised streams' are (quant_kernels.c): the weights
+ * are read once a token, and lines fetched into L1 and L2 would reach L3 on eviction and push the KV pool out of it.
+ * The engine's bf16 batch-1 step (`decode_overhead.py --streaming`, two threads, Zen 5, alternated processes, a
+ * 48-55 GB/s read figure): 5.35-5.49 -> 5.12-5.38 ms (medians 5.43 -> 5.27 over six and eight runs). */
 #if defined(__AVX512BF16__)
 #define GEMV_AHEAD 4096
 INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     int64_t c = 0;
     for (; c + 128 <= k; c += 128) {
-        for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(row + c + GEMV_AHEAD + 32 * line), _MM_HINT_T0);
+        for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(row + c + GEMV_AHEAD + 32 * line), _MM_HINT_NTA);
         acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_epi16(row + c), (__m512bh)_mm512_loadu_epi16(vector + c));
         acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_epi16(row + c + 32),
                                 (__m512bh)_mm512_loadu_epi16(vector + c + 32));
@@ -688,7 +691,7 @@ INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k) {
                                 (__m512bh)_mm512_loadu_epi16(vector + c + 96));
     }
     for (; c < k; c += 32) {
-        _mm_prefetch((const char *)(row + c + GEMV_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(row + c + GEMV_AHEAD), _MM_HINT_NTA);
         const __mmask32 live = k - c >= 32 ? 0xffffffffu : (__mmask32)((1ull << (k - c)) - 1);
         acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_maskz_loadu_epi16(live, row + c),
                                 (__m512bh)_mm512_maskz_loadu_epi16(live, vector + c));

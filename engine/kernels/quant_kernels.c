@@ -505,7 +505,7 @@ INLINE void stream_block(const int BITS, const uint8_t *codes, const uint16_t *s
 #define STREAM_CHUNK(c, a0, a1, a2, a3)                                                                       \
         {                                                                                                     \
             const int16_t *xs = p->xq + (c) * step;                                                           \
-            _mm_prefetch((const char *)(base + (c) * bytes + STREAM_AHEAD), _MM_HINT_T0);                     \
+            _mm_prefetch((const char *)(base + (c) * bytes + STREAM_AHEAD), _MM_HINT_NTA);                    \
             const ivec words = load_words(BITS, base + (c) * bytes, 0);                                       \
             if (BITS != 4) {                                                                                  \
                 a0 = idot(a0, iand(words, low8), ipair(xs));                                                  \
@@ -534,13 +534,17 @@ INLINE void stream_block(const int BITS, const uint8_t *codes, const uint16_t *s
 
 #if ISA == 512 && defined(__AVX512VNNI__)
 #define BYTE_PLANES 1
-/* stream_block_bytes prefetches in two steps, into L2 12 KiB ahead and into L1 2 KiB ahead, where stream_block
- * prefetches once into L1 STREAM_AHEAD ahead: the 121 int4-g32 GEMVs of a SmolLM-135M token, cold, two threads,
- * alternated pass by pass with a 256 MiB read (Zen 5), GB/s by the pass's read figure: ~38 GB/s 34.6 -> 35.9,
- * ~55 GB/s 33.3 -> 34.8, ~65 GB/s 40.2 -> 44.7 (127, 28 and 45 passes); 16/2 and 8/1 KiB did the same as 12/2
- * in a slow spell, and the 8-bit stream_block lost 2-4 % this way. */
-#define BYTES_AHEAD_L2 12288
-#define BYTES_AHEAD_L1 2048
+/* stream_block_bytes prefetches BYTES_AHEAD ahead, stream_block STREAM_AHEAD, both as non-temporal (prefetchnta):
+ * a token reads each weight once, and lines fetched for the cache levels (two steps, into L2 12 KiB ahead and into
+ * L1 2 KiB ahead, as before) reach L3 when L2 evicts them (Zen's L3 takes L2's victims), so the 75 MB a
+ * SmolLM-135M int4-g32 token streams through the 32 MiB L3 evicted what the rest of the step reads from it (the
+ * KV pool, the interpreter's working set). The engine's batch-1 step (`decode_overhead.py --streaming`, two
+ * threads, Zen 5, alternated processes): int4-g32 1.93 -> 1.73 ms (medians of 9 and 8 runs at a 49-55 GB/s read
+ * figure: 70-73 -> 75-85 % of it), 1.64-1.77 -> 1.56-1.63 ms at 84-86 GB/s; int8 even (2.30-2.44 against 2.28-2.40).
+ * With the attention and the small GEMVs timed: attention ~200 -> ~165 us, o ~150 -> ~128 us a step. The L1
+ * prefetch added behind the non-temporal one did no better. The 121 GEMVs alone, back to back (no step between):
+ * even (48.9 against 49.0 GB/s). */
+#define BYTES_AHEAD 12288
 /* One x row as the byte pairs vpdpbusd takes for 4-bit codes: x = 256 * hi + lo exactly (hi signed, lo unsigned),
  * and per chunk four 32-bit words in the order a nibble plane's bytes hold the inputs (below): [hi of inputs 0,
  * 4, 1, 5], [lo of the same], [hi of 2, 6, 3, 7], [lo of the same]. */
@@ -591,8 +595,7 @@ INLINE void stream_block_bytes(const uint8_t *codes, const uint16_t *scales, con
 #define BYTES_CHUNK(c, high_a, low_a, high_b, low_b)                                                          \
         {                                                                                                     \
             const uint32_t *xs = planes + (c) * 4;                                                            \
-            _mm_prefetch((const char *)(base + (c) * CHUNK + BYTES_AHEAD_L2), _MM_HINT_T1);                   \
-            _mm_prefetch((const char *)(base + (c) * CHUNK + BYTES_AHEAD_L1), _MM_HINT_T0);                   \
+            _mm_prefetch((const char *)(base + (c) * CHUNK + BYTES_AHEAD), _MM_HINT_NTA);                     \
             const ivec words = iload(base + (c) * CHUNK);                                                     \
             const ivec a = iand(words, low4), b = iand(isrl16(words, 4), low4);                               \
             high_a = _mm512_dpbusd_epi32(high_a, a, _mm512_set1_epi32((int)xs[0]));                           \
