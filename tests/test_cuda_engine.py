@@ -91,13 +91,41 @@ def test_pool_and_graphs_stay_within_gpu_memory_utilization(tmp_path):
     kept = runner.attention.workspace_share  # the kept decode K/V is reserved too
     assert runner.kv_cache_bytes * (1 + kept) > 600 * MIB  # most of the budget went to the pool
     assert runner.graphs.num_captured >= 1
+    kept_high = _record_kept_high_water(runner.attention)
     long_batch = [[(7 * i + j) % 500 + 1 for i in range(900)] for j in range(24)]  # 900 of a 512-token vocabulary
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)  # the test's own reading; the engine never reads peak statistics
     llm.generate(long_batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     torch.cuda.synchronize(device)
-    free_after, _ = torch.cuda.mem_get_info(device)  # the caching allocator still holds the step's peak
-    kept_now = runner.attention.workspace.kept_bytes if isinstance(runner.attention, TorchAttention) else 0
-    still_reserved = max(runner.kv_cache_bytes * kept - kept_now, 0)  # the kept K/V may still grow this much
-    assert total - free_after + still_reserved <= utilization * total + 64 * MIB
+    # The engine drops the kept decode K/V when it goes idle, and the caching allocator keeps those segments:
+    # what the process held at its peak is the memory outside the allocator plus the allocator's peak, and
+    # the kept K/V may still grow from its high-water mark to its reserved share.
+    free_after, _ = torch.cuda.mem_get_info(device)
+    outside_allocator = total - free_after - torch.cuda.memory_reserved(device)
+    peak = outside_allocator + torch.cuda.max_memory_reserved(device)
+    still_reserved = max(runner.kv_cache_bytes * kept - kept_high(), 0)
+    assert peak + still_reserved <= utilization * total + 64 * MIB, (
+        f"peak {peak / MIB:.0f} MiB (outside the allocator {outside_allocator / MIB:.0f}) + kept K/V room "
+        f"{still_reserved / MIB:.0f} MiB > budget {utilization * total / MIB:.0f} MiB + 64; KV pool "
+        f"{runner.kv_cache_bytes / MIB:.0f} MiB, kept high-water {kept_high() / MIB:.0f} MiB")
+
+
+def _record_kept_high_water(attention):
+    """The torch backend's kept decode K/V at its largest over the steps that follow (read as each step plans
+    its workspace; the engine releases it when idle): a function returning that many bytes."""
+    high = [0]
+    if not isinstance(attention, TorchAttention):
+        return lambda: 0
+    workspace = attention.workspace
+    plan = workspace.plan
+
+    def recording_plan(*args, **kwargs):
+        high[0] = max(high[0], workspace.kept_bytes)
+        result = plan(*args, **kwargs)
+        return result
+
+    workspace.plan = recording_plan
+    return lambda: max(high[0], workspace.kept_bytes)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

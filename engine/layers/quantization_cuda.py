@@ -163,7 +163,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 @functools.cache
-def _rowwise_fp8_runs(device: torch.device, dtype: torch.dtype) -> bool:
+def rowwise_fp8_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Row-wise scales (one per token and per output channel) need Hopper-class kernels and bf16 output."""
     try:
         weight, scale = quantize_fp8(torch.ones(32, 32, device=device), per_channel=True)
@@ -209,7 +209,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
 
 def fp8_linear_method(device: torch.device, dtype: torch.dtype) -> Fp8LinearMethod:
     check_fp8_device(device)
-    per_channel = _rowwise_fp8_runs(device, dtype)
+    per_channel = rowwise_fp8_runs(device, dtype)
     logger.info("linear layers: fp8 e4m3, %s scales, %s activations on %s",
                 "per-channel" if per_channel else "per-tensor", dtype, device)
     return Fp8LinearMethod(per_channel)
