@@ -581,42 +581,84 @@ static void x_byte_planes_512(const int16_t *xq, int64_t chunks, uint32_t *plane
  * (256 * sum(hi * q) + sum(lo * q) = sum(x * q), no overflow: 256 * 128 * 15 * 256 < 2^31), so every output
  * is bitwise stream_block's. A SmolLM-135M token's 121 int4-g32 GEMVs, Zen 5: hot one thread 1.57-1.69 ->
  * 1.40-1.55 ns a chunk; cold two threads 44.6 -> 46.7 GB/s (median of 142 alternated passes). */
+/* A 4-bit chunk's four dot products on byte planes (above), prefetching BYTES_AHEAD ahead. */
+#define BYTES_CHUNK(chunk, xs, high_a, low_a, high_b, low_b)                                                  \
+    {                                                                                                         \
+        _mm_prefetch((const char *)(chunk) + BYTES_AHEAD, _MM_HINT_NTA);                                      \
+        const ivec words = iload(chunk);                                                                      \
+        const ivec a = iand(words, low4), b = iand(isrl16(words, 4), low4);                                   \
+        high_a = _mm512_dpbusd_epi32(high_a, a, _mm512_set1_epi32((int)(xs)[0]));                             \
+        low_a = _mm512_dpbusd_epi32(low_a, _mm512_set1_epi32((int)(xs)[1]), a);                               \
+        high_b = _mm512_dpbusd_epi32(high_b, b, _mm512_set1_epi32((int)(xs)[2]));                             \
+        low_b = _mm512_dpbusd_epi32(low_b, _mm512_set1_epi32((int)(xs)[3]), b);                               \
+    }
+
+/* The exact int32 dot products of one block's 16 rows with x over `chunks` chunks from `at` (x's planes from
+ * `xs`): eight chains (the chunk's parity x its two planes x hi/lo) hide vpdpbusd's latency, added at the end. */
+INLINE ivec bytes_dot(const uint8_t *at, const uint32_t *xs, int64_t chunks) {
+    const ivec low4 = _mm512_set1_epi8(0x0f);
+    ivec h0 = izero(), l0 = izero(), h1 = izero(), l1 = izero(), h2 = izero(), l2 = izero(), h3 = izero(), l3 = izero();
+    int64_t c = 0;
+#pragma GCC unroll 16
+    for (; c + 2 <= chunks; c += 2) {
+        BYTES_CHUNK(at + c * CHUNK, xs + c * 4, h0, l0, h1, l1)
+        BYTES_CHUNK(at + (c + 1) * CHUNK, xs + (c + 1) * 4, h2, l2, h3, l3)
+    }
+    if (c < chunks) BYTES_CHUNK(at + c * CHUNK, xs + c * 4, h0, l0, h1, l1)
+    const ivec high = _mm512_add_epi32(_mm512_add_epi32(h0, h1), _mm512_add_epi32(h2, h3));
+    const ivec low = _mm512_add_epi32(_mm512_add_epi32(l0, l1), _mm512_add_epi32(l2, l3));
+    return _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
+}
+
+/* stream_block for 4-bit codes on byte dot products: a chunk's codes masked per byte are two planes, bytes
+ * [inputs 0, 4, 1, 5] and (shifted by 4) [2, 6, 3, 7] of each row's 32-bit lane, and vpdpbusd multiplies a
+ * plane by x's hi bytes (codes unsigned, hi signed) and x's lo bytes by the plane (lo unsigned, codes 0..15
+ * signed). 3 shifts and ands a chunk instead of 6 for the same four dot products; the integers are the same
+ * (256 * sum(hi * q) + sum(lo * q) = sum(x * q), no overflow: 256 * 128 * 15 * 256 < 2^31), so every output
+ * is bitwise stream_block's. A SmolLM-135M token's 121 int4-g32 GEMVs, Zen 5: hot one thread 1.57-1.69 ->
+ * 1.40-1.55 ns a chunk; cold two threads 44.6 -> 46.7 GB/s (median of 142 alternated passes).
+ * An x block of a whole group (4, 8, 16 or 32 chunks: groups of 32 to 256) has its chunk count fixed at compile
+ * time, so its loop unrolls with the chains in registers (gcc had kept them in copies, ten vmovdqa a chunk pair),
+ * and its group is the x block's index (there was a 64-bit idiv per x block). Zen 4 (EPYC, family 25 model 17),
+ * hot, one thread, 576x1536: g32 2.01 -> 1.87 ns a chunk, g64 1.67 -> 1.63, g128 1.60 -> 1.50, g256 1.52 -> 1.43,
+ * per row 1.51 -> 1.40; cold (a token's 121 int4-g32 GEMVs, two threads, 100 alternated passes) even: the
+ * stream is memory-bound there. */
+INLINE void bytes_blocks(const int CPX, const uint8_t *base, const uint16_t *scales, const uint16_t *zeros,
+                         const Prepared *p, const uint32_t *planes, fvec *acc, int64_t x_blocks, int64_t xb_per_group,
+                         int64_t chunks_per_x_block) {
+    const fvec midpoint = fset1(8.0f);
+    const int64_t cpx = CPX ? CPX : chunks_per_x_block;
+    for (int64_t xb = 0; xb < x_blocks; xb++) {
+        const ivec dot = bytes_dot(base + xb * cpx * CHUNK, planes + xb * cpx * 4, cpx);
+        const int64_t at = (CPX ? xb : xb / xb_per_group) * BLOCK;
+        const fvec scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
+        const fvec exact = ffnma(zero, fset1(p->xsum[xb]), fcvt(dot));
+        *acc = ffma(exact, fmul(scale, fset1(p->xscale[xb])), *acc);
+    }
+}
+
 INLINE void stream_block_bytes(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, const Prepared *p,
                                const uint32_t *planes, const uint16_t *bias, uint16_t *y, int64_t block, int64_t n,
                                int64_t k, int64_t group) {
     const int64_t chunks = k / 8, groups = k / group, chunks_per_x_block = p->x_block / 8;
-    const ivec low4 = _mm512_set1_epi8(0x0f);
-    const fvec midpoint = fset1(8.0f);
     const uint8_t *base = codes + block * chunks * CHUNK;
+    const uint16_t *block_scales = scales + block * groups * BLOCK;
+    const uint16_t *block_zeros = zeros != NULL ? zeros + block * groups * BLOCK : NULL;
+    const int64_t xb_per_group = group / p->x_block;
     fvec acc = fzero();
-    for (int64_t xb = 0; xb < p->x_blocks; xb++) {
-        ivec h0 = izero(), l0 = izero(), h1 = izero(), l1 = izero(), h2 = izero(), l2 = izero(), h3 = izero(), l3 = izero();
-        const int64_t end = (xb + 1) * chunks_per_x_block;
-#define BYTES_CHUNK(c, high_a, low_a, high_b, low_b)                                                          \
-        {                                                                                                     \
-            const uint32_t *xs = planes + (c) * 4;                                                            \
-            _mm_prefetch((const char *)(base + (c) * CHUNK + BYTES_AHEAD), _MM_HINT_NTA);                     \
-            const ivec words = iload(base + (c) * CHUNK);                                                     \
-            const ivec a = iand(words, low4), b = iand(isrl16(words, 4), low4);                               \
-            high_a = _mm512_dpbusd_epi32(high_a, a, _mm512_set1_epi32((int)xs[0]));                           \
-            low_a = _mm512_dpbusd_epi32(low_a, _mm512_set1_epi32((int)xs[1]), a);                             \
-            high_b = _mm512_dpbusd_epi32(high_b, b, _mm512_set1_epi32((int)xs[2]));                           \
-            low_b = _mm512_dpbusd_epi32(low_b, _mm512_set1_epi32((int)xs[3]), b);                             \
-        }
-        int64_t c = xb * chunks_per_x_block;
-        for (; c + 2 <= end; c += 2) {
-            BYTES_CHUNK(c, h0, l0, h1, l1)
-            BYTES_CHUNK(c + 1, h2, l2, h3, l3)
-        }
-        if (c < end) BYTES_CHUNK(c, h0, l0, h1, l1)
-#undef BYTES_CHUNK
-        const ivec high = _mm512_add_epi32(_mm512_add_epi32(h0, h1), _mm512_add_epi32(h2, h3));
-        const ivec low = _mm512_add_epi32(_mm512_add_epi32(l0, l1), _mm512_add_epi32(l2, l3));
-        const ivec dot = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
-        acc = add_x_block(acc, dot, scales, zeros, midpoint, p, block, groups, group, xb);
-    }
+    if (xb_per_group == 1 && chunks_per_x_block == 4)
+        bytes_blocks(4, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, 1, 4);
+    else if (xb_per_group == 1 && chunks_per_x_block == 8)
+        bytes_blocks(8, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, 1, 8);
+    else if (xb_per_group == 1 && chunks_per_x_block == 16)
+        bytes_blocks(16, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, 1, 16);
+    else if (xb_per_group == 1 && chunks_per_x_block == 32)
+        bytes_blocks(32, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, 1, 32);
+    else
+        bytes_blocks(0, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, xb_per_group, chunks_per_x_block);
     store_rows(y, bias, block * BLOCK, n, acc);
 }
+#undef BYTES_CHUNK
 #else
 #define BYTE_PLANES 0
 #endif
