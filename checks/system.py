@@ -91,7 +91,8 @@ def thp(host: Host, plan: Plan) -> Result:
     """Transparent huge pages are in an allowed mode (thp_allowed, default madvise or never), defrag not always.
 
     THP `always` lets khugepaged and direct compaction stall allocating threads, which shows up
-    as latency spikes; `madvise` keeps huge pages for the code that asks for them.
+    as latency spikes; `madvise` keeps huge pages for the code that asks for them (the engine asks for its CPU
+    weights and KV pool, engine/weight_pages.py; under `never` they stay in 4 KiB pages).
     """
     enabled = _selected(host.read("/sys/kernel/mm/transparent_hugepage/enabled"))
     defrag = _selected(host.read("/sys/kernel/mm/transparent_hugepage/defrag"))

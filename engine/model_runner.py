@@ -33,6 +33,7 @@ from llmctl.engine.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan
 from llmctl.engine.sampler import Sampler, SamplingRow
 from llmctl.engine.scheduler import ModelRunnerOutput, ScheduledSeq
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.weight_pages import huge_page_zeros, move_weights_to_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,7 @@ class ModelRunner:
             raise EngineArgsError("--quantization-batch-cache needs quantised linears on the CPU with bfloat16 "
                                   "activations (--quantization or a pre-quantised checkpoint, --dtype bfloat16)")
         if self.device.type == "cpu":
+            move_weights_to_huge_pages(self.model)
             release_free_heap()  # what loading freed (full-precision weights a quantised linear replaced)
         self.weight_bytes = model_bytes(self.model)  # this rank's
         logger.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20,
@@ -345,6 +347,10 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, *self.attention.kv_cache_shape(num_blocks, self.block_size))
         layers = self.config.model_config.num_layers
+        if self.device.type == "cpu":  # the attention's scattered block reads: fewer TLB misses in 2 MiB pages
+            pools = [huge_page_zeros(shape, self.config.dtype) for _ in range(layers)]
+            if all(pool is not None for pool in pools):
+                return pools
         return [torch.zeros(shape, dtype=self.config.dtype, device=self.device) for _ in range(layers)]
 
     # ---- one step -----------------------------------------------------------------------------

@@ -79,7 +79,11 @@ class KernelWeight:
             if tensor is not None and (tensor.dtype != torch.float16 or tuple(tensor.shape) != groups
                                        or not tensor.is_contiguous() or tensor.device.type != "cpu"):
                 raise ValueError(f"quant gemv: {name} must be contiguous float16 {groups} CPU tensors")
-        # the kernel's weight arguments (the tensors above keep the memory alive)
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Cache the kernel's weight arguments (the tensors above keep the memory alive); again after the tensors
+        were moved in place (engine/weight_pages.py)."""
         object.__setattr__(self, "arguments", (self.codes.data_ptr(), self.scales.data_ptr(),
                                                None if self.zeros is None else self.zeros.data_ptr(), self.bits))
 
