@@ -372,7 +372,9 @@ def test_kernel_dequantises_to_the_reference_in_bfloat16(target, bits, group, as
 
 @pytest.mark.parametrize("bits, group, in_features", [(4, 32, 576), (8, 576, 576), (8, 1536, 1536), (4, 8, 24),
                                                      (6, 16, 576), (6, 4, 36), (4, 64, 576), (4, 128, 512),
-                                                     (4, 256, 512), (4, 576, 576), (4, 192, 576)])
+                                                     (4, 256, 512), (4, 576, 576), (4, 192, 576), (8, 32, 576),
+                                                     (8, 64, 576), (8, 256, 512), (6, 32, 576),
+                                                     (8, 512, 1024), (4, 512, 1024)])  # 2 x blocks a group
 def test_the_avx512_and_avx2_bodies_agree_bitwise(bits, group, in_features):
     """The AVX-512 body converts activation blocks 16 a vector, the AVX2 body one at a time (the scalar rules):
     the same codes, scales and sums, so the same outputs bit for bit; blocks of zeros, of a magnitude past 3e38,
@@ -389,7 +391,7 @@ def test_the_avx512_and_avx2_bodies_agree_bitwise(bits, group, in_features):
     bias = torch.randn(40).bfloat16()
     got = [k.gemv(w, x, bias).view(torch.int16) for k, w in zip((native, avx2), packed)]
     assert torch.equal(got[0], got[1])
-    # one row: the AVX-512 body's one-stream path (4 bits: byte planes, x blocks of 4 to 32 chunks unrolled)
+    # one row: the AVX-512 body's one-stream path (x blocks of 4 to 64 chunks at fixed counts; 4 bits: byte planes)
     for row in x[:5]:
         got = [k.gemv(w, row[None], bias).view(torch.int16) for k, w in zip((native, avx2), packed)]
         assert torch.equal(got[0], got[1])
