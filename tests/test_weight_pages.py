@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_writer import write_gguf
+from test_gguf import Q5_K_M, k_quant_model  # noqa: F401 (a fixture)
 from test_parity import make_prompts
 from test_quantization import run_greedy
 
@@ -37,15 +39,26 @@ def engine(folder, quantization, monkeypatch, huge: bool) -> LLM:
                max_model_len=256, num_threads=2)
 
 
+def move_everything(monkeypatch) -> None:
+    """The tiny models' storages are far under the thresholds a real model passes: move all of them here."""
+    monkeypatch.setattr(weight_pages, "MIN_TOTAL_BYTES", 0)
+    monkeypatch.setattr(weight_pages, "MIN_STORAGE_BYTES", 1)
+
+
+def assert_same_greedy_outputs(huge: LLM, plain: LLM) -> None:
+    prompts = make_prompts(512)[:3]
+    for (_, tokens, logits), (_, tokens_plain, logits_plain) in zip(run_greedy(huge, prompts),
+                                                                   run_greedy(plain, prompts)):
+        assert tokens == tokens_plain and torch.equal(logits, logits_plain)
+
+
 @needs_thp
 @pytest.mark.parametrize("arch, quantization", [("llama", "int4-g32"), ("qwen2", "int8"), ("llama", None)])
 def test_weights_move_into_one_huge_page_mapping_and_outputs_stay_bitwise(tiny_models, monkeypatch, arch,
                                                                          quantization):
     folder = tiny_models[arch]  # qwen2: tied lm_head (one storage, two modules), q/k/v biases
     plain = engine(folder, quantization, monkeypatch, huge=False)
-    # the tiny model's storages are far under the thresholds a real model passes: move all of them here
-    monkeypatch.setattr(weight_pages, "MIN_TOTAL_BYTES", 0)
-    monkeypatch.setattr(weight_pages, "MIN_STORAGE_BYTES", 1)
+    move_everything(monkeypatch)
     huge = engine(folder, quantization, monkeypatch, huge=True)
     runner = huge.engine.executor.runner
     linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
@@ -62,10 +75,22 @@ def test_weights_move_into_one_huge_page_mapping_and_outputs_stay_bitwise(tiny_m
     assert pool.data_ptr() % weight_pages.HUGE_PAGE == 0 and "hg" in mapping_flags(pool.data_ptr())
     # the reported bytes are the storages' own, each rounded up to 64 (not the mapping's 2 MiB pages)
     assert 0 <= huge.engine.model_info.weight_bytes - plain.engine.model_info.weight_bytes < 64 * 100
-    prompts = make_prompts(512)[:3]
-    for (_, tokens, logits), (_, tokens_plain, logits_plain) in zip(run_greedy(huge, prompts),
-                                                                   run_greedy(plain, prompts)):
-        assert tokens == tokens_plain and torch.equal(logits, logits_plain)
+    assert_same_greedy_outputs(huge, plain)
+
+
+@needs_thp
+def test_a_gguf_files_mixed_k_quants_move_and_run_bitwise(k_quant_model, tmp_path, monkeypatch):  # noqa: F811
+    """Q5_K with Q6_K tensors (6-bit codes, groups of 16 and 32 in one fused qkv; a Q6_K lm_head)."""
+    path = tmp_path / "model-Q5_K_M.gguf"
+    write_gguf(k_quant_model, path, Q5_K_M, default_type="Q5_K")
+    plain = engine(path, None, monkeypatch, huge=False)
+    move_everything(monkeypatch)
+    huge = engine(path, None, monkeypatch, huge=True)
+    model = huge.engine.executor.runner.model
+    parts = [part for m in model.modules() if hasattr(m, "kernel_parts") for part in m.kernel_parts.parts]
+    assert parts and len({part.codes.untyped_storage().data_ptr() for part in parts}) == 1
+    assert all(part.arguments[0] == part.codes.data_ptr() for part in parts)
+    assert_same_greedy_outputs(huge, plain)
 
 
 def test_nothing_moves_when_turned_off_or_under_the_threshold(tiny_models, monkeypatch):
