@@ -90,7 +90,7 @@ def move_weights_to_huge_pages(model: torch.nn.Module) -> int:
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """A zero CPU tensor in its own huge-page mapping (None: THP unavailable, or under MIN_TOTAL_BYTES), its
     pages touched now as torch.zeros' are."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_TOTAL_BYTES or not huge_pages_available():
         return None
     return _huge_page_arena(nbytes).zero_().view(dtype).view(shape)

@@ -121,8 +121,7 @@ def _record_kept_high_water(attention):
 
     def recording_plan(*args, **kwargs):
         high[0] = max(high[0], workspace.kept_bytes)
-        result = plan(*args, **kwargs)
-        return result
+        return plan(*args, **kwargs)
 
     workspace.plan = recording_plan
     return lambda: max(high[0], workspace.kept_bytes)

@@ -471,10 +471,10 @@ static void run_wide(int bits, const uint8_t *codes, const uint16_t *scales, con
 
 #if ISA == 512
 /* One block's 16 rows of x block xb added to acc: the exact int32 dot products `dot` to float, the zero point's
- * share taken off, times the weight's and x's scales (gemv_tile's arithmetic, one row). */
+ * share taken off, times the weight's and x's scales (gemv_tile's arithmetic, one row); `at`: where the block's
+ * group's scales (and zeros; NULL: the midpoint) start. */
 INLINE fvec add_x_block(fvec acc, ivec dot, const uint16_t *scales, const uint16_t *zeros, fvec midpoint,
-                        const Prepared *p, int64_t block, int64_t groups, int64_t group, int64_t xb) {
-    const int64_t at = (block * groups + xb * p->x_block / group) * BLOCK;
+                        const Prepared *p, int64_t at, int64_t xb) {
     const fvec scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
     const fvec exact = ffnma(zero, fset1(p->xsum[xb]), fcvt(dot));
     return ffma(exact, fmul(scale, fset1(p->xscale[xb])), acc);
@@ -526,7 +526,7 @@ INLINE void stream_block(const int BITS, const uint8_t *codes, const uint16_t *s
 #undef STREAM_CHUNK
         const ivec dot = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_add_epi32(d2, d3)),
                                           _mm512_add_epi32(_mm512_add_epi32(d4, d5), _mm512_add_epi32(d6, d7)));
-        acc = add_x_block(acc, dot, scales, zeros, midpoint, p, block, groups, group, xb);
+        acc = add_x_block(acc, dot, scales, zeros, midpoint, p, (block * groups + xb * p->x_block / group) * BLOCK, xb);
     }
     store_rows(y, bias, block * BLOCK, n, acc);
 }
@@ -623,39 +623,30 @@ INLINE ivec bytes_dot(const uint8_t *at, const uint32_t *xs, int64_t chunks) {
  * hot, one thread, 576x1536: g32 2.01 -> 1.87 ns a chunk, g64 1.67 -> 1.63, g128 1.60 -> 1.50, g256 1.52 -> 1.43,
  * per row 1.51 -> 1.40; cold (a token's 121 int4-g32 GEMVs, two threads, 100 alternated passes) even: the
  * stream is memory-bound there. */
-INLINE void bytes_blocks(const int CPX, const uint8_t *base, const uint16_t *scales, const uint16_t *zeros,
-                         const Prepared *p, const uint32_t *planes, fvec *acc, int64_t x_blocks, int64_t xb_per_group,
-                         int64_t chunks_per_x_block) {
+INLINE fvec bytes_blocks(const int CPX, const uint8_t *base, const uint16_t *scales, const uint16_t *zeros,
+                         const Prepared *p, const uint32_t *planes, int64_t xb_per_group, int64_t chunks_per_x_block) {
     const fvec midpoint = fset1(8.0f);
     const int64_t cpx = CPX ? CPX : chunks_per_x_block;
-    for (int64_t xb = 0; xb < x_blocks; xb++) {
+    fvec acc = fzero();
+    for (int64_t xb = 0; xb < p->x_blocks; xb++) {
         const ivec dot = bytes_dot(base + xb * cpx * CHUNK, planes + xb * cpx * 4, cpx);
-        const int64_t at = (CPX ? xb : xb / xb_per_group) * BLOCK;
-        const fvec scale = fload_f16(scales + at), zero = zeros != NULL ? fload_f16(zeros + at) : midpoint;
-        const fvec exact = ffnma(zero, fset1(p->xsum[xb]), fcvt(dot));
-        *acc = ffma(exact, fmul(scale, fset1(p->xscale[xb])), *acc);
+        acc = add_x_block(acc, dot, scales, zeros, midpoint, p, (CPX ? xb : xb / xb_per_group) * BLOCK, xb);
     }
+    return acc;
 }
 
 INLINE void stream_block_bytes(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, const Prepared *p,
                                const uint32_t *planes, const uint16_t *bias, uint16_t *y, int64_t block, int64_t n,
                                int64_t k, int64_t group) {
-    const int64_t chunks = k / 8, groups = k / group, chunks_per_x_block = p->x_block / 8;
+    const int64_t chunks = k / 8, groups = k / group, cpx = p->x_block / 8, xb_per_group = group / p->x_block;
     const uint8_t *base = codes + block * chunks * CHUNK;
-    const uint16_t *block_scales = scales + block * groups * BLOCK;
-    const uint16_t *block_zeros = zeros != NULL ? zeros + block * groups * BLOCK : NULL;
-    const int64_t xb_per_group = group / p->x_block;
-    fvec acc = fzero();
-    if (xb_per_group == 1 && chunks_per_x_block == 4)
-        bytes_blocks(4, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, 1, 4);
-    else if (xb_per_group == 1 && chunks_per_x_block == 8)
-        bytes_blocks(8, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, 1, 8);
-    else if (xb_per_group == 1 && chunks_per_x_block == 16)
-        bytes_blocks(16, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, 1, 16);
-    else if (xb_per_group == 1 && chunks_per_x_block == 32)
-        bytes_blocks(32, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, 1, 32);
-    else
-        bytes_blocks(0, base, block_scales, block_zeros, p, planes, &acc, p->x_blocks, xb_per_group, chunks_per_x_block);
+    const uint16_t *s = scales + block * groups * BLOCK, *z = zeros != NULL ? zeros + block * groups * BLOCK : NULL;
+    fvec acc;
+    if (xb_per_group == 1 && cpx == 4) acc = bytes_blocks(4, base, s, z, p, planes, 1, cpx);
+    else if (xb_per_group == 1 && cpx == 8) acc = bytes_blocks(8, base, s, z, p, planes, 1, cpx);
+    else if (xb_per_group == 1 && cpx == 16) acc = bytes_blocks(16, base, s, z, p, planes, 1, cpx);
+    else if (xb_per_group == 1 && cpx == 32) acc = bytes_blocks(32, base, s, z, p, planes, 1, cpx);
+    else acc = bytes_blocks(0, base, s, z, p, planes, xb_per_group, cpx);
     store_rows(y, bias, block * BLOCK, n, acc);
 }
 #undef BYTES_CHUNK
