@@ -321,7 +321,7 @@ def test_a_layer_in_parts_is_its_parts_products_side_by_side(monkeypatch):
     layer, layout = make_layer(weight, bias=True)
     parts = layer.kernel_parts.parts
     assert [(p.bits, p.group_size) for p in parts] == [(4, 32), (6, 16)] and layer.int8_tiles == (False, False)
-    for rows in (1, 3, BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS):
+    for rows in (1, 3, BF16_GEMM_MIN_ROWS[4], BF16_GEMM_MIN_ROWS[6], NATIVE_MAX_ROWS):
         x = torch.randn(rows, 64).bfloat16()
         got = layer(x)
         if rows < AMX_MIN_ROWS:  # the GEMV on every CPU: each part's own, bitwise
@@ -623,13 +623,13 @@ def test_a_layer_runs_the_kernel_its_row_count_calls_for(bits):
     gemv_rows = gemv_max_rows(kernels, bits)
     # 6-bit and IQ4_CODES codes: the GEMV, then dequantise + one GEMM, on AMX CPUs
     amx = kernels.has_amx and bits in (4, 8)
-    for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS,
+    for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS[bits] - 1, BF16_GEMM_MIN_ROWS[bits],
                         NATIVE_MAX_ROWS, gemv_rows - 1, gemv_rows, AMX_MAX_ROWS}):
         x = torch.randn(rows, 128).bfloat16()
         got = layer(x)
         if amx and rows >= AMX_MIN_ROWS:  # bitwise the same whichever AMX kernel runs
             expected = kernels.gemm_amx(part, x, layer.bias)
-        elif kernels.has_bf16_gemm and rows >= BF16_GEMM_MIN_ROWS:
+        elif kernels.has_bf16_gemm and rows >= BF16_GEMM_MIN_ROWS[bits]:
             expected = kernels.gemm_bf16(part, x, layer.bias)
         elif rows < (AMX_MIN_ROWS if amx else gemv_rows):
             expected = kernels.gemv(part, x, layer.bias)
@@ -754,7 +754,7 @@ def test_a_per_channel_int8_layer_gives_every_row_the_gemvs_result_below_the_til
     for rows in sorted({1, INT8_TILE_MIN_ROWS - 1, INT8_TILE_MIN_ROWS, 64, INT8_TILE_MAX_ROWS - 1}):
         x = torch.randn(rows, 576).bfloat16()
         got = layer(x)
-        if kernels.has_amx or rows < (BF16_GEMM_MIN_ROWS if kernels.has_bf16_gemm else gemv_max_rows(kernels, 8)):
+        if kernels.has_amx or rows < (BF16_GEMM_MIN_ROWS[8] if kernels.has_bf16_gemm else gemv_max_rows(kernels, 8)):
             assert torch.equal(got, kernels.gemv(part, x, layer.bias)), rows
         if kernels.has_amx and rows >= INT8_TILE_MIN_ROWS:
             assert torch.equal(got, kernels.gemm_amx_int8(part, x, layer.bias)), rows

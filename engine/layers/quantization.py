@@ -21,7 +21,7 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
   the CPU has AMX its dequantising AMX GEMM from AMX_MIN_ROWS rows (the weight stays quantised in memory,
   dequantised per call into bf16 tiles every row reuses) and bf16's AMX kernel on those tiles from
   AMX_MAX_ROWS; without AMX, where the CPU has AVX512-BF16, its dequantising bf16 GEMM from BF16_GEMM_MIN_ROWS
-  (the weight dequantised per call a pair of 16-row blocks at a time); else the GEMV (the AVX-512 body's wide
+  (per code width; the weight dequantised per call a pair of 16-row blocks at a time); else the GEMV (the AVX-512 body's wide
   tiles up to GEMV_MAX_ROWS_AVX512, the AVX2 body's up to NATIVE_MAX_ROWS) and its dequantisation to bf16 + one
   GEMM above. At M=1 it ran 2.1x torch's int8pack and 2.3x its int4pack (benchmarks/quant_kernels.py,
   benchmarks/README.md);
@@ -90,8 +90,11 @@ GEMV_MAX_ROWS_AVX512 = {8: 1024, 6: 1024, IQ4_CODES: 1024, 4: 512}  # 6 bits, IQ
 # / gemm_bf16 / bf16's oneDNN GEMM (Zen 5, two runs): int8 16 rows 224-241 / 252-273 / 234-240, 64 rows 750-864 /
 # 693-748 / 646-677, 128 rows 1506-1705 / 1266-1409 / 1173-1278; int4-g32 16 rows 245-270 / 246-280, 64 rows
 # 871-978 / 694-758, 128 rows 1704-1952 / 1279-1441; one thread, 1024 rows: int8 19125 / 18099, int4-g32 22904 /
-# 17718, bf16 16872.
-BF16_GEMM_MIN_ROWS = 32
+# 17718, bf16 16872. With x packed by a register transpose (quant_kernels.c `pack_row_group`), a whole SmolLM-135M
+# step's 121 linears cold (a 256 MiB sweep before each), two threads, Zen 4, ms, GEMV / gemm_bf16: int8 32 rows
+# 24.8-25.5 / 26.3-26.7, 48 rows 35.6-36.3 / 36.3-36.4, 64 rows 48.4 / 46.4; int4-g32 24 rows 21.4 / 21.8, 32 rows
+# 27.4-27.5 / 26.3-26.8 (6 bits and IQ4_CODES were not measured: they keep 32).
+BF16_GEMM_MIN_ROWS = {8: 48, 6: 32, IQ4_CODES: 32, 4: 32}
 # Where the CPU has AMX, from 16 rows the native layout runs `gemm_amx` instead: its weight dequantised once per
 # call into bf16 AMX tiles that every row reuses (benchmarks/quant_kernels.py --batched: cold, one thread,
 # thread CPU time, load 8; GEMV / AMX µs: 3072x576 int8 8 rows 409 / 605, 16 rows 790 / 524, 64 rows 1792 / 692
@@ -491,7 +494,7 @@ def _part_product(layer: LinearBase, weight: KernelWeight, int8_tiles: bool, row
         if count < AMX_MAX_ROWS or getattr(layer, "amx_kernels", None) is None:
             return kernels.gemm_amx(weight, rows, bias)
         return layer.amx_kernels.gemm_amx(kernels.dequantize_amx(weight), rows, weight.out_features, bias)
-    if kernels.has_bf16_gemm and count >= BF16_GEMM_MIN_ROWS:
+    if kernels.has_bf16_gemm and count >= BF16_GEMM_MIN_ROWS[weight.bits]:
         return kernels.gemm_bf16(weight, rows, bias)
     if count < gemv_max_rows(kernels, weight.bits):
         return kernels.gemv(weight, rows, bias)
