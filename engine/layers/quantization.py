@@ -90,11 +90,12 @@ GEMV_MAX_ROWS_AVX512 = {8: 1024, 6: 1024, IQ4_CODES: 1024, 4: 512}  # 6 bits, IQ
 # / gemm_bf16 / bf16's oneDNN GEMM (Zen 5, two runs): int8 16 rows 224-241 / 252-273 / 234-240, 64 rows 750-864 /
 # 693-748 / 646-677, 128 rows 1506-1705 / 1266-1409 / 1173-1278; int4-g32 16 rows 245-270 / 246-280, 64 rows
 # 871-978 / 694-758, 128 rows 1704-1952 / 1279-1441; one thread, 1024 rows: int8 19125 / 18099, int4-g32 22904 /
-# 17718, bf16 16872. With x packed by a register transpose (quant_kernels.c `pack_row_group`), a whole SmolLM-135M
-# step's 121 linears cold (a 256 MiB sweep before each), two threads, Zen 4, ms, GEMV / gemm_bf16: int8 32 rows
-# 24.8-25.5 / 26.3-26.7, 48 rows 35.6-36.3 / 36.3-36.4, 64 rows 48.4 / 46.4; int4-g32 24 rows 21.4 / 21.8, 32 rows
-# 27.4-27.5 / 26.3-26.8 (6 bits and IQ4_CODES were not measured: they keep 32).
-BF16_GEMM_MIN_ROWS = {8: 48, 6: 32, IQ4_CODES: 32, 4: 32}
+# 17718, bf16 16872. With x packed by a register transpose (quant_kernels.c `pack_row_group`) and the wide tiles' x
+# copied without a memcpy call per 8 bytes, a whole SmolLM-135M step's 121 linears cold (a 256 MiB sweep before
+# each), two threads, Zen 4, ms, GEMV / gemm_bf16: int8 32 rows 24.1-25.2 / 26.8-27.6, 64 rows 45.0-45.3 /
+# 46.5-46.6, 96 rows 65.5-65.9 / 66.2-66.8, 128 rows 86.2-86.9 / 85.0-85.3; int4-g32 16 rows 15.2-17.2 / 17.3-17.9,
+# 32 rows 27.0-29.5 / 27.0-28.7 (6 bits and IQ4_CODES were not measured: they keep 32).
+BF16_GEMM_MIN_ROWS = {8: 96, 6: 32, IQ4_CODES: 32, 4: 32}
 # Where the CPU has AMX, from 16 rows the native layout runs `gemm_amx` instead: its weight dequantised once per
 # call into bf16 AMX tiles that every row reuses (benchmarks/quant_kernels.py --batched: cold, one thread,
 # thread CPU time, load 8; GEMV / AMX µs: 3072x576 int8 8 rows 409 / 605, 16 rows 790 / 524, 64 rows 1792 / 692
