@@ -14,10 +14,11 @@ from llmctl.engine.kernels.quant import (IQ4_CODES, IQ4_GRID, KernelWeight, Part
                                          plan_parts)
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.kernels import load_cpu_kernels
-from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS, INT8_TILE_MAX_ROWS,
-                                                INT8_TILE_MIN_ROWS, NATIVE_MAX_ROWS, ON_THE_FLY_SCHEMES,
-                                                GroupedIntLinearMethod, GroupedIntWeight, gemv_max_rows,
-                                                install_grouped_weight, pack_int4, unpack_int4)
+from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS, BF16_GEMM_MIN_ROWS_LONG,
+                                                INT8_TILE_MAX_ROWS, INT8_TILE_MIN_ROWS, NATIVE_MAX_ROWS,
+                                                ON_THE_FLY_SCHEMES, GroupedIntLinearMethod, GroupedIntWeight,
+                                                bf16_gemm_min_rows, gemv_max_rows, install_grouped_weight, pack_int4,
+                                                unpack_int4)
 
 
 def random_grouped(out_features, in_features, bits, group_size, *, asymmetric=False, permuted=False, seed=0):
@@ -321,7 +322,7 @@ def test_a_layer_in_parts_is_its_parts_products_side_by_side(monkeypatch):
     layer, layout = make_layer(weight, bias=True)
     parts = layer.kernel_parts.parts
     assert [(p.bits, p.group_size) for p in parts] == [(4, 32), (6, 16)] and layer.int8_tiles == (False, False)
-    for rows in (1, 3, BF16_GEMM_MIN_ROWS[4], BF16_GEMM_MIN_ROWS[6], NATIVE_MAX_ROWS):
+    for rows in (1, 3, BF16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS):
         x = torch.randn(rows, 64).bfloat16()
         got = layer(x)
         if rows < AMX_MIN_ROWS:  # the GEMV on every CPU: each part's own, bitwise
@@ -620,16 +621,16 @@ def test_a_layer_runs_the_kernel_its_row_count_calls_for(bits):
     assert layout == "native" and len(layer.kernel_parts.parts) == 1
     (part,) = layer.kernel_parts.parts
     assert part.bits == bits
-    gemv_rows = gemv_max_rows(kernels, bits)
+    gemv_rows, gemm_from = gemv_max_rows(kernels, bits), bf16_gemm_min_rows(kernels, part)
     # 6-bit and IQ4_CODES codes: the GEMV, then dequantise + one GEMM, on AMX CPUs
     amx = kernels.has_amx and bits in (4, 8)
-    for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS[bits] - 1, BF16_GEMM_MIN_ROWS[bits],
+    for rows in sorted({1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, gemm_from - 1, gemm_from,
                         NATIVE_MAX_ROWS, gemv_rows - 1, gemv_rows, AMX_MAX_ROWS}):
         x = torch.randn(rows, 128).bfloat16()
         got = layer(x)
         if amx and rows >= AMX_MIN_ROWS:  # bitwise the same whichever AMX kernel runs
             expected = kernels.gemm_amx(part, x, layer.bias)
-        elif kernels.has_bf16_gemm and rows >= BF16_GEMM_MIN_ROWS[bits]:
+        elif kernels.has_bf16_gemm and rows >= gemm_from:
             expected = kernels.gemm_bf16(part, x, layer.bias)
         elif rows < (AMX_MIN_ROWS if amx else gemv_rows):
             expected = kernels.gemv(part, x, layer.bias)
@@ -746,6 +747,20 @@ def test_amx_int8_refuses_x_blocks_it_cannot_tile():
         kernels.gemm_amx_int8(packed, torch.zeros(16, 64, dtype=torch.bfloat16))
 
 
+def test_only_8_bit_codes_in_long_x_blocks_keep_the_gemv_past_the_bf16_gemms_rows():
+    # the GEMV's float epilogue comes once per x block: per-channel int8 (x blocks of 192 inputs at 576, 256 at
+    # 1536) keeps it to BF16_GEMM_MIN_ROWS_LONG rows, GGUF Q8_0's 32-input groups and 4-bit weights do not
+    kernels = kernels_or_skip("native")
+    cases = [(8, 576, 576, BF16_GEMM_MIN_ROWS_LONG), (8, 1536, 1536, BF16_GEMM_MIN_ROWS_LONG),
+             (8, 32, 576, BF16_GEMM_MIN_ROWS), (8, 64, 576, BF16_GEMM_MIN_ROWS), (4, 32, 576, BF16_GEMM_MIN_ROWS),
+             (4, 576, 576, BF16_GEMM_MIN_ROWS), (6, 16, 576, BF16_GEMM_MIN_ROWS)]
+    for bits, group, in_features, expected in cases:
+        weight = random_grouped(32, in_features, bits, group)
+        packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
+        assert bf16_gemm_min_rows(kernels, packed) == expected, (bits, group, in_features)
+    assert kernels.x_block(576, 8) == 192 and kernels.x_block(1536, 8) == 256 and kernels.x_block(32, 8) == 32
+
+
 def test_a_per_channel_int8_layer_gives_every_row_the_gemvs_result_below_the_tile_limit():
     kernels = kernels_or_skip("native")
     layer, layout = make_layer(random_grouped(96, 576, 8, 576), bias=True)
@@ -754,7 +769,8 @@ def test_a_per_channel_int8_layer_gives_every_row_the_gemvs_result_below_the_til
     for rows in sorted({1, INT8_TILE_MIN_ROWS - 1, INT8_TILE_MIN_ROWS, 64, INT8_TILE_MAX_ROWS - 1}):
         x = torch.randn(rows, 576).bfloat16()
         got = layer(x)
-        if kernels.has_amx or rows < (BF16_GEMM_MIN_ROWS[8] if kernels.has_bf16_gemm else gemv_max_rows(kernels, 8)):
+        if kernels.has_amx or rows < (bf16_gemm_min_rows(kernels, part) if kernels.has_bf16_gemm
+                                      else gemv_max_rows(kernels, 8)):
             assert torch.equal(got, kernels.gemv(part, x, layer.bias)), rows
         if kernels.has_amx and rows >= INT8_TILE_MIN_ROWS:
             assert torch.equal(got, kernels.gemm_amx_int8(part, x, layer.bias)), rows

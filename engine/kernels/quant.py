@@ -186,10 +186,15 @@ class QuantKernels:
         # the dequantising bf16 GEMM for CPUs without AMX: AVX-512 builds on CPUs with AVX512-BF16
         self.has_bf16_gemm = bool(library.quant_bf16_gemm_available()) and not self.has_amx
 
+    def x_block(self, group_size: int, bits: int) -> int:
+        """Inputs per x block of the GEMV for this weight (the C `x_block_of`: the group up to 256 inputs, else its
+        largest divisor that fits): each block ends in a float epilogue, so short ones cost the GEMV more."""
+        return self._x_block_of(group_size, bits)
+
     def int8_tile_depth(self, group_size: int, bits: int) -> int:
         """Inputs per AMX-INT8 tile `gemm_amx_int8` uses for this weight: 64 or 32 (its x blocks, the C
         `x_block_of`, whole multiples of it), 0 where it does not run it."""
-        block = self._x_block_of(group_size, bits)
+        block = self.x_block(group_size, bits)
         return 0 if block == 0 else 64 if block % 64 == 0 else 32 if block % 32 == 0 else 0
 
     @staticmethod

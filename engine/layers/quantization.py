@@ -20,8 +20,8 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
   engine/kernels/quant.py's output-row-interleaved GEMV (AVX-512 or AVX2) for few rows; where
   the CPU has AMX its dequantising AMX GEMM from AMX_MIN_ROWS rows (the weight stays quantised in memory,
   dequantised per call into bf16 tiles every row reuses) and bf16's AMX kernel on those tiles from
-  AMX_MAX_ROWS; without AMX, where the CPU has AVX512-BF16, its dequantising bf16 GEMM from BF16_GEMM_MIN_ROWS
-  (per code width; the weight dequantised per call a pair of 16-row blocks at a time); else the GEMV (the AVX-512 body's wide
+  AMX_MAX_ROWS; without AMX, where the CPU has AVX512-BF16, its dequantising bf16 GEMM from `bf16_gemm_min_rows`
+  (the weight dequantised per call a pair of 16-row blocks at a time); else the GEMV (the AVX-512 body's wide
   tiles up to GEMV_MAX_ROWS_AVX512, the AVX2 body's up to NATIVE_MAX_ROWS) and its dequantisation to bf16 + one
   GEMM above. At M=1 it ran 2.1x torch's int8pack and 2.3x its int4pack (benchmarks/quant_kernels.py,
   benchmarks/README.md);
@@ -92,10 +92,16 @@ GEMV_MAX_ROWS_AVX512 = {8: 1024, 6: 1024, IQ4_CODES: 1024, 4: 512}  # 6 bits, IQ
 # 871-978 / 694-758, 128 rows 1704-1952 / 1279-1441; one thread, 1024 rows: int8 19125 / 18099, int4-g32 22904 /
 # 17718, bf16 16872. With x packed by a register transpose (quant_kernels.c `pack_row_group`) and the wide tiles' x
 # copied without a memcpy call per 8 bytes, a whole SmolLM-135M step's 121 linears cold (a 256 MiB sweep before
-# each), two threads, Zen 4, ms, GEMV / gemm_bf16: int8 32 rows 24.1-25.2 / 26.8-27.6, 64 rows 45.0-45.3 /
-# 46.5-46.6, 96 rows 65.5-65.9 / 66.2-66.8, 128 rows 86.2-86.9 / 85.0-85.3; int4-g32 16 rows 15.2-17.2 / 17.3-17.9,
-# 32 rows 27.0-29.5 / 27.0-28.7 (6 bits and IQ4_CODES were not measured: they keep 32).
-BF16_GEMM_MIN_ROWS = {8: 96, 6: 32, IQ4_CODES: 32, 4: 32}
+# each), two threads, Zen 4, ms, GEMV / gemm_bf16: 8-bit per row (x blocks of 192 and 256 inputs) 32 rows
+# 24.1-25.2 / 26.8-27.6, 64 rows 45.0-45.3 / 46.5-46.6, 96 rows 65.5-65.9 / 66.2-66.8, 128 rows 86.2-86.9 /
+# 85.0-85.3; 8-bit g192 32 rows 25.3 / 27.4, 64 45.7 / 46.7, 96 65.5 / 66.1; but 8-bit g64 (a float epilogue every
+# 64 inputs) 32 rows 28.7 / 29.1, 64 rows 51.6 / 49.7, and g32 (GGUF Q8_0) 48 rows 48.5 / 40.4, 64 rows 55.6 / 51.0;
+# int4-g32 16 rows 15.2-17.2 / 17.3-17.9, 32 rows 27.0-29.5 / 27.0-28.7. So 8-bit codes in x blocks of
+# LONG_X_BLOCK+ inputs keep the GEMV to BF16_GEMM_MIN_ROWS_LONG rows, every other weight to BF16_GEMM_MIN_ROWS
+# (6 bits and IQ4_CODES were not measured again).
+BF16_GEMM_MIN_ROWS = 32
+BF16_GEMM_MIN_ROWS_LONG = 96
+LONG_X_BLOCK = 192
 # Where the CPU has AMX, from 16 rows the native layout runs `gemm_amx` instead: its weight dequantised once per
 # call into bf16 AMX tiles that every row reuses (benchmarks/quant_kernels.py --batched: cold, one thread,
 # thread CPU time, load 8; GEMV / AMX µs: 3072x576 int8 8 rows 409 / 605, 16 rows 790 / 524, 64 rows 1792 / 692
@@ -485,7 +491,7 @@ def _part_product(layer: LinearBase, weight: KernelWeight, int8_tiles: bool, row
     groups (`int8_tiles`), AMX-INT8 from INT8_TILE_MIN_ROWS to INT8_TILE_MAX_ROWS (bitwise the GEMV); otherwise from
     AMX_MIN_ROWS the dequantising AMX GEMM, from AMX_MAX_ROWS bf16's AMX kernel on the weight dequantised into
     its tiles (the same outputs bitwise as each other: a row's result is the same for every row count from
-    AMX_MIN_ROWS); without AMX, where the CPU has AVX512-BF16, the dequantising bf16 GEMM from BF16_GEMM_MIN_ROWS,
+    AMX_MIN_ROWS); without AMX, where the CPU has AVX512-BF16, the dequantising bf16 GEMM from `bf16_gemm_min_rows`,
     else dequantise + one oneDNN GEMM from `gemv_max_rows`."""
     kernels, count = layer.quant_kernels, rows.shape[0]
     amx = kernels.has_amx and weight.bits in AMX_BITS
@@ -495,12 +501,19 @@ def _part_product(layer: LinearBase, weight: KernelWeight, int8_tiles: bool, row
         if count < AMX_MAX_ROWS or getattr(layer, "amx_kernels", None) is None:
             return kernels.gemm_amx(weight, rows, bias)
         return layer.amx_kernels.gemm_amx(kernels.dequantize_amx(weight), rows, weight.out_features, bias)
-    if kernels.has_bf16_gemm and count >= BF16_GEMM_MIN_ROWS[weight.bits]:
+    if kernels.has_bf16_gemm and count >= bf16_gemm_min_rows(kernels, weight):
         return kernels.gemm_bf16(weight, rows, bias)
     if count < gemv_max_rows(kernels, weight.bits):
         return kernels.gemv(weight, rows, bias)
     out = F.linear(rows, kernels.dequantize(weight))
     return out if bias is None else out + bias
+
+
+def bf16_gemm_min_rows(kernels, weight: KernelWeight) -> int:
+    """The row count from which `gemm_bf16` runs instead of the GEMV (CPUs with AVX512-BF16 and no AMX)."""
+    if weight.bits == 8 and kernels.x_block(weight.group_size, 8) >= LONG_X_BLOCK:
+        return BF16_GEMM_MIN_ROWS_LONG
+    return BF16_GEMM_MIN_ROWS
 
 
 def gemv_max_rows(kernels, bits: int) -> int:
