@@ -186,6 +186,7 @@ class QuantKernels:
         # the dequantising bf16 GEMM for CPUs without AMX: AVX-512 builds on CPUs with AVX512-BF16
         self.has_bf16_gemm = bool(library.quant_bf16_gemm_available()) and not self.has_amx
 
+    @lru_cache(maxsize=None)  # asked per batched call of a layer (`bf16_gemm_min_rows`): one ctypes call per shape
     def x_block(self, group_size: int, bits: int) -> int:
         """Inputs per x block of the GEMV for this weight (the C `x_block_of`: the group up to 256 inputs, else its
         largest divisor that fits): each block ends in a float epilogue, so short ones cost the GEMV more."""
