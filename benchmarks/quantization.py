@@ -16,7 +16,10 @@ Bandwidth: the machine's read bandwidth as `llmctl bench --cpu` measures it (a s
 start of every round; the table uses their median), and
 the weight bytes each batch-1 token streams (every linear and the lm_head in its stored form) times the
 single-stream rate: over the whole run (prefill in the time, a lower bound) and over the decode alone (llmctl's
-request metrics, first token to last: a token's weights over the time per output token).
+request metrics, first token to last: a token's weights over the time per output token). llama.cpp's rows (and
+llmctl's on its GGUF files) count the file's bytes instead: every matrix a token multiplies (the output matrix, or
+the tied embedding), its decode rate llama-batched-bench's S_TG (generation alone). So the goal's fraction, the
+decode's weight stream against the read figure, prints for both engines in the same run.
 
     python benchmarks/quantization.py [--llamacpp DIR [--llamacpp-no-repack]] [--vllm-python VENV/bin/python]
         [--schemes bf16,int8,int4-g32,int4,int8+cache,int4-g32+cache] [--workloads single,batched] [--rounds N]
@@ -134,9 +137,21 @@ def quantize_gguf(llamacpp: Path, source: Path, kind: str) -> Path:
     return out
 
 
+def gguf_bytes_per_token(path: Path) -> int:
+    """Bytes of the matrices a batch-1 token multiplies, as the GGUF file stores them: every block's 2-D weights
+    and the output matrix (the token embedding where the file ties it; a token reads one row of it otherwise)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    blocks = sum(size for name, size in tensors.items()
+                 if name.startswith("blk.") and name.endswith(".weight") and "norm" not in name)
+    return blocks + tensors.get("output.weight", tensors.get("token_embd.weight", 0))
+
+
 def llama_batched_rate(llamacpp: Path, gguf: Path, workload: str, num_prompts: int, output_len: int, threads: int,
-                       no_repack: bool) -> float:
-    """Output tokens / s of `llama-batched-bench` for the workload's shape: B * TG / T (prefill included).
+                       no_repack: bool) -> tuple[float, float]:
+    """Output tokens / s of `llama-batched-bench` for the workload's shape: B * TG / T (prefill included), and
+    its generation rate alone (S_TG).
     `no_repack` (-nr) keeps the weights in their GGUF layout: on hosts that hide AMX's tile state from the
     process (some VMs), llama.cpp's AMX repacked path dies of SIGILL on its first tile instruction."""
     prompt, sequences = WORKLOAD_PROMPTS[workload], 1 if workload == "single" else num_prompts
@@ -149,8 +164,8 @@ def llama_batched_rate(llamacpp: Path, gguf: Path, workload: str, num_prompts: i
     return parse_batched_bench(proc.stdout + proc.stderr)
 
 
-def parse_batched_bench(text: str) -> float:
-    """B * TG / T from the markdown table llama-batched-bench prints."""
+def parse_batched_bench(text: str) -> tuple[float, float]:
+    """B * TG / T and S_TG (generated tokens / s, the prefill excluded) from the table llama-batched-bench prints."""
     header, rows = None, []
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -161,7 +176,7 @@ def parse_batched_bench(text: str) -> float:
     if not rows:
         raise SystemExit("llama-batched-bench printed no result table")
     row = rows[-1]
-    return int(row["B"]) * int(row["TG"]) / float(row["T s"])
+    return int(row["B"]) * int(row["TG"]) / float(row["T s"]), float(row["S_TG t/s"])
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
@@ -207,12 +222,23 @@ def main() -> None:
             run = run_worker(args.vllm_python, "vllm", folder, "bfloat16", args, VLLM_ENV)
             rows += [dict(r, system="vLLM-CPU", scheme="bf16") for r in summarize({("vllm", "bfloat16"): run}, workloads)]
         measured, bandwidths = run_rounds(folder, gguf, args, workloads)
+        for row in measured:  # while the files exist
+            row["bytes_per_token"] = token_bytes(row["system"], row["scheme"], gguf)
         rows += measured
     bandwidth = statistics.median(bandwidths)
     print_table(rows, bandwidth, bandwidths)
     if args.json:
         args.json.write_text(json.dumps({"read_bandwidth_gbs": bandwidth, "read_bandwidth_rounds_gbs": bandwidths,
                                          "rows": rows}, indent=2))
+
+
+def token_bytes(system: str, scheme: str, gguf: dict[str, Path]) -> int:
+    """The weight bytes a batch-1 token of this row streams: llmctl's stored form of its scheme, or the GGUF file's."""
+    if system == "llama.cpp":
+        return gguf_bytes_per_token(gguf[scheme])
+    if scheme.startswith("gguf "):
+        return gguf_bytes_per_token(gguf[scheme[5:]])
+    return stored_bytes_per_token(scheme.removesuffix(CACHE_SUFFIX))
 
 
 def run_order(schemes: list[str], gguf: dict[str, Path]) -> list[tuple[str, str]]:
@@ -236,11 +262,11 @@ def run_order(schemes: list[str], gguf: dict[str, Path]) -> list[tuple[str, str]
 
 def run_once(system: str, scheme: str, folder: Path, gguf: dict[str, Path], args,
              workloads: list[str]) -> dict[str, tuple[float, Optional[float]]]:
-    """One run of one system and scheme (each in its own process): per workload, tokens/s and (llmctl's single
-    workload) the decode's own tokens/s, first token to last, without the prefill."""
+    """One run of one system and scheme (each in its own process): per workload, tokens/s and the decode's own
+    tokens/s without the prefill (llmctl's single workload: first token to last; llama.cpp's: S_TG)."""
     if system == "llama.cpp":
-        return {workload: (llama_batched_rate(args.llamacpp, gguf[scheme], workload, args.num_prompts, args.output_len,
-                                              args.threads, args.llamacpp_no_repack), None) for workload in workloads}
+        return {workload: llama_batched_rate(args.llamacpp, gguf[scheme], workload, args.num_prompts, args.output_len,
+                                             args.threads, args.llamacpp_no_repack) for workload in workloads}
     if scheme.startswith("gguf "):
         run = run_worker(sys.executable, "ours", gguf[scheme[5:]], "bfloat16", args, {})
     else:
@@ -322,16 +348,16 @@ def print_table(rows: list[dict], bandwidth: float, bandwidths: list[float]) -> 
         vs_bf16 = f"{r['tokens_per_s'] / ours_bf16:.2f}x" if ours_bf16 and r["system"] == "llmctl" else "-"
         runs = " ".join(f"{v:.0f}" for v in r["runs"]) if isinstance(r.get("runs"), list) else ""
         streamed = "-"
-        if r["system"] == "llmctl" and r["workload"] == "single" and not r["scheme"].startswith("gguf"):
-            gbs = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX)) * r["tokens_per_s"] / 1e9
+        per_token = r.get("bytes_per_token")
+        if per_token and r["workload"] == "single":
+            gbs = per_token * r["tokens_per_s"] / 1e9
             streamed = f"{gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
             if r.get("decode_tokens_per_s"):  # the decode alone: a token's weights over the time per output token
-                per_token = stored_bytes_per_token(r["scheme"].removesuffix(CACHE_SUFFIX))
                 gbs = per_token * r["decode_tokens_per_s"] / 1e9
                 streamed += f" {gbs:.1f} ({100 * gbs / bandwidth:.0f}%)"
                 if len(r["decode_runs"]) == len(bandwidths) > 1:  # each round's run against that round's read figure
                     shares = sorted(100 * per_token * d / 1e9 / b for d, b in zip(r["decode_runs"], bandwidths))
-                    decode_shares.append(f"{r['scheme']} {statistics.median(shares):.0f}% "
+                    decode_shares.append(f"{r['system']} {r['scheme']} {statistics.median(shares):.0f}% "
                                          f"({' '.join(f'{x:.0f}' for x in shares)})")
         print(f"{r['workload']:<8} {r['system']:<10} {r['scheme']:<15} {r['tokens_per_s']:>8.1f} {vs_bf16:>8} "
               f"{vs_llama:>18} {per_round:>10} {vs_vllm:>13} {streamed:>26}  {runs}")
