@@ -12,6 +12,7 @@
  * compiled from one always-inlined body with the flag constant.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -677,11 +678,17 @@ void write_kv_f32(WRITE_KV_ARGS) { write_kv(WRITE_KV_PASS, 0); }
  * 48-55 GB/s read figure): 5.35-5.49 -> 5.12-5.38 ms (medians 5.43 -> 5.27 over six and eight runs). */
 #if defined(__AVX512BF16__)
 #define GEMV_AHEAD 4096
-INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k) {
+/* `end`: where the thread's rows end; its stream prefetches no further (past it the lines were the other thread's,
+ * already read and not kept in L3, or another tensor's: 8 KiB a call a thread fetched for nothing, ~2.5 % of a
+ * 576x576 weight). A token's 121 GEMVs (C driver, 2 MiB pages, two threads, Zen 4, three alternated runs of 8
+ * passes): mean 30.4 -> 32.7, 34.0 -> 33.6, 32.3 -> 32.5 GB/s. */
+INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k, const uint16_t *end) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     int64_t c = 0;
     for (; c + 128 <= k; c += 128) {
-        for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(row + c + GEMV_AHEAD + 32 * line), _MM_HINT_NTA);
+        for (int line = 0; line < 4; line++)
+            if (row + c + GEMV_AHEAD + 32 * line < end)
+                _mm_prefetch((const char *)(row + c + GEMV_AHEAD + 32 * line), _MM_HINT_NTA);
         acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_epi16(row + c), (__m512bh)_mm512_loadu_epi16(vector + c));
         acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_epi16(row + c + 32),
                                 (__m512bh)_mm512_loadu_epi16(vector + c + 32));
@@ -691,7 +698,7 @@ INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k) {
                                 (__m512bh)_mm512_loadu_epi16(vector + c + 96));
     }
     for (; c < k; c += 32) {
-        _mm_prefetch((const char *)(row + c + GEMV_AHEAD), _MM_HINT_NTA);
+        if (row + c + GEMV_AHEAD < end) _mm_prefetch((const char *)(row + c + GEMV_AHEAD), _MM_HINT_NTA);
         const __mmask32 live = k - c >= 32 ? 0xffffffffu : (__mmask32)((1ull << (k - c)) - 1);
         acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_maskz_loadu_epi16(live, row + c),
                                 (__m512bh)_mm512_maskz_loadu_epi16(live, vector + c));
@@ -701,11 +708,15 @@ INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k) {
 
 int gemv_bf16(const void *w, const void *x, const void *bias, void *y, int64_t n, int64_t k, int num_threads) {
     const uint16_t *weight = (const uint16_t *)w, *vector = (const uint16_t *)x;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < n; r++) {
-        float value = gemv_row(weight + r * k, vector, k);
-        if (bias != NULL) value += _mm512_cvtss_f32(load16m(bias, r, 1, 1));
-        store16m(y, r, _mm512_set1_ps(value), 1, 1);
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t first = n * me / threads, last = n * (me + 1) / threads; /* each row is its own output */
+        for (int64_t r = first; r < last; r++) {
+            float value = gemv_row(weight + r * k, vector, k, weight + last * k);
+            if (bias != NULL) value += _mm512_cvtss_f32(load16m(bias, r, 1, 1));
+            store16m(y, r, _mm512_set1_ps(value), 1, 1);
+        }
     }
     return 1;
 }
