@@ -681,7 +681,7 @@ void write_kv_f32(WRITE_KV_ARGS) { write_kv(WRITE_KV_PASS, 0); }
 /* `end`: where the thread's rows end; its stream prefetches no further (past it the lines were the other thread's,
  * already read and not kept in L3, or another tensor's: 8 KiB a call a thread fetched for nothing, ~2.5 % of a
  * 576x576 weight). A token's 121 GEMVs (C driver, 2 MiB pages, two threads, Zen 4, three alternated runs of 8
- * passes): mean 30.4 -> 32.7, 34.0 -> 33.6, 32.3 -> 32.5 GB/s. */
+ * passes, two rows each): mean 30.6 -> 33.1, 33.8 -> 33.7, 32.4 -> 32.6 GB/s. */
 INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k, const uint16_t *end) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     int64_t c = 0;
