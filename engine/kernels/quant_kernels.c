@@ -747,8 +747,6 @@ static void prefetch_next(const Next *next, int64_t me) {
     }
 }
 
-/* The threads' blocks against x (prepared before for one row; by the threads for the wide tiles' xw, NULL where
- * they are unused; planes: one row's byte planes or NULL); then the next linear's prefetch (next: NULL for none). */
 /* Thread `me`'s blocks against x (prepared before for one row; by the threads for the wide tiles' xw, NULL where
  * they are unused; planes: one row's byte planes or NULL); then the next linear's prefetch (next: NULL for none).
  * Called by every thread of a parallel region of `threads` (the team's size: all of x's blocks are computed even
