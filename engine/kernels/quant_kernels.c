@@ -847,8 +847,9 @@ static int gemv_then(const void *weight, const void *scales_, const void *zeros_
         /* Each thread prepares x itself, on its own stack: the bf16 row is all it reads of another core's writes,
          * where x's int16 codes, scales and byte planes prepared by the calling thread were three times the lines
          * (each ~190 ns from a core of another CCD), and the other threads waited for the preparation. A token's
-         * 121 int4-g32 GEMVs (C driver, 2 MiB pages, two threads on two CCDs of a Zen 4, alternated, 240 passes):
-         * 36.7 -> 40.0 GB/s; int8 40.4 -> 43.2 (12). */
+         * 121 int4-g32 GEMVs (C driver, 2 MiB pages, two threads of a Zen 4 VM, alternated): vCPUs on two CCDs
+         * 38.2 -> 41.9 GB/s (179 passes, faster in 177), on one CCD 32.1 -> 32.2 (4282 passes); int8 on two CCDs
+         * 40.4 -> 43.2 (12). */
 #pragma omp parallel num_threads(threads)
         {
             int16_t xq[k] __attribute__((aligned(64)));
