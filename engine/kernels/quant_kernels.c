@@ -757,63 +757,61 @@ static void thread_share(int bits, const uint8_t *codes, const uint16_t *scales,
                          const Next *next) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, step = step_of(bits);
     (void)planes; /* read by the AVX-512 VNNI body only */
-    {
-        const int64_t first = blocks * me / threads, last = blocks * (me + 1) / threads;
-        if (xw != NULL) { /* x prepared by all the threads, a group of WIDE_MR rows at a time */
+    const int64_t first = blocks * me / threads, last = blocks * (me + 1) / threads;
+    if (xw != NULL) { /* x prepared by all the threads, a group of WIDE_MR rows at a time */
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < m; g += WIDE_MR) {
-                const int64_t end = g + WIDE_MR < m ? g + WIDE_MR : m;
-                prepare_rows(x, g, end, k, p);
-                /* fixed-size copies, inlined: a libc memcpy call per 8 or 16 bytes cost ~1 ms of a 32-row int8 step */
-                for (int64_t c = 0; end - g == WIDE_MR && c < k / step; c++)
-                    for (int64_t r = 0; r < WIDE_MR; r++) {
-                        int16_t *to = xw + g * k + (c * WIDE_MR + r) * step;
-                        const int16_t *from = p->xq + (g + r) * k + c * step;
-                        if (step == 4) memcpy(to, from, 4 * sizeof(int16_t));
-                        else memcpy(to, from, 8 * sizeof(int16_t));
-                    }
-            }
-        }
-#if ISA == 512
-        if (m == 1) {
-            /* The thread's share ends here and its stream prefetches no further: past it the lines were the
-             * other thread's (already read, and non-temporal lines are not kept in L3) or another tensor's, fetched
-             * for nothing, STREAM_AHEAD or BYTES_AHEAD bytes a call a thread (up to 13 % of a 576x576 int4 weight).
-             * A SmolLM-135M int4-g32 token's 121 GEMVs (C driver, 2 MiB pages, two threads, Zen 4, alternated):
-             * 32.9 -> 33.6 GB/s (20 passes, read figure ~36) and 37.4 -> 38.0 (30 passes, ~60); int8 even. */
-            const uint8_t *end = codes + last * (k / step) * chunk_bytes(bits);
-            for (int64_t block = first; block < last; block++) {
-#if BYTE_PLANES
-                if (planes != NULL) {
-                    stream_block_bytes(codes, scales, zeros, p, planes, bias, y, block, n, k, group, end);
-                    continue;
+        for (int64_t g = 0; g < m; g += WIDE_MR) {
+            const int64_t end = g + WIDE_MR < m ? g + WIDE_MR : m;
+            prepare_rows(x, g, end, k, p);
+            /* fixed-size copies, inlined: a libc memcpy call per 8 or 16 bytes cost ~1 ms of a 32-row int8 step */
+            for (int64_t c = 0; end - g == WIDE_MR && c < k / step; c++)
+                for (int64_t r = 0; r < WIDE_MR; r++) {
+                    int16_t *to = xw + g * k + (c * WIDE_MR + r) * step;
+                    const int16_t *from = p->xq + (g + r) * k + c * step;
+                    if (step == 4) memcpy(to, from, 4 * sizeof(int16_t));
+                    else memcpy(to, from, 8 * sizeof(int16_t));
                 }
-#endif
-                if (bits == 8) stream_block(8, codes, scales, zeros, p, bias, y, block, n, k, group, end);
-                else if (bits == 6) stream_block(6, codes, scales, zeros, p, bias, y, block, n, k, group, end);
-                else if (bits == IQ4_CODES) stream_block(IQ4_CODES, codes, scales, zeros, p, bias, y, block, n, k, group, end);
-                else stream_block(4, codes, scales, zeros, p, bias, y, block, n, k, group, end);
-            }
-        } else
-#endif
-        /* TILE blocks at a time for all the x rows: the tile's codes are re-read from L1/L2 for later rows */
-        for (int64_t block = first; block < last; block += TILE) {
-            const int64_t width = last - block < TILE ? last - block : TILE;
-            for (int64_t r0 = 0; r0 < m;) {
-#if ISA == 512
-                if (m - r0 >= WIDE_MR) {
-                    run_wide(bits, codes, scales, zeros, p, xw + r0 * k, bias, y, block, width, r0, n, k, group);
-                    r0 += WIDE_MR;
-                    continue;
-                }
-#endif
-                const int MR = x_rows(m - r0);
-                run_rows(bits, MR, codes, scales, zeros, p, bias, y, block, width, r0, n, k, group);
-                r0 += MR;
-            }
         }
-        if (next != NULL) prefetch_next(next, me);
     }
+#if ISA == 512
+    if (m == 1) {
+        /* The thread's share ends here and its stream prefetches no further: past it the lines were the
+         * other thread's (already read, and non-temporal lines are not kept in L3) or another tensor's, fetched
+         * for nothing, STREAM_AHEAD or BYTES_AHEAD bytes a call a thread (up to 13 % of a 576x576 int4 weight).
+         * A SmolLM-135M int4-g32 token's 121 GEMVs (C driver, 2 MiB pages, two threads, Zen 4, alternated):
+         * 32.9 -> 33.6 GB/s (20 passes, read figure ~36) and 37.4 -> 38.0 (30 passes, ~60); int8 even. */
+        const uint8_t *end = codes + last * (k / step) * chunk_bytes(bits);
+        for (int64_t block = first; block < last; block++) {
+#if BYTE_PLANES
+            if (planes != NULL) {
+                stream_block_bytes(codes, scales, zeros, p, planes, bias, y, block, n, k, group, end);
+                continue;
+            }
+#endif
+            if (bits == 8) stream_block(8, codes, scales, zeros, p, bias, y, block, n, k, group, end);
+            else if (bits == 6) stream_block(6, codes, scales, zeros, p, bias, y, block, n, k, group, end);
+            else if (bits == IQ4_CODES) stream_block(IQ4_CODES, codes, scales, zeros, p, bias, y, block, n, k, group, end);
+            else stream_block(4, codes, scales, zeros, p, bias, y, block, n, k, group, end);
+        }
+    } else
+#endif
+    /* TILE blocks at a time for all the x rows: the tile's codes are re-read from L1/L2 for later rows */
+    for (int64_t block = first; block < last; block += TILE) {
+        const int64_t width = last - block < TILE ? last - block : TILE;
+        for (int64_t r0 = 0; r0 < m;) {
+#if ISA == 512
+            if (m - r0 >= WIDE_MR) {
+                run_wide(bits, codes, scales, zeros, p, xw + r0 * k, bias, y, block, width, r0, n, k, group);
+                r0 += WIDE_MR;
+                continue;
+            }
+#endif
+            const int MR = x_rows(m - r0);
+            run_rows(bits, MR, codes, scales, zeros, p, bias, y, block, width, r0, n, k, group);
+            r0 += MR;
+        }
+    }
+    if (next != NULL) prefetch_next(next, me);
 }
 
 /* The threads' shares (thread_share) with x prepared before, shared. */
