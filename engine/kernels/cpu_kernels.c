@@ -445,6 +445,101 @@ INLINE void load_attention_tiles(void) {
 #define ATTENTION_TILES 0
 #endif
 
+/* One paged_attention call's operands, and what it derives from them once. */
+typedef struct {
+    const void *q, *k_pool, *v_pool;
+    void *out;
+    const int64_t *tables, *lens, *starts, *qlens, *first_tile;
+    int64_t q_stride, table_stride, num_rows, num_heads, num_kv_heads, head_dim, num_blocks, block_size, window;
+    int64_t group, tile; /* query heads a KV head, query tokens a work item */
+    float scale;
+    int block_shift, tiles;
+} PagedCall;
+
+/* Work item `item` of a paged_attention call: the query group of KV head item % num_kv_heads for the tile of query
+ * tokens item / num_kv_heads (row r's tiles are first_tile[r] .. first_tile[r + 1] - 1). */
+INLINE void attend_item(const PagedCall *call, int64_t item, const int bf16) {
+    const void *q = call->q, *k_pool = call->k_pool, *v_pool = call->v_pool;
+    void *out = call->out;
+    const int64_t *tables = call->tables, *lens = call->lens, *starts = call->starts, *qlens = call->qlens;
+    const int64_t *first_tile = call->first_tile, q_stride = call->q_stride, table_stride = call->table_stride;
+    const int64_t num_rows = call->num_rows, num_heads = call->num_heads, num_kv_heads = call->num_kv_heads;
+    const int64_t head_dim = call->head_dim, num_blocks = call->num_blocks, block_size = call->block_size;
+    const int64_t window = call->window, group = call->group, tile = call->tile;
+    const float scale = call->scale;
+    const int block_shift = call->block_shift;
+#if ATTENTION_TILES
+    const int tiles = call->tiles;
+#endif
+
+    const int64_t tile_index = item / num_kv_heads, head = item % num_kv_heads;
+    int64_t seq = 0, past = num_rows; /* the row holding this tile: first_tile[seq] <= tile_index < first_tile[seq + 1] */
+    while (past - seq > 1) {
+        const int64_t mid = (seq + past) / 2;
+        if (first_tile[mid] <= tile_index) seq = mid; else past = mid;
+    }
+    /* the tile's queries are the row's tokens j0 .. j0 + count - 1: a row of `count` queries whose last
+     * query sees `len` keys, starting at token `start` */
+    const int64_t row_count = qlens != NULL ? qlens[seq] : 1, j0 = (tile_index - first_tile[seq]) * tile;
+    const int64_t count = row_count - j0 < tile ? row_count - j0 : tile;
+    const int64_t len = lens[seq] - row_count + j0 + count, start = (starts != NULL ? starts[seq] : seq) + j0;
+    const int64_t *table = tables + seq * table_stride;
+#if ATTENTION_TILES
+    if (tiles) {
+        attend_item_tiles((const uint16_t *)q, q_stride, (const uint16_t *)k_pool, (const uint16_t *)v_pool, table,
+                          head * num_blocks, block_shift, block_size, len, count, start, head, group, num_heads,
+                          head_dim, scale, window, (uint16_t *)out);
+        return;
+    }
+#endif
+    /* query j's keys are positions [first_j, end_j), both rising with j */
+    const int64_t end0 = len - count + 1;
+    const int64_t first = (window > 0 && end0 > window) ? end0 - window : 0;
+    const int64_t n = len - first, padded = (n + 15) & ~(int64_t)15; /* positions [first, len) */
+    const int64_t head_base = head * num_blocks, queries = count * group;
+    /* each key's row offset [padded] (the last repeated past n); per query (j, g), at c = j * group + g:
+     * its key range [lo, hi) in t = position - first, its output offset, 1 / its softmax sum, its
+     * score row, and the scores [queries][padded] */
+    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(padded + 3 * queries) + sizeof(float *) * (size_t)queries
+                           + sizeof(float) * (size_t)(queries * (padded + 1)));
+    if (rows == NULL) return; /* not at these sizes */
+    int64_t *lo = rows + padded, *hi = lo + queries, *out_offsets = hi + queries;
+    const float **p = (const float **)(out_offsets + queries);
+    float *inverse = (float *)(p + queries), *scores = inverse + queries;
+    for (int64_t c = 0; c < queries; c++) {
+        const int64_t j = c / group, end = end0 + j;
+        lo[c] = ((window > 0 && end > window) ? end - window : 0) - first;
+        hi[c] = end - first;
+        out_offsets[c] = ((start + j) * num_heads + head * group + c % group) * head_dim;
+        p[c] = scores + c * padded;
+    }
+    /* block_size is a power of two: no division (a 64-bit idiv per row cost more than the memory traffic) */
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = first + t;
+        rows[t] = (((head_base + table[pos >> block_shift]) << block_shift) + (pos & (block_size - 1))) * head_dim;
+    }
+    for (int64_t t = n; t < padded; t++) rows[t] = rows[n - 1];
+    /* every query scores every key of the row (a few past its own range, unused) */
+    for (int64_t t = 0; t < n; t += 16) {
+        for (int64_t ahead = t + 16; ahead < t + 16 + PREFETCH_ROWS && ahead < n; ahead++) { /* and their V rows */
+            prefetch_row(k_pool, rows[ahead], head_dim, bf16);
+            prefetch_row(v_pool, rows[ahead], head_dim, bf16);
+        }
+        const __mmask16 live = tail_mask(n - t);
+        for (int64_t c = 0; c < queries; c++)
+            score_block(q, (start + c / group) * q_stride + (head * group + c % group) * head_dim, k_pool, rows + t,
+                        head_dim, scale, scores + c * padded + t, live, bf16);
+    }
+    for (int64_t c = 0; c < queries; c++) {
+        const float total = softmax_numerators(scores + c * padded + lo[c], hi[c] - lo[c], 1.0f);
+        inverse[c] = total > 0.0f ? 1.0f / total : 0.0f;
+    }
+    for (int64_t c = 0; c < queries; c += V_QUERIES)
+        attend_values_of(v_pool, rows, head_dim, p + c, lo + c, hi + c, inverse + c, out, out_offsets + c,
+                         (int)(queries - c < V_QUERIES ? queries - c : V_QUERIES), bf16);
+    free(rows);
+}
+
 /* Paged attention straight from the pool for rows of any number of query tokens (decodes, speculative
  * verify rows, prefill chunks), each query computed exactly as a one-token decode at its position.
  *   q       [tokens, num_heads, head_dim], token rows `q_stride` elements apart (a view into a fused qkv
@@ -484,80 +579,16 @@ INLINE void paged_attention(const void *q, int64_t q_stride, const void *k_pool,
 #else
     const int tiles = 0;
 #endif
+    const PagedCall call = {q, k_pool, v_pool, out, tables, lens, starts, qlens, first_tile, q_stride, table_stride,
+                            num_rows, num_heads, num_kv_heads, head_dim, num_blocks, block_size, window, group, tile,
+                            scale, block_shift, tiles};
 #pragma omp parallel num_threads(num_threads)
     {
 #if ATTENTION_TILES
     if (tiles) load_attention_tiles();
 #endif
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < first_tile[num_rows] * num_kv_heads; item++) {
-        const int64_t tile_index = item / num_kv_heads, head = item % num_kv_heads;
-        int64_t seq = 0, past = num_rows; /* the row holding this tile: first_tile[seq] <= tile_index < first_tile[seq + 1] */
-        while (past - seq > 1) {
-            const int64_t mid = (seq + past) / 2;
-            if (first_tile[mid] <= tile_index) seq = mid; else past = mid;
-        }
-        /* the tile's queries are the row's tokens j0 .. j0 + count - 1: a row of `count` queries whose last
-         * query sees `len` keys, starting at token `start` */
-        const int64_t row_count = qlens != NULL ? qlens[seq] : 1, j0 = (tile_index - first_tile[seq]) * tile;
-        const int64_t count = row_count - j0 < tile ? row_count - j0 : tile;
-        const int64_t len = lens[seq] - row_count + j0 + count, start = (starts != NULL ? starts[seq] : seq) + j0;
-        const int64_t *table = tables + seq * table_stride;
-#if ATTENTION_TILES
-        if (tiles) {
-            attend_item_tiles((const uint16_t *)q, q_stride, (const uint16_t *)k_pool, (const uint16_t *)v_pool, table,
-                              head * num_blocks, block_shift, block_size, len, count, start, head, group, num_heads,
-                              head_dim, scale, window, (uint16_t *)out);
-            continue;
-        }
-#endif
-        /* query j's keys are positions [first_j, end_j), both rising with j */
-        const int64_t end0 = len - count + 1;
-        const int64_t first = (window > 0 && end0 > window) ? end0 - window : 0;
-        const int64_t n = len - first, padded = (n + 15) & ~(int64_t)15; /* positions [first, len) */
-        const int64_t head_base = head * num_blocks, queries = count * group;
-        /* each key's row offset [padded] (the last repeated past n); per query (j, g), at c = j * group + g:
-         * its key range [lo, hi) in t = position - first, its output offset, 1 / its softmax sum, its
-         * score row, and the scores [queries][padded] */
-        int64_t *rows = malloc(sizeof(int64_t) * (size_t)(padded + 3 * queries) + sizeof(float *) * (size_t)queries
-                               + sizeof(float) * (size_t)(queries * (padded + 1)));
-        if (rows == NULL) continue; /* not at these sizes */
-        int64_t *lo = rows + padded, *hi = lo + queries, *out_offsets = hi + queries;
-        const float **p = (const float **)(out_offsets + queries);
-        float *inverse = (float *)(p + queries), *scores = inverse + queries;
-        for (int64_t c = 0; c < queries; c++) {
-            const int64_t j = c / group, end = end0 + j;
-            lo[c] = ((window > 0 && end > window) ? end - window : 0) - first;
-            hi[c] = end - first;
-            out_offsets[c] = ((start + j) * num_heads + head * group + c % group) * head_dim;
-            p[c] = scores + c * padded;
-        }
-        /* block_size is a power of two: no division (a 64-bit idiv per row cost more than the memory traffic) */
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t pos = first + t;
-            rows[t] = (((head_base + table[pos >> block_shift]) << block_shift) + (pos & (block_size - 1))) * head_dim;
-        }
-        for (int64_t t = n; t < padded; t++) rows[t] = rows[n - 1];
-        /* every query scores every key of the row (a few past its own range, unused) */
-        for (int64_t t = 0; t < n; t += 16) {
-            for (int64_t ahead = t + 16; ahead < t + 16 + PREFETCH_ROWS && ahead < n; ahead++) { /* and their V rows */
-                prefetch_row(k_pool, rows[ahead], head_dim, bf16);
-                prefetch_row(v_pool, rows[ahead], head_dim, bf16);
-            }
-            const __mmask16 live = tail_mask(n - t);
-            for (int64_t c = 0; c < queries; c++)
-                score_block(q, (start + c / group) * q_stride + (head * group + c % group) * head_dim, k_pool, rows + t,
-                            head_dim, scale, scores + c * padded + t, live, bf16);
-        }
-        for (int64_t c = 0; c < queries; c++) {
-            const float total = softmax_numerators(scores + c * padded + lo[c], hi[c] - lo[c], 1.0f);
-            inverse[c] = total > 0.0f ? 1.0f / total : 0.0f;
-        }
-        for (int64_t c = 0; c < queries; c += V_QUERIES)
-            attend_values_of(v_pool, rows, head_dim, p + c, lo + c, hi + c, inverse + c, out, out_offsets + c,
-                             (int)(queries - c < V_QUERIES ? queries - c : V_QUERIES), bf16);
-        free(rows);
-    }
+    for (int64_t item = 0; item < first_tile[num_rows] * num_kv_heads; item++) attend_item(&call, item, bf16);
     }
     free(first_tile);
 }
@@ -579,66 +610,75 @@ void paged_attention_f32(PAGED_ARGS) { paged_attention(PAGED_PASS, 0); }
 /* out = RMSNorm(x) * weight, or with `residual`: residual <- residual + x, out = RMSNorm(residual) *
  * weight. Rows [rows, dim] contiguous. Like Hugging Face's Llama: the normalised row is cast to the
  * storage dtype before the weight multiplies it. */
-INLINE void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
-                     float eps, int num_threads, const int bf16) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t base = r * dim;
-        __m512 squares = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __mmask16 live = tail_mask(dim - d);
-            __m512 v = load16m(x, base + d, live, bf16);
-            if (residual != NULL) {
-                v = as_stored(_mm512_add_ps(load16m(residual, base + d, live, bf16), v), bf16);
-                store16m(residual, base + d, v, live, bf16);
-            }
-            squares = _mm512_fmadd_ps(v, v, squares);
+INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void *out, int64_t base, int64_t dim,
+                         float eps, const int bf16) {
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 live = tail_mask(dim - d);
+        __m512 v = load16m(x, base + d, live, bf16);
+        if (residual != NULL) {
+            v = as_stored(_mm512_add_ps(load16m(residual, base + d, live, bf16), v), bf16);
+            store16m(residual, base + d, v, live, bf16);
         }
-        const void *source = residual != NULL ? residual : x;
-        const __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __mmask16 live = tail_mask(dim - d);
-            const __m512 normed = as_stored(_mm512_mul_ps(load16m(source, base + d, live, bf16), inverse), bf16);
-            store16m(out, base + d, _mm512_mul_ps(normed, load16m(weight, d, live, bf16)), live, bf16);
-        }
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const void *source = residual != NULL ? residual : x;
+    const __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 live = tail_mask(dim - d);
+        const __m512 normed = as_stored(_mm512_mul_ps(load16m(source, base + d, live, bf16), inverse), bf16);
+        store16m(out, base + d, _mm512_mul_ps(normed, load16m(weight, d, live, bf16)), live, bf16);
     }
 }
 
+INLINE void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
+                     float eps, int num_threads, const int bf16) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x, residual, weight, out, r * dim, dim, eps, bf16);
+}
+
 /* out[r] = silu(gate[r]) * up[r] where gate_up[r] = [gate | up], each `size` wide. */
+INLINE void silu_and_mul_row(const void *gate_up, void *out, int64_t r, int64_t size, const int bf16) {
+    for (int64_t d = 0; d < size; d += 16) {
+        const __mmask16 live = tail_mask(size - d);
+        const __m512 gate = load16m(gate_up, 2 * r * size + d, live, bf16);
+        const __m512 up = load16m(gate_up, 2 * r * size + size + d, live, bf16);
+        const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
+        const __m512 silu = as_stored(_mm512_div_ps(gate, denominator), bf16);
+        store16m(out, r * size + d, _mm512_mul_ps(silu, up), live, bf16);
+    }
+}
+
 INLINE void silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t size, int num_threads, const int bf16) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t d = 0; d < size; d += 16) {
-            const __mmask16 live = tail_mask(size - d);
-            const __m512 gate = load16m(gate_up, 2 * r * size + d, live, bf16);
-            const __m512 up = load16m(gate_up, 2 * r * size + size + d, live, bf16);
-            const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
-            const __m512 silu = as_stored(_mm512_div_ps(gate, denominator), bf16);
-            store16m(out, r * size + d, _mm512_mul_ps(silu, up), live, bf16);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) silu_and_mul_row(gate_up, out, r, size, bf16);
 }
 
 /* Rotate-half RoPE in place on `heads` heads at the start of each row of x (row stride
  * `row_stride` elements); cos/sin [rows, head_dim / 2] in x's dtype, one row per token. */
-INLINE void rotary(void *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, const void *cos,
-                   const void *sin, int num_threads, const int bf16) {
+/* Heads [first_head, last_head) of row r (each element's rotation is its own: any split of the heads gives
+ * the same values). */
+INLINE void rotary_heads(void *x, int64_t r, int64_t row_stride, int64_t first_head, int64_t last_head,
+                         int64_t head_dim, const void *cos, const void *sin, const int bf16) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t d = 0; d < half; d += 16) {
-            const __mmask16 live = tail_mask(half - d);
-            const __m512 c = load16m(cos, r * half + d, live, bf16), s = load16m(sin, r * half + d, live, bf16);
-            for (int64_t h = 0; h < heads; h++) {
-                const int64_t first = r * row_stride + h * head_dim + d;
-                const __m512 x1 = load16m(x, first, live, bf16), x2 = load16m(x, first + half, live, bf16);
-                const __m512 low = _mm512_sub_ps(as_stored(_mm512_mul_ps(x1, c), bf16), as_stored(_mm512_mul_ps(x2, s), bf16));
-                const __m512 high = _mm512_add_ps(as_stored(_mm512_mul_ps(x2, c), bf16), as_stored(_mm512_mul_ps(x1, s), bf16));
-                store16m(x, first, low, live, bf16);
-                store16m(x, first + half, high, live, bf16);
-            }
+    for (int64_t d = 0; d < half; d += 16) {
+        const __mmask16 live = tail_mask(half - d);
+        const __m512 c = load16m(cos, r * half + d, live, bf16), s = load16m(sin, r * half + d, live, bf16);
+        for (int64_t h = first_head; h < last_head; h++) {
+            const int64_t first = r * row_stride + h * head_dim + d;
+            const __m512 x1 = load16m(x, first, live, bf16), x2 = load16m(x, first + half, live, bf16);
+            const __m512 low = _mm512_sub_ps(as_stored(_mm512_mul_ps(x1, c), bf16), as_stored(_mm512_mul_ps(x2, s), bf16));
+            const __m512 high = _mm512_add_ps(as_stored(_mm512_mul_ps(x2, c), bf16), as_stored(_mm512_mul_ps(x1, s), bf16));
+            store16m(x, first, low, live, bf16);
+            store16m(x, first + half, high, live, bf16);
         }
     }
+}
+
+INLINE void rotary(void *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, const void *cos,
+                   const void *sin, int num_threads, const int bf16) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) rotary_heads(x, r, row_stride, 0, heads, head_dim, cos, sin, bf16);
 }
 
 /* Scatter this step's keys and values into the head-major pools [kv_heads, pool_slots, head_dim]:
@@ -706,18 +746,20 @@ INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k, co
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
 }
 
-int gemv_bf16(const void *w, const void *x, const void *bias, void *y, int64_t n, int64_t k, int num_threads) {
-    const uint16_t *weight = (const uint16_t *)w, *vector = (const uint16_t *)x;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t first = n * me / threads, last = n * (me + 1) / threads; /* each row is its own output */
-        for (int64_t r = first; r < last; r++) {
-            float value = gemv_row(weight + r * k, vector, k, weight + last * k);
-            if (bias != NULL) value += _mm512_cvtss_f32(load16m(bias, r, 1, 1));
-            store16m(y, r, _mm512_set1_ps(value), 1, 1);
-        }
+/* Thread `me`'s rows of gemv_bf16 (of `threads`): each row is its own output. */
+INLINE void gemv_bf16_share(const uint16_t *weight, const uint16_t *vector, const void *bias, void *y, int64_t n,
+                            int64_t k, int64_t me, int64_t threads) {
+    const int64_t first = n * me / threads, last = n * (me + 1) / threads;
+    for (int64_t r = first; r < last; r++) {
+        float value = gemv_row(weight + r * k, vector, k, weight + last * k);
+        if (bias != NULL) value += _mm512_cvtss_f32(load16m(bias, r, 1, 1));
+        store16m(y, r, _mm512_set1_ps(value), 1, 1);
     }
+}
+
+int gemv_bf16(const void *w, const void *x, const void *bias, void *y, int64_t n, int64_t k, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    gemv_bf16_share((const uint16_t *)w, (const uint16_t *)x, bias, y, n, k, omp_get_thread_num(), omp_get_num_threads());
     return 1;
 }
 #else

@@ -829,6 +829,33 @@ static void gemv_run(int bits, const uint8_t *codes, const uint16_t *scales, con
  * with the byte planes' vpshufb). */
 #define STACK_INPUTS_MAX 8192
 
+/* Thread `me`'s share of one row's GEMV (of `threads`), x prepared into `xq`, `xscale`, `xsum` and `planes` (the
+ * thread's own buffers: k int16 codes, k / x_block floats each, k / 2 words where the byte planes are used). */
+static void row_share(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, const uint16_t *x,
+                      const uint16_t *bias, uint16_t *y, int64_t n, int64_t k, int64_t group, int64_t threads,
+                      int64_t me, const Next *next, int16_t *xq, float *xscale, float *xsum, uint32_t *planes) {
+    const int64_t x_block = x_block_of(group, bits);
+    const Prepared prepared = {xq, xscale, xsum, x_block, k / x_block};
+    prepare_rows(x, 0, 1, k, &prepared);
+    const int byte_planes = BYTE_PLANES && bits == 4;
+#if BYTE_PLANES
+    if (byte_planes) x_byte_planes_512(xq, k / 8, planes);
+#endif
+    thread_share(bits, codes, scales, zeros, &prepared, x, NULL, byte_planes ? planes : NULL, bias, y, 1, n, k, group,
+                 threads, me, next);
+}
+
+/* row_share with the thread's buffers on its stack (k <= STACK_INPUTS_MAX). */
+static void row_share_on_stack(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                               const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n, int64_t k,
+                               int64_t group, int64_t threads, int64_t me, const Next *next) {
+    const int64_t blocks_of_x = k / x_block_of(group, bits);
+    int16_t xq[k] __attribute__((aligned(64)));
+    float xscale[blocks_of_x], xsum[blocks_of_x];
+    uint32_t planes[BYTE_PLANES && bits == 4 ? k / 2 : 1] __attribute__((aligned(64)));
+    row_share(bits, codes, scales, zeros, x, bias, y, n, k, group, threads, me, next, xq, xscale, xsum, planes);
+}
+
 /* quant_gemv_bf16, then `next` prefetched (NULL: nothing). */
 static int gemv_then(const void *weight, const void *scales_, const void *zeros_, int bits, const void *x_,
                      const void *bias_, void *y_, int64_t m, int64_t n, int64_t k, int64_t group, int num_threads,
@@ -849,18 +876,8 @@ static int gemv_then(const void *weight, const void *scales_, const void *zeros_
          * 38.2 -> 41.9 GB/s (179 passes, faster in 177), on one CCD 32.1 -> 32.2 (4282 passes); int8 on two CCDs
          * 40.4 -> 43.2 (12). */
 #pragma omp parallel num_threads(threads)
-        {
-            int16_t xq[k] __attribute__((aligned(64)));
-            float xscale[k / x_block], xsum[k / x_block];
-            uint32_t planes[byte_planes ? k / 2 : 1] __attribute__((aligned(64)));
-            const Prepared prepared = {xq, xscale, xsum, x_block, k / x_block};
-            prepare_rows(x, 0, 1, k, &prepared);
-#if BYTE_PLANES
-            if (byte_planes) x_byte_planes_512(xq, k / 8, planes);
-#endif
-            thread_share(bits, codes, scales, zeros, &prepared, x, NULL, byte_planes ? planes : NULL, bias, y, 1, n, k,
-                         group, omp_get_num_threads(), omp_get_thread_num(), next);
-        }
+        row_share_on_stack(bits, codes, scales, zeros, x, bias, y, n, k, group, omp_get_num_threads(),
+                           omp_get_thread_num(), next);
         return 1;
     }
     Prepared prepared, *p = &prepared;
@@ -898,6 +915,37 @@ int quant_gemv_bf16_chain(const void *weight, const void *scales, const void *ze
                        next_n, next_k, next_group, next_bits, num_threads};
     const int usable = next_codes != NULL && next_scales != NULL && covered(next_bits, next_n, next_k, next_group);
     return gemv_then(weight, scales, zeros, bits, x, bias, y, m, n, k, group, num_threads, usable ? &next : NULL);
+}
+
+/* quant_gemv_bf16_chain's one row run by thread `me` of a parallel region of `threads` that the caller already holds
+ * (cpu_kernels.c's one-region decode step): the thread's share of y, x prepared into its own buffers, then its
+ * share of `next` prefetched; no region, no barrier (the caller's follows). Returns 0 (nothing computed) for shapes
+ * the layout does not cover, or where a thread's buffers for more than STACK_INPUTS_MAX inputs find no memory. */
+int quant_gemv_bf16_share(const void *weight, const void *scales, const void *zeros, int bits, const void *x,
+                          const void *bias, void *y, int64_t n, int64_t k, int64_t group, int me, int threads,
+                          const void *next_codes, const void *next_scales, const void *next_zeros, int next_bits,
+                          int64_t next_n, int64_t next_k, int64_t next_group) {
+    if (!covered(bits, n, k, group) || threads < 1 || me < 0 || me >= threads) return 0;
+    const Next next = {(const uint8_t *)next_codes, (const uint16_t *)next_scales, (const uint16_t *)next_zeros,
+                       next_n, next_k, next_group, next_bits, threads};
+    const Next *then = next_codes != NULL && next_scales != NULL && covered(next_bits, next_n, next_k, next_group)
+                           ? &next : NULL;
+    if (k <= STACK_INPUTS_MAX) {
+        row_share_on_stack(bits, (const uint8_t *)weight, (const uint16_t *)scales, (const uint16_t *)zeros,
+                           (const uint16_t *)x, (const uint16_t *)bias, (uint16_t *)y, n, k, group, threads, me, then);
+        return 1;
+    }
+    const int64_t blocks_of_x = k / x_block_of(group, bits);
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)k);
+    float *xscale = (float *)malloc(sizeof(float) * (size_t)(2 * blocks_of_x));
+    uint32_t *planes = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(k / 2));
+    const int ok = xq != NULL && xscale != NULL && planes != NULL;
+    if (ok)
+        row_share(bits, (const uint8_t *)weight, (const uint16_t *)scales, (const uint16_t *)zeros, (const uint16_t *)x,
+                  (const uint16_t *)bias, (uint16_t *)y, n, k, group, threads, me, then, xq, xscale,
+                  xscale + blocks_of_x, planes);
+    free(xq), free(xscale), free(planes);
+    return ok;
 }
 
 /* One code of the layout: row i (of its block) at input j of chunk `chunk` (its 64 bytes; 6 bits: its 48;
@@ -1035,6 +1083,15 @@ int quant_gemv_bf16_chain(const void *weight, const void *scales, const void *ze
                           int64_t next_n, int64_t next_k, int64_t next_group) {
     (void)next_codes, (void)next_scales, (void)next_zeros, (void)next_bits, (void)next_n, (void)next_k, (void)next_group;
     return quant_gemv_bf16(weight, scales, zeros, bits, x, bias, y, m, n, k, group, num_threads);
+}
+int quant_gemv_bf16_share(const void *weight, const void *scales, const void *zeros, int bits, const void *x,
+                          const void *bias, void *y, int64_t n, int64_t k, int64_t group, int me, int threads,
+                          const void *next_codes, const void *next_scales, const void *next_zeros, int next_bits,
+                          int64_t next_n, int64_t next_k, int64_t next_group) {
+    (void)weight, (void)scales, (void)zeros, (void)bits, (void)x, (void)bias, (void)y, (void)n, (void)k, (void)group;
+    (void)me, (void)threads, (void)next_codes, (void)next_scales, (void)next_zeros, (void)next_bits, (void)next_n;
+    (void)next_k, (void)next_group;
+    return 0;
 }
 int quant_dequantize_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
                           int64_t k, int64_t group, int num_threads) {
