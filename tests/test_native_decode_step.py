@@ -31,8 +31,8 @@ def _engine(tmp_path, arch: str, engine: Optional[dict] = None, **overrides) -> 
 
 
 def _llm(model, **engine) -> LLM:
-    return LLM(str(model), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, num_threads=1,
-               enable_prefix_caching=False, **engine)
+    return LLM(str(model), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256,
+               enable_prefix_caching=False, **({"num_threads": 1} | engine))
 
 
 def _generate(llm: LLM, prompts):
@@ -108,6 +108,29 @@ def _check_one_token_steps_against_the_python_forward(llm: LLM, kinds: set[str])
 def test_on_the_fly_quantised_linears_run_in_the_native_step_bitwise(tmp_path, arch, quantization):
     llm = _engine(tmp_path, arch, dict(quantization=quantization), **({"head_dim": 32} if arch == "llama" else {}))
     _check_one_token_steps_against_the_python_forward(llm, {"quant"})  # the tied lm_head quantised too
+
+
+@needs_gemv
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("linears", ["gemv", "int4-g32", "int8"])
+def test_the_one_region_step_is_bitwise_the_forward_on_several_threads(tmp_path, monkeypatch, linears, threads):
+    # a one-token step whose linears all have a one-row share kernel runs in one parallel region, its threads
+    # meeting at spin barriers: each thread's shares, KV heads and copies must give the forward's logits bit for
+    # bit, three threads on this host's cores too (uneven shares of the rows and of the 2 KV heads, threads
+    # descheduled at a barrier)
+    from llmctl.engine import model_runner
+    from llmctl.engine.layers.linear import OneDNNLinearMethod
+
+    if linears == "gemv":
+        monkeypatch.setattr(model_runner, "select_linear_method",
+                            lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
+    engine = dict(num_threads=threads) | ({} if linears == "gemv" else dict(quantization=linears))
+    previous = torch.get_num_threads()
+    try:
+        llm = _engine(tmp_path, "llama", engine, head_dim=32)
+        _check_one_token_steps_against_the_python_forward(llm, {"gemv" if linears == "gemv" else "quant"})
+    finally:
+        torch.set_num_threads(previous)
 
 
 @needs_gemv

@@ -458,6 +458,35 @@ def test_the_chained_gemv_is_the_gemv_whatever_comes_next(target, rows):
 
 
 @pytest.mark.parametrize("target", ["native", "avx2"])
+@pytest.mark.parametrize("bits, group, k", [(4, 32, 576), (8, 64, 1536), (4, 128, 8704)])  # 8704: x on the heap
+def test_the_threads_shares_of_a_row_make_the_gemv(target, bits, group, k):
+    # decode_stack_bf16's one-region step calls quant_gemv_bf16_share by address, once per thread of its region:
+    # the shares, whatever the team's size, write every output of the GEMV bitwise and nothing else
+    import ctypes
+
+    kernels = kernels_or_skip(target)
+    pointer, int64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    share = ctypes.CFUNCTYPE(c_int, pointer, pointer, pointer, c_int, pointer, pointer, pointer, int64, int64, int64,
+                             c_int, c_int, pointer, pointer, pointer, c_int, int64, int64,
+                             int64)(kernels.share_gemv_address)
+    weight = GroupedIntWeight.quantize(torch.randn(72, k) * 0.05, bits, group, bits == 4)
+    packed = kernels.pack(weight.codes, weight.scales, weight.zeros, bits, group)
+    x, bias = torch.randn(1, k).bfloat16(), torch.randn(72).bfloat16()
+    expected = kernels.gemv(packed, x, bias)
+    for threads in (1, 2, 3, 7):  # 72 rows: 5 blocks of 16, fewer than 7 threads
+        got = torch.full_like(expected, float("nan"))
+        for me in range(threads):
+            assert share(*packed.arguments, x.data_ptr(), bias.data_ptr(), got.data_ptr(), 72, k, group, me, threads,
+                         None, None, None, 0, 0, 0, 0) == 1
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), threads
+    codes, scales, zeros, bits = packed.arguments
+    assert share(codes, scales, zeros, 5, x.data_ptr(), None, got.data_ptr(), 72, k, group, 0, 1,
+                 None, None, None, 0, 0, 0, 0) == 0  # bits the layout lacks: nothing computed
+    assert share(*packed.arguments, x.data_ptr(), None, got.data_ptr(), 72, k, group, 2, 2,
+                 None, None, None, 0, 0, 0, 0) == 0  # no such thread
+
+
+@pytest.mark.parametrize("target", ["native", "avx2"])
 def test_activations_are_scaled_per_block_not_per_row(target):
     # inputs 0..31 are 10^4 times inputs 32..63; row 0's weights on the large inputs are all 0, so its output
     # depends on the small inputs alone: one int16 scale for the whole row would round them all to 0

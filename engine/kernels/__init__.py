@@ -515,7 +515,7 @@ def _linear_descriptors(what: str, linear: object, out_features: int, in_feature
     if kind not in DecodeStack.KINDS:
         raise ValueError(f"{what} must be a (kind, operand) pair, kind one of {', '.join(DecodeStack.KINDS)}")
     _check_operand(what, operand, _linear_operand_shape(kind, out_features, in_features))
-    return [(DecodeStack.KINDS[kind], operand.data_ptr(), 0, 0, 0, 0, 0, out_features)]
+    return [(DecodeStack.KINDS[kind], operand.data_ptr(), 0, 0, 0, 0, 0, 0, out_features)]
 
 
 def _check_operand(what: str, tensor: Optional[torch.Tensor], shape: tuple[int, ...]) -> None:

@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1071,8 +1072,8 @@ enum { STACK_LAYERS, STACK_HIDDEN, STACK_HEADS, STACK_KV_HEADS, STACK_HEAD_DIM, 
  * a quantised weight in parts (kernels/quant.py KernelParts: runs of rows in different code formats) is a chain
  * of such descriptors, each naming the next part's (STACK_NEXT_PART; 0: the last). Scales, zeros, bits, group,
  * function and next part are 0 for the others (their STACK_ROWS: the linear's). */
-enum { STACK_KIND, STACK_WEIGHT, STACK_SCALES, STACK_ZEROS, STACK_BITS, STACK_GROUP, STACK_QUANT_GEMV, STACK_ROWS,
-       STACK_NEXT_PART, STACK_LINEAR_FIELDS };
+enum { STACK_KIND, STACK_WEIGHT, STACK_SCALES, STACK_ZEROS, STACK_BITS, STACK_GROUP, STACK_QUANT_GEMV,
+       STACK_QUANT_SHARE, STACK_ROWS, STACK_NEXT_PART, STACK_LINEAR_FIELDS };
 enum { STACK_GEMV, STACK_AMX, STACK_QUANT };
 typedef int (*stack_quant_gemv)(const void *codes, const void *scales, const void *zeros, int bits, const void *x,
                                 const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
@@ -1137,21 +1138,196 @@ INLINE int stack_linear(const int64_t *linear, const void *x, const void *bias, 
  * alternated builds: attention 235-271 -> 166-171 us, the qkv GEMV 250-273 -> 263-274 us; 16 rows gave 181-208 us,
  * all of them 154-202 us with the qkv GEMV at 288-317 us. */
 #define ATTENTION_PREFETCH_ROWS 64
+INLINE void stack_prefetch_head_keys(const void *k_pool, const void *v_pool, const int64_t *table, int64_t len,
+                                     int64_t head, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                                     int64_t window) {
+    const int shift = __builtin_ctzll((unsigned long long)block_size);
+    const int64_t from = window > 0 && len > window ? len - window : 0;
+    const int64_t to = from + ATTENTION_PREFETCH_ROWS < len - 1 ? from + ATTENTION_PREFETCH_ROWS : len - 1;
+    for (int64_t pos = from; pos < to; pos++) {
+        const int64_t row = (((head * num_blocks + table[pos >> shift]) << shift) + (pos & (block_size - 1))) * head_dim;
+        prefetch_row(k_pool, row, head_dim, 1);
+        prefetch_row(v_pool, row, head_dim, 1);
+    }
+}
+
 INLINE void stack_prefetch_keys(const void *k_pool, const void *v_pool, const int64_t *tables, int64_t table_width,
                                 const int64_t *lens, int64_t num_rows, int64_t kv_heads, int64_t head_dim,
                                 int64_t num_blocks, int64_t block_size, int64_t window) {
-    const int shift = __builtin_ctzll((unsigned long long)block_size);
-    for (int64_t r = 0; r < num_rows; r++) {
-        const int64_t *table = tables + r * table_width, len = lens[r];
-        const int64_t from = window > 0 && len > window ? len - window : 0;
-        const int64_t to = from + ATTENTION_PREFETCH_ROWS < len - 1 ? from + ATTENTION_PREFETCH_ROWS : len - 1;
+    for (int64_t r = 0; r < num_rows; r++)
         for (int64_t h = 0; h < kv_heads; h++)
-            for (int64_t pos = from; pos < to; pos++) {
-                const int64_t row = (((h * num_blocks + table[pos >> shift]) << shift) + (pos & (block_size - 1))) * head_dim;
-                prefetch_row(k_pool, row, head_dim, 1);
-                prefetch_row(v_pool, row, head_dim, 1);
-            }
+            stack_prefetch_head_keys(k_pool, v_pool, tables + r * table_width, lens[r], h, head_dim, num_blocks,
+                                     block_size, window);
+}
+
+/* ---- the one-token step in one parallel region ----
+ * A step of one token through linears that all have a one-row kernel a thread can run its share of
+ * (gemv_bf16_share, the quantised library's quant_gemv_bf16_share) runs in a single parallel region: the
+ * threads meet at a spin barrier (team_wait) after each linear and after the attention, five a layer, where
+ * the step above opens and joins a region per linear and per attention. A libgomp region's start and join
+ * move several cache lines between the cores, a barrier on one line moves it twice: two threads of a Zen 4 VM,
+ * 100 000 in a row, 0.54 us a region against 0.03 us a barrier with both vCPUs on one CCD, 1.17 against 0.17
+ * with the two on two CCDs (a line ~190 ns each way). The small work between the linears is done by every
+ * thread on its own copies (norms, the residual stream, SiLU*mul: the next linear's input then lies in the
+ * thread's own cache) or by the thread whose KV heads it concerns (RoPE, K/V writes, attention: item h of
+ * paged_attention is KV head h, the thread's KV rows prefetched by it). Same kernels, same operands, same order
+ * within each output: the logits are bitwise the step above's. */
+
+/* A barrier for the threads of one region, on its own line: each arrival counts, and a thread leaves when the
+ * count reaches its goal (threads a barrier, never reset). Past TEAM_SPINS pauses a waiting thread yields its
+ * core: a thread waiting on one the host descheduled must not hold the core that thread needs. */
+#define TEAM_SPINS 100000
+int sched_yield(void); /* sched.h declares it only outside strict C11 */
+typedef struct {
+    _Alignas(128) _Atomic int64_t arrived;
+    char line[120];
+} TeamBarrier;
+
+INLINE void team_wait(TeamBarrier *barrier, int64_t *goal, int64_t threads) {
+    *goal += threads;
+    if (atomic_fetch_add_explicit(&barrier->arrived, 1, memory_order_acq_rel) + 1 == *goal) return;
+    for (int64_t spins = 0; atomic_load_explicit(&barrier->arrived, memory_order_acquire) < *goal; spins++) {
+        if (spins < TEAM_SPINS) _mm_pause();
+        else sched_yield();
     }
+}
+
+typedef int (*stack_quant_share)(const void *codes, const void *scales, const void *zeros, int bits, const void *x,
+                                 const void *bias, void *y, int64_t n, int64_t k, int64_t group, int me, int threads,
+                                 const void *next_codes, const void *next_scales, const void *next_zeros,
+                                 int next_bits, int64_t next_n, int64_t next_k, int64_t next_group);
+
+/* Whether a linear (each of its parts) has a kernel a thread of the region can run its share of. */
+INLINE int team_can_run(const int64_t *linear) {
+    for (const int64_t *part = linear; part != NULL; part = (const int64_t *)(intptr_t)part[STACK_NEXT_PART]) {
+        if (part[STACK_KIND] == STACK_GEMV && part == linear && part[STACK_NEXT_PART] == 0) continue;
+        if (part[STACK_KIND] != STACK_QUANT || part[STACK_QUANT_SHARE] == 0) return 0;
+    }
+    return 1;
+}
+
+/* Thread `me`'s share (of `threads`) of a linear on one row: stack_linear's kernels, each part's rows from its
+ * offset; a quantised part then prefetches the thread's share of the next (`next`, next_k inputs, after the last
+ * part). 0 where a quantised kernel found no memory for its prepared input. */
+INLINE int team_linear(const int64_t *linear, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t k,
+                       int me, int threads, const int64_t *next, int64_t next_k) {
+    if (linear[STACK_KIND] == STACK_GEMV) {
+        gemv_bf16_share((const uint16_t *)(intptr_t)linear[STACK_WEIGHT], x, bias, y, linear[STACK_ROWS], k, me,
+                        threads);
+        return 1;
+    }
+    int ok = 1;
+    int64_t offset = 0;
+    for (const int64_t *part = linear; part != NULL;) {
+        const int64_t *after = (const int64_t *)(intptr_t)part[STACK_NEXT_PART], *then = after != NULL ? after : next;
+        const int chained = then != NULL && then[STACK_KIND] == STACK_QUANT;
+#define TEAM_NEXT(field) (chained ? (const void *)(intptr_t)then[field] : NULL)
+        ok &= ((stack_quant_share)(intptr_t)part[STACK_QUANT_SHARE])(
+            (const void *)(intptr_t)part[STACK_WEIGHT], (const void *)(intptr_t)part[STACK_SCALES],
+            (const void *)(intptr_t)part[STACK_ZEROS], (int)part[STACK_BITS], x, bias != NULL ? bias + offset : NULL,
+            y + offset, part[STACK_ROWS], k, part[STACK_GROUP], me, threads, TEAM_NEXT(STACK_WEIGHT),
+            TEAM_NEXT(STACK_SCALES), TEAM_NEXT(STACK_ZEROS), chained ? (int)then[STACK_BITS] : 0,
+            chained ? then[STACK_ROWS] : 0, after != NULL ? k : next_k, chained ? then[STACK_GROUP] : 0);
+#undef TEAM_NEXT
+        offset += part[STACK_ROWS], part = after;
+    }
+    return ok;
+}
+
+/* decode_stack_bf16 for one token in one row, its logits row 0 (team_can_run holds for every linear). Returns 0
+ * where the threads' copies or a linear's prepared input found no memory. */
+static int decode_team(const int64_t *layers, const int64_t *sizes, void *const *buffers, const void *embedding,
+                       const void *final_norm, const int64_t *lm_head, const void *cos_table, const void *sin_table,
+                       int64_t token, int64_t position, int64_t slot, const int64_t *table, const int64_t *lens,
+                       const int64_t *starts, const int64_t *qlens, float eps, float scale, float *logits,
+                       int num_threads) {
+    const int64_t hidden = sizes[STACK_HIDDEN], heads = sizes[STACK_HEADS], kv_heads = sizes[STACK_KV_HEADS];
+    const int64_t head_dim = sizes[STACK_HEAD_DIM], intermediate = sizes[STACK_INTERMEDIATE], half = head_dim / 2;
+    const int64_t num_blocks = sizes[STACK_NUM_BLOCKS], block_size = sizes[STACK_BLOCK_SIZE];
+    const int64_t vocab = sizes[STACK_VOCAB], window = sizes[STACK_WINDOW], group = heads / kv_heads;
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    uint16_t *x = buffers[STACK_HIDDEN_BUF], *qkv = buffers[STACK_QKV_BUF], *attended = buffers[STACK_ATTENDED_BUF];
+    uint16_t *gate_up = buffers[STACK_GATE_UP_BUF], *rounded = buffers[STACK_LOGITS_BUF];
+    const uint16_t *cos = (const uint16_t *)cos_table + position * half, *sin = (const uint16_t *)sin_table + position * half;
+    /* each thread's residual stream, normed row and SiLU*mul row, 64-byte aligned */
+    const int64_t own = (2 * hidden + intermediate + 31) / 32 * 32;
+    uint16_t *copies = aligned_alloc(64, sizeof(uint16_t) * (size_t)(own * (num_threads < 1 ? 1 : num_threads)));
+    if (copies == NULL) return 0;
+    TeamBarrier barrier = {0};
+    const int64_t first_tile[2] = {0, 1};
+    int failed = 0;
+#if ATTENTION_TILES
+    const int tiles = attention_tiles_granted();
+#else
+    const int tiles = 0;
+#endif
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        const int me = omp_get_thread_num(), threads = omp_get_num_threads();
+#if ATTENTION_TILES
+        if (tiles) load_attention_tiles();
+#endif
+        int64_t goal = 0;
+        uint16_t *residual = copies + me * own, *normed = residual + hidden, *act = normed + hidden;
+        PagedCall call = {qkv, NULL, NULL, attended, table, lens, starts, qlens, first_tile, qkv_size, 0, 1, heads,
+                          kv_heads, head_dim, num_blocks, block_size, window, group,
+                          group >= TILE_QUERIES ? 1 : TILE_QUERIES / group, scale,
+                          __builtin_ctzll((unsigned long long)block_size), tiles};
+        memcpy(residual, (const uint16_t *)embedding + token * hidden, (size_t)hidden * sizeof(uint16_t));
+        for (int64_t l = 0; l < sizes[STACK_LAYERS]; l++) {
+            const int64_t *layer = layers + l * STACK_LAYER_FIELDS;
+#define TEAM_PTR(field) ((const uint16_t *)(intptr_t)layer[field])
+#define TEAM_LINEAR(field) ((const int64_t *)(intptr_t)layer[field])
+            if (l == 0) rms_norm_row(residual, NULL, TEAM_PTR(STACK_INPUT_NORM), normed, 0, hidden, eps, 1);
+            else rms_norm_row(x, residual, TEAM_PTR(STACK_INPUT_NORM), normed, 0, hidden, eps, 1);
+            call.k_pool = (const void *)(intptr_t)layer[STACK_K_POOL], call.v_pool = (const void *)(intptr_t)layer[STACK_V_POOL];
+            uint16_t *k_pool = (uint16_t *)(intptr_t)layer[STACK_K_POOL], *v_pool = (uint16_t *)(intptr_t)layer[STACK_V_POOL];
+            for (int64_t h = me; h < kv_heads; h += threads) { /* the thread's heads: see decode_stack_bf16's prefetches */
+                prefetch_row(k_pool, (h * num_blocks * block_size + slot) * head_dim, head_dim, 1);
+                prefetch_row(v_pool, (h * num_blocks * block_size + slot) * head_dim, head_dim, 1);
+                stack_prefetch_head_keys(k_pool, v_pool, table, lens[0], h, head_dim, num_blocks, block_size, window);
+            }
+            failed |= !team_linear(TEAM_LINEAR(STACK_QKV), normed, TEAM_PTR(STACK_QKV_BIAS), qkv, hidden, me, threads,
+                                   TEAM_LINEAR(STACK_O), q_size);
+            team_wait(&barrier, &goal, threads);
+            for (int64_t h = me; h < kv_heads; h += threads) {
+                rotary_heads(qkv, 0, qkv_size, h * group, (h + 1) * group, head_dim, cos, sin, 1);
+                rotary_heads(qkv, 0, qkv_size, heads + h, heads + h + 1, head_dim, cos, sin, 1);
+                const size_t to = (size_t)((h * num_blocks * block_size + slot) * head_dim);
+                memcpy(k_pool + to, qkv + q_size + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
+                memcpy(v_pool + to, qkv + q_size + kv_size + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
+                attend_item(&call, h, 1); /* tile 0 of row 0, KV head h */
+            }
+            team_wait(&barrier, &goal, threads);
+            prefetch_row(TEAM_PTR(STACK_POST_NORM), 0, hidden, 1);
+            failed |= !team_linear(TEAM_LINEAR(STACK_O), attended, TEAM_PTR(STACK_O_BIAS), x, q_size, me, threads,
+                                   TEAM_LINEAR(STACK_GATE_UP), hidden);
+            team_wait(&barrier, &goal, threads);
+            rms_norm_row(x, residual, TEAM_PTR(STACK_POST_NORM), normed, 0, hidden, eps, 1);
+            failed |= !team_linear(TEAM_LINEAR(STACK_GATE_UP), normed, TEAM_PTR(STACK_GATE_UP_BIAS), gate_up, hidden, me,
+                                   threads, TEAM_LINEAR(STACK_DOWN), intermediate);
+            team_wait(&barrier, &goal, threads);
+            silu_and_mul_row(gate_up, act, 0, intermediate, 1);
+            const int last_layer = l + 1 == sizes[STACK_LAYERS];
+            prefetch_row(last_layer ? final_norm : (const void *)(intptr_t)layer[STACK_LAYER_FIELDS + STACK_INPUT_NORM],
+                         0, hidden, 1);
+            failed |= !team_linear(TEAM_LINEAR(STACK_DOWN), act, TEAM_PTR(STACK_DOWN_BIAS), x, intermediate, me, threads,
+                                   last_layer ? lm_head : (const int64_t *)(intptr_t)layer[STACK_LAYER_FIELDS + STACK_QKV],
+                                   hidden);
+            team_wait(&barrier, &goal, threads);
+#undef TEAM_LINEAR
+#undef TEAM_PTR
+        }
+        rms_norm_row(x, residual, final_norm, normed, 0, hidden, eps, 1);
+        failed |= !team_linear(lm_head, normed, NULL, rounded, hidden, me, threads, NULL, 0);
+        team_wait(&barrier, &goal, threads);
+        for (int64_t i = vocab * me / threads; i < vocab * (me + 1) / threads; i++) { /* bf16 -> float32: exact */
+            const uint32_t bits = (uint32_t)rounded[i] << 16;
+            memcpy(logits + i, &bits, sizeof(bits));
+        }
+    }
+    free(copies);
+    return !failed;
 }
 
 /* Returns 1 (0: out of memory in a linear's kernel, nothing to retry here); writes float32 logits
@@ -1174,6 +1350,14 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
     uint16_t *gate_up = buffers[STACK_GATE_UP_BUF], *act = buffers[STACK_ACT_BUF];
     uint16_t *cos = buffers[STACK_COS_BUF], *sin = buffers[STACK_SIN_BUF];
     const size_t row_bytes = (size_t)hidden * sizeof(uint16_t), half_bytes = (size_t)half * sizeof(uint16_t);
+    int team = tokens == 1 && num_rows == 1 && num_logits == 1 && logits_rows[0] == 0 && team_can_run(lm_head);
+    for (int64_t l = 0; team && l < sizes[STACK_LAYERS]; l++)
+        for (int field = STACK_QKV; team && field <= STACK_DOWN; field++)
+            if (field == STACK_QKV || field == STACK_O || field == STACK_GATE_UP || field == STACK_DOWN)
+                team = team_can_run((const int64_t *)(intptr_t)layers[l * STACK_LAYER_FIELDS + field]);
+    if (team)
+        return decode_team(layers, sizes, buffers, embedding, final_norm, lm_head, cos_table, sin_table, token[0],
+                           position[0], slot[0], tables, lens, starts, qlens, eps, scale, logits, num_threads);
     for (int64_t t = 0; t < tokens; t++) {
         /* the first layer's residual stream is the embedding itself; each token's RoPE rows */
         memcpy(residual + t * hidden, (const uint16_t *)embedding + token[t] * hidden, row_bytes);

@@ -142,13 +142,14 @@ class QuantRowOperand:
 
     def stack_fields(self) -> list[tuple[int, ...]]:
         """decode_stack_bf16's descriptor fields after the kind, one tuple per part: codes, scales, zeros (0: the
-        midpoint), code format, group size, the address of the GEMV that also prefetches the next linear
-        (quant_gemv_bf16_chain), the part's rows (the descriptor's next-part address is the caller's)."""
+        midpoint), code format, group size, the addresses of the GEMV that also prefetches the next linear
+        (quant_gemv_bf16_chain) and of its one-row share for a thread of the caller's region
+        (quant_gemv_bf16_share), the part's rows (the descriptor's next-part address is the caller's)."""
         fields = []
         for part in self.weight.parts:
             codes, scales, zeros, bits = part.arguments
             fields.append((codes, scales, zeros or 0, bits, part.group_size, self.kernels.chain_gemv_address,
-                           part.out_features))
+                           self.kernels.share_gemv_address, part.out_features))
         return fields
 
 
@@ -166,6 +167,7 @@ class QuantKernels:
         # for the native decode step: cpu_kernels.c's decode_stack_bf16 calls this library's GEMV by address, the
         # variant that also prefetches the start of the linear the step runs next
         self.chain_gemv_address = ctypes.cast(library.quant_gemv_bf16_chain, ctypes.c_void_p).value
+        self.share_gemv_address = ctypes.cast(library.quant_gemv_bf16_share, ctypes.c_void_p).value
         self._gemm_amx = library.quant_gemm_amx_bf16
         self._gemm_amx.argtypes = self._gemv.argtypes
         self._gemm_amx.restype = ctypes.c_int
