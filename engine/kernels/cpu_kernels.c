@@ -1174,22 +1174,41 @@ INLINE void stack_prefetch_keys(const void *k_pool, const void *v_pool, const in
  * within each output: the logits are bitwise the step above's. */
 
 /* A barrier for the threads of one region, on its own line: each arrival counts, and a thread leaves when the
- * count reaches its goal (threads a barrier, never reset). Past TEAM_SPINS pauses a waiting thread yields its
- * core: a thread waiting on one the host descheduled must not hold the core that thread needs. */
-#define TEAM_SPINS 100000
-int sched_yield(void); /* sched.h declares it only outside strict C11 */
+ * count reaches its goal (threads a barrier; never reset, compared modulo 2^32). A waiting thread spins
+ * `spins` pauses, then sleeps on the count (a futex) until the last arrival wakes it: with more threads than
+ * cores a spinning thread holds the core the one it waits for needs (int4-g32, three threads on two cores:
+ * 344 ms a step spinning and yielding, 7.8 ms with a region per linear, whose libgomp sleeps likewise). */
+#include <linux/futex.h>
+#include <sys/syscall.h>
+long syscall(long number, ...); /* unistd.h declares it only outside strict C11 */
+/* Pauses before sleeping: ~250 us on Zen 4 (25 ns a pause), far above a step's longest wait (~10 us at an
+ * attention), far below a scheduler's time slice; 1000 with more threads than the cores they may run on (as
+ * libgomp throttles its own spinning). */
+#define TEAM_SPINS 10000
+#define TEAM_SPINS_CROWDED 1000
 typedef struct {
-    _Alignas(128) _Atomic int64_t arrived;
+    _Alignas(128) _Atomic uint32_t arrived;
+    _Atomic uint32_t sleepers;
     char line[120];
 } TeamBarrier;
 
-INLINE void team_wait(TeamBarrier *barrier, int64_t *goal, int64_t threads) {
+INLINE void team_wait(TeamBarrier *barrier, uint32_t *goal, uint32_t threads, int64_t spins) {
     *goal += threads;
-    if (atomic_fetch_add_explicit(&barrier->arrived, 1, memory_order_acq_rel) + 1 == *goal) return;
-    for (int64_t spins = 0; atomic_load_explicit(&barrier->arrived, memory_order_acquire) < *goal; spins++) {
-        if (spins < TEAM_SPINS) _mm_pause();
-        else sched_yield();
+    if (atomic_fetch_add(&barrier->arrived, 1) + 1 == *goal) {
+        if (atomic_load(&barrier->sleepers) != 0)
+            syscall(SYS_futex, &barrier->arrived, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+        return;
     }
+    for (int64_t spin = 0; spin < spins; spin++) {
+        if ((int32_t)(atomic_load_explicit(&barrier->arrived, memory_order_acquire) - *goal) >= 0) return;
+        _mm_pause();
+    }
+    /* sleepers counted before the count is read again, the last arrival reading sleepers after its count
+     * (both sequentially consistent): either it sees this sleeper and wakes it, or this thread sees its count */
+    atomic_fetch_add(&barrier->sleepers, 1);
+    for (uint32_t seen; (int32_t)((seen = atomic_load(&barrier->arrived)) - *goal) < 0;)
+        syscall(SYS_futex, &barrier->arrived, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+    atomic_fetch_sub(&barrier->sleepers, 1);
 }
 
 typedef int (*stack_quant_share)(const void *codes, const void *scales, const void *zeros, int bits, const void *x,
@@ -1254,6 +1273,7 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
     uint16_t *copies = aligned_alloc(64, sizeof(uint16_t) * (size_t)(own * (num_threads < 1 ? 1 : num_threads)));
     if (copies == NULL) return 0;
     TeamBarrier barrier = {0};
+    const int64_t spins = num_threads > omp_get_num_procs() ? TEAM_SPINS_CROWDED : TEAM_SPINS;
     const int64_t first_tile[2] = {0, 1};
     int failed = 0;
 #if ATTENTION_TILES
@@ -1267,7 +1287,7 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
 #if ATTENTION_TILES
         if (tiles) load_attention_tiles();
 #endif
-        int64_t goal = 0;
+        uint32_t goal = 0;
         uint16_t *residual = copies + me * own, *normed = residual + hidden, *act = normed + hidden;
         PagedCall call = {qkv, NULL, NULL, attended, table, lens, starts, qlens, first_tile, qkv_size, 0, 1, heads,
                           kv_heads, head_dim, num_blocks, block_size, window, group,
@@ -1289,7 +1309,7 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
             }
             failed |= !team_linear(TEAM_LINEAR(STACK_QKV), normed, TEAM_PTR(STACK_QKV_BIAS), qkv, hidden, me, threads,
                                    TEAM_LINEAR(STACK_O), q_size);
-            team_wait(&barrier, &goal, threads);
+            team_wait(&barrier, &goal, (uint32_t)threads, spins);
             for (int64_t h = me; h < kv_heads; h += threads) {
                 rotary_heads(qkv, 0, qkv_size, h * group, (h + 1) * group, head_dim, cos, sin, 1);
                 rotary_heads(qkv, 0, qkv_size, heads + h, heads + h + 1, head_dim, cos, sin, 1);
@@ -1298,15 +1318,15 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
                 memcpy(v_pool + to, qkv + q_size + kv_size + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
                 attend_item(&call, h, 1); /* tile 0 of row 0, KV head h */
             }
-            team_wait(&barrier, &goal, threads);
+            team_wait(&barrier, &goal, (uint32_t)threads, spins);
             prefetch_row(TEAM_PTR(STACK_POST_NORM), 0, hidden, 1);
             failed |= !team_linear(TEAM_LINEAR(STACK_O), attended, TEAM_PTR(STACK_O_BIAS), x, q_size, me, threads,
                                    TEAM_LINEAR(STACK_GATE_UP), hidden);
-            team_wait(&barrier, &goal, threads);
+            team_wait(&barrier, &goal, (uint32_t)threads, spins);
             rms_norm_row(x, residual, TEAM_PTR(STACK_POST_NORM), normed, 0, hidden, eps, 1);
             failed |= !team_linear(TEAM_LINEAR(STACK_GATE_UP), normed, TEAM_PTR(STACK_GATE_UP_BIAS), gate_up, hidden, me,
                                    threads, TEAM_LINEAR(STACK_DOWN), intermediate);
-            team_wait(&barrier, &goal, threads);
+            team_wait(&barrier, &goal, (uint32_t)threads, spins);
             silu_and_mul_row(gate_up, act, 0, intermediate, 1);
             const int last_layer = l + 1 == sizes[STACK_LAYERS];
             prefetch_row(last_layer ? final_norm : (const void *)(intptr_t)layer[STACK_LAYER_FIELDS + STACK_INPUT_NORM],
@@ -1314,13 +1334,13 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
             failed |= !team_linear(TEAM_LINEAR(STACK_DOWN), act, TEAM_PTR(STACK_DOWN_BIAS), x, intermediate, me, threads,
                                    last_layer ? lm_head : (const int64_t *)(intptr_t)layer[STACK_LAYER_FIELDS + STACK_QKV],
                                    hidden);
-            team_wait(&barrier, &goal, threads);
+            team_wait(&barrier, &goal, (uint32_t)threads, spins);
 #undef TEAM_LINEAR
 #undef TEAM_PTR
         }
         rms_norm_row(x, residual, final_norm, normed, 0, hidden, eps, 1);
         failed |= !team_linear(lm_head, normed, NULL, rounded, hidden, me, threads, NULL, 0);
-        team_wait(&barrier, &goal, threads);
+        team_wait(&barrier, &goal, (uint32_t)threads, spins);
         for (int64_t i = vocab * me / threads; i < vocab * (me + 1) / threads; i++) { /* bf16 -> float32: exact */
             const uint32_t bits = (uint32_t)rounded[i] << 16;
             memcpy(logits + i, &bits, sizeof(bits));
