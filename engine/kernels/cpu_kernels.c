@@ -1068,10 +1068,11 @@ enum { STACK_LAYERS, STACK_HIDDEN, STACK_HEADS, STACK_KV_HEADS, STACK_HEAD_DIM, 
  * weight operands. STACK_GEMV: gemv_bf16 on the plain weight [N, K]; STACK_AMX: gemm_amx_bf16 on its pack_amx
  * tiles; STACK_QUANT: quant_gemv_bf16_chain of the quantised library (a separate .so, also built for AVX2, so
  * its address comes with the weight: the Python forward's quant_gemv_bf16, then the next linear's prefetch) on
- * codes, scales, zeros (0: the midpoint), code format and group size in its layout, for STACK_ROWS output rows;
+ * codes, scales, zeros (0: the midpoint), code format and group size in its layout, for STACK_ROWS output rows,
+ * and that library's quant_gemv_bf16_share (one thread's share of the same, for the one-region step below);
  * a quantised weight in parts (kernels/quant.py KernelParts: runs of rows in different code formats) is a chain
  * of such descriptors, each naming the next part's (STACK_NEXT_PART; 0: the last). Scales, zeros, bits, group,
- * function and next part are 0 for the others (their STACK_ROWS: the linear's). */
+ * functions and next part are 0 for the others (their STACK_ROWS: the linear's). */
 enum { STACK_KIND, STACK_WEIGHT, STACK_SCALES, STACK_ZEROS, STACK_BITS, STACK_GROUP, STACK_QUANT_GEMV,
        STACK_QUANT_SHARE, STACK_ROWS, STACK_NEXT_PART, STACK_LINEAR_FIELDS };
 enum { STACK_GEMV, STACK_AMX, STACK_QUANT };
