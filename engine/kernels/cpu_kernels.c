@@ -458,8 +458,10 @@ typedef struct {
 } PagedCall;
 
 /* Work item `item` of a paged_attention call: the query group of KV head item % num_kv_heads for the tile of query
- * tokens item / num_kv_heads (row r's tiles are first_tile[r] .. first_tile[r + 1] - 1). */
-INLINE void attend_item(const PagedCall *call, int64_t item, const int bf16) {
+ * tokens item / num_kv_heads (row r's tiles are first_tile[r] .. first_tile[r + 1] - 1); of its queries
+ * c = j * group + g only those in [from, to) on the vector path (each query's output is its own: the same bits
+ * whoever computes the others), all of them on AMX tiles. */
+INLINE void attend_queries(const PagedCall *call, int64_t item, int64_t from, int64_t to, const int bf16) {
     const void *q = call->q, *k_pool = call->k_pool, *v_pool = call->v_pool;
     void *out = call->out;
     const int64_t *tables = call->tables, *lens = call->lens, *starts = call->starts, *qlens = call->qlens;
@@ -498,6 +500,8 @@ INLINE void attend_item(const PagedCall *call, int64_t item, const int bf16) {
     const int64_t first = (window > 0 && end0 > window) ? end0 - window : 0;
     const int64_t n = len - first, padded = (n + 15) & ~(int64_t)15; /* positions [first, len) */
     const int64_t head_base = head * num_blocks, queries = count * group;
+    if (to > queries) to = queries;
+    if (from >= to) return;
     /* each key's row offset [padded] (the last repeated past n); per query (j, g), at c = j * group + g:
      * its key range [lo, hi) in t = position - first, its output offset, 1 / its softmax sum, its
      * score row, and the scores [queries][padded] */
@@ -527,18 +531,22 @@ INLINE void attend_item(const PagedCall *call, int64_t item, const int bf16) {
             prefetch_row(v_pool, rows[ahead], head_dim, bf16);
         }
         const __mmask16 live = tail_mask(n - t);
-        for (int64_t c = 0; c < queries; c++)
+        for (int64_t c = from; c < to; c++)
             score_block(q, (start + c / group) * q_stride + (head * group + c % group) * head_dim, k_pool, rows + t,
                         head_dim, scale, scores + c * padded + t, live, bf16);
     }
-    for (int64_t c = 0; c < queries; c++) {
+    for (int64_t c = from; c < to; c++) {
         const float total = softmax_numerators(scores + c * padded + lo[c], hi[c] - lo[c], 1.0f);
         inverse[c] = total > 0.0f ? 1.0f / total : 0.0f;
     }
-    for (int64_t c = 0; c < queries; c += V_QUERIES)
+    for (int64_t c = from; c < to; c += V_QUERIES)
         attend_values_of(v_pool, rows, head_dim, p + c, lo + c, hi + c, inverse + c, out, out_offsets + c,
-                         (int)(queries - c < V_QUERIES ? queries - c : V_QUERIES), bf16);
+                         (int)(to - c < V_QUERIES ? to - c : V_QUERIES), bf16);
     free(rows);
+}
+
+INLINE void attend_item(const PagedCall *call, int64_t item, const int bf16) {
+    attend_queries(call, item, 0, INT64_MAX, bf16);
 }
 
 /* Paged attention straight from the pool for rows of any number of query tokens (decodes, speculative
@@ -1164,18 +1172,21 @@ INLINE void stack_prefetch_keys(const void *k_pool, const void *v_pool, const in
 /* ---- the one-token step in one parallel region ----
  * A step of one token through linears that all have a one-row kernel a thread can run its share of
  * (gemv_bf16_share, the quantised library's quant_gemv_bf16_share) runs in a single parallel region: the
- * threads meet at a spin barrier (team_wait) after each linear and after the attention, five a layer, where
+ * threads meet at a spin barrier (team_wait) after each linear, the K/V writes and the attention, six a layer, where
  * the step above opens and joins a region per linear and per attention. A libgomp region's start and join
  * move several cache lines between the cores, a barrier on one line moves it twice: two threads of a Zen 4 VM,
  * 100 000 in a row, 0.54 us a region against 0.03 us a barrier with both vCPUs on one CCD, 1.17 against 0.17
  * with the two on two CCDs (a line ~190 ns each way). The small work between the linears is done by every
  * thread on its own copies (norms, the residual stream, SiLU*mul: the next linear's input then lies in the
- * thread's own cache) or by the thread whose KV heads it concerns (RoPE, K/V writes, attention: item h of
- * paged_attention is KV head h, the thread's KV rows prefetched by it). Same kernels, same operands, same order
+ * thread's own cache) or split between the threads: each writes the new K/V rows of its KV heads (RoPE on K) and
+ * attends its share of the query heads (their RoPE, paged_attention's item h for KV head h restricted to them, their
+ * key rows prefetched by it). Same kernels, same operands, same order
  * within each output: the logits are bitwise the step above's. SmolLM-135M shape, two threads, the engine's whole
  * step (its Python included), both paths alternated pass by pass in one process, passes sorted by a read probe
  * before and after: vCPUs on two CCDs int4-g32 2.475 -> 2.068 ms (69 passes, faster in all), int8 3.395 -> 3.055,
- * bf16 7.285 -> 6.125; on one CCD int4-g32 2.501 -> 2.346 (faster in 37 of 41), bf16 8.684 -> 8.266. */
+ * bf16 7.285 -> 6.125; on one CCD int4-g32 2.501 -> 2.346 (faster in 37 of 41), bf16 8.684 -> 8.266. The query
+ * heads split evenly, where a thread attended whole KV groups (one of two threads three of nine query heads, the
+ * other six): int4-g32 on one CCD 2.551 -> 2.538 and 2.723 -> 2.660 ms (paired 0.987 and 0.980, 40 and 22 passes). */
 
 /* A barrier for the threads of one region, on its own line: each arrival counts, and a thread leaves when the
  * count reaches its goal (threads a barrier; never reset, compared modulo 2^32). A waiting thread spins
@@ -1293,6 +1304,12 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
 #endif
         uint32_t goal = 0;
         uint16_t *residual = copies + me * own, *normed = residual + hidden, *act = normed + hidden;
+        /* the KV heads whose new K/V rows the thread writes, and the query heads [q_from, q_to) it attends: an even
+         * split of the query heads (by KV head, one SmolLM-135M thread attended two of three, the other waited
+         * ~110 us a step), whole query groups on AMX tiles (a tile serves its work item's queries together) */
+        const int64_t kv_from = kv_heads * me / threads, kv_to = kv_heads * (me + 1) / threads;
+        const int64_t unit = tiles ? group : 1, units = heads / unit;
+        const int64_t q_from = unit * (units * me / threads), q_to = unit * (units * (me + 1) / threads);
         PagedCall call = {qkv, NULL, NULL, attended, table, lens, starts, qlens, first_tile, qkv_size, 0, 1, heads,
                           kv_heads, head_dim, num_blocks, block_size, window, group,
                           group >= TILE_QUERIES ? 1 : TILE_QUERIES / group, scale,
@@ -1306,21 +1323,27 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
             else rms_norm_row(x, residual, TEAM_PTR(STACK_INPUT_NORM), normed, 0, hidden, eps, 1);
             call.k_pool = (const void *)(intptr_t)layer[STACK_K_POOL], call.v_pool = (const void *)(intptr_t)layer[STACK_V_POOL];
             uint16_t *k_pool = (uint16_t *)(intptr_t)layer[STACK_K_POOL], *v_pool = (uint16_t *)(intptr_t)layer[STACK_V_POOL];
-            for (int64_t h = me; h < kv_heads; h += threads) { /* the thread's heads: see decode_stack_bf16's prefetches */
+            for (int64_t h = kv_from; h < kv_to; h++) { /* the thread's rows: see decode_stack_bf16's prefetches */
                 prefetch_row(k_pool, (h * num_blocks * block_size + slot) * head_dim, head_dim, 1);
                 prefetch_row(v_pool, (h * num_blocks * block_size + slot) * head_dim, head_dim, 1);
-                stack_prefetch_head_keys(k_pool, v_pool, table, lens[0], h, head_dim, num_blocks, block_size, window);
             }
+            for (int64_t h = q_from / group; h * group < q_to; h++)
+                stack_prefetch_head_keys(k_pool, v_pool, table, lens[0], h, head_dim, num_blocks, block_size, window);
             failed |= !team_linear(TEAM_LINEAR(STACK_QKV), normed, TEAM_PTR(STACK_QKV_BIAS), qkv, hidden, me, threads,
                                    TEAM_LINEAR(STACK_O), q_size);
             team_wait(&barrier, &goal, (uint32_t)threads, spins);
-            for (int64_t h = me; h < kv_heads; h += threads) {
-                rotary_heads(qkv, 0, qkv_size, h * group, (h + 1) * group, head_dim, cos, sin, 1);
+            for (int64_t h = kv_from; h < kv_to; h++) {
                 rotary_heads(qkv, 0, qkv_size, heads + h, heads + h + 1, head_dim, cos, sin, 1);
                 const size_t to = (size_t)((h * num_blocks * block_size + slot) * head_dim);
                 memcpy(k_pool + to, qkv + q_size + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
                 memcpy(v_pool + to, qkv + q_size + kv_size + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
-                attend_item(&call, h, 1); /* tile 0 of row 0, KV head h */
+            }
+            team_wait(&barrier, &goal, (uint32_t)threads, spins); /* every head's new K/V row in the pool */
+            for (int64_t h = q_from / group; h * group < q_to; h++) { /* item h: tile 0 of row 0, KV head h */
+                const int64_t from = (q_from > h * group ? q_from : h * group) - h * group;
+                const int64_t to = (q_to < (h + 1) * group ? q_to : (h + 1) * group) - h * group;
+                rotary_heads(qkv, 0, qkv_size, h * group + from, h * group + to, head_dim, cos, sin, 1);
+                attend_queries(&call, h, from, to, 1);
             }
             team_wait(&barrier, &goal, (uint32_t)threads, spins);
             prefetch_row(TEAM_PTR(STACK_POST_NORM), 0, hidden, 1);
