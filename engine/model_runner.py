@@ -11,7 +11,7 @@ import logging
 from array import array
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -45,6 +45,15 @@ WORKSPACE_FLOOR_BYTES = 1 << 30
 # 256 sequences take ~3.1 GiB (0.85 GiB at 128), a few percent of an 80-141 GB card's budget; on a 24 GB card
 # the cap keeps most of the budget for the KV pool, and the larger batch sizes run eagerly.
 GRAPH_SHARE = 0.1
+
+
+class StepLogits(NamedTuple):
+    """A forward's float32 logits [rows, vocab], and each row's argmax where the native step found them while
+    writing the logits (the greedy sampler then reads none of them: after a batch-1 step's weight stream that
+    read cost ~30 us), else None."""
+
+    logits: torch.Tensor
+    argmax: Optional[list[int]] = None
 
 
 @dataclass
@@ -374,13 +383,13 @@ class ModelRunner:
         return PreparedStep(scheduled, order, inputs, prompt_rows)
 
     @torch.inference_mode()
-    def forward(self, inputs: "StepInputs") -> torch.Tensor:
+    def forward(self, inputs: "StepInputs") -> StepLogits:
         """The logits of the step's sampled (and prompt-scored) positions; every rank runs this."""
         return self._run(inputs, self.kv_caches, self.graphs)
 
     @torch.inference_mode()
-    def sample(self, step: "PreparedStep", logits: torch.Tensor, rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
-        scheduled = step.scheduled
+    def sample(self, step: "PreparedStep", out: StepLogits, rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
+        scheduled, logits = step.scheduled, out.logits
         batch_index = {id(item): i for i, item in enumerate(scheduled)}
         positions: list[SamplingRow] = []
         owners: list[int] = []  # the batch row of each sampled position
@@ -399,7 +408,8 @@ class ModelRunner:
         if positions:
             # the logits' rows are the sampled positions', then the prompt rows' (no torch call when none: each
             # costs ~15-50 us of cold caches after a step's weight stream)
-            sampled = self.sampler(logits[: len(positions)] if step.prompt_rows else logits, positions, drafts)
+            sampled = self.sampler(logits[: len(positions)] if step.prompt_rows else logits, positions, drafts,
+                                   None if step.prompt_rows else out.argmax)
             logprobs = sampled.logprobs or [None] * len(positions)
             for owner, token, entry in zip(owners, sampled.token_ids, logprobs):
                 if token == PLACEHOLDER_TOKEN_ID:
@@ -417,21 +427,23 @@ class ModelRunner:
         `scheduled`'s order ([rows that sample, vocab]), for a caller that draws the tokens itself (the
         draft proposer). Rows that verify drafts or want prompt log-probs are not for this."""
         step = self.prepare(scheduled)
-        logits = self.forward(step.inputs)
+        logits = self.forward(step.inputs).logits
         sampling = [item for item in step.order if item.num_samples]
         index = {id(item): i for i, item in enumerate(sampling)}
         return logits[[index[id(item)] for item in scheduled if item.num_samples]]
 
-    def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]) -> torch.Tensor:
+    def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]) -> StepLogits:
         if (self.native_decode is not None and kv_caches is self.kv_caches
                 and self.native_decode.can_run(inputs.query_lens, NATIVE_MAX_QUERY)):
-            return self.native_decode(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
-                                      inputs.context_lens, inputs.query_lens, inputs.logits_indices)
+            return StepLogits(*self.native_decode(inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                                                  inputs.block_tables, inputs.context_lens, inputs.query_lens,
+                                                  inputs.logits_indices))
         batch = inputs.attention_batch(self.block_size)
         meta = self.attention.build_metadata(batch)
         if graphs is not None and graphs.can_run(batch):
-            return graphs.run(inputs.input_ids, inputs.positions, kv_caches, meta, inputs.logits_indices)
-        return self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention, inputs.logits_indices)
+            return StepLogits(graphs.run(inputs.input_ids, inputs.positions, kv_caches, meta, inputs.logits_indices))
+        return StepLogits(self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention,
+                                     inputs.logits_indices))
 
     def _prepare(self, order: list[ScheduledSeq]) -> tuple["StepInputs", list[PromptRow]]:
         """Token ids, positions, slot mapping and logits indices of the batch, its rows (query and context

@@ -376,11 +376,11 @@ class MultiprocExecutor:
         step = self.runner.prepare(scheduled)
         try:
             self._send(step.inputs)
-            logits = self.runner.forward(step.inputs)
+            out = self.runner.forward(step.inputs)
         except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
             self.fault = self._failure("step", exc)
             raise self.fault from None
-        return self.runner.sample(step, logits, rows)
+        return self.runner.sample(step, out, rows)
 
     def _send(self, inputs: StepInputs) -> None:
         import torch.distributed as dist

@@ -91,13 +91,15 @@ class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator  # for unseeded rows
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 drafts: Sequence[DraftSpan] = ()) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: Sequence[DraftSpan] = (),
+                 argmax: Optional[list[int]] = None) -> SamplerOutput:
         """One token per row of `logits`; the rows of each span in `drafts` (a verify row with its draft
         distribution) are sampled together by the rejection sampler, unless the request is greedy (then
-        the target's argmax at each position is the rejection sampler's answer for any q)."""
+        the target's argmax at each position is the rejection sampler's answer for any q). `argmax`: each
+        row's argmax where the forward found them (`row_argmax`'s answer)."""
         if all(row.argmax_only for row in rows):  # the passes below would change nothing: after a batch-1
-            return SamplerOutput(row_argmax(logits), None)  # step's weight stream each costs cold caches
+            # step's weight stream each costs cold caches
+            return SamplerOutput(argmax if argmax is not None else row_argmax(logits), None)
         logits = self._apply_processors(logits, rows)
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):

@@ -180,7 +180,7 @@ def test_a_batch_with_a_verify_row_runs_eagerly_and_decode_rows_replay(tiny_mode
         before = capturer.counter["replays"]
         with torch.inference_mode():
             step = runner.prepare([ScheduledSeq(seq, n) for seq, _, n in rows])
-            logits = runner._run(step.inputs, runner.kv_caches, graphs if with_graphs else None)
+            logits = runner._run(step.inputs, runner.kv_caches, graphs if with_graphs else None).logits
         return logits, capturer.counter["replays"] - before
 
     mixed = [(seqs[0], 26, 1), (seqs[1], 37, 1), (seqs[2], 56, 4)]  # two decode rows and a 4-token verify row

@@ -134,6 +134,69 @@ def test_the_one_region_step_is_bitwise_the_forward_on_several_threads(tmp_path,
 
 
 @needs_gemv
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_one_region_step_finds_its_logits_argmax(tmp_path, monkeypatch, threads):
+    # each thread takes the argmax of the logits slice it wrote; combined, torch.argmax's answer (the first maximum,
+    # else the first NaN) where the maxima and NaNs lie in different threads' slices (vocab 512: slices of 256 or
+    # ~171), and the greedy sampler uses it instead of reading the logits again
+    from llmctl.engine import model_runner
+    from llmctl.engine.layers.linear import OneDNNLinearMethod
+
+    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
+    previous = torch.get_num_threads()
+    try:
+        llm = _engine(tmp_path, "llama", dict(num_threads=threads), head_dim=32)
+        runner = llm.engine.executor.runner
+        stack, weight = runner.native_decode, runner.model.lm_head.weight
+
+        def step() -> tuple[torch.Tensor, list[int]]:
+            one = torch.tensor([1])
+            logits, argmax = stack(one, one, one, [[0]], [2], [1], torch.tensor([0]))
+            return logits[0], argmax
+
+        logits, argmax = step()
+        assert argmax == [int(logits.argmax())]
+        top = weight[int(logits.argmax())].clone()  # a row whose logit is positive
+        with torch.no_grad():
+            weight.zero_()
+            weight[200], weight[400] = top, top  # two equal maxima in two slices
+            logits, argmax = step()
+            assert argmax == [200] and logits[200] > 0 and torch.count_nonzero(logits) == 2
+            weight[400] = 2 * top
+            assert step()[1] == [400]
+            weight[100], weight[400] = float("nan"), float("nan")  # a NaN wins, the first of them
+            logits, argmax = step()
+            assert argmax == [100] and logits[100].isnan() and logits[400].isnan()
+            weight[100] = top
+            assert step()[1] == [400]
+            weight.zero_()
+            assert step()[1] == [0]  # all equal
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_gemv
+def test_the_greedy_sampler_takes_the_native_steps_argmax(tmp_path, monkeypatch):
+    from llmctl.engine import model_runner
+    from llmctl.engine import sampler as sampler_module
+    from llmctl.engine.layers.linear import OneDNNLinearMethod
+
+    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
+    llm = _engine(tmp_path, "llama", dict(num_threads=2), head_dim=32)
+    prompts = [[(7 * i + 3) % 500 + 1 for i in range(7)], [(11 * i + 5) % 500 + 1 for i in range(30)]]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with monkeypatch.context() as patched:
+        argmaxes = []
+        patched.setattr(sampler_module, "row_argmax", lambda logits: argmaxes.append(len(logits)) or
+                        logits.argmax(dim=-1).tolist())
+        native = [llm.generate([prompt], greedy)[0].outputs[0].token_ids for prompt in prompts]
+        assert argmaxes == [1, 1]  # each prompt's first token (sampled after its prefill): the decodes found theirs
+    runner = llm.engine.executor.runner
+    runner.native_decode = None
+    assert [llm.generate([prompt], greedy)[0].outputs[0].token_ids for prompt in prompts] == native
+
+
+@needs_gemv
 @pytest.mark.parametrize("arch, default_type, types", [
     ("llama", "Q4_0", {}), ("qwen2", "Q4_0", {}),
     # 5-bit types as 8-bit codes, a Q4_0 v widened into its 8-bit qkv, an asymmetric Q5_1 down_proj
@@ -255,8 +318,10 @@ def test_operands_are_checked_when_the_step_is_bound():
         lm_heads.append(("quant", QuantRowOperand(quant, quant.pack_parts(codes, torch.ones(vocab, 2), None, 4, 32))))
     for lm_head in lm_heads:
         stack = KERNELS.decode_stack([layer], embedding, torch.ones(hidden, **bf16), lm_head, table, table, **args)
-        logits = stack(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), [[0]], [1], [1], torch.tensor([0]))
+        logits, argmax = stack(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), [[0]], [1], [1],
+                               torch.tensor([0]))
         assert logits.shape == (1, vocab) and logits.dtype == torch.float32 and not logits.any()  # zero weights
+        assert argmax in ([0], None)  # found by the one-region step (a lone layer whose linears all are GEMVs)
     bad_operands = [("o", ("gemv", layer["o"][1].t())), ("qkv_bias", torch.zeros(7, **bf16)),
                     ("down", ("gemv", layer["down"][1].float())), ("down", layer["down"][1]),
                     ("down", ("tiles", layer["down"][1]))]

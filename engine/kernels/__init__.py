@@ -93,9 +93,9 @@ class CpuKernels:
         self._rotary = bind("rotary", [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
         self._decode_stack = library.decode_stack_bf16
         # layers, sizes, buffers, embedding, final norm, lm_head, cos, sin; tokens, token, position, slot; rows,
-        # tables, width, lens, starts, qlens; logits rows (count, ids); eps, scale, logits, threads
+        # tables, width, lens, starts, qlens; logits rows (count, ids); eps, scale, logits, their argmax, threads
         self._decode_stack.argtypes = [_POINTER] * 8 + [_INT64] + [_POINTER] * 3 + [_INT64, _POINTER, _INT64] \
-            + [_POINTER] * 3 + [_INT64, _POINTER, ctypes.c_float, ctypes.c_float, _POINTER, ctypes.c_int]
+            + [_POINTER] * 3 + [_INT64, _POINTER, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int]
         self._decode_stack.restype = ctypes.c_int
         self._argmax = library.argmax_f32
         self._argmax.argtypes, self._argmax.restype = [_POINTER, _INT64, _INT64, _POINTER], None
@@ -441,10 +441,12 @@ class DecodeStack:
     @profiled("decode_stack")
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
-                 logits_indices: torch.Tensor) -> torch.Tensor:
+                 logits_indices: torch.Tensor) -> tuple[torch.Tensor, Optional[list[int]]]:
         """Float32 logits [len(logits_indices), vocab] of the step's tokens `input_ids` [tokens] at `positions`
         (int64, their K/V written at `slot_mapping`), in rows of `query_lens` consecutive tokens, row r on a
-        context of `context_lens[r]` keys (its new tokens included) in `block_tables[r]`'s blocks."""
+        context of `context_lens[r]` keys (its new tokens included) in `block_tables[r]`'s blocks; and each logits
+        row's argmax (`argmax`'s answer) where the step found them on the way (a one-token step in one parallel
+        region: each thread in the slice it wrote), else None."""
         tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
         for tensor in (input_ids, positions, slot_mapping, logits_indices):
             if tensor.dtype != torch.int64 or tensor.dim() != 1 or not tensor.is_contiguous():
@@ -474,13 +476,15 @@ class DecodeStack:
                 starts.append(starts[-1] + length)
             ranges = (array("q", starts), array("q", query_lens))
         logits = torch.empty(logits_indices.shape[0], self.vocab, dtype=torch.float32)
+        picked = (ctypes.c_int64 * logits_indices.shape[0])()
         if not self._function(*self._fixed, tokens, input_ids.data_ptr(), positions.data_ptr(),
                               slot_mapping.data_ptr(), len(query_lens), tables_address, width, lens_address,
                               *(r.buffer_info()[0] if r is not None else None for r in ranges), logits_indices.shape[0],
-                              logits_indices.data_ptr(), self._eps, self._scale, logits.data_ptr(),
+                              logits_indices.data_ptr(), self._eps, self._scale, logits.data_ptr(), picked,
                               torch.get_num_threads()):
             raise MemoryError("decode_stack: no memory for a linear kernel's prepared input")
-        return logits
+        argmax = list(picked)
+        return logits, (argmax if argmax and min(argmax) >= 0 else None)
 
 
 def _within(values: torch.Tensor, size: int) -> bool:

@@ -1096,6 +1096,45 @@ enum { STACK_HIDDEN_BUF, STACK_RESIDUAL_BUF, STACK_NORMED_BUF, STACK_QKV_BUF, ST
        STACK_ACT_BUF, STACK_LOGITS_BUF, STACK_COS_BUF, STACK_SIN_BUF, STACK_LAST_X_BUF, STACK_LAST_RESIDUAL_BUF,
        STACK_BUFFERS };
 
+/* The argmax of a float32 row of `width` >= 1: torch.argmax's answer, the first maximum, or the first NaN of a row
+ * that holds one; two vector passes instead of torch's scalar loop (the greedy sampler's argmax over 49152 logits:
+ * torch.argmax ~110 us, these passes ~35 us hot). */
+INLINE int64_t argmax_row(const float *row, int64_t width) {
+    /* pass 1: the maximum, four independent accumulators; a NaN anywhere is found in pass 2 */
+    __m512 best[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                      _mm512_set1_ps(-INFINITY)};
+    __mmask16 nan = 0;
+    int64_t d = 0;
+    for (; d + 64 <= width; d += 64)
+        for (int u = 0; u < 4; u++) {
+            const __m512 v = _mm512_loadu_ps(row + d + 16 * u);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            best[u] = _mm512_max_ps(best[u], v);
+        }
+    for (; d < width; d += 16) {
+        const __mmask16 live = tail_mask(width - d);
+        const __m512 v = _mm512_maskz_loadu_ps(live, row + d);
+        nan |= _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q);
+        best[0] = _mm512_mask_max_ps(best[0], live, best[0], v);
+    }
+    const __m512 top = _mm512_set1_ps(
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(best[0], best[1]), _mm512_max_ps(best[2], best[3]))));
+    /* pass 2: the first NaN if there is one, else the first element equal to the maximum */
+    for (d = 0; d < width; d += 16) {
+        const __mmask16 live = tail_mask(width - d);
+        const __m512 v = _mm512_maskz_loadu_ps(live, row + d);
+        const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q)
+                                  : _mm512_mask_cmp_ps_mask(live, v, top, _CMP_EQ_OQ);
+        if (hit) return d + __builtin_ctz(hit);
+    }
+    return -1; /* never: width >= 1 */
+}
+
+/* Row-wise argmax_row of float32 rows [rows, width] (width >= 1). */
+void argmax_f32(const float *x, int64_t rows, int64_t width, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * width, width);
+}
+
 #if defined(__AVX512BF16__)
 /* One part of a quantised linear (its STACK_ROWS rows of y and bias from `offset`), then each thread prefetches
  * the start of its share of `next` (NULL, or not quantised: nothing), whose inputs are next_k. */
@@ -1268,13 +1307,15 @@ INLINE int team_linear(const int64_t *linear, const uint16_t *x, const uint16_t 
     return ok;
 }
 
-/* decode_stack_bf16 for one token in one row, its logits row 0 (team_can_run holds for every linear). Returns 0
- * where the threads' copies or a linear's prepared input found no memory. */
+/* decode_stack_bf16 for one token in one row, its logits row 0 (team_can_run holds for every linear), and that
+ * row's argmax_row into argmax[0]: each thread's of the slice it converts (hot in its cache), the first slice's on
+ * ties (an argmax of the row after the step read half of it from the other core's cache: ~30 us, this ~3 us).
+ * Returns 0 where the threads' copies or a linear's prepared input found no memory. */
 static int decode_team(const int64_t *layers, const int64_t *sizes, void *const *buffers, const void *embedding,
                        const void *final_norm, const int64_t *lm_head, const void *cos_table, const void *sin_table,
                        int64_t token, int64_t position, int64_t slot, const int64_t *table, const int64_t *lens,
                        const int64_t *starts, const int64_t *qlens, float eps, float scale, float *logits,
-                       int num_threads) {
+                       int64_t *argmax, int num_threads) {
     const int64_t hidden = sizes[STACK_HIDDEN], heads = sizes[STACK_HEADS], kv_heads = sizes[STACK_KV_HEADS];
     const int64_t head_dim = sizes[STACK_HEAD_DIM], intermediate = sizes[STACK_INTERMEDIATE], half = head_dim / 2;
     const int64_t num_blocks = sizes[STACK_NUM_BLOCKS], block_size = sizes[STACK_BLOCK_SIZE];
@@ -1290,6 +1331,8 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
     TeamBarrier barrier = {0};
     const int64_t spins = num_threads > omp_get_num_procs() ? TEAM_SPINS_CROWDED : TEAM_SPINS;
     const int64_t first_tile[2] = {0, 1};
+    int64_t picks[num_threads < 1 ? 1 : num_threads]; /* each thread's slice's argmax, -1: none */
+    for (int t = 0; t < (num_threads < 1 ? 1 : num_threads); t++) picks[t] = -1;
     int failed = 0;
 #if ATTENTION_TILES
     const int tiles = attention_tiles_granted();
@@ -1368,17 +1411,25 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
         rms_norm_row(x, residual, final_norm, normed, 0, hidden, eps, 1);
         failed |= !team_linear(lm_head, normed, NULL, rounded, hidden, me, threads, NULL, 0);
         team_wait(&barrier, &goal, (uint32_t)threads, spins);
-        for (int64_t i = vocab * me / threads; i < vocab * (me + 1) / threads; i++) { /* bf16 -> float32: exact */
+        const int64_t from = vocab * me / threads, to = vocab * (me + 1) / threads;
+        for (int64_t i = from; i < to; i++) { /* bf16 -> float32: exact */
             const uint32_t bits = (uint32_t)rounded[i] << 16;
             memcpy(logits + i, &bits, sizeof(bits));
         }
+        if (to > from) picks[me] = from + argmax_row(logits + from, to - from);
     }
     free(copies);
+    int64_t best = -1; /* a NaN stays; else a later slice's only where greater */
+    for (int t = 0; t < (num_threads < 1 ? 1 : num_threads); t++)
+        if (picks[t] >= 0 && (best < 0 || (!isnan(logits[best]) && (isnan(logits[picks[t]]) || logits[picks[t]] > logits[best]))))
+            best = picks[t];
+    argmax[0] = best;
     return !failed;
 }
 
 /* Returns 1 (0: out of memory in a linear's kernel, nothing to retry here); writes float32 logits
- * [num_logits, vocab] for tokens `logits_rows`. `tokens` new tokens (`token`, `position`, `slot` each
+ * [num_logits, vocab] for tokens `logits_rows`, and into `argmax` [num_logits] each row's argmax_row where the
+ * one-region step found it on the way (-1 where not: the caller finds it if it needs it). `tokens` new tokens (`token`, `position`, `slot` each
  * [tokens]) in `num_rows` rows as paged_attention takes them (`tables` [num_rows, table_width], `lens`,
  * and `starts`/`qlens` or NULL for one token a row); `cos_table`/`sin_table`: bf16 RoPE rows
  * [positions, head_dim / 2]; `lm_head`: the lm_head's descriptor. */
@@ -1387,7 +1438,7 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
                       int64_t tokens, const int64_t *token, const int64_t *position, const int64_t *slot,
                       int64_t num_rows, const int64_t *tables, int64_t table_width, const int64_t *lens,
                       const int64_t *starts, const int64_t *qlens, int64_t num_logits, const int64_t *logits_rows,
-                      float eps, float scale, float *logits, int num_threads) {
+                      float eps, float scale, float *logits, int64_t *argmax, int num_threads) {
     const int64_t hidden = sizes[STACK_HIDDEN], heads = sizes[STACK_HEADS], kv_heads = sizes[STACK_KV_HEADS];
     const int64_t head_dim = sizes[STACK_HEAD_DIM], intermediate = sizes[STACK_INTERMEDIATE], half = head_dim / 2;
     const int64_t num_blocks = sizes[STACK_NUM_BLOCKS], block_size = sizes[STACK_BLOCK_SIZE];
@@ -1404,7 +1455,9 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
                 team = team_can_run((const int64_t *)(intptr_t)layers[l * STACK_LAYER_FIELDS + field]);
     if (team)
         return decode_team(layers, sizes, buffers, embedding, final_norm, lm_head, cos_table, sin_table, token[0],
-                           position[0], slot[0], tables, lens, starts, qlens, eps, scale, logits, num_threads);
+                           position[0], slot[0], tables, lens, starts, qlens, eps, scale, logits, argmax,
+                           num_threads);
+    for (int64_t r = 0; r < num_logits; r++) argmax[r] = -1;
     for (int64_t t = 0; t < tokens; t++) {
         /* the first layer's residual stream is the embedding itself; each token's RoPE rows */
         memcpy(residual + t * hidden, (const uint16_t *)embedding + token[t] * hidden, row_bytes);
@@ -1480,52 +1533,14 @@ int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *
                       int64_t tokens, const int64_t *token, const int64_t *position, const int64_t *slot,
                       int64_t num_rows, const int64_t *tables, int64_t table_width, const int64_t *lens,
                       const int64_t *starts, const int64_t *qlens, int64_t num_logits, const int64_t *logits_rows,
-                      float eps, float scale, float *logits, int num_threads) {
+                      float eps, float scale, float *logits, int64_t *argmax, int num_threads) {
     (void)layers, (void)sizes, (void)buffers, (void)embedding, (void)final_norm, (void)lm_head, (void)cos_table;
     (void)sin_table, (void)tokens, (void)token, (void)position, (void)slot, (void)num_rows, (void)tables;
     (void)table_width, (void)lens, (void)starts, (void)qlens, (void)num_logits, (void)logits_rows, (void)eps;
-    (void)scale, (void)logits, (void)num_threads;
+    (void)scale, (void)logits, (void)argmax, (void)num_threads;
     return 0; /* no AVX512-BF16: the model's Python forward runs */
 }
 #endif
-
-/* Row-wise argmax of float32 rows [rows, width] (width >= 1): torch.argmax's answer, the first maximum, or
- * the first NaN of a row that holds one; two vector passes instead of torch's scalar loop (the greedy
- * sampler's argmax over 49152 logits: torch.argmax ~110 us, the two-pass row_argmax ~35 us hot). */
-void argmax_f32(const float *x, int64_t rows, int64_t width, int64_t *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * width;
-        /* pass 1: the maximum, four independent accumulators; a NaN anywhere is found in pass 2 */
-        __m512 best[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
-                          _mm512_set1_ps(-INFINITY)};
-        __mmask16 nan = 0;
-        int64_t d = 0;
-        for (; d + 64 <= width; d += 64)
-            for (int u = 0; u < 4; u++) {
-                const __m512 v = _mm512_loadu_ps(row + d + 16 * u);
-                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-                best[u] = _mm512_max_ps(best[u], v);
-            }
-        for (; d < width; d += 16) {
-            const __mmask16 live = tail_mask(width - d);
-            const __m512 v = _mm512_maskz_loadu_ps(live, row + d);
-            nan |= _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q);
-            best[0] = _mm512_mask_max_ps(best[0], live, best[0], v);
-        }
-        const __m512 top = _mm512_set1_ps(
-            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(best[0], best[1]), _mm512_max_ps(best[2], best[3]))));
-        /* pass 2: the first NaN if there is one, else the first element equal to the maximum */
-        int64_t found = -1;
-        for (d = 0; d < width && found < 0; d += 16) {
-            const __mmask16 live = tail_mask(width - d);
-            const __m512 v = _mm512_maskz_loadu_ps(live, row + d);
-            const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q)
-                                      : _mm512_mask_cmp_ps_mask(live, v, top, _CMP_EQ_OQ);
-            if (hit) found = d + __builtin_ctz(hit);
-        }
-        out[r] = found;
-    }
-}
 
 #else
 int kernel_vector_bits(void) { return 0; }
