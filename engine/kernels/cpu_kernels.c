@@ -1309,7 +1309,8 @@ INLINE int team_linear(const int64_t *linear, const uint16_t *x, const uint16_t 
 
 /* decode_stack_bf16 for one token in one row, its logits row 0 (team_can_run holds for every linear), and that
  * row's argmax_row into argmax[0]: each thread's of the slice it converts (hot in its cache), the first slice's on
- * ties (an argmax of the row after the step read half of it from the other core's cache: ~30 us, this ~3 us).
+ * ties (an argmax after the step read half the row from the other core's cache: with the vCPUs on two CCDs an
+ * int4-g32 SmolLM-135M step took 2.194 -> 2.149 ms, paired 0.982 over 169 alternated passes).
  * Returns 0 where the threads' copies or a linear's prepared input found no memory. */
 static int decode_team(const int64_t *layers, const int64_t *sizes, void *const *buffers, const void *embedding,
                        const void *final_norm, const int64_t *lm_head, const void *cos_table, const void *sin_table,
