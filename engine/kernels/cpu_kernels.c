@@ -1229,7 +1229,8 @@ INLINE void stack_prefetch_keys(const void *k_pool, const void *v_pool, const in
 
 /* A barrier for the threads of one region, on its own line: each arrival counts, and a thread leaves when the
  * count reaches its goal (threads a barrier; never reset, compared modulo 2^32). A waiting thread spins
- * `spins` pauses, then sleeps on the count (a futex) until the last arrival wakes it: with more threads than
+ * `spins` times (prefetching its next attention's rows, then pausing), then sleeps on the count (a futex) until
+ * the last arrival wakes it: with more threads than
  * cores a spinning thread holds the core the one it waits for needs (int4-g32, three threads on two cores:
  * 344 ms a step spinning and yielding, 7.8 ms with a region per linear, whose libgomp sleeps likewise). */
 #include <linux/futex.h>
@@ -1246,7 +1247,33 @@ typedef struct {
     char line[120];
 } TeamBarrier;
 
-INLINE void team_wait(TeamBarrier *barrier, uint32_t *goal, uint32_t threads, int64_t spins) {
+/* The key and value rows of the KV heads [head, head_end) at positions [first, end) of one layer's pool, which a
+ * thread's next attention reads: the thread prefetches them a row at a time while it waits at a barrier (pos: the
+ * next row's position). The pool is cold at each attention (the weights streamed since the last step evicted it),
+ * and half an attention's time went to those misses (a second attention over the same rows at once took ~110 of
+ * ~215 us a step); prefetched before the layer's first GEMV, its rows came back only as that stream let them
+ * (all of them there: 1.017-1.020x slower than the first 64). */
+typedef struct {
+    const uint16_t *k_pool, *v_pool;
+    const int64_t *table;
+    int64_t num_blocks, block_size, head_dim, head, head_end, first, pos, end;
+} KeyTrickle;
+
+/* The trickle's next row prefetched; 0 when none is left. */
+INLINE int trickle_row(KeyTrickle *ahead) {
+    if (ahead->head >= ahead->head_end) return 0;
+    const int shift = __builtin_ctzll((unsigned long long)ahead->block_size);
+    const int64_t pos = ahead->pos, block = ahead->table[pos >> shift];
+    const int64_t row = (((ahead->head * ahead->num_blocks + block) << shift) + (pos & (ahead->block_size - 1)))
+                        * ahead->head_dim;
+    prefetch_row(ahead->k_pool, row, ahead->head_dim, 1);
+    prefetch_row(ahead->v_pool, row, ahead->head_dim, 1);
+    if (++ahead->pos >= ahead->end) ahead->pos = ahead->first, ahead->head++;
+    return 1;
+}
+
+/* `ahead` (NULL: none): rows a waiting thread prefetches, one a spin, instead of pausing. */
+INLINE void team_wait(TeamBarrier *barrier, uint32_t *goal, uint32_t threads, int64_t spins, KeyTrickle *ahead) {
     *goal += threads;
     if (atomic_fetch_add(&barrier->arrived, 1) + 1 == *goal) {
         if (atomic_load(&barrier->sleepers) != 0)
@@ -1255,7 +1282,7 @@ INLINE void team_wait(TeamBarrier *barrier, uint32_t *goal, uint32_t threads, in
     }
     for (int64_t spin = 0; spin < spins; spin++) {
         if ((int32_t)(atomic_load_explicit(&barrier->arrived, memory_order_acquire) - *goal) >= 0) return;
-        _mm_pause();
+        if (ahead == NULL || !trickle_row(ahead)) _mm_pause();
     }
     /* sleepers counted before the count is read again, the last arrival reading sleepers after its count
      * (both sequentially consistent): either it sees this sleeper and wakes it, or this thread sees its count */
@@ -1347,6 +1374,7 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
         if (tiles) load_attention_tiles();
 #endif
         uint32_t goal = 0;
+        KeyTrickle ahead = {0}; /* the rows of the thread's next attention, from the last one on (none in layer 0) */
         uint16_t *residual = copies + me * own, *normed = residual + hidden, *act = normed + hidden;
         /* the KV heads whose new K/V rows the thread writes, and the query heads [q_from, q_to) it attends: an even
          * split of the query heads (by KV head, one SmolLM-135M thread attended two of three, the other waited
@@ -1371,33 +1399,41 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
                 prefetch_row(k_pool, (h * num_blocks * block_size + slot) * head_dim, head_dim, 1);
                 prefetch_row(v_pool, (h * num_blocks * block_size + slot) * head_dim, head_dim, 1);
             }
-            for (int64_t h = q_from / group; h * group < q_to; h++)
+            for (int64_t h = ahead.head_end > 0 ? ahead.head : q_from / group; h * group < q_to; h++) /* not yet */
                 stack_prefetch_head_keys(k_pool, v_pool, table, lens[0], h, head_dim, num_blocks, block_size, window);
             failed |= !team_linear(TEAM_LINEAR(STACK_QKV), normed, TEAM_PTR(STACK_QKV_BIAS), qkv, hidden, me, threads,
                                    TEAM_LINEAR(STACK_O), q_size);
-            team_wait(&barrier, &goal, (uint32_t)threads, spins);
+            team_wait(&barrier, &goal, (uint32_t)threads, spins, &ahead);
             for (int64_t h = kv_from; h < kv_to; h++) {
                 rotary_heads(qkv, 0, qkv_size, heads + h, heads + h + 1, head_dim, cos, sin, 1);
                 const size_t to = (size_t)((h * num_blocks * block_size + slot) * head_dim);
                 memcpy(k_pool + to, qkv + q_size + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
                 memcpy(v_pool + to, qkv + q_size + kv_size + h * head_dim, (size_t)head_dim * sizeof(uint16_t));
             }
-            team_wait(&barrier, &goal, (uint32_t)threads, spins); /* every head's new K/V row in the pool */
+            team_wait(&barrier, &goal, (uint32_t)threads, spins, &ahead); /* every head's new K/V row in the pool */
             for (int64_t h = q_from / group; h * group < q_to; h++) { /* item h: tile 0 of row 0, KV head h */
                 const int64_t from = (q_from > h * group ? q_from : h * group) - h * group;
                 const int64_t to = (q_to < (h + 1) * group ? q_to : (h + 1) * group) - h * group;
                 rotary_heads(qkv, 0, qkv_size, h * group + from, h * group + to, head_dim, cos, sin, 1);
                 attend_queries(&call, h, from, to, 1);
             }
-            team_wait(&barrier, &goal, (uint32_t)threads, spins);
+            if (l + 1 < sizes[STACK_LAYERS] && q_from < q_to) { /* the next layer's rows but the one it writes */
+                const int64_t len = lens[0], first = window > 0 && len > window ? len - window : 0;
+                const int64_t *next_layer = layer + STACK_LAYER_FIELDS;
+                ahead = (KeyTrickle){(const uint16_t *)(intptr_t)next_layer[STACK_K_POOL],
+                                     (const uint16_t *)(intptr_t)next_layer[STACK_V_POOL], table, num_blocks, block_size,
+                                     head_dim, q_from / group, first < len - 1 ? (q_to - 1) / group + 1 : 0, first,
+                                     first, len - 1};
+            } else ahead.head_end = 0;
+            team_wait(&barrier, &goal, (uint32_t)threads, spins, &ahead);
             prefetch_row(TEAM_PTR(STACK_POST_NORM), 0, hidden, 1);
             failed |= !team_linear(TEAM_LINEAR(STACK_O), attended, TEAM_PTR(STACK_O_BIAS), x, q_size, me, threads,
                                    TEAM_LINEAR(STACK_GATE_UP), hidden);
-            team_wait(&barrier, &goal, (uint32_t)threads, spins);
+            team_wait(&barrier, &goal, (uint32_t)threads, spins, &ahead);
             rms_norm_row(x, residual, TEAM_PTR(STACK_POST_NORM), normed, 0, hidden, eps, 1);
             failed |= !team_linear(TEAM_LINEAR(STACK_GATE_UP), normed, TEAM_PTR(STACK_GATE_UP_BIAS), gate_up, hidden, me,
                                    threads, TEAM_LINEAR(STACK_DOWN), intermediate);
-            team_wait(&barrier, &goal, (uint32_t)threads, spins);
+            team_wait(&barrier, &goal, (uint32_t)threads, spins, &ahead);
             silu_and_mul_row(gate_up, act, 0, intermediate, 1);
             const int last_layer = l + 1 == sizes[STACK_LAYERS];
             prefetch_row(last_layer ? final_norm : (const void *)(intptr_t)layer[STACK_LAYER_FIELDS + STACK_INPUT_NORM],
@@ -1405,13 +1441,13 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
             failed |= !team_linear(TEAM_LINEAR(STACK_DOWN), act, TEAM_PTR(STACK_DOWN_BIAS), x, intermediate, me, threads,
                                    last_layer ? lm_head : (const int64_t *)(intptr_t)layer[STACK_LAYER_FIELDS + STACK_QKV],
                                    hidden);
-            team_wait(&barrier, &goal, (uint32_t)threads, spins);
+            team_wait(&barrier, &goal, (uint32_t)threads, spins, &ahead);
 #undef TEAM_LINEAR
 #undef TEAM_PTR
         }
         rms_norm_row(x, residual, final_norm, normed, 0, hidden, eps, 1);
         failed |= !team_linear(lm_head, normed, NULL, rounded, hidden, me, threads, NULL, 0);
-        team_wait(&barrier, &goal, (uint32_t)threads, spins);
+        team_wait(&barrier, &goal, (uint32_t)threads, spins, NULL);
         const int64_t from = vocab * me / threads, to = vocab * (me + 1) / threads;
         for (int64_t i = from; i < to; i++) { /* bf16 -> float32: exact */
             const uint32_t bits = (uint32_t)rounded[i] << 16;
