@@ -1421,9 +1421,9 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
                 const int64_t len = lens[0], first = window > 0 && len > window ? len - window : 0;
                 const int64_t *next_layer = layer + STACK_LAYER_FIELDS;
                 ahead = (KeyTrickle){(const uint16_t *)(intptr_t)next_layer[STACK_K_POOL],
-                                     (const uint16_t *)(intptr_t)next_layer[STACK_V_POOL], table, num_blocks, block_size,
-                                     head_dim, q_from / group, first < len - 1 ? (q_to - 1) / group + 1 : 0, first,
-                                     first, len - 1};
+                                     (const uint16_t *)(intptr_t)next_layer[STACK_V_POOL], table, num_blocks,
+                                     block_size, head_dim, q_from / group,
+                                     first < len - 1 ? (q_to - 1) / group + 1 : 0, first, first, len - 1};
             } else ahead.head_end = 0;
             team_wait(&barrier, &goal, (uint32_t)threads, spins, &ahead);
             prefetch_row(TEAM_PTR(STACK_POST_NORM), 0, hidden, 1);
@@ -1457,19 +1457,21 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
     }
     free(copies);
     int64_t best = -1; /* a NaN stays; else a later slice's only where greater */
-    for (int t = 0; t < (num_threads < 1 ? 1 : num_threads); t++)
-        if (picks[t] >= 0 && (best < 0 || (!isnan(logits[best]) && (isnan(logits[picks[t]]) || logits[picks[t]] > logits[best]))))
-            best = picks[t];
+    for (int t = 0; t < (num_threads < 1 ? 1 : num_threads); t++) {
+        const int64_t pick = picks[t];
+        if (pick >= 0 && (best < 0 || (!isnan(logits[best]) && (isnan(logits[pick]) || logits[pick] > logits[best]))))
+            best = pick;
+    }
     argmax[0] = best;
     return !failed;
 }
 
 /* Returns 1 (0: out of memory in a linear's kernel, nothing to retry here); writes float32 logits
  * [num_logits, vocab] for tokens `logits_rows`, and into `argmax` [num_logits] each row's argmax_row where the
- * one-region step found it on the way (-1 where not: the caller finds it if it needs it). `tokens` new tokens (`token`, `position`, `slot` each
- * [tokens]) in `num_rows` rows as paged_attention takes them (`tables` [num_rows, table_width], `lens`,
- * and `starts`/`qlens` or NULL for one token a row); `cos_table`/`sin_table`: bf16 RoPE rows
- * [positions, head_dim / 2]; `lm_head`: the lm_head's descriptor. */
+ * one-region step found it on the way (-1 where not: the caller finds it if it needs it). `tokens` new tokens
+ * (`token`, `position`, `slot` each [tokens]) in `num_rows` rows as paged_attention takes them (`tables`
+ * [num_rows, table_width], `lens`, and `starts`/`qlens` or NULL for one token a row); `cos_table`/`sin_table`:
+ * bf16 RoPE rows [positions, head_dim / 2]; `lm_head`: the lm_head's descriptor. */
 int decode_stack_bf16(const int64_t *layers, const int64_t *sizes, void *const *buffers, const void *embedding,
                       const void *final_norm, const int64_t *lm_head, const void *cos_table, const void *sin_table,
                       int64_t tokens, const int64_t *token, const int64_t *position, const int64_t *slot,
