@@ -66,6 +66,14 @@ INLINE __m512 as_stored(__m512 x, const int bf16) { return bf16 ? round_bf16(x) 
 /* Decode attention is memory-bound with little work per row: without prefetching the next rows
  * the kernel stalls on DRAM latency (measured: 2.2 ms against 1.6 ms per 64-sequence layer). */
 #define PREFETCH_ROWS 16 /* the next block of key rows, while this one is scored */
+/* The element offset of position `pos`'s row of a KV head in a pool [num_kv_heads, num_blocks, block_size, head_dim]
+ * (head_base: the head's first block, head * num_blocks; block_size = 2^block_shift: no division, where a 64-bit
+ * idiv per row cost more than the memory traffic). */
+INLINE int64_t pool_row(int64_t head_base, const int64_t *table, int64_t pos, int block_shift, int64_t block_size,
+                        int64_t head_dim) {
+    return (((head_base + table[pos >> block_shift]) << block_shift) + (pos & (block_size - 1))) * head_dim;
+}
+
 INLINE void prefetch_row(const void *src, int64_t offset, int64_t n, const int bf16) {
     const char *start = bf16 ? (const char *)((const uint16_t *)src + offset) : (const char *)((const float *)src + offset);
     for (int64_t b = 0; b < n * (bf16 ? 2 : 4); b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
@@ -304,7 +312,7 @@ INLINE void attend_item_tiles(const uint16_t *q, int64_t q_stride, const uint16_
     }
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = base + t;
-        rows[t] = (((head_base + table[pos >> block_shift]) << block_shift) + (pos & (block_size - 1))) * head_dim;
+        rows[t] = pool_row(head_base, table, pos, block_shift, block_size, head_dim);
     }
     for (int64_t t = n; t < padded; t++) rows[t] = -1; /* no key: zeros */
     const __m512i low_pairs = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006, 0x270007,
@@ -518,10 +526,9 @@ INLINE void attend_queries(const PagedCall *call, int64_t item, int64_t from, in
         out_offsets[c] = ((start + j) * num_heads + head * group + c % group) * head_dim;
         p[c] = scores + c * padded;
     }
-    /* block_size is a power of two: no division (a 64-bit idiv per row cost more than the memory traffic) */
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = first + t;
-        rows[t] = (((head_base + table[pos >> block_shift]) << block_shift) + (pos & (block_size - 1))) * head_dim;
+        rows[t] = pool_row(head_base, table, pos, block_shift, block_size, head_dim);
     }
     for (int64_t t = n; t < padded; t++) rows[t] = rows[n - 1];
     /* every query scores every key of the row (a few past its own range, unused) */
@@ -1193,7 +1200,7 @@ INLINE void stack_prefetch_head_keys(const void *k_pool, const void *v_pool, con
     const int64_t from = window > 0 && len > window ? len - window : 0;
     const int64_t to = from + ATTENTION_PREFETCH_ROWS < len - 1 ? from + ATTENTION_PREFETCH_ROWS : len - 1;
     for (int64_t pos = from; pos < to; pos++) {
-        const int64_t row = (((head * num_blocks + table[pos >> shift]) << shift) + (pos & (block_size - 1))) * head_dim;
+        const int64_t row = pool_row(head * num_blocks, table, pos, shift, block_size, head_dim);
         prefetch_row(k_pool, row, head_dim, 1);
         prefetch_row(v_pool, row, head_dim, 1);
     }
@@ -1263,9 +1270,8 @@ typedef struct {
 INLINE int trickle_row(KeyTrickle *ahead) {
     if (ahead->head >= ahead->head_end) return 0;
     const int shift = __builtin_ctzll((unsigned long long)ahead->block_size);
-    const int64_t pos = ahead->pos, block = ahead->table[pos >> shift];
-    const int64_t row = (((ahead->head * ahead->num_blocks + block) << shift) + (pos & (ahead->block_size - 1)))
-                        * ahead->head_dim;
+    const int64_t row = pool_row(ahead->head * ahead->num_blocks, ahead->table, ahead->pos, shift, ahead->block_size,
+                                 ahead->head_dim);
     prefetch_row(ahead->k_pool, row, ahead->head_dim, 1);
     prefetch_row(ahead->v_pool, row, ahead->head_dim, 1);
     if (++ahead->pos >= ahead->end) ahead->pos = ahead->first, ahead->head++;
@@ -1354,13 +1360,14 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
     const uint16_t *cos = (const uint16_t *)cos_table + position * half, *sin = (const uint16_t *)sin_table + position * half;
     /* each thread's residual stream, normed row and SiLU*mul row, 64-byte aligned */
     const int64_t own = (2 * hidden + intermediate + 31) / 32 * 32;
-    uint16_t *copies = aligned_alloc(64, sizeof(uint16_t) * (size_t)(own * (num_threads < 1 ? 1 : num_threads)));
+    const int slots = num_threads < 1 ? 1 : num_threads; /* threads the region may have */
+    uint16_t *copies = aligned_alloc(64, sizeof(uint16_t) * (size_t)(own * slots));
     if (copies == NULL) return 0;
     TeamBarrier barrier = {0};
     const int64_t spins = num_threads > omp_get_num_procs() ? TEAM_SPINS_CROWDED : TEAM_SPINS;
     const int64_t first_tile[2] = {0, 1};
-    int64_t picks[num_threads < 1 ? 1 : num_threads]; /* each thread's slice's argmax, -1: none */
-    for (int t = 0; t < (num_threads < 1 ? 1 : num_threads); t++) picks[t] = -1;
+    int64_t picks[slots]; /* each thread's slice's argmax, -1: none */
+    for (int t = 0; t < slots; t++) picks[t] = -1;
     int failed = 0;
 #if ATTENTION_TILES
     const int tiles = attention_tiles_granted();
@@ -1457,7 +1464,7 @@ static int decode_team(const int64_t *layers, const int64_t *sizes, void *const 
     }
     free(copies);
     int64_t best = -1; /* a NaN stays; else a later slice's only where greater */
-    for (int t = 0; t < (num_threads < 1 ? 1 : num_threads); t++) {
+    for (int t = 0; t < slots; t++) {
         const int64_t pick = picks[t];
         if (pick >= 0 && (best < 0 || (!isnan(logits[best]) && (isnan(logits[pick]) || logits[pick] > logits[best]))))
             best = pick;
