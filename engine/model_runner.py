@@ -84,10 +84,20 @@ def _prompt_logprobs(logits: torch.Tensor, rows: list[PromptRow]) -> dict[int, l
     return result
 
 
+class HostVectors(NamedTuple):
+    """A CPU step's four vectors as the int64 arrays its tensors view: what the native step reads (no torch call)."""
+
+    input_ids: array
+    positions: array
+    slot_mapping: array
+    logits_indices: array
+
+
 @dataclass
 class StepInputs:
     """What the forward of one step reads, and all of it: plain tensors and integer lists, the same on
-    every rank (a multi-rank executor sends exactly these). Rows in forward order (1-token rows first)."""
+    every rank (a multi-rank executor sends exactly these, without `host`). Rows in forward order (1-token rows
+    first)."""
 
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
@@ -97,6 +107,7 @@ class StepInputs:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
+    host: Optional[HostVectors] = None  # where the driver built the vectors on the CPU
 
     def attention_batch(self, block_size: int) -> CommonAttentionMetadata:
         return CommonAttentionMetadata(seq_ids=self.seq_ids, query_lens=self.query_lens,
@@ -368,15 +379,18 @@ class ModelRunner:
     # execute = prepare (the batch as plain tensors, on the driver) -> forward (every rank, on those
     # tensors alone) -> sample (the driver). A multi-rank executor sends `StepInputs` to the other ranks
     # between the first two.
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
         """Run the batch: sample every row that finished its known tokens (`rows[i]` says how; a verify
         row is sampled after each of its last k + 1 inputs), and score prompt tokens for the rows that
         asked for prompt log-probs. The output's lists are aligned with `scheduled`."""
-        # inference mode entered once, not again by forward and sample: after a batch-1 step's weight stream each
-        # entry runs from cold caches (the two saved 1.2 % of an int4-g32 SmolLM-135M step, paired 0.988)
         step = self.prepare(scheduled)
-        return self._sample(step, self._run(step.inputs, self.kv_caches, self.graphs), rows)
+        if self._runs_natively(step.inputs, self.kv_caches):
+            # one C call on the step's arrays, then a sampler that only reads its logits: no autograd state to
+            # switch off, and after a batch-1 step's weight stream entering inference mode took ~40 us of cold caches
+            return self._sample(step, self._native_step(step.inputs), rows)
+        # inference mode entered once, not again by forward and sample (each entry runs from cold caches)
+        with torch.inference_mode():
+            return self._sample(step, self._run(step.inputs, self.kv_caches, self.graphs), rows)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> "PreparedStep":
         # 1-token rows first: the decode fast paths take the leading ones (CommonAttentionMetadata.num_single)
@@ -438,12 +452,18 @@ class ModelRunner:
         index = {id(item): i for i, item in enumerate(sampling)}
         return logits[[index[id(item)] for item in scheduled if item.num_samples]]
 
+    def _runs_natively(self, inputs: "StepInputs", kv_caches: list[torch.Tensor]) -> bool:
+        return (self.native_decode is not None and inputs.host is not None and kv_caches is self.kv_caches
+                and self.native_decode.can_run(inputs.query_lens, NATIVE_MAX_QUERY))
+
+    def _native_step(self, inputs: "StepInputs") -> StepLogits:
+        host = inputs.host
+        return StepLogits(*self.native_decode(host.input_ids, host.positions, host.slot_mapping, inputs.block_tables,
+                                              inputs.context_lens, inputs.query_lens, host.logits_indices))
+
     def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]) -> StepLogits:
-        if (self.native_decode is not None and kv_caches is self.kv_caches
-                and self.native_decode.can_run(inputs.query_lens, NATIVE_MAX_QUERY)):
-            return StepLogits(*self.native_decode(inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                                                  inputs.block_tables, inputs.context_lens, inputs.query_lens,
-                                                  inputs.logits_indices))
+        if self._runs_natively(inputs, kv_caches):
+            return self._native_step(inputs)
         batch = inputs.attention_batch(self.block_size)
         meta = self.attention.build_metadata(batch)
         if graphs is not None and graphs.can_run(batch):
@@ -479,16 +499,16 @@ class ModelRunner:
                 prompt_rows.extend(PromptRow(seq.seq_id, row + p - start, p + 1, seq.token_ids[p + 1], wanted)
                                    for p in range(start, last))
         logits_indices.extend(r.row for r in prompt_rows)
-        inputs = StepInputs(self._tensor(ids), self._tensor(positions), self._tensor(slots),
-                            self._tensor(logits_indices), [s.seq.seq_id for s in order], query_lens, context_lens,
-                            [s.seq.block_table for s in order])
+        host = HostVectors(*(array("q", values) for values in (ids, positions, slots, logits_indices)))
+        inputs = StepInputs(*(self._tensor(values) for values in host), [s.seq.seq_id for s in order], query_lens,
+                            context_lens, [s.seq.block_table for s in order], host if self._on_cpu else None)
         return inputs, prompt_rows
 
-    def _tensor(self, values: list) -> torch.Tensor:
+    def _tensor(self, values: array) -> torch.Tensor:
         if self._on_cpu and values:
-            # a view of an array, not torch.tensor's walk over a Python list: after a batch-1 step's weight stream
+            # a view of the array, not torch.tensor's walk over a Python list: after a batch-1 step's weight stream
             # every torch call runs from cold caches, and the step's four vectors took 80 -> 38 us (Zen 4, 2 threads)
-            return torch.frombuffer(array("q", values), dtype=torch.long)
+            return torch.frombuffer(values, dtype=torch.long)
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def truncate_kept_state(self, seq_id: int, num_tokens: int) -> None:

@@ -433,25 +433,31 @@ class DecodeStack:
         self._fixed = (self._layers.data_ptr(), self._sizes.data_ptr(), self._scratch_addresses, embedding.data_ptr(),
                        final_norm.data_ptr(), descriptor_address(lm_head_index), cos.data_ptr(), sin.data_ptr())
         self._eps, self._scale = eps, scale
+        self._logits: dict[int, torch.Tensor] = {}  # per logits row count: each call's output buffer
 
     def can_run(self, query_lens: list[int], max_row_tokens: int) -> bool:
         """Whether a step of rows of `query_lens` new tokens fits (rows of at most `max_row_tokens`)."""
         return sum(query_lens) <= self.max_tokens and max(query_lens, default=0) <= max_row_tokens
 
     @profiled("decode_stack")
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
-                 logits_indices: torch.Tensor) -> tuple[torch.Tensor, Optional[list[int]]]:
-        """Float32 logits [len(logits_indices), vocab] of the step's tokens `input_ids` [tokens] at `positions`
-        (int64, their K/V written at `slot_mapping`), in rows of `query_lens` consecutive tokens, row r on a
-        context of `context_lens[r]` keys (its new tokens included) in `block_tables[r]`'s blocks; and each logits
-        row's argmax (`argmax`'s answer) where the step found them on the way (a one-token step in one parallel
-        region: each thread in the slice it wrote), else None."""
-        tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
-        for tensor in (input_ids, positions, slot_mapping, logits_indices):
-            if tensor.dtype != torch.int64 or tensor.dim() != 1 or not tensor.is_contiguous():
-                raise ValueError("decode_stack: ids, positions, slots and logits indices must be contiguous int64 [n]")
-        if not 0 < tokens <= self.max_tokens or positions.shape != (tokens,) or slot_mapping.shape != (tokens,) \
+    def __call__(self, input_ids: array, positions: array, slot_mapping: array, block_tables: list[list[int]],
+                 context_lens: list[int], query_lens: list[int], logits_indices: array
+                 ) -> tuple[torch.Tensor, Optional[list[int]]]:
+        """Float32 logits [len(logits_indices), vocab] of the step's tokens `input_ids` at `positions` (their K/V
+        written at `slot_mapping`), in rows of `query_lens` consecutive tokens, row r on a context of
+        `context_lens[r]` keys (its new tokens included) in `block_tables[r]`'s blocks; and each logits row's
+        argmax (`argmax`'s answer) where the step found them on the way (a one-token step in one parallel region:
+        each thread in the slice it wrote), else None. The four vectors are int64 arrays (`array("q")`); the
+        logits are this stack's buffer for that many rows, overwritten by the next call with as many.
+
+        No torch call but the logits' first allocation: after a batch-1 step's weight stream each runs from cold
+        caches (SmolLM-135M int4-g32, two threads, Zen 4: this Python ~69 -> ~40 us a step, where tensors came in
+        and the logits were a new one)."""
+        if not all(isinstance(v, array) and v.typecode == "q"
+                   for v in (input_ids, positions, slot_mapping, logits_indices)):
+            raise ValueError("decode_stack: ids, positions, slots and logits indices must be int64 arrays")
+        tokens = len(input_ids)
+        if not 0 < tokens <= self.max_tokens or len(positions) != tokens or len(slot_mapping) != tokens \
                 or sum(query_lens) != tokens or min(query_lens) < 1 or len(context_lens) != len(query_lens) \
                 or len(block_tables) != len(query_lens) or any(q > c for q, c in zip(query_lens, context_lens)):
             raise ValueError(f"decode_stack: {tokens} tokens in rows {query_lens} do not fit (at most {self.max_tokens})")
@@ -463,8 +469,7 @@ class DecodeStack:
                 and _within(input_ids, self.vocab) and _within(positions, self.positions)
                 and _within(slot_mapping, self.pool_slots) and _within(logits_indices, tokens)):
             raise ValueError("decode_stack: a token, position, slot, logits row or block id lies outside its table")
-        # The block tables and the context lengths in one array, no tensor: after the previous step's weight stream
-        # every torch call runs from cold caches (15-70 us each, 2-3 hot), and this Python took 137 -> 108 us cold.
+        # the block tables and the context lengths in one array
         tables_and_lens = array("q", [value for table in needed for value in table + [0] * (width - len(table))]
                                 + context_lens)
         tables_address = tables_and_lens.buffer_info()[0]
@@ -475,27 +480,25 @@ class DecodeStack:
             for length in query_lens[:-1]:
                 starts.append(starts[-1] + length)
             ranges = (array("q", starts), array("q", query_lens))
-        logits = torch.empty(logits_indices.shape[0], self.vocab, dtype=torch.float32)
-        picked = (ctypes.c_int64 * logits_indices.shape[0])()
-        if not self._function(*self._fixed, tokens, input_ids.data_ptr(), positions.data_ptr(),
-                              slot_mapping.data_ptr(), len(query_lens), tables_address, width, lens_address,
-                              *(r.buffer_info()[0] if r is not None else None for r in ranges), logits_indices.shape[0],
-                              logits_indices.data_ptr(), self._eps, self._scale, logits.data_ptr(), picked,
-                              torch.get_num_threads()):
+        rows = len(logits_indices)
+        logits = self._logits.get(rows)
+        if logits is None:
+            with torch.inference_mode(False):  # a plain tensor, whichever mode the first step ran in
+                logits = self._logits[rows] = torch.empty(rows, self.vocab, dtype=torch.float32)
+        picked = array("q", [-1]) * rows
+        if not self._function(*self._fixed, tokens, input_ids.buffer_info()[0], positions.buffer_info()[0],
+                              slot_mapping.buffer_info()[0], len(query_lens), tables_address, width, lens_address,
+                              *(r.buffer_info()[0] if r is not None else None for r in ranges), rows,
+                              logits_indices.buffer_info()[0], self._eps, self._scale, logits.data_ptr(),
+                              picked.buffer_info()[0], torch.get_num_threads()):
             raise MemoryError("decode_stack: no memory for a linear kernel's prepared input")
-        argmax = list(picked)
+        argmax = picked.tolist()
         return logits, (argmax if argmax and min(argmax) >= 0 else None)
 
 
-def _within(values: torch.Tensor, size: int) -> bool:
-    """Every entry of the int64 vector in [0, size)."""
-    if values.shape[0] == 0:
-        return True
-    if values.shape[0] <= 64:  # one torch call (a decode step's few entries), where aminmax takes three
-        listed = values.tolist()
-        return 0 <= min(listed) and max(listed) < size
-    lowest, highest = (int(v) for v in torch.aminmax(values))
-    return 0 <= lowest and highest < size
+def _within(values: array, size: int) -> bool:
+    """Every entry of the int64 array in [0, size)."""
+    return not values or (0 <= min(values) and max(values) < size)
 
 
 def _linear_operand_shape(kind: str, out_features: int, in_features: int) -> tuple[int, ...]:
