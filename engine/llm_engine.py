@@ -437,7 +437,8 @@ class LLMEngine:
                 del self.requests[request.request_id]
         if not self.scheduler.has_unfinished:
             self.executor.release_kept_state()
-        self.last_step = replace(self.last_step, inter_token_latencies=tuple(latencies), outputs=outputs)
+        last = self.last_step  # built directly: dataclasses.replace walks the fields, each step
+        self.last_step = StepInfo(last.request_ids, last.num_batched_tokens, last.token_budget, tuple(latencies), outputs)
         return self.last_step
 
     def _after_out_of_memory(self, out: SchedulerOutput, cause: str) -> Optional[RequestOutput]:

@@ -415,15 +415,19 @@ class ModelRunner:
         owners: list[int] = []  # the batch row of each sampled position
         drafts: list[DraftSpan] = []  # verify rows whose drafts came with their distribution
         for item in step.order:
-            if item.num_samples and item.spec_draft_probs is not None:
+            samples = item.num_samples
+            if not samples:
+                continue
+            owner = batch_index[id(item)]
+            row = rows[owner]
+            if item.spec_draft_probs is not None:
                 drafts.append(DraftSpan(len(positions), item.spec_token_ids, item.spec_draft_probs))
-            for j in range(item.num_samples):
-                row = rows[batch_index[id(item)]]
-                # Each draft position is sampled as if the drafts before it had been decoded (penalties,
-                # min_tokens and logits processors see them).
-                positions.append(row if j == 0 else replace(
-                    row, output_token_ids=row.output_token_ids + item.spec_token_ids[:j]))
-                owners.append(batch_index[id(item)])
+            # Each draft position is sampled as if the drafts before it had been decoded (penalties,
+            # min_tokens and logits processors see them).
+            positions.append(row)
+            positions.extend(replace(row, output_token_ids=row.output_token_ids + item.spec_token_ids[:j])
+                             for j in range(1, samples))
+            owners.extend([owner] * samples)
         result = ModelRunnerOutput([[] for _ in scheduled], [[] for _ in scheduled], [[] for _ in scheduled])
         if positions:
             # the logits' rows are the sampled positions', then the prompt rows' (no torch call when none: each
