@@ -6,7 +6,7 @@ calling thread (`time.thread_time_ns`: descheduling on a shared host is not coun
 `--repeats` passes. Two kinds of pass:
 
 - plain: `LLMEngine.step()` alone, nothing instrumented (the real per-step cost);
-- split: the same steps with timers around the engine's parts (schedule, prepare, forward, and in it
+- split: the same steps with timers around the engine's parts (schedule, prepare, the native step or the forward, in it
   the linears, attention, the rest of the model; sample; update_from_output + detokenize + outputs).
   The timers cost ~0.5 us each (~170 per step on the Python forward).
 
@@ -74,8 +74,9 @@ def instrument(engine) -> Timers:
     timers.wrap(engine, "_detokenize", "detokenize")
     timers.wrap(engine, "_output", "outputs")
     timers.wrap(runner, "prepare", "prepare")
-    timers.wrap(runner, "forward", "forward (rest)")
-    timers.wrap(runner, "sample", "sample")
+    timers.wrap(runner, "_run", "forward (rest)")  # execute's own calls (forward and sample are the driver's)
+    timers.wrap(runner, "_native_step", "native step")
+    timers.wrap(runner, "_sample", "sample")
     timers.wrap(runner.attention, "build_metadata", "attention metadata")
     timers.wrap(runner.attention, "forward", "attention")
     for module in runner.model.modules():
