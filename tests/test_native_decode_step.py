@@ -279,6 +279,20 @@ def test_act_order_linears_keep_the_python_forward(tiny_models, tmp_path):
 
 
 @needs_gemv
+def test_the_steps_logits_are_one_plain_buffer_per_row_count(tmp_path):
+    # the step writes its logits into the stack's buffer (no tensor allocated per step), a plain tensor even when
+    # the first step ran in inference mode (the sampler may read it outside), and the next step writes it again
+    llm = _engine(tmp_path, "llama", head_dim=32)
+    stack = llm.engine.executor.runner.native_decode
+    with torch.inference_mode():
+        first, _ = stack(array("q", [1]), array("q", [1]), array("q", [1]), [[0]], [2], [1], array("q", [0]))
+    assert not first.is_inference() and first.shape == (1, stack.vocab)
+    kept = first.clone()
+    second, _ = stack(array("q", [2]), array("q", [1]), array("q", [1]), [[0]], [2], [1], array("q", [0]))
+    assert second is first and not torch.equal(second, kept)  # another token, the same buffer
+
+
+@needs_gemv
 def test_the_step_refuses_ids_outside_its_tables(tmp_path):
     llm = _engine(tmp_path, "llama", head_dim=32)
     stack = llm.engine.executor.runner.native_decode
