@@ -279,9 +279,10 @@ def test_act_order_linears_keep_the_python_forward(tiny_models, tmp_path):
 
 
 @needs_gemv
-def test_the_steps_logits_are_one_plain_buffer_per_row_count(tmp_path):
-    # the step writes its logits into the stack's buffer (no tensor allocated per step), a plain tensor even when
-    # the first step ran in inference mode (the sampler may read it outside), and the next step writes it again
+def test_the_steps_logits_are_one_plain_buffer(tmp_path):
+    # the step writes its logits into the stack's one buffer (no tensor allocated per step; [max_tokens, vocab],
+    # not one per row count), a plain tensor even when the first step ran in inference mode (the sampler may read
+    # it outside), and the next step writes it again
     llm = _engine(tmp_path, "llama", head_dim=32)
     stack = llm.engine.executor.runner.native_decode
     with torch.inference_mode():
@@ -290,6 +291,7 @@ def test_the_steps_logits_are_one_plain_buffer_per_row_count(tmp_path):
     kept = first.clone()
     second, _ = stack(array("q", [2]), array("q", [1]), array("q", [1]), [[0]], [2], [1], array("q", [0]))
     assert second is first and not torch.equal(second, kept)  # another token, the same buffer
+    assert first.untyped_storage().nbytes() == 4 * stack.max_tokens * stack.vocab  # rows of one [max_tokens, vocab]
 
 
 @needs_gemv
@@ -310,6 +312,8 @@ def test_the_step_refuses_ids_outside_its_tables(tmp_path):
             stack(not_int64, one, one, [[0]], [2], [1], zero)
     with pytest.raises(ValueError, match="do not fit"):
         stack(one, one, one, [[0]], [2], [2], zero)  # rows of more tokens than the step holds
+    with pytest.raises(ValueError, match="do not fit"):
+        stack(one, one, one, [[0]], [2], [1], array("q", [0, 0]))  # more logits rows than tokens
 
 
 @needs_gemv

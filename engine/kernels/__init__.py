@@ -433,7 +433,8 @@ class DecodeStack:
         self._fixed = (self._layers.data_ptr(), self._sizes.data_ptr(), self._scratch_addresses, embedding.data_ptr(),
                        final_norm.data_ptr(), descriptor_address(lm_head_index), cos.data_ptr(), sin.data_ptr())
         self._eps, self._scale = eps, scale
-        self._logits: dict[int, torch.Tensor] = {}  # per logits row count: each call's output buffer
+        self._logits_buffer: Optional[torch.Tensor] = None  # [max_tokens, vocab] float32, once a step needs it
+        self._logits: dict[int, torch.Tensor] = {}  # its leading rows, per logits row count: each call's output
 
     def can_run(self, query_lens: list[int], max_row_tokens: int) -> bool:
         """Whether a step of rows of `query_lens` new tokens fits (rows of at most `max_row_tokens`)."""
@@ -448,7 +449,7 @@ class DecodeStack:
         `context_lens[r]` keys (its new tokens included) in `block_tables[r]`'s blocks; and each logits row's
         argmax (`argmax`'s answer) where the step found them on the way (a one-token step in one parallel region:
         each thread in the slice it wrote), else None. The four vectors are int64 arrays (`array("q")`); the
-        logits are this stack's buffer for that many rows, overwritten by the next call with as many.
+        logits are the leading rows of this stack's one buffer, overwritten by the next call.
 
         No torch call but the logits' first allocation: after a batch-1 step's weight stream each runs from cold
         caches (SmolLM-135M int4-g32, two threads, Zen 4: this Python ~69 -> ~40 us a step, where tensors came in
@@ -459,7 +460,8 @@ class DecodeStack:
         tokens = len(input_ids)
         if not 0 < tokens <= self.max_tokens or len(positions) != tokens or len(slot_mapping) != tokens \
                 or sum(query_lens) != tokens or min(query_lens) < 1 or len(context_lens) != len(query_lens) \
-                or len(block_tables) != len(query_lens) or any(q > c for q, c in zip(query_lens, context_lens)):
+                or len(block_tables) != len(query_lens) or any(q > c for q, c in zip(query_lens, context_lens)) \
+                or len(logits_indices) > tokens:
             raise ValueError(f"decode_stack: {tokens} tokens in rows {query_lens} do not fit (at most {self.max_tokens})")
         width = -(-max(context_lens) // self.block_size)
         needed = [table[: -(-length // self.block_size)] for table, length in zip(block_tables, context_lens)]
@@ -483,8 +485,10 @@ class DecodeStack:
         rows = len(logits_indices)
         logits = self._logits.get(rows)
         if logits is None:
-            with torch.inference_mode(False):  # a plain tensor, whichever mode the first step ran in
-                logits = self._logits[rows] = torch.empty(rows, self.vocab, dtype=torch.float32)
+            with torch.inference_mode(False):  # plain tensors, whichever mode the first step ran in
+                if self._logits_buffer is None:
+                    self._logits_buffer = torch.empty(self.max_tokens, self.vocab, dtype=torch.float32)
+                logits = self._logits[rows] = self._logits_buffer[:rows]
         picked = array("q", [-1]) * rows
         if not self._function(*self._fixed, tokens, input_ids.buffer_info()[0], positions.buffer_info()[0],
                               slot_mapping.buffer_info()[0], len(query_lens), tables_address, width, lens_address,
