@@ -503,12 +503,13 @@ class ModelRunner:
                 prompt_rows.extend(PromptRow(seq.seq_id, row + p - start, p + 1, seq.token_ids[p + 1], wanted)
                                    for p in range(start, last))
         logits_indices.extend(r.row for r in prompt_rows)
-        host = HostVectors(*(array("q", values) for values in (ids, positions, slots, logits_indices)))
-        inputs = StepInputs(*(self._tensor(values) for values in host), [s.seq.seq_id for s in order], query_lens,
-                            context_lens, [s.seq.block_table for s in order], host if self._on_cpu else None)
+        vectors = (ids, positions, slots, logits_indices)
+        host = HostVectors(*(array("q", values) for values in vectors)) if self._on_cpu else None  # device: lists
+        inputs = StepInputs(*(self._tensor(values) for values in (host or vectors)), [s.seq.seq_id for s in order],
+                            query_lens, context_lens, [s.seq.block_table for s in order], host)
         return inputs, prompt_rows
 
-    def _tensor(self, values: array) -> torch.Tensor:
+    def _tensor(self, values: "array | list[int]") -> torch.Tensor:
         if self._on_cpu and values:
             # a view of the array, not torch.tensor's walk over a Python list: after a batch-1 step's weight stream
             # every torch call runs from cold caches, and the step's four vectors took 80 -> 38 us (Zen 4, 2 threads)
