@@ -8,9 +8,8 @@ large thresholds, and fp32 conversion of a decode step's logits took 10 ms inste
 is what vLLM's CPU guide gets from preloading tcmalloc; `mallopt` gets it without a preload.
 Freed memory then stays with the process, so peak RSS is unchanged but not returned between runs.
 That includes what loading frees (each full-precision weight a quantised linear replaced, and its
-quantisation temporaries): `release_free_heap` hands it back once the weights are in place. Measured
-here, a 4-layer hidden-512 model's growth in anonymous RSS: int8 44 MB before, 14 MB after (its
-weights: 14 MB); int4-g32 67 MB before (more than bf16's 55), 9 MB after.
+quantisation temporaries): `release_free_heap` hands it back once the weights are in place, so a
+quantised model's RSS is about its quantised weights.
 """
 
 from __future__ import annotations

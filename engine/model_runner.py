@@ -241,7 +241,7 @@ class ModelRunner:
         # CPU steps of a few tokens (batch-1 decode; verify rows and small decode batches where the linears' kernel
         # takes several rows): the whole forward in one native call where the model's kernels allow it and the
         # attention backend's short rows are the same native kernel on its head-major pool (the Python between
-        # ~15 kernel calls per layer was ~40% of a batch-1 step; benchmarks/decode_overhead.py).
+        # ~15 kernel calls a layer would be ~40% of a batch-1 step; benchmarks/decode_overhead.py).
         if kernels is not None and getattr(self.attention, "decode_kernel", None) is kernels:
             self.native_decode = self.model.native_decode_step(kernels, self.kv_caches)
         # Kept decode K/V may hold the backend's workspace_share of the pool's size again (on CPU at least
@@ -511,8 +511,7 @@ class ModelRunner:
 
     def _tensor(self, values: "array | list[int]") -> torch.Tensor:
         if self._on_cpu and values:
-            # a view of the array, not torch.tensor's walk over a Python list: after a batch-1 step's weight stream
-            # every torch call runs from cold caches, and the step's four vectors took 80 -> 38 us (Zen 4, 2 threads)
+            # a view of the array, not torch.tensor's walk over a Python list (cold caches after a weight stream)
             return torch.frombuffer(values, dtype=torch.long)
         return torch.tensor(values, dtype=torch.long, device=self.device)
 

@@ -66,11 +66,9 @@ ARGMAX_CHUNK = 1024
 def row_argmax(values: torch.Tensor) -> list[int]:
     """`values.argmax(-1).tolist()` of a 2-D tensor (first index on ties), in two passes on CPU.
 
-    torch's CPU argmax over the last dimension is not vectorised (about 3.4 ms for 64 x 49152
-    float32 here) while `amax` is (0.35 ms): the native kernel's two vector passes where it is built
-    (one row of 49152: 13 us against 35 us for the torch passes below and 102 us for argmax, hot, one
-    thread), else take the maximum of each 1024-wide chunk, pick the first chunk holding the row's
-    maximum, and argmax inside that chunk only.
+    torch's CPU argmax over the last dimension is not vectorised while `amax` is (about 10x apart at
+    64 x 49152): the native kernel's two vector passes where it is built, else take the maximum of each
+    1024-wide chunk, pick the first chunk holding the row's maximum, and argmax inside that chunk only.
     """
     rows, width = values.shape
     if not values.is_cpu or width < 4 * ARGMAX_CHUNK:

@@ -18,10 +18,9 @@ and `DraftCostGate.should_draft` asks that of every step the batch-size gate let
 Before a bucket has `MIN_SAMPLES` measured steps of each kind it drafts, then measures without; after
 that, `PROBE_INTERVAL` steps of one choice in a row are followed by a probe of the other (`PROBE_STEPS`),
 so a change (the acceptance rising, the batch getting memory-bound) is seen again; the interval doubles
-(up to `MAX_PROBE_INTERVAL`) each time a probe leaves the choice as it was. Measured 2026-12-01: the draft model
-at batch 8 ran at 0.43-0.45x of no speculation (a draft round of the 1-layer draft costs about what
-the target's step does, at an acceptance of 0.46 with k = 2), at batch 1 0.86-0.91x; n-gram at
-batch 1 on text the model copies 2.5x (there the gate keeps drafting).
+(up to `MAX_PROBE_INTERVAL`) each time a probe leaves the choice as it was. Why: a draft round of the
+1-layer default draft costs about a target step on CPU, so drafting every step ran at 0.43-0.45x of no
+speculation at batch 8 (benchmarks/results/2026-12-01-spec-decode-idle-host-fb0d3d0.md).
 
 The gate decides only whether drafts are proposed; every output stays exactly what it is without
 speculation (greedy) or distributed as it (sampling). It never looks at the wall clock itself: the
@@ -105,8 +104,7 @@ class DraftCostGate:
                 bucket.probing_from = None
         # The first drafting step after steps without pays for the draft's catch-up over the tokens it did
         # not see (a draft model's row of ~33 tokens after a probe interval): that is the price of switching,
-        # not what a drafting step costs, and counted in it the gate kept a winning draft off (batch 1,
-        # 2026-12-01: 0.955x with the gate against 1.054x drafting every step, CPU time).
+        # not what a drafting step costs, and counted in it the gate kept a winning draft off.
         measured = not (choice and bucket.last_choice is not True)
         bucket.streak = bucket.streak + 1 if choice == bucket.last_choice else 1
         bucket.last_choice = choice

@@ -4,10 +4,8 @@ are copied into, in module order (the decode step's call order), advised MADV_HU
 A batch-1 decode step streams every weight once, and with 4 KiB pages each page is a TLB miss and a new start
 for the hardware prefetchers, which stop at page boundaries (a SmolLM-135M int4-g32 token reads 75 MB: 18,000
 pages, six times what the L2 TLB of a Zen 4 core maps). glibc's heap, where the loader's tensors live, gets
-huge pages only where the system's THP mode is `always`; `madvise` is the common default. Measured on a 2-core
-AMD EPYC (Zen 4, KVM, THP `madvise`): a token's 121 int4-g32 GEMVs called back to back from C, two threads,
-weights in 2 MiB pages against the same in 4 KiB ones: 1.17-1.36x (paired medians of 60 alternated passes, in
-four runs).
+huge pages only where the system's THP mode is `always`; `madvise` is the common default. 2 MiB pages make
+a token's GEMVs 1.17-1.36x faster on a 2-core Zen 4 (benchmarks/results/2026-12-04-quantization-weights-kv-pool-2-mib.md).
 
 Every tensor the modules reach their weights through (parameters, tensor attributes, the tensors inside
 dataclass attributes such as `KernelParts`) is re-pointed at the copy with `Tensor.set_`, so views keep

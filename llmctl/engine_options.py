@@ -132,3 +132,15 @@ def engine_args(**values: Any) -> EngineArgs:
     """Build `EngineArgs` from the parsed flags (enum values unwrapped)."""
     cleaned = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in values.items()}
     return EngineArgs.from_dict(cleaned)
+
+
+def flags_markdown() -> str:
+    """The engine flags as the Markdown table in docs/engine.md (`python tools/gen_engine_docs.py` writes it)."""
+    rows = ["| flag | default | values | what it sets |", "|---|---|---|---|"]
+    for f in flag_fields():
+        spellings = _flag_names(f.name, f.default, f.metadata.get("short"))
+        names = " ".join(f"`{name}`" for spelling in spellings for name in spelling.split("/"))
+        choices = ", ".join(f"`{c}`" for c in f.metadata.get("choices", ()))
+        default = "—" if f.default is None else f"`{str(f.default).lower() if isinstance(f.default, bool) else f.default}`"
+        rows.append(f"| {names} | {default} | {choices} | {f.metadata['help'].replace('|', '&#124;')} |")
+    return "\n".join(rows)

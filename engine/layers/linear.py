@@ -216,7 +216,7 @@ class UnquantizedLinearMethod(LinearMethod):
 class OneDNNLinearMethod(UnquantizedLinearMethod):
     """bfloat16: for single-row inputs (decode at batch 1) the native GEMV (`kernels`) or `torch.mv` on the
     plain weight, which stream it fastest here; a oneDNN-reordered copy, packed for `batch_hint` rows, for
-    everything else (CPU-FACTS: qkv at M=4 59 µs packed against 117 µs with F.linear)."""
+    everything else (about 2x F.linear's speed at M = 4)."""
 
     def __init__(self, batch_hint: int, kernels=None):
         self.batch_hint = max(batch_hint, 16)
@@ -243,13 +243,11 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
 
 class AMXLinearMethod(UnquantizedLinearMethod):
     """bfloat16 on CPUs with AMX tiles: each weight held once, in the native AMX kernel's tile layout
-    (`CpuKernels.pack_amx`), and that kernel run for every row count. Measured here (one thread, CPU time):
-    at M = 1 it streams faster than the dpbf16 GEMV (qkv 960x576 hot 17 against 35 us), from M = 2 to 512
-    it takes 0.55-1.0x oneDNN's prepacked time (cold at M = 64-128: gate_up 1.0-1.16x, lm_head 1.1-1.35x),
-    at M = 2048 (prefill chunks) 1.0-1.3x under load (benchmarks/README.md, small_m_linear.py); and each
-    output row's value does not depend on the other rows (a verify row's linears equal one-token decodes',
-    so bf16 greedy speculation is exact). oneDNN's packed copy and the plain weight are not kept (the
-    method before this one held every weight twice); a tied lm_head's weight stays the embedding's."""
+    (`CpuKernels.pack_amx`), and that kernel run for every row count: at M = 1 it streams faster than the
+    dpbf16 GEMV and up to 512 rows it matches or beats oneDNN's prepacked GEMM (benchmarks/small_m_linear.py);
+    and each output row's value does not depend on the other rows (a verify row's linears equal one-token
+    decodes', so bf16 greedy speculation is exact). Neither oneDNN's packed copy nor the plain weight is kept;
+    a tied lm_head's weight stays the embedding's."""
 
     def __init__(self, kernels):
         self.kernels = kernels

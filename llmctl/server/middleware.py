@@ -60,8 +60,7 @@ class AuditLog:
     def __init__(self, path: Path, include_prompts: bool):
         self.include_prompts = include_prompts
         self._lock = threading.Lock()
-        # backslashreplace: a line is written whatever text a request carried (a lone surrogate in a
-        # chat `name` used to make the write raise, so a served request left no audit line).
+        # backslashreplace: a line is written whatever text a request carried (a lone surrogate would raise).
         self._file = open(path, "a", buffering=1, encoding="utf-8",  # noqa: SIM115 - lives as long as the server
                           errors="backslashreplace")
 

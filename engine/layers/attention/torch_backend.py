@@ -25,11 +25,9 @@ from llmctl.engine.layers.attention.decode_workspace import WORKSPACE_SHARE, Dec
 from llmctl.engine.layers.attention.paged import gather_head_major, write_head_major
 
 # The longest row the native kernel's vector path takes (float32, or bf16 without AMX tiles): it computes
-# each query as its own decode, SDPA batches a row's queries into GEMMs. Measured
-# (benchmarks/verify_attention.py --crossover, thread CPU time, one thread, bf16, context 512, embedded /
-# SmolLM-135M heads): SDPA / native 4.3 / 4.2x at 1 query token, 2.2 / 1.6x at 5, 1.5 / 1.2x at 8, 1.2 /
-# 0.9x at 12, 0.9 / 0.75x at 16. Up to 8 keeps every verify row of k <= 7 drafts native (exact) and where
-# it wins. On AMX tiles a whole prompt's row costs 0.8-1.1x SDPA's (--prefill): every row goes native.
+# each query as its own decode, SDPA batches a row's queries into GEMMs and catches up at 12-16 query tokens
+# (benchmarks/verify_attention.py --crossover): 8 keeps every verify row of k <= 7 drafts native (exact).
+# On AMX tiles a whole prompt's row costs about SDPA's (--prefill), so there every row goes native.
 NATIVE_MAX_QUERY = 8
 
 
@@ -80,8 +78,7 @@ class TorchAttention:
         # The native CPU kernels, where their decode attention serves this model.
         fits = kernels is not None and kernels.supports_decode(dtype, num_heads, num_kv_heads, head_dim)
         self.decode_kernel = kernels if fits else None
-        # The longest row the kernel takes; None: every row (its tiled path costs about SDPA's time for a prefill
-        # chunk, its vector path 2-3x: benchmarks/verify_attention.py --prefill).
+        # The longest row the kernel takes; None: every row (the tiled path costs about SDPA's time on a prefill chunk).
         tiled = self.decode_kernel is not None and self.decode_kernel.tiled_attention(dtype)
         self.native_max_query: Optional[int] = None if tiled else NATIVE_MAX_QUERY
         # GQA prefill that SDPA's flash kernel cannot take (a mask, or float32) with one K/V head per query
