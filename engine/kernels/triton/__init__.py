@@ -2,8 +2,8 @@
 
 Importing this package never imports triton: the engine runs where triton is not installed. A kernel
 module of it (`attention.py`, `cache.py`, ...) imports triton at its own import, which a caller does
-only once `triton_usable` says yes. Triton decides at a kernel's definition whether it is interpreted
-(`TRITON_INTERPRET=1`), so that variable must be set before a kernel module is first imported.
+only once `triton_usable` says yes. Triton reads `TRITON_INTERPRET=1` (run kernels interpreted, on CPU
+tensors too) when it is first imported: it must be set before anything in the process imports triton.
 """
 
 from __future__ import annotations

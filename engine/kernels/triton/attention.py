@@ -45,8 +45,8 @@ class LaunchPlan:
         return num_tokens // self.block_q + num_rows
 
 
-def launch_plan(group: int, num_kv_heads: int, num_tokens: int, num_rows: int, max_query_len: int,
-                max_context_len: int, target_programs: int) -> LaunchPlan:
+def launch_plan(group: int, num_kv_heads: int, num_rows: int, max_query_len: int, max_context_len: int,
+                target_programs: int) -> LaunchPlan:
     """Tile sizes for a step; key splits where rows of one tile each leave programs under `target_programs`."""
     block_m = max(16, triton.next_power_of_2(group))  # tl.dot takes 16 rows at least
     if max_query_len * group >= PREFILL_BLOCK_M:  # prefill-sized rows: each K/V tile feeds more queries
@@ -54,7 +54,7 @@ def launch_plan(group: int, num_kv_heads: int, num_tokens: int, num_rows: int, m
     block_q = block_m // group
     splits = 1
     if max_query_len <= block_q:
-        programs = (num_tokens // block_q + num_rows) * num_kv_heads
+        programs = num_rows * num_kv_heads  # one query tile a row
         while (splits < MAX_SPLITS and programs * splits * 2 <= target_programs
                and max_context_len >= splits * 2 * MIN_KEYS_PER_SPLIT):
             splits *= 2

@@ -8,7 +8,6 @@ into the pool. The kernels are engine/kernels/triton/.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Optional
@@ -19,7 +18,6 @@ from llmctl.engine.layers.attention.common import CommonAttentionMetadata, Token
 
 # Head dimensions the kernel's register tiles take (padded to a power of two).
 MAX_HEAD_DIM = 256
-KERNEL_PACKAGE = "llmctl.engine.kernels.triton"
 
 
 @dataclass
@@ -40,10 +38,9 @@ class TritonAttention(TokenMajorStateless):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
                  dtype: torch.dtype, kernels=None):
-        # Imported here, not with this module: triton is optional, and whether a kernel is interpreted is fixed
-        # when its module is first imported (import_module: a test may re-import it interpreted).
-        self._attention = importlib.import_module(f"{KERNEL_PACKAGE}.attention")
-        self._cache = importlib.import_module(f"{KERNEL_PACKAGE}.cache")
+        from llmctl.engine.kernels.triton import attention, cache  # here: triton is optional
+
+        self._attention, self._cache = attention, cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
@@ -69,7 +66,7 @@ class TritonAttention(TokenMajorStateless):
             packed += [0] * (width - used)
         ints = torch.tensor(packed, dtype=torch.int32, device=device)
         num_tokens = batch.slot_mapping.shape[0]
-        plan = self._attention.launch_plan(self.group, self.num_kv_heads, num_tokens, rows, max(batch.query_lens),
+        plan = self._attention.launch_plan(self.group, self.num_kv_heads, rows, max(batch.query_lens),
                                            max(batch.context_lens), self._programs_target(device))
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping, query_starts=ints[:rows + 1], context_lens=ints[rows + 1:2 * rows + 1],
