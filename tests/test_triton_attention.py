@@ -10,7 +10,11 @@ through chunked prefill and prefix-cache hits.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -18,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
@@ -192,3 +197,51 @@ def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, 
             diff = (torch.stack(recorder.rows) - reference_logits(reference, prompt, tokens)).abs().max().item()
             assert diff < 1e-3, f"a {len(prompt)}-token prompt: |logit diff| {diff}"
     assert llm.engine.get_stats()["prefix_cache_hit_rate"] > 0
+
+
+def compile_for_cuda(capability: int) -> None:
+    """Compile the kernels (a bf16 attention variant with key splits and a window, a float32 one with a padded
+    head dim and a group of 7, the merge, the KV write) for an sm_`capability` GPU: no GPU needed, run where
+    TRITON_INTERPRET is unset. Exits 3 where this triton has not the compiler entry points used here."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile
+    except ImportError:
+        sys.exit(3)
+    from llmctl.engine.kernels.triton import attention, cache
+
+    def build(kernel, element: str, constants: dict, warps: int = 4) -> None:
+        names = kernel.arg_names
+        signature = {name: "constexpr" if name in constants else
+                     ("*i32" if name in ("block_tables_ptr", "query_starts_ptr", "context_lens_ptr") else
+                      "*i64" if name == "slot_mapping_ptr" else "*fp32" if name.startswith("partial") else
+                      element if name.endswith("_ptr") else "fp32" if name == "scale_log2" else "i32")
+                     for name in names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(names.index(name),): value for name, value in constants.items()})
+        assert "cubin" in compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": warps}).asm
+
+    for element, group, head_dim, splits, window, block_m in (("*bf16", 4, 128, 4, 4096, 16),
+                                                              ("*fp32", 7, 80, 1, 0, 64)):
+        build(attention._paged_attention_kernel, element, dict(
+            NUM_HEADS=8 * group, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=128, BLOCK_SIZE=16,
+            TILE_N=attention.TILE_N, BLOCK_M=block_m, BLOCK_Q=block_m // group, WINDOW=window, NUM_SPLITS=splits,
+            IEEE=element == "*fp32", UPCAST=False))
+    build(attention._merge_splits_kernel, "*bf16", dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PADDED=128, NUM_SPLITS=4))
+    build(cache._write_kv_kernel, "*bf16", dict(NUM_KV_HEADS=8, HEADS_PADDED=8, HEAD_DIM=128, HEAD_DIM_PADDED=128,
+                                                BLOCK_SIZE=16))
+
+
+def test_kernels_compile_for_a_cuda_gpu(tmp_path):
+    """The kernels the interpreter ran also compile to a cubin for Hopper (sm_90), in a process without the
+    interpreter: no interpreter-only construct slipped in."""
+    pytest.importorskip("triton")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    script = "import sys; sys.path.insert(0, 'tests'); from test_triton_attention import compile_for_cuda; " \
+             "compile_for_cuda(90)"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode == 3:
+        pytest.skip("this triton has not the compiler entry points (ASTSource, GPUTarget) the check uses")
+    assert proc.returncode == 0, proc.stderr[-3000:]
