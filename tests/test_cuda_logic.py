@@ -171,9 +171,11 @@ def test_select_backend_falls_back_to_triton_on_cuda_and_refuses_what_cannot_run
     assert select_backend(cpu, torch.bfloat16, 128) is TorchAttention
     capability[0] = (7, 5)
     assert select_backend(cuda, torch.bfloat16, 128) is TorchAttention
-    assert select_backend(cuda, torch.bfloat16, 128, "triton") is TritonAttention
+    with pytest.raises(EngineArgsError, match="triton: needs an Ampere or newer GPU"):
+        select_backend(cuda, torch.float16, 128, "triton")
     assert select_backend(cpu, torch.float32, 64, "torch") is TorchAttention
     capability[0] = (8, 0)
+    assert select_backend(cuda, torch.bfloat16, 128, "triton") is TritonAttention
     with pytest.raises(EngineArgsError, match="triton: runs on CUDA .*TRITON_INTERPRET=1"):
         select_backend(cpu, torch.float32, 64, "triton")
     with pytest.raises(EngineArgsError, match="triton: head_dim 512"):

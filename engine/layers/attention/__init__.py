@@ -44,8 +44,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: Optional[
         raise EngineArgsError(f"unknown attention backend {choice!r}")
     if _flash_attn_problem(device, dtype, head_dim) is None:
         return FlashAttention
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) \
-            and _triton_problem(device, head_dim) is None:
+    if device.type == "cuda" and _triton_problem(device, head_dim) is None:
         return TritonAttention
     return TorchAttention
 
@@ -56,6 +55,8 @@ def _triton_problem(device: torch.device, head_dim: Optional[int]) -> Optional[s
         return "the triton package does not import"
     if not triton_usable(device):
         return f"runs on CUDA (on {device.type} only under {INTERPRET_ENV}=1, for tests)"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs an Ampere or newer GPU (sm80+: bfloat16 tensor-core dots)"
     if head_dim is not None and head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} is over the kernel's {MAX_HEAD_DIM}"
     return None
