@@ -1,11 +1,12 @@
-"""The Triton attention kernels and backend on CPU tensors, under the Triton interpreter (TRITON_INTERPRET=1).
+"""The Triton attention kernels and backend: compiled on CUDA where there is a GPU, else on CPU tensors under
+the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before anything imports triton).
 
 The unified kernel against a float32 torch reference over random batches: shuffled, non-contiguous block
 tables; decode rows, verify rows and chunks on a cached context, whole prompts; GQA ratios 1-8; sliding
 windows; head dims 64, 128 and 80 (padded in the kernel); float32, bfloat16, float16; key splits merged
 by the second kernel. The pool starts as NaN and only the one-kernel KV write fills it, so a read of an
 unwritten slot shows. Then the engine on `attention_backend="triton"` gives transformers' greedy tokens
-through chunked prefill and prefix-cache hits.
+through chunked prefill and prefix-cache hits, and the kernels compile for an sm_90 GPU without one.
 """
 
 from __future__ import annotations
@@ -165,6 +166,22 @@ def test_long_decode_rows_split_their_keys_and_short_or_many_rows_do_not(kernels
     assert plan(4, 8, 1, 2048, 8192, 264).num_splits == 1  # a prompt: many query tiles
     assert (plan(4, 8, 1, 1, 100, 264).block_m, plan(4, 8, 1, 2048, 100, 264).block_m) == (16, 64)
     assert plan(7, 4, 1, 1, 100, 264).block_q == 2  # 7 heads a group: 14 of the tile's 16 rows used
+
+
+def test_backend_metadata_is_one_int32_copy_with_tables_trimmed_to_each_context(kernels):
+    """Query starts, context lengths and block tables (each cut to its context's blocks, padded to the longest)
+    are views of one int32 tensor: one host-to-device copy a step."""
+    from llmctl.engine.layers.attention import CommonAttentionMetadata, TritonAttention
+
+    backend = TritonAttention(8, 2, 64, None, dtype=torch.float32)
+    batch = CommonAttentionMetadata([4, 5, 6], [1, 3, 20], [17, 40, 20], [[3, 9, 4], [7, 1, 2, 8], [5, 6]],
+                                    torch.zeros(24, dtype=torch.long, device=kernels[2]), 16)
+    meta = backend.build_metadata(batch)
+    assert meta.query_starts.tolist() == [0, 1, 4, 24] and meta.context_lens.tolist() == [17, 40, 20]
+    assert meta.block_tables.tolist() == [[3, 9, 0], [7, 1, 2], [5, 6, 0]]
+    storages = {t.untyped_storage().data_ptr() for t in (meta.query_starts, meta.context_lens, meta.block_tables)}
+    assert len(storages) == 1 and meta.block_tables.dtype == torch.int32
+    assert (meta.plan.block_m, meta.plan.block_q, meta.partials) == (64, 16, None)  # a 20-token row x 4 heads
 
 
 def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, tmp_path):
