@@ -16,6 +16,7 @@ from llmctl.engine.errors import EngineArgsError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization.py).
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 ON_THE_FLY_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128",
@@ -59,6 +60,9 @@ class EngineArgs:
     verify: bool = _arg(False, "Check weight files against the folder's SHA256SUMS first.")
     num_threads: Optional[int] = _arg(None, "CPU threads for torch.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs for decode steps (CUDA).")
+    attention_backend: str = _arg("auto", "Paged attention kernels: auto (flash-attn where it imports and runs the "
+                                          "model, else triton on CUDA where triton imports, else torch), torch, "
+                                          "triton (CUDA), flash-attn (CUDA).", choices=ATTENTION_BACKENDS)
     quantization: Optional[str] = _arg(None, "Quantise the linear weights on load: int8 (weight-only, per "
                                              "output channel), int4-g32|g64|g128 (weight-only, grouped, "
                                              "symmetric; int4: g128), int4[-gN]-asym (with a zero point per "
@@ -95,6 +99,7 @@ class EngineArgs:
         _choice("dtype", self.dtype, DTYPES)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.quantization is not None:
             _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS)
         _positive("max_num_seqs", self.max_num_seqs)

@@ -156,6 +156,7 @@ class RunnerConfig:
     seed: int
     verify: bool
     enforce_eager: bool = False
+    attention_backend: str = "auto"  # EngineArgs.attention_backend
     quantization: Optional[str] = None  # EngineArgs.quantization: weight-only linears quantised on load
     quantization_batch_cache: bool = False  # EngineArgs': quantised CPU linears keep a bf16 copy for batches
     # This process's rank: the model, the attention heads and the KV pool are this rank's shard.
@@ -201,7 +202,7 @@ class ModelRunner:
         mc = config.model_config
         tp = config.tensor_parallel
         kernels = cpu_kernels_for(self.device, config.dtype)
-        backend_cls = select_backend(self.device, config.dtype, mc.head_dim)
+        backend_cls = select_backend(self.device, config.dtype, mc.head_dim, config.attention_backend)
         # This rank's heads: the KV pool holds its KV heads only (a replicated one where they are fewer than ranks).
         self.num_heads, self.num_kv_heads = tp.attention_heads(mc.num_heads, mc.num_kv_heads)
         self.attention = backend_cls(self.num_heads, self.num_kv_heads, mc.head_dim, mc.sliding_window,

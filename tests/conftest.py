@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def _interpret_triton_without_a_gpu() -> None:
+    """Without a GPU Triton kernels run only interpreted, and triton reads TRITON_INTERPRET once, when it is first
+    imported (its own library's jit functions are fixed then): set it before any test can import triton."""
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
 
 @pytest.fixture(autouse=True)
 def _restore_llmctl_logger():

@@ -133,6 +133,7 @@ def test_select_backend_needs_cuda_16_bit_ampere_and_a_paged_flash_attn(monkeypa
     module = types.ModuleType("flash_attn")
     module.flash_attn_varlen_func = reference_varlen
     monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setitem(sys.modules, "triton", None)  # without triton, auto falls back to torch
     capability = [(9, 0)]
     monkeypatch.setattr(attention.torch.cuda, "get_device_capability", lambda device=None: capability[0])
     assert select_backend(cuda, torch.bfloat16, 128) is FlashAttention
@@ -150,6 +151,44 @@ def test_select_backend_needs_cuda_16_bit_ampere_and_a_paged_flash_attn(monkeypa
     assert select_backend(cuda, torch.bfloat16, 128) is TorchAttention  # a flash-attn without block_table
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     assert select_backend(cuda, torch.bfloat16, 128) is TorchAttention
+
+
+def test_select_backend_falls_back_to_triton_on_cuda_and_refuses_what_cannot_run(monkeypatch):
+    """auto: triton where flash-attn cannot run (CUDA, Ampere+); each named backend is refused, with its reason,
+    where it cannot run."""
+    from llmctl.engine.errors import EngineArgsError
+    from llmctl.engine.layers.attention import TritonAttention
+
+    pytest.importorskip("triton")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    capability = [(9, 0)]
+    monkeypatch.setattr(attention.torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert select_backend(cuda, torch.bfloat16, 128) is TritonAttention
+    assert select_backend(cuda, torch.float32, 80) is TritonAttention
+    assert select_backend(cuda, torch.bfloat16, 512) is TorchAttention  # over the kernel's register tiles
+    assert select_backend(cpu, torch.bfloat16, 128) is TorchAttention
+    capability[0] = (7, 5)
+    assert select_backend(cuda, torch.bfloat16, 128) is TorchAttention
+    with pytest.raises(EngineArgsError, match="triton: needs an Ampere or newer GPU"):
+        select_backend(cuda, torch.float16, 128, "triton")
+    assert select_backend(cpu, torch.float32, 64, "torch") is TorchAttention
+    capability[0] = (8, 0)
+    assert select_backend(cuda, torch.bfloat16, 128, "triton") is TritonAttention
+    with pytest.raises(EngineArgsError, match="triton: runs on CUDA .*TRITON_INTERPRET=1"):
+        select_backend(cpu, torch.float32, 64, "triton")
+    with pytest.raises(EngineArgsError, match="triton: head_dim 512"):
+        select_backend(cuda, torch.bfloat16, 512, "triton")
+    with pytest.raises(EngineArgsError, match="flash-attn: needs CUDA"):
+        select_backend(cpu, torch.bfloat16, 64, "flash-attn")
+    with pytest.raises(EngineArgsError, match="flash-attn: the flash_attn package does not import"):
+        select_backend(cuda, torch.bfloat16, 64, "flash-attn")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend(cpu, torch.float32, 64, "triton") is TritonAttention
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(EngineArgsError, match="triton: the triton package does not import"):
+        select_backend(cuda, torch.bfloat16, 128, "triton")
 
 
 MIB, GIB = 1 << 20, 1 << 30

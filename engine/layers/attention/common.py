@@ -95,3 +95,24 @@ class AttentionBackend(Protocol):
 
     def release(self) -> None:
         """Drop everything kept between steps (idle engine, a failed or out-of-memory step)."""
+
+
+class TokenMajorStateless:
+    """For a backend on a token-major pool, [num_blocks, block_size, kv_heads, head_dim], that keeps nothing
+    between steps (needs `num_kv_heads` and `head_dim` attributes)."""
+
+    workspace_share = 0.0
+    num_kv_heads: int
+    head_dim: int
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def set_workspace_budget(self, tokens: int) -> None:
+        """Nothing is kept between steps."""
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Nothing is kept between steps."""
+
+    def release(self) -> None:
+        """Nothing is kept between steps."""

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from llmctl.engine.layers.attention.common import CommonAttentionMetadata
+from llmctl.engine.layers.attention.common import CommonAttentionMetadata, TokenMajorStateless
 from llmctl.engine.layers.attention.paged import write_token_major
 
 
@@ -26,12 +26,11 @@ class FlashAttentionMetadata:
     max_seqlen_k: int
 
 
-class FlashAttention:
+class FlashAttention(TokenMajorStateless):
     """flash-attn 2 paged kernels on a token-major pool, [num_blocks, block_size, kv_heads, head_dim]."""
 
     name = "flash-attn"
     preferred_block_size = 256
-    workspace_share = 0.0
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
                  dtype: torch.dtype, kernels=None):
@@ -50,18 +49,6 @@ class FlashAttention:
         if block_size % 256:
             return f"flash-attn's paged KV cache needs a block size that is a multiple of 256, got {block_size}"
         return None
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-
-    def set_workspace_budget(self, tokens: int) -> None:
-        """Nothing is kept between steps."""
-
-    def truncate(self, seq_id: int, num_tokens: int) -> None:
-        """Nothing is kept between steps."""
-
-    def release(self) -> None:
-        """Nothing is kept between steps."""
 
     def build_metadata(self, batch: CommonAttentionMetadata) -> FlashAttentionMetadata:
         q_lens, k_lens = batch.query_lens, batch.context_lens

@@ -1,0 +1,88 @@
+"""Paged attention in Triton (CUDA; on CPU tensors under the Triton interpreter, for tests).
+
+One kernel takes every row shape of a step (decodes, prefill chunks on a cached prefix, speculative
+verify rows, whole prompts) and reads K/V through the block tables where they lie in the pool: no
+kept decode copy, no gathered context, no K/V repeated per query head. Another writes the step's K/V
+into the pool. The kernels are engine/kernels/triton/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any, Optional
+
+import torch
+
+from llmctl.engine.layers.attention.common import CommonAttentionMetadata, TokenMajorStateless
+
+# Head dimensions the kernel's register tiles take (padded to a power of two).
+MAX_HEAD_DIM = 256
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_starts: torch.Tensor  # [rows + 1] int32: where each row's queries start
+    context_lens: torch.Tensor  # [rows] int32: the keys each row attends to, its own included
+    block_tables: torch.Tensor  # [rows, blocks of the longest context] int32 (padded with 0)
+    plan: Any  # the kernels' LaunchPlan: tile sizes and key splits
+    partials: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # the key splits' buffers, or None
+
+
+class TritonAttention(TokenMajorStateless):
+    """The unified Triton paged attention on a token-major pool, [num_blocks, block_size, kv_heads, head_dim]."""
+
+    name = "triton"
+    preferred_block_size = 16
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
+                 dtype: torch.dtype, kernels=None):
+        from llmctl.engine.kernels.triton import attention, cache  # here: triton is optional
+
+        self._attention, self._cache = attention, cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+        self.window = sliding_window
+        self._target_programs: Optional[int] = None  # set on the first step, from the device
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def validate_block_size(self, block_size: int) -> Optional[str]:
+        return None
+
+    def build_metadata(self, batch: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        """The rows' query starts, context lengths and block tables (trimmed to each context) in one
+        host-to-device copy, and the step's launch plan."""
+        rows, device = batch.num_rows, batch.device
+        widths = [-(-context // batch.block_size) for context in batch.context_lens]
+        width = max(widths)
+        packed = list(accumulate(batch.query_lens, initial=0)) + list(batch.context_lens)
+        for table, used in zip(batch.block_tables, widths):
+            packed += table[:used]
+            packed += [0] * (width - used)
+        ints = torch.tensor(packed, dtype=torch.int32, device=device)
+        num_tokens = batch.slot_mapping.shape[0]
+        plan = self._attention.launch_plan(self.group, self.num_kv_heads, rows, max(batch.query_lens),
+                                           max(batch.context_lens), self._programs_target(device))
+        return TritonAttentionMetadata(
+            slot_mapping=batch.slot_mapping, query_starts=ints[:rows + 1], context_lens=ints[rows + 1:2 * rows + 1],
+            block_tables=ints[2 * rows + 1:].view(rows, width), plan=plan,
+            partials=self._attention.split_buffers(plan, num_tokens, self.num_heads, self.head_dim, device))
+
+    def _programs_target(self, device: torch.device) -> int:
+        """Programs a step should launch before it pays to split keys: two per multiprocessor on CUDA."""
+        if self._target_programs is None:
+            self._target_programs = (2 * torch.cuda.get_device_properties(device).multi_processor_count
+                                     if device.type == "cuda" else 1)
+        return self._target_programs
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+        self._cache.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape)
+        return self._attention.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.query_starts,
+                                               meta.context_lens, meta.plan, self.scale, self.window, meta.partials)
