@@ -30,10 +30,10 @@ from llmctl.engine.layers.quantization import add_batch_weights, quantized_linea
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.parallel import TensorParallel
-from llmctl.engine.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan
 from llmctl.engine.sampler import Sampler, SamplingRow
-from llmctl.engine.scheduler import ModelRunnerOutput, ScheduledSeq
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan
+from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
 from llmctl.engine.weight_pages import huge_page_zeros, move_weights_to_huge_pages
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from conftest import cpu_kernels_while, make_tiny_model
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.layers.attention import CommonAttentionMetadata
-from llmctl.engine.scheduler import ScheduledSeq
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.step_types import ScheduledSeq
 
 TOKENS = 120  # every sequence's known tokens; each test step computes a slice of them
 
