@@ -242,7 +242,7 @@ class ModelRunner:
         # takes several rows): the whole forward in one native call where the model's kernels allow it and the
         # attention backend's short rows are the same native kernel on its head-major pool (the Python between
         # ~15 kernel calls per layer was ~40% of a batch-1 step; benchmarks/decode_overhead.py).
-        if kernels is not None and getattr(self.attention, "decode_kernel", None) is kernels:
+        if kernels is not None and self.attention.native_decode_kernels() is kernels:
             self.native_decode = self.model.native_decode_step(kernels, self.kv_caches)
         # Kept decode K/V may hold the backend's workspace_share of the pool's size again (on CPU at least
         # 1 GiB; on CUDA that share is reserved out of --gpu-memory-utilization by _plan_num_blocks).

@@ -51,6 +51,10 @@ class FlashAttention:
             return f"flash-attn's paged KV cache needs a block size that is a multiple of 256, got {block_size}"
         return None
 
+    def native_decode_kernels(self) -> None:
+        """CUDA kernels only: no native CPU decode step."""
+        return None
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
