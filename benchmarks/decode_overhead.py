@@ -114,7 +114,7 @@ def gemv_floor(runner, repeats: int) -> float:
 
     from llmctl.engine.layers.linear import LinearBase
 
-    kernels = runner.attention.decode_kernel
+    kernels = runner.attention.native_decode_kernels()
     linears = [m for m in runner.model.modules() if isinstance(m, LinearBase) and m is not runner.model.lm_head]
     linears.append(runner.model.lm_head)
     calls = []

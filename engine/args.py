@@ -79,7 +79,7 @@ class EngineArgs:
               '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B} (n-gram prompt '
               'lookup) or {"model": PATH, "num_speculative_tokens": K} (a draft model with the same tokenizer; '
               '"default-draft": the one shipped for the embedded model).', cli_type=str)
-    # Tensor parallelism (engine/multiproc_executor.py). Under torchrun its environment variables give the
+    # Tensor parallelism (engine/executor/multiproc_executor.py). Under torchrun its environment variables give the
     # rendezvous (see ParallelConfig.resolve); the flags are for launching without it.
     tensor_parallel_size: int = _arg(1, "Ranks the model is sharded over (one process each; 1: in-process).",
                                      short="-tp")
@@ -175,7 +175,7 @@ class SpeculativeConfig:
     """`--speculative-config`, vLLM's spelling. `ngram`: prompt lookup, the drafts are the tokens that
     followed the longest earlier occurrence of the sequence's last n tokens (prompt_lookup_max >= n >=
     prompt_lookup_min, vLLM's defaults). `draft_model` (implied by a `model`, as in vLLM): a smaller
-    model with the target's tokenizer proposes the drafts (engine/draft_proposer.py; `"default-draft"`
+    model with the target's tokenizer proposes the drafts (engine/spec_decode/draft_proposer.py; `"default-draft"`
     is the one shipped for the embedded model)."""
 
     method: str
@@ -189,7 +189,7 @@ class SpeculativeConfig:
     # decode graphs. 8 is where vLLM's n-gram guidance starts to lose (its examples use 4..8).
     disable_by_batch_size: int = 8
     # llmctl's key (vLLM has none): skip drafting on the steps where the measured cost of a draft round
-    # and verify rows exceeds what the sequences' measured acceptance saves (engine/spec_cost.py); false:
+    # and verify rows exceeds what the sequences' measured acceptance saves (engine/spec_decode/cost_gate.py); false:
     # draft on every step the batch-size gate and the per-request window allow. Default (None): on for a
     # draft model (a round of the 1-layer default draft costs about a target step on CPU: 0.43-0.45x of
     # no speculation at batch 8), off for n-gram (a lookup costs ~30 us a sequence, a miss nothing more,

@@ -20,20 +20,22 @@ import torch
 
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.draft_proposer import DraftModel, DraftProposer
 from llmctl.engine.errors import (CapacityError, EngineArgsError, InvalidRequestError, ModelLoadError,
                                   is_out_of_memory)
+from llmctl.engine.executor.abstract import Executor
+from llmctl.engine.executor.uniproc_executor import UniProcExecutor
 from llmctl.engine.gguf_loader import GGUFFile, is_gguf
 from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.executor import Executor, UniProcExecutor
 from llmctl.engine.model_runner import RunnerConfig, quantization_label
-from llmctl.engine.ngram_proposer import NgramProposer, SpecDecodeStats
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeCounts
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
-from llmctl.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput, SeqUpdate
+from llmctl.engine.scheduler import Scheduler, SchedulerConfig
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.spec_decode.draft_proposer import DraftModel, DraftProposer
+from llmctl.engine.spec_decode.ngram_proposer import NgramProposer, SpecDecodeStats
+from llmctl.engine.step_types import ModelRunnerOutput, SchedulerOutput, SeqUpdate
 from llmctl.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -134,7 +136,7 @@ def default_executor_class(args: EngineArgs) -> Callable[[RunnerConfig], Executo
     if not parallel.runs_engine:
         raise EngineArgsError(f"node_rank {parallel.node_rank} runs model ranks only: start `llmctl serve` there "
                               "with the same flags (the engine, and generate or bench, run on node 0)")
-    from llmctl.engine.multiproc_executor import multiproc_executor_for
+    from llmctl.engine.executor.multiproc_executor import multiproc_executor_for
 
     return multiproc_executor_for(parallel, args.num_threads)
 

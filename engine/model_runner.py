@@ -30,10 +30,10 @@ from llmctl.engine.layers.quantization import add_batch_weights, quantized_linea
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.parallel import TensorParallel
-from llmctl.engine.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan
 from llmctl.engine.sampler import Sampler, SamplingRow
-from llmctl.engine.scheduler import ModelRunnerOutput, ScheduledSeq
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan
+from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
 from llmctl.engine.weight_pages import huge_page_zeros, move_weights_to_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -242,8 +242,8 @@ class ModelRunner:
         # CPU steps of a few tokens (batch-1 decode; verify rows and small decode batches where the linears' kernel
         # takes several rows): the whole forward in one native call where the model's kernels allow it and the
         # attention backend's short rows are the same native kernel on its head-major pool (the Python between
-        # ~15 kernel calls a layer would be ~40% of a batch-1 step; benchmarks/decode_overhead.py).
-        if kernels is not None and getattr(self.attention, "decode_kernel", None) is kernels:
+        # ~15 kernel calls per layer was ~40% of a batch-1 step; benchmarks/decode_overhead.py).
+        if kernels is not None and self.attention.native_decode_kernels() is kernels:
             self.native_decode = self.model.native_decode_step(kernels, self.kv_caches)
         # Kept decode K/V may hold the backend's workspace_share of the pool's size again (on CPU at least
         # 1 GiB; on CUDA that share is reserved out of --gpu-memory-utilization by _plan_num_blocks).

@@ -7,7 +7,7 @@ its output depends neither on the rest of the batch nor on how its tokens were g
 an n-gram verify row (each position drawn as a one-token decode would draw it, drafts kept while they
 equal the draw) gives a seeded request exactly the tokens plain decoding gives it.
 The positions of a sampled verify row whose drafts came with their distribution (`DraftSpan`) go
-through the rejection sampler (engine/rejection_sampler.py) on the same target distribution instead;
+through the rejection sampler (engine/spec_decode/rejection_sampler.py) on the same target distribution instead;
 past its first rejection they hold `PLACEHOLDER_TOKEN_ID`.
 Reported log-probs are those of the raw model distribution.
 """
@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 import torch
 
 from llmctl.engine.kernels import load_cpu_kernels
-from llmctl.engine.rejection_sampler import (PLACEHOLDER_TOKEN_ID, TOKEN_STREAM, DraftSpan, position_seed,
-                                             rejection_sample)
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.spec_decode.rejection_sampler import (PLACEHOLDER_TOKEN_ID, TOKEN_STREAM, DraftSpan, position_seed,
+                                                         rejection_sample)
 
 
 @dataclass

@@ -14,14 +14,13 @@ hold for `OOM_RECOVERY_STEPS` steps, then double back towards the configured one
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
-
-import torch
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.outputs import SpecDecodeCounts
 from llmctl.engine.sequence import Sequence, SequenceStatus
+from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, SeqUpdate
 
 
 # Steps a lowered budget holds before it doubles back: long enough that a workload which ran out of
@@ -41,63 +40,6 @@ class SchedulerConfig:
     long_prompt_penalty: float = 0.0  # seconds of admission delay per 1000 prompt tokens
 
 
-@dataclass
-class ScheduledSeq:
-    """One row of a step: `num_new_tokens` tokens from the sequence's first uncomputed one. A verify
-    row ends with `spec_token_ids`, draft tokens past the known ones (they count in `num_new_tokens`),
-    and `spec_draft_probs`, the distributions they were drawn from (None: a deterministic draft)."""
-
-    seq: Sequence
-    num_new_tokens: int
-    spec_token_ids: list[int] = field(default_factory=list)
-    spec_draft_probs: Optional[torch.Tensor] = None
-
-    @property
-    def samples(self) -> bool:
-        """This step computes the sequence's last known token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.spec_token_ids)
-
-    @property
-    def num_samples(self) -> int:
-        """Tokens sampled from this row: one per draft plus one after them (k + 1), or none."""
-        return 1 + len(self.spec_token_ids) if self.samples else 0
-
-    @property
-    def input_token_ids(self) -> list[int]:
-        """The row's input ids: its known uncomputed tokens, then the drafts to verify."""
-        start = self.seq.num_computed_tokens
-        known = self.seq.token_ids[start:start + self.num_new_tokens - len(self.spec_token_ids)]
-        return known + self.spec_token_ids if self.spec_token_ids else known
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What a step computed, as lists aligned with `SchedulerOutput.scheduled` (plain data, so it can
-    come back from another process). A row that does not sample has no tokens; a verify row has k + 1
-    (the model's choice after each of its last k + 1 inputs), or, from the rejection sampler, fewer: the
-    accepted drafts and the resample of the first rejected one."""
-
-    sampled_token_ids: list[list[int]]
-    logprobs: list[list[Optional[dict[int, float]]]]  # per row, one entry per sampled token (None: not asked)
-    prompt_logprobs: list[list[tuple[int, dict[int, float]]]]  # per row: (position, {token: logprob})
-
-
-@dataclass
-class SeqUpdate:
-    """A row that produced tokens this step: the accepted ones, already appended to `seq` (which is
-    finished when a token stop or a length limit ended it), and how many of its drafts were rejected
-    (their K/V, past `seq.num_computed_tokens`, no longer hold) out of how many it verified."""
-
-    seq: Sequence
-    new_token_ids: list[int]
-    num_rejected: int = 0
-    num_drafts: int = 0
-
-    @property
-    def num_accepted_drafts(self) -> int:
-        return self.num_drafts - self.num_rejected
-
-
 def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
     """Drafts the model agrees with, then its own next token: `sampled[j]` is the model's choice after
     the row's input before `drafts[j]`, so each draft equal to it is what decoding one token at a time
@@ -109,27 +51,12 @@ def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
     target's sample given it is not x, which is distributed as the residual max(0, p - q) normalised
     (p without x, renormalised). So the output distribution is exactly the target's
     (tests/test_spec_decode.py checks both halves and the token histograms). For a draft with a
-    distribution q, `sampled` comes from the rejection sampler (engine/rejection_sampler.py): its
+    distribution q, `sampled` comes from the rejection sampler (engine/spec_decode/rejection_sampler.py): its
     accepted drafts, then a token that differs from the rejected draft, which this rule reads alike."""
     accepted = 0
     while accepted < min(len(drafts), len(sampled) - 1) and drafts[accepted] == sampled[accepted]:
         accepted += 1
     return sampled[: accepted + 1]
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)  # moved from waiting to running by this step
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:

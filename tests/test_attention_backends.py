@@ -12,8 +12,8 @@ from conftest import cpu_kernels_while, make_tiny_model
 
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.layers.attention import CommonAttentionMetadata
-from llmctl.engine.scheduler import ScheduledSeq
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.step_types import ScheduledSeq
 
 TOKENS = 120  # every sequence's known tokens; each test step computes a slice of them
 
@@ -161,6 +161,9 @@ class ReferenceAttention:
     def validate_block_size(self, block_size):
         return None
 
+    def native_decode_kernels(self):
+        return None  # its own attention: the runner must not bind the native decode step around it
+
     def kv_cache_shape(self, num_blocks, block_size):
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
@@ -217,3 +220,17 @@ def test_a_backend_defined_in_a_test_file_runs_the_engine(tmp_path, monkeypatch)
     for a, b, rows_a, rows_b in zip(ours, expected, ours_rows, expected_rows):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert (rows_a - rows_b).abs().max().item() < 1e-4
+
+
+def test_every_backend_of_the_package_has_each_member_of_the_protocol():
+    """The runner calls the protocol's members on whichever backend `select_backend` picked; one missing from a
+    backend would fail only at start-up on the machine that picks it (a CUDA one, for flash-attn)."""
+    import llmctl.engine.layers.attention as attention
+
+    members = set(attention.AttentionBackend.__annotations__) | {
+        name for name in vars(attention.AttentionBackend) if not name.startswith("_")}
+    assert {"native_decode_kernels", "build_metadata", "forward", "label"} <= members
+    backends = [getattr(attention, name) for name in attention.__all__ if name.endswith("Attention")]
+    assert len(backends) >= 2
+    for backend in backends:
+        assert not sorted(members - set(dir(backend))), f"{backend.__name__} lacks {sorted(members - set(dir(backend)))}"

@@ -15,8 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from llmctl.engine.block_manager import BlockAccountingError, BlockManager
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig
+from llmctl.engine.scheduler import Scheduler, SchedulerConfig
 from llmctl.engine.sequence import Sequence, SequenceStatus
+from llmctl.engine.step_types import ModelRunnerOutput
 
 _ids = itertools.count()
 

@@ -158,8 +158,8 @@ def test_capture_all_stops_before_the_allowance_and_failed_buckets_run_eagerly(t
 def test_a_batch_with_a_verify_row_runs_eagerly_and_decode_rows_replay(tiny_models):
     """Graphs replay only batches of 1-token rows; a batch mixing them with a 4-token verify row on an existing
     context runs eagerly (the same logits as with no graphs at all)."""
-    from llmctl.engine.scheduler import ScheduledSeq
     from llmctl.engine.sequence import Sequence
+    from llmctl.engine.step_types import ScheduledSeq
 
     llm = LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=256,
               max_num_seqs=8, num_kv_blocks=32)

@@ -216,8 +216,8 @@ def test_learning_rate_warms_up_then_anneals_to_floor_by_budget(tiny_corpus):
 def test_draft_mode_trains_a_small_model_on_the_targets_tokenizer(tiny_run, tiny_corpus, tmp_path):
     """--draft-of: the target's tokenizer files byte for byte, its context length, the draft shape; the
     engine takes the result as the target's draft."""
-    from llmctl.engine.draft_proposer import DraftModel
     from llmctl.engine.model_config import ModelConfig
+    from llmctl.engine.spec_decode.draft_proposer import DraftModel
 
     target, _ = tiny_run
     out = tmp_path / "draft"

@@ -17,11 +17,11 @@ from conftest import make_tiny_model, save_tiny_tokenizer
 
 from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.args import SpeculativeConfig
-from llmctl.engine.draft_proposer import DraftModel, DraftProposer, default_draft_path, resolve_draft_folder
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.llm_engine import LLMEngine, default_model_path
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import kv_bytes_per_token
+from llmctl.engine.spec_decode.draft_proposer import DraftModel, DraftProposer, default_draft_path, resolve_draft_folder
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -216,7 +216,7 @@ def test_a_draft_forward_out_of_memory_drops_that_rounds_drafts_and_shrinks_the_
     llm = LLM(**_oom_settings(target), speculative_config=_spec(small_draft, 3))
     oom = InjectedOOM(llm.engine.proposer.runner, max_tokens=20, kind="cpu")
     try:
-        with caplog.at_level("WARNING", logger="llmctl.engine.draft_proposer"):
+        with caplog.at_level("WARNING", logger="llmctl.engine.spec_decode.draft_proposer"):
             assert _greedy_tokens(llm, prompts, params) == plain
     finally:
         oom.remove()
@@ -315,7 +315,7 @@ def test_a_draft_that_accepts_too_little_is_switched_off_for_that_request(target
     """An unrelated draft (other random weights: its greedy guesses almost never match) drafts for each
     sequence's first WINDOW verify rows only, then that sequence decodes without drafts; the model as
     its own draft (every draft accepted) keeps drafting to the end."""
-    from llmctl.engine.ngram_proposer import WINDOW
+    from llmctl.engine.spec_decode.ngram_proposer import WINDOW
 
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [20, 21, 22]]

@@ -15,7 +15,7 @@ import torch
 from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError, RankFailedError
 from llmctl.engine.model_runner import StepInputs
-from llmctl.engine.multiproc_executor import pack_step, unpack_step
+from llmctl.engine.executor.multiproc_executor import pack_step, unpack_step
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}

@@ -8,8 +8,9 @@ import itertools
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, accepted_tokens
+from llmctl.engine.scheduler import Scheduler, SchedulerConfig, accepted_tokens
 from llmctl.engine.sequence import Sequence, SequenceStatus
+from llmctl.engine.step_types import ModelRunnerOutput
 
 _ids = itertools.count()
 

@@ -1,5 +1,5 @@
 """The per-step cost gate of speculative drafting (`speculative_config` `disable_by_cost`,
-engine/spec_cost.py): its decisions from injected step times and acceptances (no timing), and in the
+engine/spec_decode/cost_gate.py): its decisions from injected step times and acceptances (no timing), and in the
 engine, with an injected clock, drafting stopped where a draft round costs more than it saves, kept
 where it pays, outputs exact either way."""
 
@@ -10,7 +10,7 @@ import pytest
 from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.llm_engine import default_model_path
-from llmctl.engine.spec_cost import MIN_SAMPLES, PROBE_INTERVAL, PROBE_STEPS, DraftCostGate, batch_bucket
+from llmctl.engine.spec_decode.cost_gate import MIN_SAMPLES, PROBE_INTERVAL, PROBE_STEPS, DraftCostGate, batch_bucket
 
 LEARN = 2 * MIN_SAMPLES + 1  # a new bucket's steps before it decides (its first drafting step not measured)
 
@@ -94,8 +94,8 @@ def test_only_steps_of_decodes_count_and_each_batch_size_bucket_has_its_own_time
 
 def test_the_ngram_proposer_asks_the_gate_only_about_steps_with_drafts():
     from llmctl.engine.args import SpeculativeConfig
-    from llmctl.engine.ngram_proposer import NgramProposer
-    from llmctl.engine.scheduler import ScheduledSeq
+    from llmctl.engine.spec_decode.ngram_proposer import NgramProposer
+    from llmctl.engine.step_types import ScheduledSeq
     from llmctl.engine.sequence import Sequence
 
     proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1,

@@ -15,10 +15,10 @@ from conftest import make_tiny_model
 from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.args import SpeculativeConfig
 from llmctl.engine.errors import EngineArgsError
-from llmctl.engine.ngram_proposer import WINDOW, NgramProposer, find_ngram_continuation
-from llmctl.engine.rejection_sampler import acceptance_probability, rejection_sample, residual_distribution
 from llmctl.engine.scheduler import accepted_tokens
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.spec_decode.ngram_proposer import WINDOW, NgramProposer, find_ngram_continuation
+from llmctl.engine.spec_decode.rejection_sampler import acceptance_probability, rejection_sample, residual_distribution
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -147,7 +147,7 @@ def test_above_the_batch_size_gate_the_proposer_touches_nothing():
 
 
 def test_the_engine_looks_up_no_ngram_while_the_batch_is_above_the_gate(tiny_models, monkeypatch):
-    import llmctl.engine.ngram_proposer as ngram
+    import llmctl.engine.spec_decode.ngram_proposer as ngram
 
     llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_seqs=4,
               speculative_config={**NGRAM, "disable_by_batch_size": 2})

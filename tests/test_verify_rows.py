@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmctl.engine import LLM, EngineArgs, SamplingParams
-from llmctl.engine.executor import UniProcExecutor
+from llmctl.engine.executor.uniproc_executor import UniProcExecutor
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.sequence import Sequence
 

@@ -95,7 +95,7 @@ def greedy_run(folder: str, tp, prompts: list[list[int]], new_tokens: int, **eng
 
     from llmctl.engine import SamplingParams
     from llmctl.engine.args import EngineArgs
-    from llmctl.engine.executor import UniProcExecutor
+    from llmctl.engine.executor.uniproc_executor import UniProcExecutor
     from llmctl.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineArgs.from_dict({"model": folder, **engine_args}),

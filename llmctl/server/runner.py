@@ -215,7 +215,7 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting
 def _run_worker_node(engine_args: EngineArgs) -> int:
     """--node-rank > 0 (or a torchrun rank > 0): this machine's model ranks, no HTTP server."""
     from llmctl.engine.llm_engine import runner_config
-    from llmctl.engine.multiproc_executor import run_worker_node
+    from llmctl.engine.executor.multiproc_executor import run_worker_node
 
     parallel = engine_args.parallel
     ranks = (f"rank {parallel.rank} (torchrun)" if parallel.torchrun

@@ -9,9 +9,12 @@ step and read by every layer's `forward`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from llmctl.engine.kernels import CpuKernels
 
 
 @dataclass
@@ -76,6 +79,10 @@ class AttentionBackend(Protocol):
     def validate_block_size(self, block_size: int) -> Optional[str]:
         """Why this block size cannot work, or None."""
 
+    def native_decode_kernels(self) -> Optional[CpuKernels]:
+        """The native CPU kernels whose paged attention runs this backend's short rows on its own pool, or None.
+        The runner binds the model's whole few-token step as one native call only when these are its kernels."""
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The shape of one layer's K (and of its V) pool: the KV layout."""
 
@@ -104,6 +111,10 @@ class TokenMajorStateless:
     workspace_share = 0.0
     num_kv_heads: int
     head_dim: int
+
+    def native_decode_kernels(self) -> None:
+        """GPU kernels only: no native CPU decode step."""
+        return None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)

@@ -94,6 +94,10 @@ class TorchAttention:
     def validate_block_size(self, block_size: int) -> Optional[str]:
         return None
 
+    def native_decode_kernels(self):
+        """The kernels passed in, where their decode attention fits this model (see `__init__`)."""
+        return self.decode_kernel
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from llmctl.engine.args import SpeculativeConfig
 from llmctl.engine.sequence import Sequence
-from llmctl.engine.spec_cost import DraftCostGate
+from llmctl.engine.spec_decode.cost_gate import DraftCostGate
 
 # Per-sequence adaptivity: over its last 8 drafts, fewer than 1 accepted token in 5 drafted turns
 # drafting off for that sequence. A verify row of k + 1 tokens on CPU costs about one decode plus a few
@@ -62,7 +62,7 @@ def find_ngram_continuation(token_ids: list[int] | np.ndarray, max_n: int, min_n
 class AdaptiveProposer:
     """What every proposer shares: the per-sequence window of verify outcomes that turns drafting off
     for a sequence accepting too little, the batch-size gate (`disable_by_batch_size`) and the per-step
-    cost gate (`disable_by_cost`: `spec_cost.DraftCostGate`, fed each step's seconds by `end_step`)."""
+    cost gate (`disable_by_cost`: `cost_gate.DraftCostGate`, fed each step's seconds by `end_step`)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config

@@ -50,12 +50,13 @@ from llmctl.engine.errors import EngineArgsError, ModelLoadError, is_out_of_memo
 from llmctl.engine.loader import find_weight_files
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_token
-from llmctl.engine.ngram_proposer import AdaptiveProposer
 from llmctl.engine.parallel import TensorParallel
-from llmctl.engine.rejection_sampler import DRAFT_STREAM, position_seed
 from llmctl.engine.sampler import Sampler, row_argmax
-from llmctl.engine.scheduler import OOM_RECOVERY_STEPS, ScheduledSeq
+from llmctl.engine.scheduler import OOM_RECOVERY_STEPS
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.spec_decode.ngram_proposer import AdaptiveProposer
+from llmctl.engine.spec_decode.rejection_sampler import DRAFT_STREAM, position_seed
+from llmctl.engine.step_types import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from llmctl.engine.errors import EngineError, RankFailedError
 from llmctl.engine.model_runner import ModelRunner, RunnerConfig, StepInputs
 from llmctl.engine.parallel import TensorParallel
 from llmctl.engine.sampler import SamplingRow
-from llmctl.engine.scheduler import ModelRunnerOutput, ScheduledSeq
+from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
 
 logger = logging.getLogger(__name__)
 
