@@ -25,7 +25,7 @@ import torch
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.kernels.quant import load_quant_kernels
 from llmctl.engine.layers.linear import ColumnLinear, select_linear_method
-from llmctl.engine.layers.quantization import ON_THE_FLY_SCHEMES, quantized_linear_method
+from llmctl.engine.layers.quantization.grouped import ON_THE_FLY_SCHEMES, quantized_linear_method
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 CPU = torch.device("cpu")

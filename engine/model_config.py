@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.awq import AWQConfig
-from llmctl.engine.layers.gptq import GPTQConfig
+from llmctl.engine.layers.quantization.awq import AWQConfig
+from llmctl.engine.layers.quantization.gptq import GPTQConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # quant_method -> its format's config class (`from_quantization_config` validates, `linear_method`,

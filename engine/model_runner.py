@@ -23,10 +23,10 @@ from llmctl.engine.host import release_free_heap
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
 from llmctl.engine.layers.attention.torch_backend import NATIVE_MAX_QUERY
-from llmctl.engine.layers.compressed_tensors import compressed_tensors_method
-from llmctl.engine.layers.gguf_linear import GGUFLinearMethod
+from llmctl.engine.layers.quantization.compressed_tensors import compressed_tensors_method
+from llmctl.engine.layers.quantization.gguf import GGUFLinearMethod
 from llmctl.engine.layers.linear import LinearMethod, select_linear_method
-from llmctl.engine.layers.quantization import add_batch_weights, quantized_linear_method
+from llmctl.engine.layers.quantization.grouped import add_batch_weights, quantized_linear_method
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.parallel import TensorParallel

@@ -15,7 +15,7 @@ from test_quantization import NEW_TOKENS, run_greedy
 
 from llmctl.engine import LLM
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.compressed_tensors import PackedScheme, unpack_int32
+from llmctl.engine.layers.quantization.compressed_tensors import PackedScheme, unpack_int32
 from llmctl.engine.layers.linear import LinearBase
 
 

@@ -14,7 +14,7 @@ from llmctl.engine.kernels.quant import (IQ4_CODES, IQ4_GRID, KernelWeight, Part
                                          plan_parts)
 from llmctl.engine.layers.linear import ColumnLinear, UnquantizedLinearMethod
 from llmctl.engine.kernels import load_cpu_kernels
-from llmctl.engine.layers.quantization import (AMX_MAX_ROWS, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS, BF16_GEMM_MIN_ROWS_LONG,
+from llmctl.engine.layers.quantization.grouped import (AMX_MAX_ROWS, AMX_MIN_ROWS, BF16_GEMM_MIN_ROWS, BF16_GEMM_MIN_ROWS_LONG,
                                                 INT8_TILE_MAX_ROWS, INT8_TILE_MIN_ROWS, NATIVE_MAX_ROWS,
                                                 ON_THE_FLY_SCHEMES, GroupedIntLinearMethod, GroupedIntWeight,
                                                 bf16_gemm_min_rows, gemv_max_rows, install_grouped_weight, pack_int4,

@@ -17,11 +17,11 @@ from typing import Any, Sequence
 import torch
 
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.checkpoint_quant import (BITS_PER_WORD, CheckpointQuantizedLinearMethod, CheckpointTensor,
+from llmctl.engine.layers.quantization.checkpoint import (BITS_PER_WORD, CheckpointQuantizedLinearMethod, CheckpointTensor,
                                                    regroup, unpack_int32)
-from llmctl.engine.layers.gptq import check_group_size, group_size_of
+from llmctl.engine.layers.quantization.gptq import check_group_size, group_size_of
 from llmctl.engine.layers.linear import LinearBase
-from llmctl.engine.layers.quantization import GroupedIntWeight
+from llmctl.engine.layers.quantization.grouped import GroupedIntWeight
 
 AWQ_BITS = 4
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

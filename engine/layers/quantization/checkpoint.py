@@ -5,7 +5,7 @@ the same way), per-group scales, and for GPTQ a `g_idx` (the group of each input
 declares those tensors as the layer's parameters (`CheckpointTensor`: shape, dtype, which dimension
 holds the outputs and how many outputs one element of it packs), loads each fused shard (q/k/v,
 gate/up) into its slice of them, and after loading unpacks them into the engine's one quantised form,
-`GroupedIntWeight` (engine/layers/quantization.py), which `install_grouped_weight` turns into the
+`GroupedIntWeight` (engine/layers/quantization/grouped.py), which `install_grouped_weight` turns into the
 layer's run-time layout (torch's int4/int8 CPU kernels where they apply); the checkpoint tensors are
 dropped then, so only the installed form stays in memory. With tensor parallelism every rank loads the
 linear's whole checkpoint tensors (the layer's `checkpoint_*` sizes), unpacks them, and installs only its
@@ -24,7 +24,7 @@ from torch import nn
 
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.linear import LinearBase, ShardId, copy_checked, new_parameter, rank_part, register_bias
-from llmctl.engine.layers.quantization import (GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
+from llmctl.engine.layers.quantization.grouped import (GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
                                                rank_grouped_part)
 
 BITS_PER_WORD = 32

@@ -28,7 +28,7 @@ from torch import nn
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.linear import (LinearBase, LinearMethod, ShardId, WeightShapeError, copy_checked,
                                          new_parameter, rank_part, register_bias)
-from llmctl.engine.layers.quantization import (GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
+from llmctl.engine.layers.quantization.grouped import (GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
                                                rank_grouped_part)
 
 SUPPORTED_FORMAT = "pack-quantized"

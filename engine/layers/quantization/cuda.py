@@ -1,6 +1,6 @@
 """Quantised linears on CUDA: run-time layouts of a `GroupedIntWeight` for torch's CUDA kernels, and `fp8`.
 
-`install_grouped_weight` (engine/layers/quantization.py) hands a weight whose codes live on a CUDA device to
+`install_grouped_weight` (engine/layers/quantization/grouped.py) hands a weight whose codes live on a CUDA device to
 `cuda_layout`, which picks the first of these the device runs:
 - `int4pack-cuda`: 4 bits, groups of 32/64/128/256, outputs a multiple of 8, inputs a multiple of
   `inner_k_tiles` x 16, bfloat16 activations: tinygemm (`torch._convert_weight_to_int4pack` on a uint8
@@ -33,7 +33,7 @@ from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.layers.linear import LinearBase, UnquantizedLinearMethod
 
 if TYPE_CHECKING:
-    from llmctl.engine.layers.quantization import GroupedIntWeight
+    from llmctl.engine.layers.quantization.grouped import GroupedIntWeight
 
 logger = logging.getLogger(__name__)
 

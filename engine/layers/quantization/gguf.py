@@ -39,7 +39,7 @@ from torch import nn
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.linear import (LinearBase, LinearMethod, ShardId, copy_checked, new_parameter, rank_columns,
                                          rank_part, rank_rows, register_bias)
-from llmctl.engine.layers.quantization import (GroupedIntWeight, apply_grouped_weight, grouped_row_operands,
+from llmctl.engine.layers.quantization.grouped import (GroupedIntWeight, apply_grouped_weight, grouped_row_operands,
                                                install_grouped_weight, rank_grouped_part)
 
 logger = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ from typing import Any, Sequence
 import torch
 
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.checkpoint_quant import (BITS_PER_WORD, CheckpointQuantizedLinearMethod, CheckpointTensor,
+from llmctl.engine.layers.quantization.checkpoint import (BITS_PER_WORD, CheckpointQuantizedLinearMethod, CheckpointTensor,
                                                    regroup, unpack_int32)
 from llmctl.engine.layers.linear import LinearBase
-from llmctl.engine.layers.quantization import GroupedIntWeight
+from llmctl.engine.layers.quantization.grouped import GroupedIntWeight
 
 GPTQ_BITS = (4, 8)
 # checkpoint_format -> what the reader adds to a stored zero

@@ -30,7 +30,7 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
 - `int4pack` (float32 activations; 4 bits, groups of 32/64/128/256, output rows a multiple of 16):
   tinygemm's packing (`torch._convert_weight_to_int4pack_for_cpu`) and `torch._weight_int4pack_mm_for_cpu`,
   whose w = (q - 8) * scale + offset takes any zero point as offset = (8 - zero) * scale;
-- on CUDA, `int4pack-cuda` (tinygemm) and `int8pack-cuda` (engine/layers/quantization_cuda.py, which also
+- on CUDA, `int4pack-cuda` (tinygemm) and `int8pack-cuda` (engine/layers/quantization/cuda.py, which also
   holds `--quantization fp8`);
 - `dequant`: everything else (other devices, other groupings): the codes stay packed (two 4-bit codes a
   byte) and are dequantised to the activation dtype for each call, exact but slow.
@@ -62,7 +62,7 @@ from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.kernels.quant import IQ4_CODES, KernelWeight, QuantRowOperand, fits_float16, load_quant_kernels
 from llmctl.engine.layers.linear import (CheckpointSlice, LinearBase, LinearMethod, UnquantizedLinearMethod, rank_rows)
-from llmctl.engine.layers.quantization_cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
+from llmctl.engine.layers.quantization.cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
                                                     install_cuda_layout)
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""Weight quantisation: the engine's grouped integer form, on-the-fly methods and pre-quantised checkpoint formats."""
