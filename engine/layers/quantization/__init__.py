@@ -16,11 +16,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.layers.linear import LinearMethod
 from llmctl.engine.layers.quantization.awq import AWQConfig
 from llmctl.engine.layers.quantization.base import LinearMethods, LinearTarget, QuantizationConfig
 from llmctl.engine.layers.quantization.compressed_tensors import CompressedTensorsConfig
@@ -28,6 +29,9 @@ from llmctl.engine.layers.quantization.fp8 import Fp8Config
 from llmctl.engine.layers.quantization.gguf import GGUFConfig
 from llmctl.engine.layers.quantization.gptq import GPTQConfig
 from llmctl.engine.layers.quantization.on_the_fly import ON_THE_FLY_SCHEMES, OnTheFlyIntConfig
+
+if TYPE_CHECKING:  # model_config imports this package
+    from llmctl.engine.model_config import ModelConfig
 
 # What chooses a format (`QuantizationFormat.chosen_by`)
 CHECKPOINT, FLAG, FILE = "quant_method", "--quantization", "file"
@@ -123,7 +127,7 @@ def active_registry() -> QuantizationRegistry:
     return _ACTIVE.get()
 
 
-def linear_methods_for(model_config, quantization: Optional[str], device: torch.device, dtype: torch.dtype,
+def linear_methods_for(model_config: "ModelConfig", quantization: Optional[str], device: torch.device, dtype: torch.dtype,
                        kernels=None, *, gguf: bool = False, load_format: str = "auto", batch_hint: int = 1,
                        registry: Optional[QuantizationRegistry] = None) -> LinearMethods:
     """The linears' methods for a model (`ModelConfig`; `gguf`: its weights come from a .gguf file): the
@@ -143,9 +147,9 @@ def linear_methods_for(model_config, quantization: Optional[str], device: torch.
     return config.linear_methods(target) if config is not None else LinearMethods(target.unquantized())
 
 
-def quantized_linear_method(quantization: str, device: torch.device, dtype: torch.dtype):
+def quantized_linear_method(quantization: str, device: torch.device, dtype: torch.dtype) -> LinearMethod:
     """The decoder linears' method for a `--quantization` value (benchmarks and tests of single layers)."""
-    return DEFAULT_REGISTRY.flag_config(quantization).linear_methods(LinearTarget(device, dtype)).linear
+    return active_registry().flag_config(quantization).linear_methods(LinearTarget(device, dtype)).linear
 
 
 __all__ = ["CHECKPOINT", "DEFAULT_REGISTRY", "FILE", "FLAG", "LinearMethods", "LinearTarget", "QuantizationConfig",
