@@ -127,9 +127,9 @@ def active_registry() -> QuantizationRegistry:
     return _ACTIVE.get()
 
 
-def linear_methods_for(model_config: "ModelConfig", quantization: Optional[str], device: torch.device, dtype: torch.dtype,
-                       kernels=None, *, gguf: bool = False, load_format: str = "auto", batch_hint: int = 1,
-                       registry: Optional[QuantizationRegistry] = None) -> LinearMethods:
+def linear_methods_for(model_config: "ModelConfig", quantization: Optional[str], device: torch.device,
+                       dtype: torch.dtype, kernels=None, *, gguf: bool = False, load_format: str = "auto",
+                       batch_hint: int = 1, registry: Optional[QuantizationRegistry] = None) -> LinearMethods:
     """The linears' methods for a model (`ModelConfig`; `gguf`: its weights come from a .gguf file): the
     `--quantization` method, the checkpoint's own format, or the fastest unquantised method. `batch_hint`: the
     rows the unquantised method is tuned for."""
