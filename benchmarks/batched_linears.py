@@ -7,8 +7,8 @@ lm_head), seeded random weights. Before each step a 256 MiB sweep stands in for 
 (they evict the weights from the caches, as in benchmarks/quantization.py's batched workload). Each linear is the
 engine's own layer, built as the model runner builds it (bf16: `select_linear_method`, the AMX kernel or oneDNN's
 packed GEMM; int8 / int4-g32: `OnTheFlyIntLinearMethod`, the native layout), so M rows run the kernel the engine's
-policy gives them on this CPU (engine/layers/quantization.py `_native_product`). Wall time per step (all threads);
-the table gives each scheme's median, its range and the ratio to the first scheme.
+policy gives them on this CPU (engine/layers/quantization/grouped.py `_native_product`). Wall time per step (all
+threads); the table gives each scheme's median, its range and the ratio to the first scheme.
 
     python benchmarks/batched_linears.py [--rows 64] [--threads 2] [--steps 12] [--schemes bf16,int8,int4-g32]
 """
@@ -25,7 +25,8 @@ import torch
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.kernels.quant import load_quant_kernels
 from llmctl.engine.layers.linear import ColumnLinear, select_linear_method
-from llmctl.engine.layers.quantization import ON_THE_FLY_SCHEMES, quantized_linear_method
+from llmctl.engine.layers.quantization import quantized_linear_method
+from llmctl.engine.layers.quantization.on_the_fly import ON_THE_FLY_SCHEMES
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 CPU = torch.device("cpu")

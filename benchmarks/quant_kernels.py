@@ -30,7 +30,7 @@ import torch
 
 from llmctl.engine.kernels import load_cpu_kernels
 from llmctl.engine.kernels.quant import load_quant_kernels
-from llmctl.engine.layers.quantization import GroupedIntWeight, tinygemm_scales_and_offsets
+from llmctl.engine.layers.quantization.grouped import GroupedIntWeight, tinygemm_scales_and_offsets
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 # name -> (bits, group or None for per row, symmetric)

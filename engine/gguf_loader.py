@@ -102,7 +102,7 @@ class GGUFFile:
         GEMV on the file's codes, as llama.cpp runs it) while the embedding lookup reads the dequantised table.
         Tying the lm_head to that table instead streamed it in bf16 (SmolLM-135M: 57 MB a token against Q8_0's
         30 MB) and kept its AMX tiles beside it."""
-        from llmctl.engine.layers.gguf_linear import GROUPED_DECODERS
+        from llmctl.engine.layers.quantization.gguf import GROUPED_DECODERS
 
         embedding = self.tensors.get("token_embd.weight")
         return ("output.weight" not in self.tensors and embedding is not None
@@ -190,6 +190,6 @@ def _torch_shape(tensor) -> tuple[int, ...]:
 
 
 def _dequantized(raw: np.ndarray, tensor) -> torch.Tensor:
-    from llmctl.engine.layers.gguf_linear import dequantize_raw
+    from llmctl.engine.layers.quantization.gguf import dequantize_raw
 
     return dequantize_raw(raw, tensor.tensor_type.name, int(tensor.shape[0]))

@@ -3,10 +3,9 @@
 Accepts both the classic keys (`rope_theta`, `rope_scaling`, `torch_dtype`) and transformers 5's
 (`rope_parameters`, `dtype`). One flag set describes the whole Llama family we run.
 
-A pre-quantised checkpoint says so in `quantization_config`: its `quant_method` must be one the engine
-loads (`CHECKPOINT_QUANT_METHODS`); GPTQ's and AWQ's are validated here by their format's config class
-(`CHECKPOINT_QUANTIZATIONS`), which refuses the variants we do not run by name. Loading packed tensors
-as if full precision would run garbage weights, so nothing else loads.
+A pre-quantised checkpoint says so in `quantization_config`: the quantisation registry
+(engine/layers/quantization/) parses it by its `quant_method` into `ModelConfig.quantization`, refusing an
+unknown method and the variants of a known one that the engine does not run, by name.
 """
 
 from __future__ import annotations
@@ -17,18 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from llmctl.engine.args import ON_THE_FLY_QUANTIZATIONS
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.awq import AWQConfig
-from llmctl.engine.layers.gptq import GPTQConfig
+from llmctl.engine.layers.quantization import QuantizationConfig, QuantizationRegistry, active_registry
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# quant_method -> its format's config class (`from_quantization_config` validates, `linear_method`,
-# `describe`), parsed into `ModelConfig.quantization`
-CHECKPOINT_QUANTIZATIONS = {"gptq": GPTQConfig, "awq": AWQConfig}
-# Pre-quantised checkpoints the engine loads (config.json's quantization_config.quant_method); the runner
-# builds their linear method from `ModelConfig.quantization` or `ModelConfig.quantization_config`.
-CHECKPOINT_QUANT_METHODS = ("compressed-tensors", *CHECKPOINT_QUANTIZATIONS)
 # The decoder linears in Hugging Face's names, inside model.layers.N
 DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -59,11 +50,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # config.json's quantization_config.quant_method (a pre-quantised checkpoint), else None
     quant_method: Optional[str] = None
-    quantization_config: Optional[dict[str, Any]] = None  # the whole quantization_config of a supported method
-    quantization: Optional[Any] = None  # a CHECKPOINT_QUANTIZATIONS config (GPTQ, AWQ), validated
+    quantization: Optional[QuantizationConfig] = None  # its quantization_config, parsed by the registry
 
     @classmethod
-    def from_pretrained(cls, folder: Path) -> "ModelConfig":
+    def from_pretrained(cls, folder: Path, registry: Optional[QuantizationRegistry] = None) -> "ModelConfig":
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"no config.json in {folder}")
@@ -73,10 +63,12 @@ class ModelConfig:
             raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{path} must hold a JSON object")
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(raw, source=str(path), registry=registry)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json",
+                  registry: Optional[QuantizationRegistry] = None) -> "ModelConfig":
+        """`registry`: the quantisation formats a quantization_config may name (default: the active one)."""
         architecture = _architecture(raw, source)
         try:
             hidden = int(raw["hidden_size"])
@@ -113,13 +105,12 @@ class ModelConfig:
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
             quant_method=_quant_method(raw),
-            quantization_config=raw.get("quantization_config") if _quant_method(raw) else None,
         )
         config._validate(source)
-        if config.quant_method in CHECKPOINT_QUANTIZATIONS:
+        if config.quant_method is not None:
             linear_names = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in DECODER_LINEARS]
-            parsed = CHECKPOINT_QUANTIZATIONS[config.quant_method].from_quantization_config(
-                config.quantization_config, source, linear_names)
+            parsed = (registry or active_registry()).checkpoint_config(
+                config.quant_method, raw["quantization_config"], source, linear_names)
             config = dataclasses.replace(config, quantization=parsed)
         return config
 
@@ -133,12 +124,6 @@ class ModelConfig:
         if rope_type not in ("default", "llama3", "linear", "rope_freqs"):
             raise ModelLoadError(f"{source}: rope_scaling type {rope_type!r} is not supported "
                                  "(supported: default, linear, llama3)")
-        if self.quant_method is not None and self.quant_method not in CHECKPOINT_QUANT_METHODS:
-            # Loading its packed tensors as if full precision would run garbage weights, so refuse it.
-            raise ModelLoadError(f"{source}: quantization_config.quant_method {self.quant_method!r} is not supported "
-                                 f"(pre-quantised checkpoints: {', '.join(CHECKPOINT_QUANT_METHODS)}; or load the "
-                                 f"full-precision checkpoint with --quantization ({', '.join(ON_THE_FLY_QUANTIZATIONS)}) "
-                                 "to quantise it on the fly)")
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:

@@ -23,10 +23,8 @@ from llmctl.engine.host import release_free_heap
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
 from llmctl.engine.layers.attention.torch_backend import NATIVE_MAX_QUERY
-from llmctl.engine.layers.compressed_tensors import compressed_tensors_method
-from llmctl.engine.layers.gguf_linear import GGUFLinearMethod
-from llmctl.engine.layers.linear import LinearMethod, select_linear_method
-from llmctl.engine.layers.quantization import add_batch_weights, quantized_linear_method
+from llmctl.engine.layers.quantization import linear_methods_for
+from llmctl.engine.layers.quantization.grouped import add_batch_weights
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.parallel import TensorParallel
@@ -211,7 +209,10 @@ class ModelRunner:
         problem = self.attention.validate_block_size(self.block_size)
         if problem:
             raise EngineArgsError(problem)
-        linear_method, lm_head_method = self._linear_methods(kernels)
+        linear_method, lm_head_method = linear_methods_for(
+            mc, config.quantization, self.device, config.dtype, kernels, load_format=config.load_format,
+            gguf=config.model_folder is not None and is_gguf(config.model_folder),
+            batch_hint=min(config.max_num_seqs, 64))
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
                                  device=self.device, load_format=config.load_format, seed=config.seed,
                                  linear_method=linear_method, kernels=kernels, verify=config.verify,
@@ -314,34 +315,6 @@ class ModelRunner:
             budget = self._budget_bytes(peak)
             one_sequence = -(-self.config.max_model_len // self.block_size) * self._reserved_bytes_per_block
             graphs.capture_all(max(min(budget - one_sequence, int(budget * GRAPH_SHARE)), 0), self.memory.growth)
-
-    def _linear_methods(self, kernels) -> tuple[LinearMethod, Optional[LinearMethod]]:
-        """(the linears' method, the lm_head's own or None): `--quantization` on the fly, the checkpoint's own
-        quantisation (config.json's quantization_config), or the fastest unquantised method."""
-        config, mc = self.config, self.config.model_config
-
-        def unquantized() -> LinearMethod:
-            return select_linear_method(self.device, config.dtype, kernels, batch_hint=min(config.max_num_seqs, 64))
-
-        gguf = config.model_folder is not None and is_gguf(config.model_folder)
-        if (mc.quant_method is not None or gguf) and config.quantization:
-            raise EngineArgsError(f"the checkpoint is already quantised ({mc.quant_method or 'GGUF'}); drop "
-                                  f"--quantization {config.quantization}")
-        if gguf and config.load_format != "dummy":
-            return GGUFLinearMethod(unquantized()), unquantized() if mc.tie_word_embeddings else None
-        if config.quantization:
-            return quantized_linear_method(config.quantization, self.device, config.dtype), None
-        if mc.quant_method == "compressed-tensors":
-            method, lm_head_quantized = compressed_tensors_method(mc.quantization_config)
-            return method, None if lm_head_quantized else unquantized()
-        if mc.quantization is not None:  # GPTQ, AWQ: the lm_head stays in full precision
-            if config.load_format == "dummy":
-                raise EngineArgsError(f"--load-format dummy cannot fill a pre-quantised ({mc.quant_method}) "
-                                      "checkpoint's packed tensors (its g_idx must be a grouping); load its weights")
-            method = mc.quantization.linear_method()
-            logger.info("linear layers: %s (%s)", type(method).__name__, mc.quantization.describe())
-            return method, unquantized()
-        return unquantized(), None
 
     def _profile_peak(self) -> int:
         """Peak extra device memory of the worst step: the largest prefill chunk (max_num_batched_tokens, at

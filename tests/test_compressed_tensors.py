@@ -15,7 +15,7 @@ from test_quantization import NEW_TOKENS, run_greedy
 
 from llmctl.engine import LLM
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.compressed_tensors import PackedScheme, unpack_int32
+from llmctl.engine.layers.quantization.compressed_tensors import CompressedTensorsConfig, unpack_int32
 from llmctl.engine.layers.linear import LinearBase
 
 
@@ -128,6 +128,10 @@ def test_unpacker_inverts_the_library_packer(bits):
                        (signed.to(torch.int16) + offset).to(torch.uint8))
 
 
+def parse_scheme(config):
+    return CompressedTensorsConfig.from_quantization_config(config, "config.json", ())
+
+
 def scheme_config(**weights):
     base = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
@@ -144,22 +148,22 @@ def scheme_config(**weights):
 ])
 def test_unsupported_weight_schemes_are_refused_by_name(change, message):
     with pytest.raises(ModelLoadError, match=message):
-        PackedScheme.from_config(scheme_config(**change))
+        parse_scheme(scheme_config(**change))
 
 
 def test_other_formats_and_activation_quantisation_are_refused():
     config = scheme_config()
     config["format"] = "float-quantized"
     with pytest.raises(ModelLoadError, match="format 'float-quantized' is not supported"):
-        PackedScheme.from_config(config)
+        parse_scheme(config)
     config = scheme_config()
     config["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
     with pytest.raises(ModelLoadError, match="input_activations quantisation is not supported"):
-        PackedScheme.from_config(config)
+        parse_scheme(config)
     config = scheme_config()
     config["ignore"] = ["lm_head", "re:.*mlp.gate$"]
     with pytest.raises(ModelLoadError, match="ignore entries"):
-        PackedScheme.from_config(config)
+        parse_scheme(config)
 
 
 def test_a_refused_scheme_fails_the_engine_load_in_one_line(tiny_models, tmp_path):

@@ -21,7 +21,7 @@ from test_quantization import run_greedy
 from llmctl.engine import LLM
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.kernels.quant import IQ4_CODES, IQ4_GRID, load_quant_kernels
-from llmctl.engine.layers.gguf_linear import GROUPED_DECODERS, grouped_weight
+from llmctl.engine.layers.quantization.gguf import GROUPED_DECODERS, grouped_weight
 from llmctl.engine.layers.linear import LinearBase
 from llmctl.engine.tokenizer import Tokenizer
 

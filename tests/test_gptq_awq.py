@@ -24,9 +24,9 @@ from test_quantization import assert_matches_reference, run_greedy, with_quantiz
 from llmctl.engine import LLM
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.kernels.quant import load_quant_kernels
-from llmctl.engine.layers.awq import AWQConfig
-from llmctl.engine.layers.checkpoint_quant import unpack_int32
-from llmctl.engine.layers.gptq import GPTQConfig
+from llmctl.engine.layers.quantization.awq import AWQConfig
+from llmctl.engine.layers.quantization.checkpoint import unpack_int32
+from llmctl.engine.layers.quantization.gptq import GPTQConfig
 from llmctl.engine.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from llmctl.engine.model_config import DECODER_LINEARS
 

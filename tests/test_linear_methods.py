@@ -188,10 +188,10 @@ class TransposedLinearMethod(LinearMethod):
 def test_a_new_method_in_one_class_runs_in_parity_with_transformers(tiny_models, arch, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from llmctl.engine import model_runner
+    from llmctl.engine.layers.quantization import base
 
     method = TransposedLinearMethod()
-    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: method)
+    monkeypatch.setattr(base, "select_linear_method", lambda *args, **kwargs: method)  # the unquantised choice
     folder = tiny_models[arch]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=400,
               max_num_batched_tokens=96)
@@ -228,10 +228,10 @@ class TrackedTransposedLinearMethod(TransposedLinearMethod):
 
 
 def test_a_method_that_cannot_share_the_embedding_refuses_tied_checkpoints(tiny_models, monkeypatch):
-    from llmctl.engine import model_runner
+    from llmctl.engine.layers.quantization import base
 
     method = TrackedTransposedLinearMethod()
-    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: method)
+    monkeypatch.setattr(base, "select_linear_method", lambda *args, **kwargs: method)
     with pytest.raises(ModelLoadError, match="TransposedLinearMethod cannot share the embedding") as info:
         LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=64)
     assert method.layers and info.value  # the error is still held, as a server logging it would

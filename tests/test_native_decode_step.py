@@ -59,13 +59,13 @@ class Counted:
 @pytest.mark.parametrize("kind", ["amx", "gemv"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_the_native_step_gives_the_python_forwards_logits_bitwise(tmp_path, arch, kind, monkeypatch):
-    from llmctl.engine import model_runner
+    from llmctl.engine.layers.quantization import base
     from llmctl.engine.layers.linear import OneDNNLinearMethod
 
     if kind == "amx" and not KERNELS.has_amx:
         pytest.skip("no AMX tiles here")
     if kind == "gemv":  # the dpbf16 GEMV's method (CPUs without AMX)
-        monkeypatch.setattr(model_runner, "select_linear_method",
+        monkeypatch.setattr(base, "select_linear_method",
                             lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
     llm = _engine(tmp_path, arch, **ARCHS[arch])
     runner = llm.engine.executor.runner
@@ -119,11 +119,11 @@ def test_the_one_region_step_is_bitwise_the_forward_on_several_threads(tmp_path,
     # meeting at spin barriers: each thread's shares, KV heads and copies must give the forward's logits bit for
     # bit, three threads on this host's cores too (uneven shares of the rows and of the 2 KV heads, threads
     # descheduled at a barrier)
-    from llmctl.engine import model_runner
+    from llmctl.engine.layers.quantization import base
     from llmctl.engine.layers.linear import OneDNNLinearMethod
 
     if linears == "gemv":
-        monkeypatch.setattr(model_runner, "select_linear_method",
+        monkeypatch.setattr(base, "select_linear_method",
                             lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
     engine = dict(num_threads=threads) | ({} if linears == "gemv" else dict(quantization=linears))
     previous = torch.get_num_threads()
@@ -140,10 +140,10 @@ def test_the_one_region_step_finds_its_logits_argmax(tmp_path, monkeypatch, thre
     # each thread takes the argmax of the logits slice it wrote; combined, torch.argmax's answer (the first maximum,
     # else the first NaN) where the maxima and NaNs lie in different threads' slices (vocab 512: slices of 256 or
     # ~171), and the greedy sampler uses it instead of reading the logits again
-    from llmctl.engine import model_runner
+    from llmctl.engine.layers.quantization import base
     from llmctl.engine.layers.linear import OneDNNLinearMethod
 
-    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
+    monkeypatch.setattr(base, "select_linear_method", lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
     previous = torch.get_num_threads()
     try:
         llm = _engine(tmp_path, "llama", dict(num_threads=threads), head_dim=32)
@@ -178,11 +178,11 @@ def test_the_one_region_step_finds_its_logits_argmax(tmp_path, monkeypatch, thre
 
 @needs_gemv
 def test_the_greedy_sampler_takes_the_native_steps_argmax(tmp_path, monkeypatch):
-    from llmctl.engine import model_runner
+    from llmctl.engine.layers.quantization import base
     from llmctl.engine import sampler as sampler_module
     from llmctl.engine.layers.linear import OneDNNLinearMethod
 
-    monkeypatch.setattr(model_runner, "select_linear_method", lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
+    monkeypatch.setattr(base, "select_linear_method", lambda *args, **kwargs: OneDNNLinearMethod(16, KERNELS))
     llm = _engine(tmp_path, "llama", dict(num_threads=2), head_dim=32)
     prompts = [[(7 * i + 3) % 500 + 1 for i in range(7)], [(11 * i + 5) % 500 + 1 for i in range(30)]]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

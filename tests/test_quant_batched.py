@@ -16,7 +16,7 @@ from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.kernels.quant import load_quant_kernels
 from llmctl.engine.layers.linear import LinearBase
-from llmctl.engine.layers.quantization import NATIVE_MAX_ROWS, add_batch_weights, gemv_max_rows
+from llmctl.engine.layers.quantization.grouped import NATIVE_MAX_ROWS, add_batch_weights, gemv_max_rows
 
 LAYOUTS = [  # shape, bits, group, asymmetric, permuted: the native layout's weights (bf16 activations)
     ((32, 64), 8, 64, False, True),    # int8 per row, act-order

@@ -1,4 +1,4 @@
-"""Quantised linears on CUDA (engine/layers/quantization_cuda.py). On CPU: tinygemm's CUDA nibble order and
+"""Quantised linears on CUDA (engine/layers/quantization/cuda.py, fp8.py). On CPU: tinygemm's CUDA nibble order and
 k-tiling rules, the fp8 quantiser and matmul through torch's real `_scaled_mm` (CPU has one), and fp8 refused
 off CUDA. On a GPU (scripts/gpu_check.sh; skipped here): int8/int4 on the CUDA kernels and fp8 on the fp8
 tensor cores, each against the dequantised reference."""
@@ -17,10 +17,10 @@ from test_quantization import dequantised_reference, run_greedy
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.layers.linear import LinearBase
-from llmctl.engine.layers.quantization import GroupedIntWeight
-from llmctl.engine.layers.quantization_cuda import (FP8_MAX, dequantize_fp8, fp8_linear, inner_k_tiles,
-                                                    int4_cuda_fits, pack_int4_tinygemm, quantize_fp8,
-                                                    rowwise_fp8_runs, unpack_int4_tinygemm)
+from llmctl.engine.layers.quantization.grouped import GroupedIntWeight
+from llmctl.engine.layers.quantization.cuda import (inner_k_tiles, int4_cuda_fits, pack_int4_tinygemm,
+                                                    unpack_int4_tinygemm)
+from llmctl.engine.layers.quantization.fp8 import FP8_MAX, dequantize_fp8, fp8_linear, quantize_fp8, rowwise_fp8_runs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

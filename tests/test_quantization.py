@@ -18,7 +18,8 @@ from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.kernels.quant import load_quant_kernels
 from llmctl.engine.layers.linear import AMXLinearMethod, LinearBase
-from llmctl.engine.layers.quantization import ON_THE_FLY_SCHEMES, GroupedIntWeight
+from llmctl.engine.layers.quantization.grouped import GroupedIntWeight
+from llmctl.engine.layers.quantization.on_the_fly import ON_THE_FLY_SCHEMES
 
 NEW_TOKENS = 12
 QUANT_CONFIGS = {  # GPTQ, AWQ and compressed-tensors load (their own tests hold their refusals)

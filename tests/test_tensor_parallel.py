@@ -22,7 +22,8 @@ from llmctl.engine.layers.linear import (
     rank_rows,
 )
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.quantization import GroupedIntWeight, quantized_linear_method, rank_grouped_part
+from llmctl.engine.layers.quantization import quantized_linear_method
+from llmctl.engine.layers.quantization.grouped import GroupedIntWeight, rank_grouped_part
 from llmctl.engine.parallel import TensorParallel, TensorParallelError
 from tp_helpers import greedy_run, run_ranks
 

@@ -14,10 +14,9 @@ layer picks its run-time form once all are in.
   w = d * sc * (q - 32)) -> group 16, code q;
 - IQ4_NL (d, nibbles indexing a 16-value non-linear grid) and IQ4_XS (IQ4_NL's grid, a 6-bit scale per 32
   against d) -> 8-bit codes, group 32, code grid[q] + 128, which the native kernels store as the 4-bit grid
-  indices again (kernels/quant.py `IQ4_CODES`: 0.5 bytes a code where 8-bit codes took 1). A Q4_K_M file is mostly Q4_K with Q6_K for attn_v,
-  half the ffn_down and the output (and Q5_0/Q8_0 where rows are not whole 256-value super-blocks, as
-  SmolLM's 576): dequantised to bf16, those tensors streamed 2 bytes a weight where 6-bit codes stream 0.81-0.88
-  (8-bit codes, before: 1.06-1.13);
+  indices again (kernels/quant.py `IQ4_CODES`: 0.5 bytes a code). A Q4_K_M file is mostly Q4_K with Q6_K for
+  attn_v, half the ffn_down and the output (and Q5_0/Q8_0 where rows are not whole 256-value super-blocks, as
+  SmolLM's 576), so those run as 6-bit codes rather than dequantised bf16;
 - every other type (Q2_K, Q3_K, the IQ types but IQ4_NL/IQ4_XS, and F32/F16/BF16) is dequantised by the gguf
   package to the model dtype and runs as an unquantised linear (logged once per type).
 A fused layer's shards run as one grouped weight of the widest bits and the smallest group among them (codes
@@ -30,7 +29,8 @@ weight, as the unquantised method would have loaded it).
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -39,8 +39,10 @@ from torch import nn
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.linear import (LinearBase, LinearMethod, ShardId, copy_checked, new_parameter, rank_columns,
                                          rank_part, rank_rows, register_bias)
-from llmctl.engine.layers.quantization import (GroupedIntWeight, apply_grouped_weight, grouped_row_operands,
-                                               install_grouped_weight, rank_grouped_part)
+from llmctl.engine.layers.quantization.base import LinearMethods, LinearTarget, QuantizationConfig
+from llmctl.engine.layers.quantization.grouped import (GroupedIntWeight, apply_grouped_weight,
+                                                       grouped_row_operands, install_grouped_weight,
+                                                       rank_grouped_part)
 
 logger = logging.getLogger(__name__)
 
@@ -309,3 +311,22 @@ class GGUFLinearMethod(LinearMethod):
         if hasattr(layer, "quant_layout"):
             return grouped_row_operands(layer)
         return self.unquantized.native_row_operands(layer)
+
+
+@dataclass(frozen=True)
+class GGUFConfig(QuantizationConfig):
+    """A .gguf file (each tensor names its own ggml type, so there are no options): the decoder linears and an
+    untied output projection run `GGUFLinearMethod`; a tied lm_head is the embedding's, unquantised."""
+
+    @classmethod
+    def from_quantization_config(cls, raw: dict[str, Any], source: str, linear_names: Sequence[str]) -> "GGUFConfig":
+        return cls()
+
+    def linear_methods(self, target: LinearTarget) -> LinearMethods:
+        if target.load_format == "dummy":  # random weights fill full-precision linears
+            return LinearMethods(target.unquantized())
+        lm_head = target.unquantized() if target.tie_word_embeddings else None
+        return LinearMethods(GGUFLinearMethod(target.unquantized()), lm_head)
+
+    def describe(self) -> str:
+        return "gguf"

@@ -1,4 +1,4 @@
-"""Weight-only integer quantisation: the engine's one grouped form, and the on-the-fly `--quantization` methods.
+"""Weight-only integer quantisation: the engine's one grouped form and its run-time layouts.
 
 `GroupedIntWeight` is the canonical quantised linear weight every source converts to (on-the-fly int8/int4,
 GPTQ, AWQ, compressed-tensors, GGUF Q8_0/Q4_0): integer codes 0..2^bits-1, one scale (and optionally one zero
@@ -23,15 +23,13 @@ Run-time layouts (chosen in `_choose_layout`, CPU facts from ../shared/CPU-FACTS
   AMX_MAX_ROWS; without AMX, where the CPU has AVX512-BF16, its dequantising bf16 GEMM from `bf16_gemm_min_rows`
   (the weight dequantised per call a pair of 16-row blocks at a time); else the GEMV (the AVX-512 body's wide
   tiles up to GEMV_MAX_ROWS_AVX512, the AVX2 body's up to NATIVE_MAX_ROWS) and its dequantisation to bf16 + one
-  GEMM above. At M=1 it ran 2.1x torch's int8pack and 2.3x its int4pack (benchmarks/quant_kernels.py,
-  benchmarks/README.md);
+  GEMM above. At one row it beats torch's int8pack and int4pack (benchmarks/quant_kernels.py);
 - `int8pack` (float32 activations; 8 bits, one group per row, symmetric): `torch._weight_int8pack_mm`
   (it crashes when the inputs are not a multiple of 16, so those fall through);
 - `int4pack` (float32 activations; 4 bits, groups of 32/64/128/256, output rows a multiple of 16):
   tinygemm's packing (`torch._convert_weight_to_int4pack_for_cpu`) and `torch._weight_int4pack_mm_for_cpu`,
   whose w = (q - 8) * scale + offset takes any zero point as offset = (8 - zero) * scale;
-- on CUDA, `int4pack-cuda` (tinygemm) and `int8pack-cuda` (engine/layers/quantization_cuda.py, which also
-  holds `--quantization fp8`);
+- on CUDA, `int4pack-cuda` (tinygemm) and `int8pack-cuda` (cuda.py);
 - `dequant`: everything else (other devices, other groupings): the codes stay packed (two 4-bit codes a
   byte) and are dequantised to the activation dtype for each call, exact but slow.
 Activations should be bfloat16 on CPU: with float32 both torch kernels run about 5x slower.
@@ -40,17 +38,10 @@ far ahead of torch's int8/int4 kernels: int8pack converts its codes per call and
 native runs the dequantising GEMMs above (or the GEMV / dequantise + GEMM), and with `--quantization-batch-cache`
 (`add_batch_weights`) every CPU layout keeps a bf16 copy in bf16's own layout for them instead (no
 dequantisation per call, for 2 more bytes per weight).
-
-On the fly (`--quantization`): `int8` symmetric per output channel; `int4[-g32|-g64|-g128]` symmetric per
-group (`int4` is group 128, llama.cpp's Q4_0 convention); `int4-asym`, `int4-g32-asym`, ... with a zero point
-per group (min/max range, llama.cpp's Q4_1 / GPTQ sym=False / AWQ convention). Scales are rounded to float16
-(what GPTQ, AWQ and GGUF store) and the codes are rounded against the rounded scale, so dequantising the
-`GroupedIntWeight` is the exact reference of what the layer holds.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -58,78 +49,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.engine.errors import EngineArgsError, ModelLoadError
+from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.kernels.quant import IQ4_CODES, KernelWeight, QuantRowOperand, fits_float16, load_quant_kernels
-from llmctl.engine.layers.linear import (CheckpointSlice, LinearBase, LinearMethod, UnquantizedLinearMethod, rank_rows)
-from llmctl.engine.layers.quantization_cuda import (CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, fp8_linear_method,
-                                                    install_cuda_layout)
-
-logger = logging.getLogger(__name__)
+from llmctl.engine.layers.linear import CheckpointSlice, LinearBase, LinearMethod, rank_rows
+from llmctl.engine.layers.quantization.cuda import CUDA_LAYOUTS, apply_cuda_layout, cuda_layout, install_cuda_layout
 
 # Scales are stored as float16 (GPTQ/AWQ/GGUF do): clamping to its smallest normal keeps an all-zero group's
 # scale finite and costs at most 3e-5 absolute error in groups whose largest weight is below 4e-4 (int4).
 FP16_TINY, FP16_MAX = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max
 INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel accepts
-# The native GEMV streams the weight once for all rows; its work grows with the rows. Below 16 rows it beat
-# dequantising to bfloat16 and one GEMM at every measured shape (one thread, 3072x576 int8 per row: 8 rows
-# 181 against 918 µs, 16 rows 338 against about 900 µs; int4 g32 8 rows 239 against 963 µs); at 32 rows too
-# (one thread, thread CPU time, load 10: 3072x576 int8 1176 against 2107 µs, int4 g32 1717 against 1999;
-# 576x1536 int8 738 / 1475, int4 1119 / 1359; 960x576 425 / 695, 592 / 643); from 48 rows dequantising wins
-# or ties (3072x576 int8 48 rows 1763 / 1679, int4 g32 64 rows 3257 / 2461).
-NATIVE_MAX_ROWS = 48
-# The AVX-512 body runs many rows in wide tiles (two 16-row blocks x 8 x rows of int32 accumulators, quant_kernels.c
-# `wide_tile`), near its dot products' peak: one thread, hot, µs, GEMV / dequantise + oneDNN GEMM / bf16's oneDNN
-# GEMM on its packed weight (Zen 5, no AMX): 3072x576 int8 64 rows 546 / 1508 / 516, 256 rows 2141 / 3050 / 1995,
-# 1024 rows 9357 / 9389 / 8116; int4-g32 64 rows 628 / 1470, 256 rows 2579 / 3001, 1024 rows 11571 / 9543. So
-# without AMX that body keeps the GEMV up to GEMV_MAX_ROWS_AVX512 rows (per code width), where dequantising ties.
-GEMV_MAX_ROWS_AVX512 = {8: 1024, 6: 1024, IQ4_CODES: 1024, 4: 512}  # 6 bits, IQ4_CODES: the 8-bit arithmetic
-# Where the CPU also has AVX512-BF16 (Zen 4 and 5), from BF16_GEMM_MIN_ROWS rows `gemm_bf16` runs instead: the
-# weight dequantised per call a pair of blocks at a time into bf16, then bf16 pair dot products on x as it is (no
-# int16 x, no per-group epilogue). A decoder layer's four linears (SmolLM-135M shapes), two threads, hot, µs, GEMV
-# / gemm_bf16 / bf16's oneDNN GEMM (Zen 5, two runs): int8 16 rows 224-241 / 252-273 / 234-240, 64 rows 750-864 /
-# 693-748 / 646-677, 128 rows 1506-1705 / 1266-1409 / 1173-1278; int4-g32 16 rows 245-270 / 246-280, 64 rows
-# 871-978 / 694-758, 128 rows 1704-1952 / 1279-1441; one thread, 1024 rows: int8 19125 / 18099, int4-g32 22904 /
-# 17718, bf16 16872. With x packed by a register transpose (quant_kernels.c `pack_row_group`) and the wide tiles' x
-# copied without a memcpy call per 8 bytes, a whole SmolLM-135M step's 121 linears cold (a 256 MiB sweep before
-# each), two threads, Zen 4, ms, GEMV / gemm_bf16: 8-bit per row (x blocks of 192 and 256 inputs) 32 rows
-# 24.1-25.2 / 26.8-27.6, 64 rows 45.0-45.3 / 46.5-46.6, 96 rows 65.5-65.9 / 66.2-66.8, 128 rows 86.2-86.9 /
-# 85.0-85.3; 8-bit g192 32 rows 25.3 / 27.4, 64 45.7 / 46.7, 96 65.5 / 66.1; but 8-bit g64 (a float epilogue every
-# 64 inputs) 32 rows 28.7 / 29.1, 64 rows 51.6 / 49.7, and g32 (GGUF Q8_0) 48 rows 48.5 / 40.4, 64 rows 55.6 / 51.0;
-# int4-g32 16 rows 15.2-17.2 / 17.3-17.9, 32 rows 27.0-29.5 / 27.0-28.7. So 8-bit codes in x blocks of
-# LONG_X_BLOCK+ inputs keep the GEMV to BF16_GEMM_MIN_ROWS_LONG rows, every other weight to BF16_GEMM_MIN_ROWS
-# (6 bits and IQ4_CODES were not measured again).
+# Row counts where the native layout changes kernel, each where the next one measured faster
+# (benchmarks/quant_kernels.py --batched, benchmarks/batched_linears.py; figures in benchmarks/README.md):
+NATIVE_MAX_ROWS = 48  # the AVX2 GEMV up to here, then dequantise + one GEMM
+# the AVX-512 GEMV's wide tiles up to here (per code width; 6 bits and IQ4_CODES use the 8-bit arithmetic)
+GEMV_MAX_ROWS_AVX512 = {8: 1024, 6: 1024, IQ4_CODES: 1024, 4: 512}
+# With AVX512-BF16 (no AMX) `gemm_bf16` from here; 8-bit codes in x blocks of LONG_X_BLOCK+ inputs from _LONG
 BF16_GEMM_MIN_ROWS = 32
 BF16_GEMM_MIN_ROWS_LONG = 96
 LONG_X_BLOCK = 192
-# Where the CPU has AMX, from 16 rows the native layout runs `gemm_amx` instead: its weight dequantised once per
-# call into bf16 AMX tiles that every row reuses (benchmarks/quant_kernels.py --batched: cold, one thread,
-# thread CPU time, load 8; GEMV / AMX µs: 3072x576 int8 8 rows 409 / 605, 16 rows 790 / 524, 64 rows 1792 / 692
-# (bf16's AMX 626); 576x1536 int8 16 rows 398 / 277, 64 rows 1420 / 321; 960x576 int4-g32 16 rows 318 / 122;
-# 49152x576 int8 64 rows 24728 / 9927; below 16 rows the GEMV won or tied at every shape).
-AMX_MIN_ROWS = 16
-# From 1024 rows (prefill chunks) bf16's own AMX kernel (`CpuKernels.gemm_amx`, blocked for many rows) runs on
-# the weight dequantised into its tiles (`dequantize_amx`, a temporary bf16 copy): the compute dwarfs the
-# dequantisation there (3072x576 int8 at 2048 rows: `gemm_amx`'s panels 30.7 ms, bf16's kernel 25.9 ms).
-AMX_MAX_ROWS = 1024
-# 8-bit weights whose x blocks are 64+ inputs (per-channel int8, GPTQ 8-bit in groups of 64+) run the GEMV's own
-# integer arithmetic on AMX-INT8 tiles (`gemm_amx_int8`, bitwise the GEMV) from INT8_TILE_MIN_ROWS rows up to
-# INT8_TILE_MAX_ROWS: it reads a byte a weight and dequantises nothing, and with the GEMV below it a row's output
-# is the same bitwise at every batch size under INT8_TILE_MAX_ROWS. Measured (benchmarks/quant_kernels.py
-# --batched, one thread, thread CPU time, µs; GEMV / AMX-INT8 / dequantising AMX / bf16 AMX), cold: 3072x576
-# 2 rows 90 / 152 / 337 / 225 (the GEMV wins below 8), 8 rows 259 / 165 / 326 / 232, 16 rows 435 / 204 / 358 /
-# 235; 960x576 8 rows 61 / 52 / 81 / 55; hot (weights in cache), AMX-INT8 / dequantising AMX: 3072x576 64 rows
-# 357 / 394, 96 rows 506 / 500, 128 rows 702 / 603; 576x1536 64 rows 176 / 193, 96 rows 279 / 235. Its TMUL
-# work is bf16's (x splits into two byte planes), so it ties bf16 with the weights in cache and wins only where
-# bf16's come from DRAM (it reads half the bytes): a whole 64-row decode step's linears, alternated with bf16's
-# in one process (benchmarks/batched_linears.py, 2 threads), 1.01-1.09x bf16's time.
-# Groups of 32 (GGUF Q8_0) and 4-bit weights keep the dequantising kernel: the epilogue per 32 inputs and row
-# costs more than dequantising (3072x576 Q8_0, 64 rows: 1618 against 940 cold).
+AMX_MIN_ROWS = 16  # with AMX the dequantising `gemm_amx` (tiles every row reuses) from here
+AMX_MAX_ROWS = 1024  # and bf16's own AMX kernel on the weight dequantised into its tiles from here
+# 8-bit weights in x blocks of 64+ inputs: the GEMV's integer arithmetic on AMX-INT8 tiles (`gemm_amx_int8`,
+# bitwise the GEMV, a byte a weight read) in [INT8_TILE_MIN_ROWS, INT8_TILE_MAX_ROWS); groups of 32 and 4-bit
+# weights keep the dequantising kernel (their per-group epilogue costs more than dequantising)
 INT8_TILE_MIN_ROWS = 8
 INT8_TILE_MAX_ROWS = 96
-# Batches (16+ rows; prefill, batched decode) are compute-bound: bf16 GEMMs on AMX tiles (oneDNN's or the
-# native kernel) ran 4-17x torch's int8pack/int4pack (3072x576, one thread, thread CPU time: 64 rows 342 µs
-# against 3963 / 3499 µs, 256 rows 820 against 15357 / 13992 µs); see `_product` and `add_batch_weights`.
+# Batches of this many rows are compute-bound: bf16 GEMMs beat torch's int8pack/int4pack there (`_product`,
+# `add_batch_weights`)
 BATCH_MIN_ROWS = 16
 # the code formats the AMX kernels take (on AMX CPUs 6-bit and IQ4_CODES ones run the GEMV, then from AMX_MIN_ROWS
 # rows dequantise + one GEMM: `gemv_max_rows`)
@@ -301,8 +248,7 @@ def _choose_layout(weight: GroupedIntWeight, dtype: torch.dtype, device: torch.d
     if device.type == "cuda":
         return cuda_layout(weight, dtype) or "dequant"
     if device.type == "cpu" and dtype is torch.bfloat16:
-        # the native kernels first: at M=1 they ran 2.1x torch's int8pack and 2.3x its int4pack (hot 3072x576,
-        # one thread: int8 58 against 119 µs, int4 g32 54 against 124 µs; benchmarks/quant_kernels.py)
+        # the native kernels first: they beat torch's int8pack and int4pack (benchmarks/quant_kernels.py)
         kernels = load_quant_kernels()
         if (kernels is not None and kernels.unsupported(weight.bits, weight.group_size, weight.in_features) is None
                 and fits_float16(weight.scales) and (weight.zeros is None or fits_float16(weight.zeros))):
@@ -455,9 +401,8 @@ def _product(layer: LinearBase, rows: torch.Tensor, bias: Optional[torch.Tensor]
         rows = rows.index_select(1, layer.input_perm)
     layout = layer.quant_layout
     if layout == "int8pack" and rows.shape[0] >= BATCH_MIN_ROWS:
-        # per-row scales factor out of the product: the int8 codes are exact in bf16 and float32, so one
-        # conversion and one GEMM (3072x576, 64 rows, float32: 3601 against int8pack's 125803 µs; bf16: 1006
-        # against 3963 µs; bf16 256 rows: 1715 against 15357)
+        # per-row scales factor out of the product and int8 codes are exact in bf16 and float32: one
+        # conversion and one GEMM, far faster than int8pack on many rows
         out = F.linear(rows, layer.weight.to(rows.dtype)) * layer.weight_scale
     elif layout == "int8pack":
         out = torch._weight_int8pack_mm(rows.contiguous(), layer.weight, layer.weight_scale)
@@ -520,8 +465,7 @@ def gemv_max_rows(kernels, bits: int) -> int:
     """The row count from which the native layout dequantises and runs one GEMM instead of the GEMV, for weights
     the batched kernels above do not take: without AMX and AVX512-BF16, any; with AMX, the code formats outside
     AMX_BITS (6-bit, IQ4_CODES), whose GEMM is then oneDNN's bf16 one on AMX tiles: from AMX_MIN_ROWS, where the
-    dequantising AMX GEMM overtook the GEMV for 8-bit weights (the 2-core Xeon's figures above: 3072x576 16 rows
-    790 against 524 us, 64 rows 1792 against 692, bf16's AMX 626), and these formats' GEMV does more work a weight."""
+    dequantising AMX GEMM overtook the GEMV for 8-bit weights (and these formats' GEMV does more work a weight)."""
     if kernels.has_amx:
         return AMX_MIN_ROWS
     return GEMV_MAX_ROWS_AVX512[bits] if kernels.isa == 512 else NATIVE_MAX_ROWS
@@ -536,51 +480,3 @@ class GroupedIntLinearMethod(LinearMethod):
 
     def native_row_operands(self, layer: LinearBase) -> Optional[tuple[str, object, Optional[torch.Tensor]]]:
         return grouped_row_operands(layer)
-
-
-class OnTheFlyIntLinearMethod(GroupedIntLinearMethod, UnquantizedLinearMethod):
-    """`--quantization`: loads like an unquantised linear (same shards, loaders and tied embeddings), then
-    quantises the full-precision weight round-to-nearest and installs it."""
-
-    def __init__(self, bits: int, group_size: Optional[int], symmetric: bool):
-        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric  # group None: per output row
-
-    def create_weights(self, layer: LinearBase, bias: bool, dtype: torch.dtype) -> None:
-        if self.group_size is not None and layer.in_features % self.group_size:
-            raise ModelLoadError(f"int{self.bits} group size {self.group_size} does not divide a linear's "
-                                 f"{layer.in_features} inputs; choose a smaller group (int4-g32, int4-g64)")
-        super().create_weights(layer, bias, dtype)
-
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        full = layer.weight.data
-        weight = GroupedIntWeight.quantize(full, self.bits, self.group_size or layer.in_features, self.symmetric)
-        install_grouped_weight(layer, weight, full.dtype)
-
-
-def _on_the_fly_schemes() -> dict[str, tuple[int, Optional[int], bool]]:
-    schemes: dict[str, tuple[int, Optional[int], bool]] = {"int8": (8, None, True)}
-    for suffix, group in (("", 128), ("-g32", 32), ("-g64", 64), ("-g128", 128)):
-        schemes[f"int4{suffix}"] = (4, group, True)
-        schemes[f"int4{suffix}-asym"] = (4, group, False)
-    return schemes
-
-
-# name -> (bits, group size or None for per output channel, symmetric); EngineArgs' ON_THE_FLY_QUANTIZATIONS
-ON_THE_FLY_SCHEMES = _on_the_fly_schemes()
-
-
-def quantized_linear_method(quantization: str, device: torch.device, dtype: torch.dtype) -> LinearMethod:
-    """The linear method for `--quantization` (names from `EngineArgs`' ON_THE_FLY_QUANTIZATIONS)."""
-    if quantization not in ON_THE_FLY_SCHEMES and quantization != "fp8":
-        raise EngineArgsError(f"quantization {quantization!r} is not supported (supported: "
-                              f"{', '.join(ON_THE_FLY_SCHEMES)})")
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise EngineArgsError(f"--quantization {quantization} needs a float dtype, got {dtype}")
-    if quantization == "fp8":
-        return fp8_linear_method(device, dtype)
-    bits, group_size, symmetric = ON_THE_FLY_SCHEMES[quantization]
-    if device.type == "cpu" and dtype is torch.float32:
-        logger.warning("quantised weights with float32 activations run about 5x slower than with bfloat16 "
-                       "(--dtype bfloat16)")
-    logger.info("linear layers: %s (%s, %s activations on %s)", quantization, f"{bits}-bit", dtype, device)
-    return OnTheFlyIntLinearMethod(bits, group_size, symmetric)

@@ -1,6 +1,6 @@
-"""Quantised linears on CUDA: run-time layouts of a `GroupedIntWeight` for torch's CUDA kernels, and `fp8`.
+"""Quantised linears on CUDA: the run-time layouts of a `GroupedIntWeight` for torch's CUDA kernels.
 
-`install_grouped_weight` (engine/layers/quantization.py) hands a weight whose codes live on a CUDA device to
+`install_grouped_weight` (grouped.py) hands a weight whose codes live on a CUDA device to
 `cuda_layout`, which picks the first of these the device runs:
 - `int4pack-cuda`: 4 bits, groups of 32/64/128/256, outputs a multiple of 8, inputs a multiple of
   `inner_k_tiles` x 16, bfloat16 activations: tinygemm (`torch._convert_weight_to_int4pack` on a uint8
@@ -12,13 +12,6 @@
 - otherwise the portable `dequant` layout (codes dequantised to the activation dtype for each call).
 Each kernel is probed once per device and dtype on a tiny weight, so a build or a GPU without it falls back
 instead of failing mid-serve.
-
-`--quantization fp8` (`Fp8LinearMethod`): e4m3 weights, quantised on load from the full-precision
-checkpoint with one float32 scale per output channel (amax / 448) where `torch._scaled_mm` takes row-wise
-scales here (Hopper, bfloat16 output), else one per tensor; activations are quantised per call the same way
-(per token, or per tensor) and multiplied by `torch._scaled_mm` on the fp8 tensor cores of sm_89+ (Ada,
-Hopper, Blackwell). Refused with a clear error on CPU and on older GPUs. The quantise and matmul functions
-are plain torch (CPU has `_scaled_mm` too), so CPU tests run them; only the engine refuses fp8 off CUDA.
 """
 
 from __future__ import annotations
@@ -29,18 +22,15 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from llmctl.engine.errors import EngineArgsError
-from llmctl.engine.layers.linear import LinearBase, UnquantizedLinearMethod
+from llmctl.engine.layers.linear import LinearBase
 
 if TYPE_CHECKING:
-    from llmctl.engine.layers.quantization import GroupedIntWeight
+    from llmctl.engine.layers.quantization.grouped import GroupedIntWeight
 
 logger = logging.getLogger(__name__)
 
 INT4_CUDA_GROUPS = (32, 64, 128, 256)  # tinygemm's group sizes
 INNER_K_TILES = (8, 4, 2)  # tinygemm's choices, widest first: inputs must be a multiple of tiles x 16
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-FP8_MIN_CAPABILITY = (8, 9)
 CUDA_LAYOUTS = ("int4pack-cuda", "int8pack-cuda")
 
 
@@ -132,84 +122,3 @@ def apply_cuda_layout(layer: LinearBase, rows: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm(rows.contiguous(), layer.weight, layer.quant_group_size,
                                          layer.weight_scales_and_zeros)
     return torch._weight_int8pack_mm(rows.contiguous(), layer.weight, layer.weight_scale)
-
-
-# ---- fp8 ----------------------------------------------------------------------------------------------
-
-def quantize_fp8(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, cols] -> (e4m3 [rows, cols], float32 scales [rows, 1] per row or a 0-d one per tensor), with
-    x ≈ codes * scale; the largest magnitude of each row (or of the tensor) maps to 448."""
-    values = weight.detach().float()
-    amax = values.abs().amax(dim=1, keepdim=True) if per_channel else values.abs().amax()
-    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes, scale
-
-
-def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, per_channel: bool,
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (16-bit or float32) times the e4m3 `weight` [N, K] with its scales ([N, 1] or 0-d):
-    x is quantised to e4m3 per row (per_channel) or per tensor, then one `torch._scaled_mm`."""
-    x_codes, x_scale = quantize_fp8(x, per_channel)
-    # _scaled_mm takes the second operand column-major: the [N, K] row-major weight transposed is that;
-    # its row-wise scales are [1, N].
-    scale_b = weight_scale.view(1, -1) if per_channel else weight_scale
-    out = torch._scaled_mm(x_codes, weight.t(), scale_a=x_scale, scale_b=scale_b, out_dtype=x.dtype)
-    return out if bias is None else out + bias
-
-
-@functools.cache
-def rowwise_fp8_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Row-wise scales (one per token and per output channel) need Hopper-class kernels and bf16 output."""
-    try:
-        weight, scale = quantize_fp8(torch.ones(32, 32, device=device), per_channel=True)
-        fp8_linear(torch.ones(16, 32, dtype=dtype, device=device), weight, scale, per_channel=True)
-    except RuntimeError as exc:
-        logger.info("fp8 with row-wise scales does not run on %s (%s): one scale per tensor", device, exc)
-        return False
-    return True
-
-
-def check_fp8_device(device: torch.device) -> None:
-    if device.type != "cuda":
-        raise EngineArgsError(f"--quantization fp8 needs a CUDA GPU with fp8 tensor cores (sm_89+: Ada, Hopper); "
-                              f"device {device} has none: use --quantization int8 or int4 on CPU")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        raise EngineArgsError(f"--quantization fp8 needs compute capability 8.9+ (Ada, Hopper); {name} is "
-                              f"{capability[0]}.{capability[1]}: use --quantization int8 or int4")
-
-
-class Fp8LinearMethod(UnquantizedLinearMethod):
-    """`--quantization fp8`: loads like an unquantised linear, then keeps the e4m3 weight and its float32
-    scales only (1 byte per weight)."""
-
-    def __init__(self, per_channel: bool):
-        self.per_channel = per_channel
-
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        if layer.in_features % 16 or layer.out_features % 16:
-            raise EngineArgsError(f"--quantization fp8 needs linears whose sizes are multiples of 16 "
-                                  f"(torch._scaled_mm); this model has one of {layer.in_features} inputs and "
-                                  f"{layer.out_features} outputs")
-        codes, scale = quantize_fp8(layer.weight.data, self.per_channel)
-        layer.weight = torch.nn.Parameter(codes, requires_grad=False)  # the full-precision weight is dropped
-        layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
-
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        out = fp8_linear(rows, layer.weight, layer.weight_scale, self.per_channel, layer.bias)
-        return out.reshape(*x.shape[:-1], layer.out_features)
-
-
-def fp8_linear_method(device: torch.device, dtype: torch.dtype) -> Fp8LinearMethod:
-    check_fp8_device(device)
-    per_channel = rowwise_fp8_runs(device, dtype)
-    logger.info("linear layers: fp8 e4m3, %s scales, %s activations on %s",
-                "per-channel" if per_channel else "per-tensor", dtype, device)
-    return Fp8LinearMethod(per_channel)

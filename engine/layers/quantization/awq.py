@@ -17,11 +17,12 @@ from typing import Any, Sequence
 import torch
 
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.checkpoint_quant import (BITS_PER_WORD, CheckpointQuantizedLinearMethod, CheckpointTensor,
-                                                   regroup, unpack_int32)
-from llmctl.engine.layers.gptq import check_group_size, group_size_of
 from llmctl.engine.layers.linear import LinearBase
-from llmctl.engine.layers.quantization import GroupedIntWeight
+from llmctl.engine.layers.quantization.checkpoint import (BITS_PER_WORD, CheckpointQuantizedLinearMethod,
+                                                         CheckpointTensor, PackedCheckpointConfig, regroup,
+                                                         unpack_int32)
+from llmctl.engine.layers.quantization.gptq import check_group_size, group_size_of
+from llmctl.engine.layers.quantization.grouped import GroupedIntWeight
 
 AWQ_BITS = 4
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -29,7 +30,7 @@ AWQ_VERSIONS = ("gemm",)
 
 
 @dataclass(frozen=True)
-class AWQConfig:
+class AWQConfig(PackedCheckpointConfig):
     """config.json's quantization_config for quant_method "awq", validated (AutoAWQ's and transformers'
     key names: bits / w_bit, group_size / q_group_size)."""
 
@@ -90,4 +91,4 @@ class AWQLinearMethod(CheckpointQuantizedLinearMethod):
         codes = unpack_int32(layer.qweight.data, AWQ_BITS, dim=1, order=AWQ_PACK_ORDER).t()  # [out, in]
         zeros = unpack_int32(layer.qzeros.data, AWQ_BITS, dim=1, order=AWQ_PACK_ORDER)
         return GroupedIntWeight(codes=codes.contiguous(), scales=regroup(layer.scales.data, group, inputs),
-                           zeros=regroup(zeros, group, inputs), bits=AWQ_BITS, group_size=group)
+                                zeros=regroup(zeros, group, inputs), bits=AWQ_BITS, group_size=group)

@@ -5,16 +5,18 @@ the same way), per-group scales, and for GPTQ a `g_idx` (the group of each input
 declares those tensors as the layer's parameters (`CheckpointTensor`: shape, dtype, which dimension
 holds the outputs and how many outputs one element of it packs), loads each fused shard (q/k/v,
 gate/up) into its slice of them, and after loading unpacks them into the engine's one quantised form,
-`GroupedIntWeight` (engine/layers/quantization.py), which `install_grouped_weight` turns into the
+`GroupedIntWeight` (grouped.py), which `install_grouped_weight` turns into the
 layer's run-time layout (torch's int4/int8 CPU kernels where they apply); the checkpoint tensors are
 dropped then, so only the installed form stays in memory. With tensor parallelism every rank loads the
 linear's whole checkpoint tensors (the layer's `checkpoint_*` sizes), unpacks them, and installs only its
-part (`rank_grouped_part`): packing along the outputs or the inputs never has to line up with a rank. The format modules
-(`gptq.py`, `awq.py`) say only how their tensors are laid out and what the codes mean.
+part (`rank_grouped_part`): packing along the outputs or the inputs never has to line up with a rank. The format
+modules (`gptq.py`, `awq.py`) say only how their tensors are laid out and what the codes mean; their configs share
+`PackedCheckpointConfig` (the lm_head stays in full precision).
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -22,10 +24,13 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.layers.linear import LinearBase, ShardId, copy_checked, new_parameter, rank_part, register_bias
-from llmctl.engine.layers.quantization import (GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
-                                               rank_grouped_part)
+from llmctl.engine.layers.quantization.base import LinearMethods, LinearTarget, QuantizationConfig
+from llmctl.engine.layers.quantization.grouped import (GroupedIntLinearMethod, GroupedIntWeight,
+                                                       install_grouped_weight, rank_grouped_part)
+
+logger = logging.getLogger(__name__)
 
 BITS_PER_WORD = 32
 
@@ -120,3 +125,22 @@ def regroup(per_group: torch.Tensor, group_size: int, in_features: int) -> torch
     if per_group.shape[0] != groups:
         raise ModelLoadError(f"{per_group.shape[0]} groups for {in_features} inputs at group size {group_size}")
     return per_group.t().contiguous()
+
+
+class PackedCheckpointConfig(QuantizationConfig):
+    """A checkpoint whose decoder linears hold packed int32 tensors (GPTQ, AWQ; `quant_method` names it): the
+    lm_head stays in full precision, and random (dummy) weights cannot fill the packed tensors."""
+
+    quant_method: str
+
+    @abstractmethod
+    def linear_method(self) -> CheckpointQuantizedLinearMethod:
+        """The decoder linears' method."""
+
+    def linear_methods(self, target: LinearTarget) -> LinearMethods:
+        if target.load_format == "dummy":
+            raise EngineArgsError(f"--load-format dummy cannot fill a pre-quantised ({self.quant_method}) "
+                                  "checkpoint's packed tensors (its g_idx must be a grouping); load its weights")
+        method = self.linear_method()
+        logger.info("linear layers: %s (%s)", type(method).__name__, self.describe())
+        return LinearMethods(method, target.unquantized())

@@ -25,10 +25,11 @@ from typing import Any, Sequence
 import torch
 
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.checkpoint_quant import (BITS_PER_WORD, CheckpointQuantizedLinearMethod, CheckpointTensor,
-                                                   regroup, unpack_int32)
 from llmctl.engine.layers.linear import LinearBase
-from llmctl.engine.layers.quantization import GroupedIntWeight
+from llmctl.engine.layers.quantization.checkpoint import (BITS_PER_WORD, CheckpointQuantizedLinearMethod,
+                                                         CheckpointTensor, PackedCheckpointConfig, regroup,
+                                                         unpack_int32)
+from llmctl.engine.layers.quantization.grouped import GroupedIntWeight
 
 GPTQ_BITS = (4, 8)
 # checkpoint_format -> what the reader adds to a stored zero
@@ -63,7 +64,7 @@ def check_group_size(method: str, group_size: int, source: str) -> None:
 
 
 @dataclass(frozen=True)
-class GPTQConfig:
+class GPTQConfig(PackedCheckpointConfig):
     """config.json's quantization_config for quant_method "gptq", validated."""
 
     bits: int
@@ -164,8 +165,8 @@ class GPTQLinearMethod(CheckpointQuantizedLinearMethod):
             codes = codes[:, perm]
         midpoint = 1 << (bits - 1)
         return GroupedIntWeight(codes=codes.contiguous(), scales=scales,
-                           zeros=None if bool((zeros == midpoint).all()) else zeros,
-                           bits=bits, group_size=group, perm=perm)
+                                zeros=None if bool((zeros == midpoint).all()) else zeros,
+                                bits=bits, group_size=group, perm=perm)
 
 
 def shared_g_idx(layer: LinearBase) -> torch.Tensor:

@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
 from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.linear import (LinearBase, LinearMethod, ShardId, WeightShapeError, copy_checked,
-                                         new_parameter, rank_part, register_bias)
-from llmctl.engine.layers.quantization import (GroupedIntLinearMethod, GroupedIntWeight, install_grouped_weight,
-                                               rank_grouped_part)
+from llmctl.engine.layers.linear import (LinearBase, ShardId, WeightShapeError, copy_checked, new_parameter,
+                                         rank_part, register_bias)
+from llmctl.engine.layers.quantization.base import LinearMethods, LinearTarget, QuantizationConfig
+from llmctl.engine.layers.quantization.grouped import (GroupedIntLinearMethod, GroupedIntWeight,
+                                                       install_grouped_weight, rank_grouped_part)
 
 SUPPORTED_FORMAT = "pack-quantized"
 SUPPORTED_BITS = (4, 8)
@@ -40,7 +41,7 @@ LM_HEAD_PATTERNS = ("lm_head", "re:.*lm_head", "re:^lm_head$", "re:.*lm_head$")
 
 
 @dataclass(frozen=True)
-class PackedScheme:
+class CompressedTensorsConfig(QuantizationConfig):
     """The one weight scheme every targeted linear uses."""
 
     bits: int
@@ -48,8 +49,11 @@ class PackedScheme:
     group_size: Optional[int]  # None: channel strategy (one group of all inputs)
     lm_head_quantized: bool
 
+    quant_method = "compressed-tensors"
+
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "PackedScheme":
+    def from_quantization_config(cls, config: dict[str, Any], source: str,
+                                 linear_names: Sequence[str]) -> "CompressedTensorsConfig":
         """Validate config.json's quantization_config; everything this engine would not run as written is
         refused with the field named."""
         _refuse_extras(config)
@@ -72,6 +76,14 @@ class PackedScheme:
         if not isinstance(weights, dict):
             raise ModelLoadError(f"compressed-tensors config group {name!r} quantises no weights")
         return cls(**_weight_args(name, weights), lm_head_quantized=_lm_head_quantized(config.get("ignore") or []))
+
+    def linear_methods(self, target: LinearTarget) -> LinearMethods:
+        lm_head = None if self.lm_head_quantized else target.unquantized()
+        return LinearMethods(CompressedTensorsLinearMethod(self), lm_head)
+
+    def describe(self) -> str:
+        group = "per channel" if self.group_size is None else f"group {self.group_size}"
+        return f"compressed-tensors {self.bits}-bit {group}, {'sym' if self.symmetric else 'asym'}"
 
 
 def _refuse_extras(config: dict[str, Any]) -> None:
@@ -138,7 +150,7 @@ class CompressedTensorsLinearMethod(GroupedIntLinearMethod):
 
     shards_by_rank = True
 
-    def __init__(self, scheme: PackedScheme):
+    def __init__(self, scheme: CompressedTensorsConfig):
         self.scheme = scheme
 
     def group_size(self, layer: LinearBase) -> int:
@@ -192,9 +204,3 @@ class CompressedTensorsLinearMethod(GroupedIntLinearMethod):
                                   bits=self.scheme.bits, group_size=self.group_size(layer))
         # drops the loading form's parameters
         install_grouped_weight(layer, rank_grouped_part(layer, weight, "compressed-tensors"))
-
-
-def compressed_tensors_method(config: dict[str, Any]) -> tuple[LinearMethod, bool]:
-    """The linear method for a compressed-tensors checkpoint and whether it also serves the lm_head."""
-    scheme = PackedScheme.from_config(config)
-    return CompressedTensorsLinearMethod(scheme), scheme.lm_head_quantized
