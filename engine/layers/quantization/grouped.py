@@ -346,7 +346,7 @@ def _dequantize_installed(layer: LinearBase, dtype: torch.dtype) -> torch.Tensor
 def add_batch_weights(model: nn.Module, kernels=None) -> int:
     """`--quantization-batch-cache`: every quantised CPU linear with bfloat16 activations also keeps its weight
     dequantised to bf16 in the layout bf16's own linears run (`kernels`' AMX tiles where the CPU has AMX, else
-    oneDNN's packing) for batches of BATCH_MIN_ROWS+ rows, which then run as fast as an unquantised model's, for
+    oneDNN's packing where its bf16 path runs, else the plain matrix) for batches of BATCH_MIN_ROWS+ rows, which then run as fast as an unquantised model's, for
     2 more bytes per weight. Without it a batch dequantises its weight per call and runs one GEMM on it (native
     layout) or converts its int8 codes (int8pack). Returns the bytes added."""
     amx = kernels if kernels is not None and getattr(kernels, "has_amx", False) else None
@@ -354,11 +354,19 @@ def add_batch_weights(model: nn.Module, kernels=None) -> int:
     for layer in model.modules():
         if (isinstance(layer, LinearBase) and getattr(layer, "quant_layout", None) in CPU_LAYOUTS
                 and layer.params_dtype is torch.bfloat16):
-            dense = _layer_weight(layer)
-            layer.batch_weight = amx.pack_amx(dense) if amx else torch.ops.mkldnn._reorder_linear_weight(dense, 64)
+            layer.batch_weight, layer.batch_layout = _batch_weight(_layer_weight(layer), amx)
             layer.batch_kernels = amx
             added += layer.batch_weight.numel() * layer.batch_weight.element_size()  # AMX tiles: padded
     return added
+
+
+def _batch_weight(dense: torch.Tensor, amx) -> tuple[torch.Tensor, str]:
+    """bf16's own layout for batches; oneDNN refuses to pack bf16 on CPUs without AVX512-BF16 or AVX-NE-CONVERT."""
+    if amx is not None:
+        return amx.pack_amx(dense), "amx"
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.ops.mkldnn._reorder_linear_weight(dense, 64), "onednn"
+    return dense, "dense"
 
 
 def _layer_weight(layer: LinearBase) -> torch.Tensor:
@@ -375,10 +383,12 @@ def apply_grouped_weight(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     batch_weight = getattr(layer, "batch_weight", None)
     if batch_weight is not None and rows.shape[0] >= BATCH_MIN_ROWS and rows.dtype is torch.bfloat16:
         rows = rows.contiguous()
-        if layer.batch_kernels is not None:
+        if layer.batch_layout == "amx":
             out = layer.batch_kernels.gemm_amx(batch_weight, rows, layer.out_features, layer.bias)
-        else:
+        elif layer.batch_layout == "onednn":
             out = torch.ops.mkldnn._linear_pointwise(rows, batch_weight, layer.bias, "none", [], "")
+        else:
+            out = F.linear(rows, batch_weight, layer.bias)
         return out.reshape(*x.shape[:-1], layer.out_features)
     return _product(layer, rows, layer.bias).reshape(*x.shape[:-1], layer.out_features)
 
