@@ -103,8 +103,8 @@ class OpenAIServing:
         params = engine_params(body, prompts, self.limits)
         # The engine id is always ours: a client's X-Request-Id is for logs and may repeat across clients.
         base_id = uuid.uuid4().hex
-        job = _Job(params, prompts, await self._submit(params, prompts, base_id),
-                   shapes_for(params, self.token_texts, prompts, base_id, self.model_name))
+        shapes = shapes_for(params, self.token_texts, prompts, base_id, self.model_name)
+        job = _Job(params, prompts, await self._submit(params, prompts, base_id), shapes)
         if self.output_filter is not None:
             job.text_filter = self.output_filter.for_request(audit, choices=params.n, cumulative=False)  # deltas
         if params.stream:
