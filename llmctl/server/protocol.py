@@ -1,7 +1,9 @@
-"""OpenAI request bodies (pydantic, strict types) and their translation to `SamplingParams`.
+"""OpenAI request bodies (pydantic, strict types) and their one translation, `engine_params`.
 
 Owns what a valid `/v1/completions` or `/v1/chat/completions` body is: OpenAI's fields, plus the
-sampling extras vLLM accepts (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, ...).
+sampling extras vLLM accepts (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, ...), and what
+it means: `engine_params` turns a body and its tokenized prompts into one frozen `EngineParams`,
+all the serving layer submits and the responses are shaped by.
 As in OpenAI's API, `null` in an optional field means its default (the spec types them nullable
 and SDKs send `None`), and a key the server does not know is refused ("Unrecognized request
 argument"). Fields OpenAI or vLLM define but this server does not implement are declared, so
@@ -11,7 +13,8 @@ argument"). Fields OpenAI or vLLM define but this server does not implement are 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -24,7 +27,7 @@ MAX_STOP_SEQUENCES = 16
 
 
 class _Body(BaseModel):
-    # allow_inf_nan=False: 1e999 parses to inf, and `temperature: inf` used to be accepted.
+    # allow_inf_nan=False: 1e999 parses to inf, which no sampling field means.
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     @field_validator("*", mode="after")
@@ -311,19 +314,82 @@ def _is_accepted(value: Any, accepted: tuple) -> bool:
     return any(type(value) is type(option) and value == option for option in accepted)
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One tokenized prompt: the ids the engine takes, and the text when the client sent text (echo)."""
+    text: Optional[str]
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a request is held to beyond its own fields: the model's and the server's limits."""
+    max_model_len: int
+    max_output_tokens: int  # --max-output-tokens
+    vocab_size: int
+    max_sequences_per_request: int  # --max-seqs-per-request: prompts x n
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    """A request translated once: what the serving layer submits, and what its responses show.
+    A new request field is declared on the body and read in `engine_params`, into a field here."""
+    chat: bool
+    n: int
+    priority: int
+    sampling: tuple[SamplingParams, ...]  # one per prompt (max_tokens resolved against each prompt's length)
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool  # vLLM's continuous_usage_stats: the usage so far in every chunk
+    echo: bool  # completions: the prompt's text (and logprobs) before the generated ones
+    scores_prompt_only: bool  # echo with max_tokens 0: the one sampled token is dropped
+    logprobs: Optional[int]  # top-N candidates per generated token; None: no logprobs in the response
+    prompt_logprobs: Optional[int]  # vLLM's prompt_logprobs: top-N per prompt token in the response
+    prompt_logprobs_width: Optional[int]  # candidates the engine scores per prompt token (echo and prompt_logprobs)
+
+
+def engine_params(body: Union[CompletionRequest, ChatCompletionRequest], prompts: Sequence[Prompt],
+                  limits: ServerLimits) -> EngineParams:
+    """The request's `EngineParams`; a value the server refuses raises `APIError` or `InvalidRequestError`
+    naming its field (the fan-out first, then per prompt its max_tokens and sampling values)."""
+    _check_fan_out(body.n, len(prompts), limits.max_sequences_per_request)
+    sampling = tuple(_sampling_params(body, _resolve_max_tokens(body, len(prompt.token_ids), limits),
+                                      limits.vocab_size) for prompt in prompts)
+    options = body.stream_options
+    include_usage = options is not None and options.include_usage
+    completion = isinstance(body, CompletionRequest)
+    return EngineParams(
+        chat=not completion, n=body.n, priority=body.priority, sampling=sampling, stream=body.stream,
+        include_usage=include_usage, continuous_usage=include_usage and options.continuous_usage_stats,
+        echo=completion and body.echo, scores_prompt_only=completion and body.scores_prompt_only,
+        logprobs=_logprobs(body), prompt_logprobs=body.prompt_logprobs,
+        prompt_logprobs_width=_prompt_logprobs_width(body),
+    )
+
+
+def _check_fan_out(n: int, num_prompts: int, max_sequences: int) -> None:
+    sequences = num_prompts * n
+    if sequences > max_sequences:
+        raise APIError(400, f"the request asks for {sequences} sequences ({num_prompts} prompts x n={n}); "
+                            f"this server allows at most {max_sequences} per request "
+                            "(--max-seqs-per-request)", param="n", code="too_many_sequences")
+
+
 def requested_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
     if isinstance(body, ChatCompletionRequest):
         return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return body.max_tokens
 
 
-def resolve_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
-                       max_model_len: int, cap: int) -> int:
+def _resolve_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], prompt_len: int,
+                        limits: ServerLimits) -> int:
     """max_tokens after the server cap and the context length; errors name the limit hit."""
     asked = requested_max_tokens(body)
-    cap = min(cap, body._key_max_tokens or cap)
+    max_model_len = limits.max_model_len
+    cap = min(limits.max_output_tokens, body._key_max_tokens or limits.max_output_tokens)
     room = max_model_len - prompt_len
-    param = "max_completion_tokens" if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None else "max_tokens"
+    chat_named = isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None
+    param = "max_completion_tokens" if chat_named else "max_tokens"
     if isinstance(body, CompletionRequest) and body.scores_prompt_only:
         return 0
     if asked is None:
@@ -344,8 +410,8 @@ def resolve_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest], pr
     return asked
 
 
-def sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
-                    vocab_size: int) -> SamplingParams:
+def _sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
+                     vocab_size: int) -> SamplingParams:
     """The engine's `SamplingParams` for a request (value errors raise `InvalidRequestError`)."""
     if body.n > MAX_N:  # the server's cap; n >= 1 is SamplingParams' check
         raise APIError(400, f"n must be between 1 and {MAX_N}, got {body.n}", param="n")
@@ -353,15 +419,15 @@ def sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_t
     if len(stops) > MAX_STOP_SEQUENCES:
         raise APIError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", param="stop")
     try:
-        return _sampling_params(body, max_tokens, vocab_size, stops)
+        return _checked_sampling_params(body, max_tokens, vocab_size, stops)
     except InvalidRequestError as exc:  # SamplingParams checks the values; chat names logprobs otherwise
         if isinstance(body, ChatCompletionRequest) and exc.param == "logprobs":
             raise InvalidRequestError(f"top_logprobs {body.top_logprobs}: {exc}", param="top_logprobs") from None
         raise
 
 
-def _sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int, vocab_size: int,
-                     stops: list[str]) -> SamplingParams:
+def _checked_sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
+                             vocab_size: int, stops: list[str]) -> SamplingParams:
     return SamplingParams(
         n=body.n,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -379,7 +445,7 @@ def _sampling_params(body: Union[CompletionRequest, ChatCompletionRequest], max_
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=_logprobs(body),
-        prompt_logprobs=prompt_logprobs_width(body),
+        prompt_logprobs=_prompt_logprobs_width(body),
         skip_special_tokens=body.skip_special_tokens,
         logits_processors=[_logit_bias(body.logit_bias, vocab_size)] if body.logit_bias else [],
         # A stream sends what is new each step; a body needs only the end.
@@ -395,7 +461,7 @@ def _logprobs(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def prompt_logprobs_width(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
+def _prompt_logprobs_width(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
     """How many top candidates to score per prompt token: for `prompt_logprobs`, and for `echo` with
     `logprobs` (the echoed prompt's tokens get logprobs too, as in OpenAI's API)."""
     if body.prompt_logprobs is not None and body.stream:
