@@ -24,6 +24,7 @@ from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
 from llmctl.engine.layers.attention.torch_backend import NATIVE_MAX_QUERY
 from llmctl.engine.layers.compressed_tensors import compressed_tensors_method
+from llmctl.engine.layers.fused_ops import select_layer_ops
 from llmctl.engine.layers.gguf_linear import GGUFLinearMethod
 from llmctl.engine.layers.linear import LinearMethod, select_linear_method
 from llmctl.engine.layers.quantization import add_batch_weights, quantized_linear_method
@@ -213,8 +214,8 @@ class ModelRunner:
         linear_method, lm_head_method = self._linear_methods(kernels)
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
                                  device=self.device, load_format=config.load_format, seed=config.seed,
-                                 linear_method=linear_method, kernels=kernels, verify=config.verify,
-                                 lm_head_method=lm_head_method, tp=tp)
+                                 linear_method=linear_method, ops=select_layer_ops(self.device, kernels),
+                                 verify=config.verify, lm_head_method=lm_head_method, tp=tp)
         if config.quantization_batch_cache and not add_batch_weights(self.model, kernels):
             raise EngineArgsError("--quantization-batch-cache needs quantised linears on the CPU with bfloat16 "
                                   "activations (--quantization or a pre-quantised checkpoint, --dtype bfloat16)")
