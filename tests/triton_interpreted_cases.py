@@ -32,12 +32,12 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol
              torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 dtypes = st.sampled_from(list(TOLERANCE))
 rows = st.integers(1, 17)
-FEW = settings(max_examples=6, deadline=None)
+FEW = settings(max_examples=6, deadline=None, derandomize=True)
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    return SimpleNamespace(norm=norm, activation=activation, rope=rope, ops=TritonLayerOps())
+    return SimpleNamespace(norm=norm, activation=activation, rope=rope, ops=TritonLayerOps(torch.device("cpu")))
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -161,3 +161,25 @@ def test_tiny_model_with_triton_ops_matches_transformers(interpreted, tiny_pair,
         expected_logits = reference(torch.tensor([prompt])).logits[0, -1].float()
     assert tokens == expected.tolist()
     assert (prefill_logits - expected_logits).abs().max().item() < 1e-3
+
+
+@FEW
+@given(rows=rows, size=st.sampled_from([576, 896, 4096]), dtype=dtypes, seed=st.integers(0, 2**16))
+def test_per_token_fp8_quant_matches_torch(rows, size, dtype, seed):
+    """Scales bitwise `quantize_fp8`'s; codes too, but where the interpreter's float32 -> e4m3 conversion is not
+    a GPU's: it rounds ties away from zero (a GPU: to even), drops the carry when rounding reaches a power of two
+    and truncates subnormals."""
+    from llmctl.engine.kernels.triton.quant import per_token_quant_fp8
+    from llmctl.engine.layers.quantization_cuda import quantize_fp8
+
+    x = (3 * torch.randn(rows, size, generator=torch.Generator().manual_seed(seed))).to(dtype)
+    x[rows // 2] = 0  # an all-zero row keeps the smallest positive scale
+    codes, scales = per_token_quant_fp8(x)
+    expected_codes, expected_scales = quantize_fp8(x, per_channel=True)
+    assert codes.dtype == torch.float8_e4m3fn and torch.equal(scales, expected_scales)
+    scaled, ours, theirs = x.float() / expected_scales, codes.float(), expected_codes.float()
+    tie = (scaled - ours).abs() == (scaled - theirs).abs()
+    carry = (theirs.abs() > scaled.abs()) & (torch.frexp(theirs)[0].abs() == 0.5)
+    subnormal = scaled.abs() < 2**-6  # e4m3's smallest normal
+    differ = ours != theirs
+    assert torch.all(~differ | tie | carry | subnormal) and differ.float().mean() < 0.1

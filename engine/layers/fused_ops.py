@@ -8,6 +8,7 @@ Each implementation returns the same values up to rounding; `add_rms_norm` and `
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Optional, Protocol
 
@@ -84,26 +85,32 @@ class NativeCpuLayerOps(TorchLayerOps):
 
 
 class TritonLayerOps:
-    """The Triton kernels of engine/kernels/triton (GPU tensors; CPU ones under TRITON_INTERPRET=1)."""
+    """The Triton kernels of engine/kernels/triton for tensors on `device` (CUDA; CPU under TRITON_INTERPRET=1)."""
 
     name, kernels = "triton", None
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
         from llmctl.engine.kernels.triton import activation, norm, rope
 
         self._norm, self._activation, self._rope = norm, activation, rope
+        # Triton launches on the current CUDA device, not the tensors': `--device cuda:1` without set_device
+        self._on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def rms_norm(self, x, weight, eps):
-        return self._norm.rms_norm(x, weight, eps)
+        with self._on_device:
+            return self._norm.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        return self._norm.fused_add_rms_norm(x, residual, weight, eps)  # residual updated in place
+        with self._on_device:
+            return self._norm.fused_add_rms_norm(x, residual, weight, eps)  # residual updated in place
 
     def silu_and_mul(self, gate_up):
-        return self._activation.silu_and_mul(gate_up)
+        with self._on_device:
+            return self._activation.silu_and_mul(gate_up)
 
     def rotary(self, x, heads, head_dim, cos, sin):
-        self._rope.rotary_(x, heads, head_dim, cos, sin)
+        with self._on_device:
+            self._rope.rotary_(x, heads, head_dim, cos, sin)
         return _heads(x, heads, head_dim)
 
 
@@ -112,7 +119,7 @@ def triton_layer_ops(device: torch.device) -> Optional[TritonLayerOps]:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return None
     try:
-        return TritonLayerOps()
+        return TritonLayerOps(device)
     except Exception as exc:  # noqa: BLE001 - a missing or broken triton build means "not available"
         logger.info("Triton layer ops unavailable (%s): torch ops", exc)
         return None
