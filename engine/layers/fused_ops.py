@@ -119,10 +119,12 @@ def triton_layer_ops(device: torch.device) -> Optional[TritonLayerOps]:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return None
     try:
-        return TritonLayerOps(device)
+        ops = TritonLayerOps(device)
     except Exception as exc:  # noqa: BLE001 - a missing or broken triton build means "not available"
         logger.info("Triton layer ops unavailable (%s): torch ops", exc)
         return None
+    logger.info("layer ops: Triton kernels (fused residual add + RMSNorm, SiLU*mul, RoPE) on %s", device)
+    return ops
 
 
 def select_layer_ops(device: torch.device, kernels=None) -> LayerOps:

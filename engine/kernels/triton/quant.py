@@ -21,8 +21,9 @@ def _per_token_fp8_kernel(x_ptr, codes_ptr, scale_ptr, size, x_stride, fp8_max, 
     cols = tl.arange(0, BLOCK)
     mask = cols < size
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, min_scale)
-    codes = tl.clamp(x / scale, -fp8_max, fp8_max)
+    # IEEE divisions (a GPU's `/` is approximate): the scales and codes of torch's `quantize_fp8`, bit for bit
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), min_scale)
+    codes = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
     tl.store(codes_ptr + row * size + cols, codes.to(codes_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
