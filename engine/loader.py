@@ -20,6 +20,7 @@ import torch
 
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.gguf_loader import GGUFFile, is_gguf
+from llmctl.engine.layers.fused_ops import LayerOps
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, WeightShapeError, default_weight_loader
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.models.llama import LlamaForCausalLM
@@ -175,17 +176,17 @@ class WeightLoader:
 
 
 def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int, dtype: torch.dtype,
-                device: torch.device, load_format: str, seed: int, linear_method: LinearMethod, kernels=None,
-                verify: bool = False, lm_head_method: LinearMethod | None = None,
+                device: torch.device, load_format: str, seed: int, linear_method: LinearMethod,
+                ops: LayerOps | None = None, verify: bool = False, lm_head_method: LinearMethod | None = None,
                 tp: TensorParallel = TensorParallel.single()) -> LlamaForCausalLM:
-    """Build the model on `device` with its linear method(s) and kernels (this rank's shard of it with
+    """Build the model on `device` with its linear method(s) and layer ops (this rank's shard of it with
     several tensor-parallel ranks: every rank reads the whole checkpoint and keeps its part), fill it
     (checkpoint or dummy) and let each linear prepare its weights (packing); frees it on failure."""
     model = None
     try:
         with torch.device(device):
             model = LlamaForCausalLM(config, max_positions, dtype=dtype, linear_method=linear_method,
-                                     kernels=kernels, lm_head_method=lm_head_method, tp=tp)
+                                     ops=ops, lm_head_method=lm_head_method, tp=tp)
         if load_format == "dummy":
             _fill_dummy(model, seed)
         else:

@@ -23,6 +23,7 @@ from llmctl.engine.host import release_free_heap
 from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
 from llmctl.engine.layers.attention.torch_backend import NATIVE_MAX_QUERY
+from llmctl.engine.layers.fused_ops import select_layer_ops
 from llmctl.engine.layers.quantization import linear_methods_for
 from llmctl.engine.layers.quantization.grouped import add_batch_weights
 from llmctl.engine.loader import build_model
@@ -215,8 +216,8 @@ class ModelRunner:
             batch_hint=min(config.max_num_seqs, 64))
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
                                  device=self.device, load_format=config.load_format, seed=config.seed,
-                                 linear_method=linear_method, kernels=kernels, verify=config.verify,
-                                 lm_head_method=lm_head_method, tp=tp)
+                                 linear_method=linear_method, ops=select_layer_ops(self.device, kernels),
+                                 verify=config.verify, lm_head_method=lm_head_method, tp=tp)
         if config.quantization_batch_cache and not add_batch_weights(self.model, kernels):
             raise EngineArgsError("--quantization-batch-cache needs quantised linears on the CPU with bfloat16 "
                                   "activations (--quantization or a pre-quantised checkpoint, --dtype bfloat16)")

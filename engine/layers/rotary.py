@@ -58,10 +58,6 @@ class RotaryEmbedding(torch.nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rotate(q, cos, sin), rotate(k, cos, sin)
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE on [tokens, heads, head_dim]."""
     x1, x2 = x.chunk(2, dim=-1)

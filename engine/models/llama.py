@@ -4,10 +4,10 @@ Parameter names mirror Hugging Face's except for two fused projections: `qkv_pro
 and `gate_up_proj` (gate, up); `LlamaForCausalLM.stacked_params` tells the loader which shard of
 them each HF tensor fills. Layers are built with their implementation: the linears through a
 `LinearFactory` (its `LinearMethod` decides storage, loading, packing and forward), the fused
-elementwise ops with the native CPU `kernels` (or None: torch ops). With a `TensorParallel` of
-several ranks the tree holds this rank's shard (engine/parallel.py): its attention heads and KV heads,
-its part of the MLP's intermediate size and of the vocabulary; o_proj, down_proj and the embedding
-all-reduce, and the logits are gathered from every rank's part of the vocabulary.
+elementwise ops with one `LayerOps` (engine/layers/fused_ops.py: native CPU kernels, Triton or torch).
+With a `TensorParallel` of several ranks the tree holds this rank's shard (engine/parallel.py): its
+attention heads and KV heads, its part of the MLP's intermediate size and of the vocabulary; o_proj,
+down_proj and the embedding all-reduce, and the logits are gathered from every rank's part of the vocabulary.
 """
 
 from __future__ import annotations
@@ -15,39 +15,35 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.layers.attention import AttentionBackend
 from llmctl.engine.layers.embedding import VocabParallelEmbedding
+from llmctl.engine.layers.fused_ops import LayerOps, TorchLayerOps
 from llmctl.engine.layers.linear import LinearFactory, LinearMethod
-from llmctl.engine.layers.rotary import RotaryEmbedding, apply_rotary, rotate
+from llmctl.engine.layers.rotary import RotaryEmbedding
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
     """RMSNorm; with `residual`, first adds x into the residual stream and normalises the sum,
-    returning (normed, residual). `kernels` (the native CPU kernels, or None) fuse it all."""
+    returning (normed, residual) (the residual passed in is consumed: `ops` may update it in place)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, kernels=None):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: LayerOps):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.kernels = kernels
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if self.kernels is not None and x.is_contiguous():
-            normed = self.kernels.rms_norm(x, self.weight, self.eps, residual)  # residual updated in place
-            return normed if residual is None else (normed, residual)
         if residual is None:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        residual = residual + x
-        return F.rms_norm(residual, (x.shape[-1],), self.weight, self.eps), residual
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, linears: LinearFactory, kernels=None):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps):
         super().__init__()
         # this rank's heads (all of them with one rank)
         self.num_heads, self.num_kv_heads = linears.tp.attention_heads(config.num_heads, config.num_kv_heads)
@@ -58,32 +54,25 @@ class Attention(nn.Module):
                                     config.num_kv_heads * self.head_dim, bias=config.qkv_bias, head_dim=self.head_dim)
         self.o_proj = linears.row(config.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, kernels)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, kernels)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, ops)
         self.qk_norm = config.qk_norm
-        self.kernels = kernels  # native CPU kernels: RoPE in place instead of 7 torch ops
+        self.ops = ops
 
     def project(self, rope, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden -> rotated q [tokens, heads, dim], k and v [tokens, kv_heads, dim] (views where possible)."""
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm:  # Qwen3: each head normalised, then rotated
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
-            if self.kernels is not None:
-                self.kernels.rotary_(q.view(tokens, self.q_size), self.num_heads, self.head_dim, *rope)
-                self.kernels.rotary_(k.view(tokens, self.kv_size), self.num_kv_heads, self.head_dim, *rope)
-            else:
-                q, k = apply_rotary(q, k, *rope)
-        elif self.kernels is not None:  # rotate q and k where they lie in the qkv output
-            self.kernels.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
-            q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
-        else:  # q and k sit side by side: rotate them as one tensor (half the small ops)
-            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+            q = self.ops.rotary(q.view(tokens, self.q_size), self.num_heads, self.head_dim, *rope)
+            k = self.ops.rotary(k.view(tokens, self.kv_size), self.num_kv_heads, self.head_dim, *rope)
+        else:  # q and k sit side by side in the qkv output: rotate them as one tensor
+            qk = self.ops.rotary(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
@@ -91,29 +80,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, linears: LinearFactory, kernels=None):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = linears.merged(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = linears.row(size, config.hidden_size, bias=config.mlp_bias)
         self.size = self.gate_up_proj.out_features // 2  # this rank's part of the intermediate size
-        self.kernels = kernels  # native CPU kernels: silu(gate) * up in one pass
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split([self.size, self.size], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, linears: LinearFactory, kernels=None):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, kernels)
-        self.self_attn = Attention(config, linears, kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, kernels)
-        self.mlp = MLP(config, linears, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, ops)
+        self.self_attn = Attention(config, linears, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, ops)
+        self.mlp = MLP(config, linears, ops)
 
     # The layer is split at attention, the one op whose shapes depend on each sequence's context:
     # CUDA graphs capture the halves around it (see engine/cuda_graphs.py) and attention runs eagerly.
@@ -133,11 +118,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, kernels=None):
+    def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, ops: LayerOps):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, linears.dtype, linears.tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, linears, kernels) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, kernels)
+        self.layers = nn.ModuleList(DecoderLayer(config, linears, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, ops)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
 
@@ -155,15 +140,16 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig, max_positions: int, *, dtype: torch.dtype, linear_method: LinearMethod,
-                 kernels=None, lm_head_method: Optional[LinearMethod] = None,
+                 ops: Optional[LayerOps] = None, lm_head_method: Optional[LinearMethod] = None,
                  tp: TensorParallel = TensorParallel.single()):
-        """`lm_head_method`: the output projection's own method (a checkpoint that quantised only the decoder
-        layers); None: `linear_method`."""
+        """`ops`: the layers' elementwise ops (`select_layer_ops`; None: torch's). `lm_head_method`: the output
+        projection's own method (a checkpoint that quantised only the decoder layers); None: `linear_method`."""
         super().__init__()
         self.config = config
         self.tp = tp
+        self.ops = ops or TorchLayerOps()
         linears = LinearFactory(linear_method, dtype, tp)
-        self.model = LlamaModel(config, max_positions, linears, kernels)
+        self.model = LlamaModel(config, max_positions, linears, self.ops)
         heads = LinearFactory(lm_head_method or linear_method, dtype, tp)
         if config.tie_word_embeddings:
             self.lm_head = heads.tied(self.model.embed_tokens.weight)
@@ -189,12 +175,12 @@ class LlamaForCausalLM(nn.Module):
         (the bf16 GEMV, the AMX kernel or the quantised GEMV, mixed as the layers have them), the native decode
         attention, no q/k norm (Qwen3). None elsewhere (`forward` runs)."""
         config, layers = self.config, self.model.layers
-        if kernels is None or not self.tp.is_single or config.qk_norm \
+        if kernels is None or self.ops.kernels is not kernels or not self.tp.is_single or config.qk_norm \
                 or self.model.embed_tokens.weight.dtype != torch.bfloat16 \
                 or not kernels.supports_decode(torch.bfloat16, config.num_heads, config.num_kv_heads, config.head_dim):
             return None
         norms = [self.model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        if any(n.kernels is None or n.eps != config.rms_norm_eps for n in norms):
+        if any(n.eps != config.rms_norm_eps for n in norms):
             return None
         linears = [self.lm_head] + [linear for layer in layers for linear in
                                     (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,

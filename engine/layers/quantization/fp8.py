@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 FP8_MIN_CAPABILITY = (8, 9)
+RowQuantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [M, K] -> codes, scales [M, 1]
 
 
 def quantize_fp8(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,10 +44,14 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, per_channel: bool,
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, quantize_rows: Optional[RowQuantizer] = None) -> torch.Tensor:
     """x [M, K] (16-bit or float32) times the e4m3 `weight` [N, K] with its scales ([N, 1] or 0-d):
-    x is quantised to e4m3 per row (per_channel) or per tensor, then one `torch._scaled_mm`."""
-    x_codes, x_scale = quantize_fp8(x, per_channel)
+    x is quantised to e4m3 per row (per_channel: by `quantize_rows` where given) or per tensor, then one
+    `torch._scaled_mm`."""
+    if per_channel and quantize_rows is not None:
+        x_codes, x_scale = quantize_rows(x)
+    else:
+        x_codes, x_scale = quantize_fp8(x, per_channel)
     # _scaled_mm takes the second operand column-major: the [N, K] row-major weight transposed is that;
     # its row-wise scales are [1, N].
     scale_b = weight_scale.view(1, -1) if per_channel else weight_scale
@@ -79,10 +84,11 @@ def check_fp8_device(device: torch.device) -> None:
 
 class Fp8LinearMethod(UnquantizedLinearMethod):
     """`--quantization fp8`: loads like an unquantised linear, then keeps the e4m3 weight and its float32
-    scales only (1 byte per weight)."""
+    scales only (1 byte per weight). `quantize_rows`: the per-token activation quantiser (None: torch ops)."""
 
-    def __init__(self, per_channel: bool):
+    def __init__(self, per_channel: bool, quantize_rows: Optional[RowQuantizer] = None):
         self.per_channel = per_channel
+        self.quantize_rows = quantize_rows
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         if layer.in_features % 16 or layer.out_features % 16:
@@ -95,8 +101,24 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = fp8_linear(rows, layer.weight, layer.weight_scale, self.per_channel, layer.bias)
+        out = fp8_linear(rows, layer.weight, layer.weight_scale, self.per_channel, layer.bias, self.quantize_rows)
         return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+def triton_row_quantizer(device: torch.device) -> Optional[RowQuantizer]:
+    """engine/kernels/triton/quant.py's per-token quantiser on `device`'s CUDA GPU, or None without triton."""
+    try:
+        from llmctl.engine.kernels.triton.quant import per_token_quant_fp8
+    except Exception as exc:  # noqa: BLE001 - a missing or broken triton build means "not available"
+        logger.info("Triton fp8 activation quantisation unavailable (%s): torch ops", exc)
+        return None
+    on_device = torch.cuda.device(device)  # Triton launches on the current device, not the tensor's
+
+    def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with on_device:
+            return per_token_quant_fp8(x)
+
+    return quantize_rows
 
 
 @dataclass(frozen=True)
@@ -111,9 +133,11 @@ class Fp8Config(QuantizationConfig):
         check_float_dtype("fp8", target.dtype)
         check_fp8_device(target.device)
         per_channel = rowwise_fp8_runs(target.device, target.dtype)
-        logger.info("linear layers: fp8 e4m3, %s scales, %s activations on %s",
-                    "per-channel" if per_channel else "per-tensor", target.dtype, target.device)
-        return LinearMethods(Fp8LinearMethod(per_channel))
+        quantize_rows = triton_row_quantizer(target.device) if per_channel else None
+        logger.info("linear layers: fp8 e4m3, %s scales, %s activations on %s%s",
+                    "per-channel" if per_channel else "per-tensor", target.dtype, target.device,
+                    " (quantised per token by a Triton kernel)" if quantize_rows else "")
+        return LinearMethods(Fp8LinearMethod(per_channel, quantize_rows))
 
     def describe(self) -> str:
         return "fp8"
