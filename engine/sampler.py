@@ -120,26 +120,28 @@ def _row_index(lengths: list[int]) -> torch.Tensor:
 
 def penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition penalty on each row's prompt+output tokens, then presence/frequency on its output tokens
-    (OpenAI's definition), for all `rows` at once; tokens past the vocabulary are ignored."""
+    (OpenAI's definition), for all `rows` at once; tokens past the vocabulary are ignored. Only the
+    touched (row, token) entries are read and written: a token's output count comes from searching the
+    sorted output keys (no [rows, vocab] count tensor, no data-dependent shape to sync on)."""
     vocab, device = logits.shape[-1], logits.device
-    outputs = [r.output_token_ids for r in rows]
-    seen = [r.prompt_token_ids + r.output_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows]
-    row_ids = torch.cat([_row_index([len(o) for o in outputs]), _row_index([len(s) for s in seen])])
-    token_ids = torch.tensor(list(itertools.chain(*outputs, *seen)), dtype=torch.long)
-    index = torch.stack([row_ids, token_ids.clamp(max=vocab)]).to(device, non_blocking=True)  # column vocab: out of range
+    penalised = [r if r.params.needs_penalties else None for r in rows]
+    outputs = [r.output_token_ids if r else [] for r in penalised]
+    prompts = [r.prompt_token_ids if r and r.params.repetition_penalty != 1.0 else [] for r in penalised]
+    row_ids = torch.cat([_row_index([len(o) for o in outputs]), _row_index([len(p) for p in prompts])])
+    token_ids = torch.tensor(list(itertools.chain(*outputs, *prompts)), dtype=torch.long)
+    in_vocab = token_ids < vocab
+    num_outputs = int(in_vocab[:sum(len(o) for o in outputs)].sum())  # outputs stay first
+    pairs = torch.stack([row_ids[in_vocab], token_ids[in_vocab]]).to(device, non_blocking=True)
     settings = _to_device([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
-                           for r in rows], logits.dtype, device)
-    repetition, frequency, presence = settings.unsqueeze(2).unbind(1)
-    split = sum(len(o) for o in outputs)
-    counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype, device=device)
-    counts.index_put_((index[0, :split], index[1, :split]), torch.ones((), dtype=logits.dtype, device=device),
-                      accumulate=True)
-    counts = counts[:, :vocab]
-    was_seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
-    was_seen[index[0, split:], index[1, split:]] = True
-    logits = torch.where(was_seen[:, :vocab], torch.where(logits > 0, logits / repetition, logits * repetition),
-                         logits)
-    return logits - (frequency * counts + presence * (counts > 0).to(logits.dtype))
+                           for r in rows], logits.dtype, device)[pairs[0]]
+    keys = pairs[0] * vocab + pairs[1]
+    output_keys = keys[:num_outputs].sort().values
+    counts = (torch.searchsorted(output_keys, keys, right=True) - torch.searchsorted(output_keys, keys)).to(logits.dtype)
+    repetition, frequency, presence = settings.unbind(1)
+    values = logits[pairs[0], pairs[1]]
+    values = torch.where(values > 0, values / repetition, values * repetition)  # exact for a penalty of 1
+    values = values - (frequency * counts + presence * (counts > 0).to(logits.dtype))
+    return logits.index_put((pairs[0], pairs[1]), values)  # a repeated pair writes the same value each time
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -232,13 +234,9 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        needs = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-        if not needs:
+        if not any(r.params.needs_penalties for r in rows):
             return logits
-        if len(needs) == len(rows):
-            return penalise(logits, rows)
-        index = _to_device(needs, torch.long, logits.device)
-        return logits.index_copy(0, index, penalise(logits[index], [rows[i] for i in needs]))
+        return penalise(logits, rows)
 
     @staticmethod
     def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
