@@ -101,8 +101,8 @@ class EngineArgs:
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.quantization is not None:
             _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS)
-        for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
-                     "num_threads"):
+        for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks",
+                     "kv_cache_memory", "num_threads"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.block_size is not None and self.block_size & (self.block_size - 1):

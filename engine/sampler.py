@@ -11,7 +11,7 @@ through the rejection sampler (engine/rejection_sampler.py) on the same target d
 past its first rejection they hold `PLACEHOLDER_TOKEN_ID`.
 Reported log-probs are those of the raw model distribution.
 
-Rows that are not argmax-only run vectorised on the logits' device: penalties from one count tensor,
+Rows that are not argmax-only run vectorised on the logits' device: penalties on the touched entries,
 top-k through `torch.topk` (top-p over those candidates; only a row with top-p and no top-k sorts its
 vocabulary), per-row settings in one host->device copy each, and the step's results (ids and log-probs)
 back to the host in one transfer (`_to_host`). Seeded rows draw their noise from their own generator
@@ -20,8 +20,8 @@ one row at a time (the draws stay those of earlier versions); the others share o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import itertools
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -136,7 +136,8 @@ def penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
                            for r in rows], logits.dtype, device)[pairs[0]]
     keys = pairs[0] * vocab + pairs[1]
     output_keys = keys[:num_outputs].sort().values
-    counts = (torch.searchsorted(output_keys, keys, right=True) - torch.searchsorted(output_keys, keys)).to(logits.dtype)
+    counts = torch.searchsorted(output_keys, keys, right=True) - torch.searchsorted(output_keys, keys)
+    counts = counts.to(logits.dtype)
     repetition, frequency, presence = settings.unbind(1)
     values = logits[pairs[0], pairs[1]]
     values = torch.where(values > 0, values / repetition, values * repetition)  # exact for a penalty of 1
@@ -245,7 +246,8 @@ class Sampler:
         if not pairs:
             return logits
         index = _to_device(pairs, torch.long, logits.device)
-        return logits.index_put((index[:, 0], index[:, 1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        masked = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+        return logits.index_put((index[:, 0], index[:, 1]), masked)
 
     # ---- choosing ---------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow], skip: frozenset[int] | set[int] = frozenset()
