@@ -246,8 +246,7 @@ class Sampler:
         if not pairs:
             return logits
         index = _to_device(pairs, torch.long, logits.device)
-        masked = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
-        return logits.index_put((index[:, 0], index[:, 1]), masked)
+        return logits.index_put((index[:, 0], index[:, 1]), logits.new_full((), float("-inf")))  # filled there: no copy
 
     # ---- choosing ---------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow], skip: frozenset[int] | set[int] = frozenset()

@@ -122,3 +122,31 @@ def test_one_device_to_host_transfer_per_step(monkeypatch):
     calls.clear()
     Sampler(torch.Generator().manual_seed(0))(logits[1:2], rows[1:2])
     assert len(calls) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_device_sync_but_the_one_transfer_on_cuda(monkeypatch):
+    def transfer(values):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return values.tolist()
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(sampler_module, "_to_host", transfer)
+    vocab, device = 1000, torch.device("cuda")
+    logits = torch.randn(5, vocab, device=device)
+    rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=1.2), [1, 2], [3], None, ()),
+            SamplingRow(SamplingParams(temperature=0.8, top_k=5, top_p=0.8, seed=3),
+                        [], [4], torch.Generator(device=device).manual_seed(3), (7,), draw_seed=3),
+            SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, min_p=0.1, min_tokens=2), [], [], None, (1,)),
+            SamplingRow(SamplingParams(temperature=1.0, frequency_penalty=0.5), [], [9, 9], None, ()),
+            SamplingRow(SamplingParams(temperature=0.0, min_tokens=1), [], [], None, (0,))]
+    sampler = Sampler(torch.Generator(device=device).manual_seed(0))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sampler(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(out.token_ids) == 5 and out.logprobs[0] is not None
