@@ -7,7 +7,7 @@ and YAML keys (`max-model-len` or `max_model_len`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -21,6 +21,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 ON_THE_FLY_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128",
                             "int4-asym", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym", "fp8")
+# (max_num_seqs, max_num_batched_tokens) a device type gets when the user names none: a GPU step reads its
+# weights once for many more rows before it stops being memory-bound (vLLM's GPU defaults).
+BATCH_DEFAULTS = {"cuda": (256, 8192), "cpu": (128, 2048)}
 
 
 def _arg(default: Any, help: str, **cli: Any) -> Any:
@@ -39,9 +42,10 @@ class EngineArgs:
     seed: int = _arg(0, "Engine random seed (unseeded sampling).")
     block_size: Optional[int] = _arg(None, "Tokens per KV block (default: the attention backend's).")
     max_model_len: Optional[int] = _arg(None, "Context length (default: the model's).")
-    max_num_seqs: int = _arg(128, "Most sequences in one batch.")
-    # None: max(2048, block_size)
-    max_num_batched_tokens: Optional[int] = _arg(None, "Token budget of one step.")
+    # None: the device's default (BATCH_DEFAULTS, resolved by `with_device_defaults`)
+    max_num_seqs: Optional[int] = _arg(None, "Most sequences in one batch (default: 256 on CUDA, 128 on CPU).")
+    max_num_batched_tokens: Optional[int] = _arg(None, "Token budget of one step (default: 8192 on CUDA, 2048 "
+                                                       "on CPU).")  # at least block_size
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of shared prompt prefixes.")
     gpu_memory_utilization: float = _arg(0.9, "Fraction of GPU memory the engine may use (CUDA).")
     # None: enough for max_num_seqs full contexts, capped at 4 GiB
@@ -102,9 +106,8 @@ class EngineArgs:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.quantization is not None:
             _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS)
-        _positive("max_num_seqs", self.max_num_seqs)
-        for name in ("block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
-                     "num_threads"):
+        for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks",
+                     "kv_cache_memory", "num_threads"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.block_size is not None and self.block_size & (self.block_size - 1):
@@ -164,6 +167,13 @@ class EngineArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def with_device_defaults(self, device_type: str) -> "EngineArgs":
+        """A copy whose unset batch limits take `device_type`'s defaults ("cuda" or "cpu", BATCH_DEFAULTS;
+        the token budget at least one block); a value the user gave stays."""
+        seqs, tokens = BATCH_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+        return replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                       max_num_batched_tokens=self.max_num_batched_tokens or max(tokens, self.block_size or 16))
 
 
 SPEC_METHODS = ("ngram", "draft_model")

@@ -90,10 +90,6 @@ def model_path(args: EngineArgs) -> Path:
     return folder
 
 
-def max_batched_tokens(args: EngineArgs) -> int:
-    return args.max_num_batched_tokens or max(2048, args.block_size or 16)
-
-
 def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
     limit = config.max_position_embeddings
     if args.max_model_len is None:
@@ -106,11 +102,12 @@ def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
 
 def build_runner_config(args: EngineArgs, folder: Path, model_config: ModelConfig, device: torch.device,
                         extra_kv_bytes_per_token: int = 0, extra_reserved_bytes: int = 0) -> RunnerConfig:
+    args = args.with_device_defaults(device.type)
     return RunnerConfig(
         model_config=model_config, model_folder=folder, device=device,
         dtype=resolve_dtype(args.dtype, model_config, device), block_size=args.block_size,
         max_model_len=resolve_max_model_len(args, model_config), max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=max_batched_tokens(args), kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
@@ -212,7 +209,8 @@ class LLMEngine:
         """`executor_class` builds the executor from the runner's configuration (vLLM's seam for
         other executors; default: in-process, or `MultiprocExecutor` with tensor_parallel_size > 1)."""
         args.validate()
-        self.args = args
+        device = resolve_device(args.device)
+        self.args = args = args.with_device_defaults(device.type)  # what the engine runs with, as reported
         folder = model_path(args)
         if is_gguf(folder):
             gguf = GGUFFile(folder)
@@ -226,7 +224,6 @@ class LLMEngine:
                               else Tokenizer.from_pretrained(Path(args.tokenizer or folder)))
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        device = resolve_device(args.device)
         if device.type == "cpu":
             tune_cpu_allocator()
         self.max_model_len = resolve_max_model_len(args, self.model_config)
@@ -247,7 +244,7 @@ class LLMEngine:
                                           args.enable_prefix_caching)
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched_tokens(args),
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, policy=args.scheduling_policy,
             batch_wait_timeout_s=args.batch_wait_timeout_ms / 1000.0, long_prompt_penalty=args.long_prompt_penalty,
         ), self.block_manager)

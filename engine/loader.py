@@ -227,13 +227,25 @@ def _fill_from_checkpoint(model: LlamaForCausalLM, folder: Path, verify: bool) -
     loader.check_complete()
 
 
+# vLLM's dummy-weight range: activations stay finite through a deep model in bfloat16 / float16
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
 @torch.no_grad()
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Norms 1, biases 0, every other weight uniform in +-DUMMY_WEIGHT_RANGE, drawn where the parameter
+    lives from a generator seeded on that device (an 8B model's weights made on the host would take a
+    minute of CPU randn, then a copy); the same seed on the same device gives the same weights."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
+        elif not param.is_floating_point():
+            raise ModelLoadError(f"--load-format dummy cannot fill {name} ({param.dtype}): it holds "
+                                 "quantised codes, not weights")
         else:
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generators[param.device])

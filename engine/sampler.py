@@ -10,10 +10,17 @@ The positions of a sampled verify row whose drafts came with their distribution 
 through the rejection sampler (engine/spec_decode/rejection_sampler.py) on the same target distribution instead;
 past its first rejection they hold `PLACEHOLDER_TOKEN_ID`.
 Reported log-probs are those of the raw model distribution.
+
+Rows that are not argmax-only run vectorised on the logits' device: penalties on the touched entries,
+top-k through `torch.topk` (top-p over those candidates; only a row with top-p and no top-k sorts its
+vocabulary), per-row settings in one host->device copy each, and the step's results (ids and log-probs)
+back to the host in one transfer (`_to_host`). Seeded rows draw their noise from their own generator
+one row at a time (the draws stay those of earlier versions); the others share one draw.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -85,6 +92,109 @@ def row_argmax(values: torch.Tensor) -> list[int]:
     return (best_chunk * ARGMAX_CHUNK + inside).tolist()
 
 
+def _to_host(values: torch.Tensor) -> list:
+    """The step's one device->host transfer (a sync on an accelerator): everything the host needs rides in it."""
+    return values.tolist()
+
+
+def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on `device`; non_blocking: from pageable memory the copy is staged before the
+    call returns (safe), without the stream sync a blocking copy waits for."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def device_argmax(values: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (first index on ties) as a long tensor on `values`' device: on CPU through
+    `row_argmax`'s vector passes (torch's CPU argmax is not vectorised), elsewhere one torch argmax."""
+    if values.is_cpu:
+        return torch.tensor(row_argmax(values), dtype=torch.long)
+    return values.argmax(dim=-1)
+
+
+def _row_index(lengths: list[int]) -> torch.Tensor:
+    """[0]*lengths[0] + [1]*lengths[1] + ... on the host."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+
+
+def penalise(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty on each row's prompt+output tokens, then presence/frequency on its output tokens
+    (OpenAI's definition), for all `rows` at once; tokens past the vocabulary are ignored. Only the
+    touched (row, token) entries are read and written: a token's output count comes from searching the
+    sorted output keys (no [rows, vocab] count tensor, no data-dependent shape to sync on)."""
+    vocab, device = logits.shape[-1], logits.device
+    penalised = [r if r.params.needs_penalties else None for r in rows]
+    outputs = [r.output_token_ids if r else [] for r in penalised]
+    prompts = [r.prompt_token_ids if r and r.params.repetition_penalty != 1.0 else [] for r in penalised]
+    row_ids = torch.cat([_row_index([len(o) for o in outputs]), _row_index([len(p) for p in prompts])])
+    token_ids = torch.tensor(list(itertools.chain(*outputs, *prompts)), dtype=torch.long)
+    in_vocab = token_ids < vocab
+    num_outputs = int(in_vocab[:sum(len(o) for o in outputs)].sum())  # outputs stay first
+    pairs = torch.stack([row_ids[in_vocab], token_ids[in_vocab]]).to(device, non_blocking=True)
+    settings = _to_device([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
+                           for r in rows], logits.dtype, device)[pairs[0]]
+    keys = pairs[0] * vocab + pairs[1]
+    output_keys = keys[:num_outputs].sort().values
+    counts = torch.searchsorted(output_keys, keys, right=True) - torch.searchsorted(output_keys, keys)
+    counts = counts.to(logits.dtype)
+    repetition, frequency, presence = settings.unbind(1)
+    values = logits[pairs[0], pairs[1]]
+    values = torch.where(values > 0, values / repetition, values * repetition)  # exact for a penalty of 1
+    values = values - (frequency * counts + presence * (counts > 0).to(logits.dtype))
+    return logits.index_put((pairs[0], pairs[1]), values)  # a repeated pair writes the same value each time
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p over what top-k keeps, then min-p: the logits a row keeps, the others -inf."""
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = logits.masked_fill(logits < _cutoffs(logits, top_k, top_p), float("-inf"))
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = _to_device(min_p, probs.dtype, probs.device).unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return logits
+
+
+def _cutoffs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """[rows, 1]: the smallest logit each row keeps under top-k / top-p (-inf: no filter). Rows with a top-k
+    look at the batch's largest k candidates (`torch.topk`); only rows with top-p and no top-k sort."""
+    rows, vocab = logits.shape
+    with_k = [i for i in range(rows) if top_k[i] < vocab]
+    sorting = [i for i in range(rows) if top_k[i] == vocab and top_p[i] < 1.0]
+    if len(with_k) == rows or len(sorting) == rows:
+        return _group_cutoff(logits, top_k, top_p, bool(with_k)).unsqueeze(1)
+    cutoffs = torch.full((rows,), float("-inf"), dtype=logits.dtype, device=logits.device)
+    for group, by_top_k in ((with_k, True), (sorting, False)):
+        if group:
+            index = _to_device(group, torch.long, logits.device)
+            cutoffs[index] = _group_cutoff(logits[index], [top_k[i] for i in group], [top_p[i] for i in group],
+                                           by_top_k)
+    return cutoffs.unsqueeze(1)
+
+
+def _group_cutoff(logits: torch.Tensor, top_k: list[int], top_p: list[float], by_top_k: bool) -> torch.Tensor:
+    """The smallest kept logit of each row: among its top_k best (the group's largest k of candidates when
+    `by_top_k`, else the whole sorted vocabulary), the shortest prefix whose mass before its last token is
+    at most top_p (renormalised over the top-k)."""
+    if by_top_k:
+        candidates = logits.topk(max(top_k), dim=-1).values  # sorted, descending
+    else:
+        candidates = logits.sort(dim=-1, descending=True).values
+    width = candidates.shape[-1]
+    ranks = torch.arange(width, device=logits.device).unsqueeze(0)
+    drop = ranks >= _to_device(top_k, torch.long, logits.device).unsqueeze(1)
+    if any(p < 1.0 for p in top_p):
+        probs = torch.softmax(candidates.masked_fill(drop, float("-inf")), dim=-1)
+        # p = 1 keeps all: a cumulative sum can round past 1.0
+        limit = _to_device([p if p < 1.0 else float("inf") for p in top_p], probs.dtype, logits.device).unsqueeze(1)
+        drop |= (probs.cumsum(dim=-1) - probs) > limit  # keep the token that crosses p
+    kept = (~drop).sum(dim=-1, keepdim=True)  # a prefix: both rules drop a suffix of the sorted candidates
+    return candidates.gather(1, kept - 1).squeeze(1)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator  # for unseeded rows
@@ -105,16 +215,10 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         logits = self._mask_early_stops(logits, rows)
         spans = [span for span in drafts if not rows[span.start].params.greedy]
-        token_ids = self._choose(logits, rows, skip={i for span in spans for i in span.positions})
-        for span in spans:
-            positions = list(span.positions)
-            row = rows[span.start]
-            target = self.distribution(logits[positions], [rows[i].params for i in positions])
-            emitted = rejection_sample(target, span.token_ids, span.probs,
-                                       lambda offset, stream, row=row: row.generator_at(offset, stream) or self.generator)
-            token_ids[span.start:span.start + len(positions)] = (
-                emitted + [PLACEHOLDER_TOKEN_ID] * (len(positions) - len(emitted)))
-        return SamplerOutput(token_ids, self._gather_logprobs(raw_logprobs, token_ids, rows))
+        chosen = self._choose(logits, rows, skip={i for span in spans for i in span.positions})
+        if spans:
+            chosen = self._rejection_sample(logits, rows, spans, chosen)
+        return self._collect(chosen, raw_logprobs, rows)
 
     # ---- logit processing -----------------------------------------------------------------
     @staticmethod
@@ -127,107 +231,100 @@ class Sampler:
                 logits[i] = processor(list(row.output_token_ids), logits[i])
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        needs = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-        if not needs:
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        if not any(r.params.needs_penalties for r in rows):
             return logits
-        logits = logits.clone()
-        vocab = logits.shape[-1]
-        for i in needs:
-            params, row = rows[i].params, logits[i]
-            output = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=logits.device)
-            output = output[output < vocab]
-            if params.repetition_penalty != 1.0:
-                seen = torch.tensor(rows[i].prompt_token_ids + rows[i].output_token_ids, dtype=torch.long,
-                                    device=logits.device)
-                seen = torch.unique(seen[seen < vocab])
-                values = row[seen]
-                row[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                        values * params.repetition_penalty)
-            if output.numel() and (params.presence_penalty or params.frequency_penalty):
-                counts = torch.bincount(output, minlength=vocab).to(row.dtype)
-                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
-        return logits
+        return penalise(logits, rows)
 
-    def _mask_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        early = [i for i, r in enumerate(rows) if r.masks_stops]
-        if not early:
+    @staticmethod
+    def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        pairs = [(i, t) for i, r in enumerate(rows) if r.masks_stops for t in r.stop_token_ids if t < vocab]
+        if not pairs:
             return logits
-        logits = logits.clone()
-        for i in early:
-            ids = [t for t in rows[i].stop_token_ids if t < logits.shape[-1]]
-            logits[i, ids] = float("-inf")
-        return logits
+        index = _to_device(pairs, torch.long, logits.device)
+        return logits.index_put((index[:, 0], index[:, 1]), logits.new_full((), float("-inf")))  # filled there: no copy
 
     # ---- choosing ---------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow], skip: frozenset[int] | set[int] = frozenset()
-                ) -> list[int]:
-        """Argmax, or a draw for the random rows not in `skip` (those the rejection sampler takes)."""
-        chosen = row_argmax(logits)
+                ) -> torch.Tensor:
+        """Each row's token on the device: argmax, or a draw for the random rows not in `skip` (those the
+        rejection sampler takes; theirs is left to it)."""
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy and i not in skip]
-        if not random_rows:
-            return chosen
-        index = torch.tensor(random_rows, device=logits.device)
-        probs = self.distribution(logits[index], [rows[i].params for i in random_rows])
-        noise = self._exponential_noise(probs, [rows[i] for i in random_rows])
-        for i, token in zip(random_rows, row_argmax(probs / noise)):
-            chosen[i] = token
+        if len(random_rows) == len(rows):
+            return self._draw(logits, rows)
+        chosen = device_argmax(logits)
+        if random_rows:
+            index = _to_device(random_rows, torch.long, logits.device)
+            chosen[index] = self._draw(logits[index], [rows[i] for i in random_rows])
         return chosen
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        probs = self.distribution(logits, [row.params for row in rows])
+        return device_argmax(probs / self._exponential_noise(probs, rows))
 
     def distribution(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The distribution a random row draws from: temperature, then top-k / top-p / min-p (a draft
         proposer's q, drawn from under the request's settings)."""
-        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
-                                   device=logits.device).unsqueeze(1)
-        return torch.softmax(self._filter(logits / temperature, params), dim=-1)
-
-    @staticmethod
-    def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-            k_tensor = torch.tensor(top_k, device=logits.device).unsqueeze(1)
-            drop = ranks >= k_tensor
-            sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-            p_tensor = torch.tensor(top_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
-            drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > p_tensor  # keep the token that crosses p
-            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        if any(m > 0.0 for m in min_p):
-            probs = torch.softmax(logits, dim=-1)
-            threshold = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
-            logits = logits.masked_fill(probs < threshold * probs.amax(dim=-1, keepdim=True), float("-inf"))
-        return logits
+        temperature = _to_device([p.temperature for p in params], logits.dtype, logits.device).unsqueeze(1)
+        return torch.softmax(filter_logits(logits / temperature, params), dim=-1)
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Exponential(1) noise per row: argmax(p / noise) is a draw from p (the Gumbel-max trick)."""
-        noise = torch.empty_like(probs)
+        """Exponential(1) noise per row: argmax(p / noise) is a draw from p (the Gumbel-max trick). Unseeded
+        rows share one draw from the sampler's generator; a seeded row draws from its own, keyed to its position."""
         shared = [i for i, row in enumerate(rows) if row.generator is None]
+        draw = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype, device=probs.device)
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], dtype=probs.dtype,
-                                        device=probs.device).exponential_(generator=self.generator)
+            draw.exponential_(generator=self.generator)
+        if len(shared) == len(rows):
+            return draw
+        noise = torch.empty_like(probs)
+        if shared:
+            noise[_to_device(shared, torch.long, probs.device)] = draw
         for i, row in enumerate(rows):
             if row.generator is not None:
                 noise[i].exponential_(generator=row.generator_at())
         return noise
 
+    def _rejection_sample(self, logits: torch.Tensor, rows: list[SamplingRow], spans: list[DraftSpan],
+                          chosen: torch.Tensor) -> torch.Tensor:
+        """`chosen` with each span's positions replaced by what the rejection sampler emits there."""
+        positions: list[int] = []
+        tokens: list[int] = []
+        for span in spans:
+            row = rows[span.start]
+            target = self.distribution(logits[list(span.positions)], [rows[i].params for i in span.positions])
+            emitted = rejection_sample(target, span.token_ids, span.probs,
+                                       lambda offset, stream, row=row: row.generator_at(offset, stream) or self.generator)
+            positions.extend(span.positions)
+            tokens.extend(emitted + [PLACEHOLDER_TOKEN_ID] * (len(span.positions) - len(emitted)))
+        chosen[_to_device(positions, torch.long, chosen.device)] = _to_device(tokens, torch.long, chosen.device)
+        return chosen
+
+    # ---- results ------------------------------------------------------------------------------
     @staticmethod
-    def _gather_logprobs(raw: Optional[torch.Tensor], token_ids: list[int],
-                         rows: list[SamplingRow]) -> Optional[list[Optional[dict[int, float]]]]:
+    def _collect(chosen: torch.Tensor, raw: Optional[torch.Tensor], rows: list[SamplingRow]) -> SamplerOutput:
+        """The ids (and the log-probs rows asked for) to the host in one transfer."""
         if raw is None:
-            return None
-        result: list[Optional[dict[int, float]]] = []
-        for i, row in enumerate(rows):
-            count = row.params.logprobs
-            if count is None or token_ids[i] == PLACEHOLDER_TOKEN_ID:
-                result.append(None)
-                continue
-            entry = {int(token_ids[i]): float(raw[i, token_ids[i]])}
-            if count:
-                values, ids = raw[i].topk(count)
-                entry.update({int(t): float(v) for t, v in zip(ids.tolist(), values.tolist())})
-            result.append(entry)
-        return result
+            return SamplerOutput(_to_host(chosen), None)
+        top_n = max(r.params.logprobs or 0 for r in rows)
+        columns = [chosen.unsqueeze(1).to(torch.float64),
+                   raw.gather(1, chosen.clamp_min(0).unsqueeze(1)).to(torch.float64)]
+        if top_n:
+            values, ids = raw.topk(top_n, dim=-1)
+            columns += [ids.to(torch.float64), values.to(torch.float64)]
+        table = _to_host(torch.cat(columns, dim=1))  # float64 holds every token id and float32 exactly
+        token_ids = [int(line[0]) for line in table]
+        return SamplerOutput(token_ids, [_logprob_entry(line, row.params.logprobs, top_n)
+                                         for line, row in zip(table, rows)])
+
+
+def _logprob_entry(line: list[float], count: Optional[int], top_n: int) -> Optional[dict[int, float]]:
+    """{token: logprob} of one row's `_collect` line: the sampled token's, then its top `count`."""
+    token = int(line[0])
+    if count is None or token == PLACEHOLDER_TOKEN_ID:
+        return None
+    entry = {token: line[1]}
+    entry.update({int(t): v for t, v in zip(line[2:2 + count], line[2 + top_n:2 + top_n + count])})
+    return entry

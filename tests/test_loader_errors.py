@@ -289,6 +289,23 @@ def test_dummy_weights_need_only_config_json(ckpt):
     assert again.generate([PROMPT], GREEDY)[0].outputs[0].token_ids == out.token_ids
 
 
+def test_dummy_weights_are_small_uniform_values_drawn_in_place(ckpt, monkeypatch):
+    def no_host_randn(*args, **kwargs):
+        raise AssertionError("dummy weights made with randn on the host")
+
+    monkeypatch.setattr(torch, "randn", no_host_randn)
+    params = dict(load(ckpt, load_format="dummy", dtype="bfloat16").engine.executor.runner.model.named_parameters())
+    weights = [p for name, p in params.items() if not name.endswith(("norm.weight", ".bias"))]
+    assert all(p.float().abs().max() <= 1e-3 for p in weights) and all(p.float().std() > 2e-4 for p in weights)
+    assert all(bool((p == 1).all()) for name, p in params.items() if name.endswith("norm.weight"))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
+def test_dummy_weights_feed_on_the_fly_quantisation(ckpt, quantization):
+    out = load(ckpt, load_format="dummy", quantization=quantization).generate([PROMPT], GREEDY)[0].outputs[0]
+    assert len(out.token_ids) == 4
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_on_a_cpu_only_machine_is_a_clear_error(ckpt, device):

@@ -61,6 +61,13 @@ def model_info(args: Any) -> ModelInfo:
     return ModelInfo(folder, args.model or "embedded default model", config.vocab_size, args.max_model_len or limit)
 
 
+def device_type(args: Any) -> str:
+    """The type of device the engine will run on ("cuda" or "cpu"): what its batch defaults depend on."""
+    from llmctl.engine.llm_engine import resolve_device
+
+    return resolve_device(args.device).type
+
+
 # ---- workloads ----------------------------------------------------------------------------------
 def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
     """vLLM's random-dataset range: uniform integers in [floor(L(1-r)), ceil(L(1+r))], at least 1."""
@@ -189,6 +196,7 @@ class EngineRun:
     quantization: Optional[str] = None
     weight_bytes: int = 0  # the engine's parameters (quantised linears at their quantised size)
     kv_cache_bytes: int = 0  # its paged KV pool
+    max_num_seqs: int = 0  # as the engine resolved it for its device
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -201,7 +209,8 @@ def load_engine(args: Any) -> EngineRun:
     load_s = time.perf_counter() - started
     info = llm.engine.model_info
     return EngineRun(llm, str(llm.engine.executor.device), info.dtype, load_s, quantization=info.quantization,
-                     weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache_bytes)
+                     weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache_bytes,
+                     max_num_seqs=llm.engine.args.max_num_seqs)
 
 
 def _params(output_len: int):
@@ -309,6 +318,6 @@ def header(kind: str, info: ModelInfo, args: Any, engine: EngineRun) -> dict[str
             "quantization": engine.quantization, "weight_bytes": engine.weight_bytes,
             "kv_cache_bytes": engine.kv_cache_bytes, "max_model_len": info.max_model_len,
             "enable_prefix_caching": args.enable_prefix_caching,
-            "max_num_seqs": args.max_num_seqs, "tensor_parallel_size": args.tensor_parallel_size,
+            "max_num_seqs": engine.max_num_seqs, "tensor_parallel_size": args.tensor_parallel_size,
             "engine_load_s": round(engine.load_s, 3),
             "speculative_config": None if args.speculative is None else asdict(args.speculative)}

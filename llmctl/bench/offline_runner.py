@@ -134,8 +134,9 @@ def _hf_throughput(engine, info, args, requests, job: ThroughputJob):
 def run_latency_job(args: Any, job: LatencyJob) -> None:
     info = offline.model_info(args)
     offline.check_lengths(job.input_len, job.output_len, 0.0, info.max_model_len, info.label)
-    if job.batch_size > args.max_num_seqs:
-        raise UserError(f"--batch-size {job.batch_size} exceeds --max-num-seqs {args.max_num_seqs}: the batch "
+    max_num_seqs = args.with_device_defaults(offline.device_type(args)).max_num_seqs
+    if job.batch_size > max_num_seqs:
+        raise UserError(f"--batch-size {job.batch_size} exceeds --max-num-seqs {max_num_seqs}: the batch "
                         "would not run as one; raise --max-num-seqs")
     requests = offline.random_requests(job.batch_size, job.input_len, job.output_len, 0.0, info.vocab_size,
                                        job.workload_seed)
