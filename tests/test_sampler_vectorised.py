@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmctl.engine import sampler as sampler_module
-from llmctl.engine.rejection_sampler import DraftSpan
+from llmctl.engine.spec_decode.rejection_sampler import DraftSpan
 from llmctl.engine.sampler import Sampler, SamplingRow, device_argmax, filter_logits
 from llmctl.engine.sampling_params import SamplingParams
 
