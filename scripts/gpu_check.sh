@@ -6,7 +6,7 @@
 # --quick`, the quantised linears on CUDA (tests/test_quant_cuda.py: int8/int4 on torch's CUDA kernels and fp8
 # on the fp8 tensor cores against their dequantised references; then `bench throughput --quantization fp8`,
 # whose report must name the quantisation and its weight/KV bytes), the other CUDA-marked tests, the offline
-# throughput benchmark on cuda and a short `llmctl serve` + `llmctl bench serve` run. Each step has its own timeout and all share one 7.5-minute deadline; a step that
+# throughput benchmark on cuda and a short `llmctl serve` + `llmctl bench serve` run. Each step has its own timeout and all share one 8.5-minute deadline; a step that
 # fails or times out is reported and the others still run; a summary table comes last. Each step's verdict
 # (scripts/gpu_check_steps.sh) needs more than an exit status where one can lie: doctor must exit 0 or 1 with
 # its JSON report and no traceback, bench must write its JSON report. Installs nothing from the network.
@@ -45,7 +45,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=(typer pydantic pydantic-core annotated-types typing-inspection typing-extensions annotated-doc
-        fastapi starlette uvicorn opentelemetry-api)
+        fastapi starlette uvicorn opentelemetry-api hypothesis sortedcontainers attrs)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
     # The versions this checkout is tested with here, for the GPU image's CPython 3.12 on x86-64.
@@ -58,7 +58,7 @@ for n in sys.argv[1:]: print(f"{n}=={version(n)}")' "${WHEELS[@]}") || exit 1
 fi
 
 source scripts/gpu_check_steps.sh
-deadline=$((SECONDS + 450))
+deadline=$((SECONDS + 510))
 out="${OUT:-/tmp}/gpu_check"
 rm -rf "$out" && mkdir -p "$out"
 log="$out/gpu_check.log"
@@ -103,7 +103,12 @@ step quant 120 verdict_pytest_ran "$errdir/quant.log" "$PY" -m pytest -q -rfEs -
 tail -n 15 "$errdir/quant.log"
 step quant_bench 60 verdict_offline_json "$errdir/quant_bench.json" "$PY" -m llmctl.cli bench throughput --device cuda \
     --dtype bfloat16 --quantization fp8 --num-prompts 32 --input-len 128 --output-len 64 --json
-mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py | grep -v "test_cuda_engine.py\|test_cuda_tensor_parallel.py\|test_quant_cuda.py")
+# The Triton kernels compiled on the GPU (the same tests run interpreted on CPUs): attention against its float32
+# reference, the engine on --attention-backend triton against transformers, the fused layer ops and fp8 quantiser.
+step triton 150 verdict_pytest_ran "$errdir/triton.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/test_triton_attention.py tests/test_triton_layer_ops.py
+tail -n 15 "$errdir/triton.log"
+mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py | grep -v "test_cuda_engine.py\|test_cuda_tensor_parallel.py\|test_quant_cuda.py\|test_triton_")
 step pytest 210 verdict_pytest "$out/pytest.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m cuda \
     --continue-on-collection-errors "${cuda_tests[@]}"
 tail -n 15 "$out/pytest.log"
@@ -183,8 +188,8 @@ def figures(name):
     if name == "quant_bench" and (doc := load("quant_bench.json", scratch)):
         return (f"fp8 weights {doc['weight_bytes'] / 2**20:,.1f} MiB, KV cache {doc['kv_cache_bytes'] / 2**20:,.0f} MiB, "
                 f"{doc['output_tokens_per_second']['mean']:,.0f} output tok/s")
-    log = (scratch if name == "quant" else out) / f"{name}.log"
-    if name in ("pytest", "engine", "quant") and log.exists():
+    log = (scratch if name in ("quant", "triton") else out) / f"{name}.log"
+    if name in ("pytest", "engine", "quant", "triton") and log.exists():
         lines = [l for l in log.read_text().splitlines() if l.strip()]
         return lines[-1].strip("= ") if lines else ""
     if name == "offline" and (rows := load("offline.json")):
