@@ -174,15 +174,21 @@ def test_chat_ignores_role_and_finish_only_chunks(fake, capsys):
     assert fake.bodies[0]["messages"][0]["role"] == "user"
 
 
-def test_failed_requests_are_counted_with_samples(fake, capsys):
+def test_failed_requests_exit_1_unless_within_max_failure_rate(fake, capsys):
+    """A server failing part of the run (before: exit 0, which CI scripts took as a pass)."""
     fake.fail_every = 4
     code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "20", "--max-concurrency", "1", *SMALL)
-    assert code == 0
+    assert code == 1
     doc = json.loads(out)
     assert (doc["completed"], doc["failed"]) == (15, 5)
+    assert doc["failure_rate"] == 0.25 and doc["failures_by_cause"] == {"HTTP 500": 5}
     assert doc["error_samples"] == [{"status": 500, "message": "boom", "count": 5}]
     assert doc["total_output_tokens"] == 15 * 8
     assert "5 request(s) failed: HTTP 500: boom" in err
+    assert "llmctl: error: 5 of 20 requests failed (25.0% > --max-failure-rate 0): HTTP 500: 5" in err
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "8", "--max-concurrency", "1",
+                           "--max-failure-rate", "0.25", *SMALL)
+    assert code == 0 and json.loads(out)["failed"] == 2 and "error:" not in err
 
 
 @pytest.mark.parametrize("error_after, message", [(2, "engine died"), (0, "engine died")])
@@ -247,7 +253,7 @@ def test_unknown_slo_key_exits_2_before_any_request(fake, capsys):
     (["--plot", "out.txt"], "must end in one of"),
     (["--base-url", "ftp://x"], "http:// or https://"),
     (["--tokenizer", "."], "no tokenizer.json there"),
-    (["--dataset-path", "x.jsonl"], "only read with --dataset file"),
+    (["--dataset-path", "x.jsonl"], "not read with --dataset-name random"),
 ])
 def test_bad_flags_are_one_line_errors(fake, capsys, args, message):
     code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "2", *args)

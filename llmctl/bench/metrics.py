@@ -46,6 +46,16 @@ class RequestOutcome:
     status: Optional[int] = None
     error: str = ""
     generated_text: str = ""
+    request_id: str = ""
+
+    @property
+    def cause(self) -> str:
+        """Why a failed request failed, coarse enough to count: 'HTTP 500', 'stream error', 'ReadTimeout'."""
+        if self.status is not None and self.status != 200:
+            return f"HTTP {self.status}"
+        if self.status == 200:
+            return "stream error"
+        return self.error.split(":", 1)[0].strip() or "no response"
 
     @property
     def tpot(self) -> Optional[float]:
@@ -167,6 +177,15 @@ def error_samples(outcomes: list[RequestOutcome], limit: int = MAX_ERROR_SAMPLES
     return list(samples.values())
 
 
+def failures_by_cause(outcomes: list[RequestOutcome]) -> dict[str, int]:
+    """Failed requests counted by cause, most frequent first."""
+    counts: dict[str, int] = {}
+    for out in outcomes:
+        if not out.success:
+            counts[out.cause] = counts.get(out.cause, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
 def compute_metrics(outcomes: list[RequestOutcome], duration_s: float, percentiles: list[float],
                     goodput: Optional[dict[str, float]] = None, peak_concurrency: int = 0) -> dict[str, Any]:
     """The result document's metric section (vLLM key names), from per-request outcomes."""
@@ -197,6 +216,8 @@ def compute_metrics(outcomes: list[RequestOutcome], duration_s: float, percentil
     for name in PERCENTILE_METRICS:
         metrics.update(_ms_stats(name, series[name], percentiles))
     metrics["token_count_source"] = token_count_source(outcomes)
+    metrics["failure_rate"] = metrics["failed"] / len(outcomes) if outcomes else 0.0
+    metrics["failures_by_cause"] = failures_by_cause(outcomes)
     metrics["error_samples"] = error_samples(outcomes)
     return metrics
 
@@ -208,6 +229,20 @@ def metric_keys(percentiles: list[float], with_goodput: bool) -> list[str]:
 
 
 # ---- SLO gates --------------------------------------------------------------------------------
+
+_PERCENTILE_KEY = re.compile(r"^p(\d+(?:\.\d+)?)_(?:%s)_ms$" % "|".join(PERCENTILE_METRICS))
+
+
+def slo_percentiles(texts: Iterable[str]) -> list[float]:
+    """The percentiles that --slo gates name ('p99.5_ttft_ms<500' -> [99.5]), so they get computed."""
+    found: list[float] = []
+    for text in texts:
+        match = _SLO.match(text)
+        key = _PERCENTILE_KEY.match(match.group(1)) if match else None
+        if key and 0 < float(key.group(1)) <= 100 and float(key.group(1)) not in found:
+            found.append(float(key.group(1)))
+    return found
+
 
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _SLO = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(<=|>=|<|>)\s*(\S+)\s*$")
