@@ -103,6 +103,7 @@ def serve(
                         num_prompts, num_warmups, tokenizer, report, save_detailed, json_output, price_per_hour,
                         monthly_request_rate, tuple(rates), tuple(limits), sweep_cooldown,
                         _pairs(header or [], "--header"), _extra_body(extra_body), stream)
+    job.plans()  # every sweep point's plan is checked (e.g. --ramp-up against a rate of inf) before any request
     raise typer.Exit(run_serve_bench(job))
 
 

@@ -94,7 +94,7 @@ def _labels(axes, xlabel: str, ylabel: str) -> None:
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
     if axes.get_legend_handles_labels()[0]:
-        axes.legend(loc="upper left")
+        axes.legend(loc="best")
 
 
 def _save(figure, path: Path) -> None:
