@@ -36,7 +36,7 @@ def _o(*names: str, panel: str, **kwargs: Any):
 
 def serve(
     base_url: Annotated[str, typer.Option("--base-url", help="Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine).")] = "http://127.0.0.1:8000",
-    endpoint: Annotated[Optional[Endpoint], typer.Option("--endpoint", help=ENDPOINT_HELP + " Default: chat for the messages and conversation datasets, else completions.")] = None,
+    endpoint: Annotated[Optional[Endpoint], typer.Option("--endpoint", help=ENDPOINT_HELP)] = None,
     model: Annotated[Optional[str], typer.Option("--model", envvar="LLMCTL_BENCH_SERVE_MODEL", help="Model name to request (default: the first id of GET /v1/models).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help=API_KEY_HELP)] = None,
     header: Annotated[Optional[list[str]], typer.Option("--header", metavar="K=V", help="HTTP header sent with every request (repeatable).")] = None,
@@ -55,7 +55,7 @@ def serve(
     temperature: Annotated[float, _o("--temperature", panel=LOAD, min=0.0, help="Sampling temperature sent with each request.")] = 0.0,
     request_timeout: Annotated[float, _o("--request-timeout", panel=LOAD, envvar="LLMCTL_BENCH_SERVE_REQUEST_TIMEOUT", min=0.001, help="Seconds without a byte from the server before a request fails.")] = 600.0,
     request_id_prefix: Annotated[str, _o("--request-id-prefix", panel=LOAD, help="Prefix of the X-Request-Id sent with each request (recorded with --save-detailed).")] = "bench-",
-    dataset: Annotated[DatasetName, _o("--dataset-name", "--dataset", panel=DATA, envvar="LLMCTL_BENCH_SERVE_DATASET", help="random, shared-prefix, or a --dataset-path file: file (JSONL prompts), sharegpt, messages, conversation (multi-turn), trace (mooncake JSONL).")] = DatasetName.random,
+    dataset: Annotated[DatasetName, _o("--dataset", "--dataset-name", panel=DATA, envvar="LLMCTL_BENCH_SERVE_DATASET", help="random, shared-prefix, or a --dataset-path file: file (JSONL prompts), sharegpt, messages, conversation (multi-turn; these two default to --endpoint chat), trace (mooncake JSONL).")] = DatasetName.random,
     dataset_path: Annotated[Optional[Path], _o("--dataset-path", panel=DATA, dir_okay=False, help="The dataset file; formats in docs/bench.md.")] = None,
     random_input_len: Annotated[int, _o("--random-input-len", panel=DATA, min=1, help="Prompt tokens (random; the suffix for shared-prefix).")] = 1024,
     random_output_len: Annotated[int, _o("--random-output-len", panel=DATA, min=1, help="Output tokens (max_tokens); also the default for file, messages and conversation turns.")] = 128,
@@ -63,12 +63,14 @@ def serve(
     prefix_len: Annotated[int, _o("--prefix-len", panel=DATA, min=1, help="shared-prefix: tokens of the prefix each group shares.")] = 256,
     num_prefixes: Annotated[int, _o("--num-prefixes", panel=DATA, min=1, help="shared-prefix: number of distinct prefixes (groups).")] = 10,
     tokenizer: Annotated[Optional[str], _o("--tokenizer", panel=DATA, help="Folder with tokenizer.json, or a Hugging Face id in the local cache: exact prompt lengths and a token count fallback.")] = None,
-    percentiles: Annotated[str, _o("--metric-percentiles", "--percentiles", panel=REPORT, help="Percentiles reported for TTFT, TPOT, ITL and E2EL.")] = "50,90,99",
+    percentiles: Annotated[str, _o("--percentiles", "--metric-percentiles", panel=REPORT, help="Percentiles reported for TTFT, TPOT, ITL and E2EL.")] = "50,90,99",
+    percentile_metrics: Annotated[str, _o("--percentile-metrics", panel=REPORT, help="Latency metrics reported (mean, median, std, percentiles): a comma list of ttft, tpot, itl, e2el.")] = "ttft,tpot,itl,e2el",
     goodput: Annotated[Optional[list[str]], _o("--goodput", panel=REPORT, metavar="KEY:MS", help="Per-request SLOs for goodput: ttft:MS tpot:MS e2el:MS (repeatable).")] = None,
     slo: Annotated[Optional[list[str]], _o("--slo", panel=REPORT, metavar="EXPR", help="Gate such as 'p99_ttft_ms<500' (repeatable; < <= > >=); exit 1 when violated.")] = None,
     max_failure_rate: Annotated[float, _o("--max-failure-rate", panel=REPORT, min=0.0, max=1.0, help="Share of requests allowed to fail (0-1) before the exit code is 1.")] = 0.0,
     json_output: Annotated[bool, _o("--json", panel=REPORT, help="Print only the result document as JSON on stdout.")] = False,
     save_result: Annotated[Optional[Path], _o("--save-result", panel=REPORT, dir_okay=False, help="Append the JSON result document to this file (one line per run).")] = None,
+    result_dir: Annotated[Optional[Path], _o("--result-dir", panel=REPORT, file_okay=False, help="Also write the JSON result document to a new file named after the label, rate, model and time in this folder.")] = None,
     label: Annotated[Optional[str], _o("--label", panel=REPORT, help="Name of this run, stored in the result.")] = None,
     metadata: Annotated[Optional[list[str]], _o("--metadata", panel=REPORT, metavar="K=V", help="Free-form key=value stored in the result (repeatable).")] = None,
     csv: Annotated[Optional[Path], _o("--csv", panel=REPORT, dir_okay=False, help="Write one CSV row per load point.")] = None,
@@ -90,7 +92,8 @@ def serve(
     from llmctl.bench.cost import check_cost_flags
     from llmctl.bench.serve_runner import CHAT_DATASETS, PromptShape, ServeBenchJob, run_serve_bench
 
-    report = _report_options(percentiles, goodput, slo, save_result, plot, csv, max_failure_rate, label, metadata)
+    report = _report_options(percentiles, percentile_metrics, goodput, slo, save_result, plot, csv, max_failure_rate,
+                             label, metadata, result_dir)
     check_cost_flags(price_per_hour, monthly_request_rate)
     rates, limits = _sweep(request_rate, max_concurrency)
     plan = _plan(rates[0], burstiness, limits[0], seed, ignore_eos, temperature, duration, ramp_up, request_id_prefix)
@@ -109,10 +112,11 @@ def serve(
 
 # ---- flag checks ---------------------------------------------------------------------------------
 
-def _report_options(percentiles: str, goodput: Optional[list[str]], slo: Optional[list[str]],
+def _report_options(percentiles: str, percentile_metrics: str, goodput: Optional[list[str]], slo: Optional[list[str]],
                     save_result: Optional[Path], plot: Optional[Path], csv: Optional[Path], max_failure_rate: float,
-                    label: Optional[str], metadata: Optional[list[str]]):
-    from llmctl.bench.metrics import metric_keys, parse_goodput, parse_percentiles, parse_slo, slo_percentiles
+                    label: Optional[str], metadata: Optional[list[str]], result_dir: Optional[Path]):
+    from llmctl.bench.metrics import (metric_keys, parse_goodput, parse_metric_names, parse_percentiles, parse_slo,
+                                      slo_needs)
     from llmctl.bench.plot import check_plot_path
     from llmctl.bench.serve_runner import ReportOptions
     from llmctl.errors import UserError
@@ -125,9 +129,15 @@ def _report_options(percentiles: str, goodput: Optional[list[str]], slo: Optiona
         slos = parse_goodput(goodput or [])
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--goodput")
-    # A gate on p99_ttft_ms needs p99 computed even when --percentiles does not show it.
-    computed = points + [p for p in slo_percentiles(slo or []) if p not in points]
-    keys = metric_keys(computed, with_goodput=bool(slos))
+    try:
+        shown = parse_metric_names(percentile_metrics)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--percentile-metrics")
+    # A gate on p99_ttft_ms needs p99 of TTFT computed even when the report does not show it.
+    gated_points, gated_metrics = slo_needs(slo or [])
+    computed = points + [p for p in gated_points if p not in points]
+    latency_metrics = shown + tuple(name for name in gated_metrics if name not in shown)
+    keys = metric_keys(computed, bool(slos), latency_metrics)
     gates = []
     for text in slo or []:
         if not slos and text.strip().startswith("request_goodput"):
@@ -141,8 +151,10 @@ def _report_options(percentiles: str, goodput: Optional[list[str]], slo: Optiona
             raise UserError(f"{flag} {path}: folder {path.resolve().parent} does not exist")
     if plot is not None:
         check_plot_path(plot)
+    if result_dir is not None and not result_dir.is_dir():
+        raise UserError(f"--result-dir {result_dir}: no such folder")
     return ReportOptions(points, slos or None, gates, save_result, plot, tuple(computed), csv, max_failure_rate,
-                         label, dict(_pairs(metadata or [], "--metadata")))
+                         label, dict(_pairs(metadata or [], "--metadata")), latency_metrics, result_dir)
 
 
 def _pairs(values: list[str], flag: str) -> tuple[tuple[str, str], ...]:

@@ -43,6 +43,17 @@ def test_slo_percentile_outside_percentiles_is_computed(fake, capsys):
     assert code == 0 and "P90 TTFT" in out and "P99 TTFT" not in out  # the table shows --percentiles only
 
 
+def test_percentile_metrics_choose_the_latency_metrics(fake, capsys):
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "2", "--percentile-metrics", "ttft,itl",
+                           "--metric-percentiles", "99", "--slo", "mean_e2el_ms<60000", *SMALL)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert "p99_ttft_ms" in doc and "mean_itl_ms" in doc and "mean_tpot_ms" not in doc
+    assert "mean_e2el_ms" in doc and doc["slo"][0]["passed"]  # gated, so computed
+    code, out, err = bench(capsys, "--base-url", fake.url, "--percentile-metrics", "ttft,latency", *SMALL)
+    assert code == 2 and "latency: expected a comma list of ttft, tpot, itl, e2el" in err
+
+
 def test_sweep_over_rates_and_concurrency_makes_one_document(fake, capsys, tmp_path):
     table, png = tmp_path / "sweep.csv", tmp_path / "curve.png"
     code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "4", "--request-rate", "50,inf",
@@ -192,6 +203,10 @@ def test_save_result_appends_jsonl_with_label_and_metadata(fake, capsys, tmp_pat
     lines = [json.loads(line) for line in saved.read_text().splitlines()]
     assert [line["label"] for line in lines] == ["before", "after"]
     assert lines[0]["metadata"] == {"gpu": "none", "commit": "abc"} and lines[1]["completed"] == 2
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "1", "--result-dir", str(tmp_path),
+                           "--label", "nightly", *SMALL)
+    written = list(tmp_path.glob("nightly-infqps-fake-model-*.json"))
+    assert code == 0 and len(written) == 1 and json.loads(written[0].read_text()) == json.loads(out)
 
 
 def test_tokenizer_from_the_hugging_face_cache(fake, capsys, tmp_path, monkeypatch):

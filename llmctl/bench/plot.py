@@ -77,9 +77,10 @@ def write_sweep_plot(path: Path, rows: list[dict], title: str) -> None:
     for key, label in (("median_ttft_ms", "median TTFT"), ("p99_ttft_ms", "P99 TTFT"), ("p99_e2el_ms", "P99 E2EL")):
         if points and key in points[0]:
             left.plot(x, [row[key] for row in points], marker="o", label=label)
-    right.plot([row["output_throughput"] for row in points], [row["mean_tpot_ms"] for row in points],
+    points_tpot = [row for row in points if "mean_tpot_ms" in row]  # absent when --percentile-metrics drops it
+    right.plot([row["output_throughput"] for row in points_tpot], [row["mean_tpot_ms"] for row in points_tpot],
                marker="o", color="tab:purple", label="mean TPOT")
-    for row in points:
+    for row in points_tpot:
         right.annotate(f"{row['request_rate']}/{row['max_concurrency'] or '∞'}",
                        (row["output_throughput"], row["mean_tpot_ms"]), fontsize=7)
     _labels(left, "request throughput (req/s)", "latency (ms)")

@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from llmctl.bench.arrivals import arrival_times
-from llmctl.bench.client import ENDPOINT_PATHS, auth_headers
+from llmctl.bench.client import API_KEY_ENV, ENDPOINT_PATHS, auth_headers
 from llmctl.bench.datasets import BenchRequest, Conversation, TextTokenizer
-from llmctl.bench.metrics import RequestOutcome
+from llmctl.bench.metrics import PERCENTILE_METRICS, RequestOutcome
 from llmctl.errors import UserError
 
 MAX_ERROR_CHARS = 300
@@ -76,7 +76,7 @@ class LoadRun:
 
 
 # The first requests all failing with one of these means a misconfigured client, not an overloaded server.
-CONFIG_ERRORS = {401: "the server wants an API key: pass --api-key (or set $OPENAI_API_KEY)",
+CONFIG_ERRORS = {401: f"the server wants an API key: pass --api-key (or set ${API_KEY_ENV})",
                  403: "the server refused the API key: check --api-key",
                  404: "no such endpoint or model: check --base-url, --endpoint and --model"}
 EARLY_ABORT_REQUESTS = 4
@@ -357,7 +357,7 @@ class _Watch:
 def _send_times(plan: LoadPlan, items: list, timed: bool):
     """Send offsets: a trace's own timestamps, else the (ramped) gamma schedule; endless for --duration."""
     if timed and items and isinstance(items[0], BenchRequest) and items[0].arrival_s is not None:
-        return iter([item.arrival_s for item in items])
+        return iter([item.arrival_s - items[0].arrival_s for item in items])  # after warm-ups, start at once
     if not timed:
         return iter([0.0] * len(items))  # warm-ups: all at once (within --max-concurrency)
     rng = np.random.default_rng([plan.seed, 1])  # its own stream: the datasets draw from [seed, 0]
@@ -466,12 +466,14 @@ def run_load(target: Target, plan: LoadPlan, requests: list, warmups: list = (),
 
 
 def result_document(settings: dict[str, Any], run: LoadRun, percentiles: list[float],
-                    goodput: Optional[dict[str, float]], detailed: bool = False) -> dict[str, Any]:
+                    goodput: Optional[dict[str, float]], detailed: bool = False,
+                    latency_metrics: tuple[str, ...] = PERCENTILE_METRICS) -> dict[str, Any]:
     """The `--json` / `--save-result` document: run settings, then vLLM-named metrics (+ per-request data)."""
     from llmctl.bench.metrics import compute_metrics
 
     document = dict(settings)
-    document.update(compute_metrics(run.outcomes, run.duration_s, percentiles, goodput, run.peak_concurrency))
+    document.update(compute_metrics(run.outcomes, run.duration_s, percentiles, goodput, run.peak_concurrency,
+                                    latency_metrics))
     if detailed:
         outcomes = run.outcomes
         document.update({

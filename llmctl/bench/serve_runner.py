@@ -44,6 +44,8 @@ class ReportOptions:
     max_failure_rate: float = 0.0
     label: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
+    latency_metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")  # --percentile-metrics plus those gated
+    result_dir: Optional[Path] = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ def _point_document(settings: dict[str, Any], plan, run, job: ServeBenchJob) -> 
     point_settings = {**settings, "request_rate": sweep.json_rate(plan.request_rate),
                       "max_concurrency": plan.max_concurrency}
     percentiles = list(job.report.computed_percentiles) or job.report.percentiles
-    document = serve_load.result_document(point_settings, run, percentiles, job.report.goodput, job.save_detailed)
+    document = serve_load.result_document(point_settings, run, percentiles, job.report.goodput, job.save_detailed,
+                                          job.report.latency_metrics)
     if job.price_per_hour is not None:
         document["cost"] = _cost(document, job.price_per_hour, job.monthly_request_rate)
     if job.report.gates:
@@ -285,6 +288,8 @@ def _emit(document: dict[str, Any], job: ServeBenchJob, runs: list, target) -> N
         render_serve(document, job.report.percentiles)
     if job.report.save_result is not None:
         _append(job.report.save_result, document)
+    if job.report.result_dir is not None:
+        _write(job.report.result_dir / result_filename(document), document)
     if job.report.csv is not None:
         sweep.write_csv(job.report.csv, document)
     if job.report.plot is not None:
@@ -301,15 +306,27 @@ def _plot(path: Path, document: dict[str, Any], runs: list, target) -> None:
         plot.write_plot(path, runs[0].outcomes, f"{target.model} @ {target.url} ({document['completed']} requests)")
 
 
+def result_filename(document: dict[str, Any]) -> str:
+    """vLLM's pattern: <label>-<rate>qps-<model>-<date>.json ('sweep' for a sweep's rate)."""
+    rate = "sweep" if "sweep" in document else document["request_rate"]
+    model = Path(str(document["model_id"])).name or "model"
+    stamp = document["date"].replace(":", "").replace("-", "").replace("+0000", "")
+    return f"{document['label'] or 'llmctl'}-{rate}qps-{model}-{stamp}.json"
+
+
 def _append(path: Path, document: dict[str, Any]) -> None:
     """One JSON line per run, so repeated runs (e.g. per --label) collect in one file."""
+    _write(path, document, mode="a", flag="--save-result")
+
+
+def _write(path: Path, document: dict[str, Any], mode: str = "w", flag: str = "--result-dir") -> None:
     from llmctl.output import print_json
 
     try:
-        with path.open("a") as stream:
+        with path.open(mode) as stream:
             print_json(document, stream=stream)
     except OSError as exc:
-        raise UserError(f"cannot write --save-result {path}: {exc.strerror or exc}") from None
+        raise UserError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
 
 
 def exit_code(document: dict[str, Any], max_failure_rate: float = 0.0) -> int:
