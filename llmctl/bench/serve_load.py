@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -58,8 +59,6 @@ class LoadPlan:
     request_id_prefix: str = "bench-"
 
     def __post_init__(self) -> None:
-        import math
-
         if self.duration_s is not None and not self.duration_s > 0:
             raise UserError(f"--duration must be > 0 seconds, got {self.duration_s:g}")
         if self.duration_s is not None and math.isinf(self.request_rate) and not self.max_concurrency:
@@ -76,9 +75,9 @@ class LoadRun:
 
 
 # The first requests all failing with one of these means a misconfigured client, not an overloaded server.
-CONFIG_ERRORS = {401: f"the server wants an API key: pass --api-key (or set ${API_KEY_ENV})",
-                 403: "the server refused the API key: check --api-key",
-                 404: "no such endpoint or model: check --base-url, --endpoint and --model"}
+CONFIG_ERRORS = {401: ("the server wants an API key", f"pass --api-key (or set ${API_KEY_ENV})"),
+                 403: ("the server refused the API key", "check --api-key"),
+                 404: ("no such endpoint or model", "check --base-url, --endpoint and --model")}
 EARLY_ABORT_REQUESTS = 4
 
 
@@ -121,7 +120,7 @@ def served_model(base_url: str, api_key: Optional[str], model: Optional[str], ti
         entry = next((e for e in entries if e.get("id") == model), {})
         return ServedModel(model, _context_length(entry))
     if response.status_code != 200:
-        fix = CONFIG_ERRORS[response.status_code].split(": ", 1)[1] if response.status_code in (401, 403) else "pass --model"
+        fix = CONFIG_ERRORS[response.status_code][1] if response.status_code in (401, 403) else "pass --model"
         raise UserError(f"GET {url} answered HTTP {response.status_code}: {_error_message(response.text)}; {fix}")
     if not entries or not isinstance(entries[0].get("id"), str):
         raise UserError(f"GET {url} listed no models; pass --model")
@@ -349,8 +348,8 @@ class _Watch:
         statuses = {out.status for out in self.first}
         status = statuses.pop() if len(statuses) == 1 else None
         if len(self.first) == self.sample and status in CONFIG_ERRORS:
-            self.reason = (f"the first {self.sample} request(s) all got HTTP {status} "
-                           f"({outcome.error}): {CONFIG_ERRORS[status]}")
+            what, fix = CONFIG_ERRORS[status]
+            self.reason = f"the first {self.sample} request(s) all got HTTP {status} ({outcome.error}): {what}: {fix}"
             self.stop.set()
 
 
