@@ -27,6 +27,9 @@ def test_401_names_api_key_and_stops_after_the_first_requests(capsys):
         assert "the first 4 request(s) all got HTTP 401 (Unauthorized)" in err and "pass --api-key" in err
         # Not 40: a misconfigured endpoint is not hammered.
         assert behaviour.refused == ["GET /v1/models"] + ["POST /v1/completions"] * 4
+        code, out, err = bench(capsys, "--base-url", url + "/wrong", "--model", "fake-model", "--num-prompts", "9",
+                               "--api-key", "sk-right", *SMALL)
+        assert code == 2 and "the first 4 request(s) all got HTTP 404" in err and "check --base-url" in err
         code, out, err = bench(capsys, "--base-url", url, "--num-prompts", "2", "--api-key", "sk-right", *SMALL)
         assert code == 0, err
 
