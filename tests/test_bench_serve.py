@@ -40,6 +40,7 @@ class FakeOpenAI:
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
         self.refused: list[str] = []  # "METHOD /path" of each request answered 401
+        self.on_request = lambda request: None  # a test's hook, called after each request is recorded
         self.in_flight = 0
         self.peak = 0
 
@@ -64,6 +65,7 @@ class FakeOpenAI:
             body = await request.json()
             self.bodies.append(body)
             self.headers.append(dict(request.headers))
+            self.on_request(request)
             if self.fail_every and len(self.bodies) % self.fail_every == 0:
                 return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
             if body.get("stream") is False:

@@ -34,6 +34,22 @@ def test_401_names_api_key_and_stops_after_the_first_requests(capsys):
         assert code == 0, err
 
 
+def test_server_dying_mid_run_exits_1_with_failures_by_cause(capsys):
+    behaviour = FakeOpenAI()
+    server = ThreadServer(behaviour.app())
+    with server as url:
+        def die_after_8(request):  # the 8th request is answered, then the server goes away
+            if len(behaviour.bodies) == 8:
+                server.server.should_exit = True
+        behaviour.on_request = die_after_8
+        code, out, err = bench(capsys, "--base-url", url, "--num-prompts", "20", "--max-concurrency", "1", *SMALL)
+    assert code == 1
+    doc = json.loads(out)
+    assert 8 <= doc["completed"] <= 10 and doc["completed"] + doc["failed"] == 20  # a request may slip in during shutdown
+    assert sum(doc["failures_by_cause"].values()) == doc["failed"] and "HTTP" not in "".join(doc["failures_by_cause"])
+    assert f"llmctl: error: {doc['failed']} of 20 requests failed" in err
+
+
 def test_slo_percentile_outside_percentiles_is_computed(fake, capsys):
     code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "3", "--percentiles", "50,95,99.9",
                            "--slo", "p99_ttft_ms<60000", "--slo", "p97.5_e2el_ms<60000", *SMALL)
