@@ -40,15 +40,16 @@ SHARED_ENV_MEANINGS = {
     "LLMCTL_PROFILE_PORT": "TCP port of the server (or other process) a profile command targets",
     "LLMCTL_OUTPUT_LEN": "generated tokens per request",
     "LLMCTL_JSON": "print machine-readable JSON on stdout instead of the human report",
+    "LLMCTL_MAX_CONCURRENCY": "most requests in flight at once (bench serve: a comma list sweeps)",
     "LLMCTL_MODEL": "the Hugging Face model folder the engine runs (doctor: sizes its disk-space check)",
     "LLMCTL_NATIVE": "include native (C/C++) frames in a profile",
     "LLMCTL_NUM_PROMPTS": "number of requests sent",
     "LLMCTL_RANDOM_INPUT_LEN": "prompt length of random requests sent to a server",
     "LLMCTL_RANDOM_OUTPUT_LEN": "max_tokens of random requests sent to a server",
-    "LLMCTL_REQUEST_RATE": "requests per second sent to a server (inf: all at once)",
+    "LLMCTL_REQUEST_RATE": "requests per second sent to a server (inf: all at once; bench serve: a comma list sweeps)",
     "LLMCTL_ROW_LIMIT": "rows of a profile's operator table",
     "LLMCTL_TEMPERATURE": "sampling temperature",
-    "LLMCTL_TOKENIZER": "tokenizer folder",
+    "LLMCTL_TOKENIZER": "tokenizer folder (bench serve: or a Hugging Face id in the local cache)",
     "LLMCTL_WARMUP": "leading steps or iterations left out of a measurement",
 }
 

@@ -261,3 +261,83 @@ def test_added_tokens_counts_the_chat_template(tiny_chat_model):
     assert added_tokens(tok, chat=False) == 1  # the BOS of its post-processor
     bare = len(tok.encode("hello", add_special_tokens=False))
     assert added_tokens(tok, chat=True) == len(tok.encode_chat([{"role": "user", "content": "hello"}])) - bare > 1
+
+
+# ---- sweeps, ramp-up, failure causes, SLO-driven computation --------------------------------------
+
+def test_arrival_times_continue_arrival_offsets_and_ramp_up_is_monotonic():
+    import itertools
+
+    from llmctl.bench.arrivals import arrival_times, ramped
+
+    steady = list(itertools.islice(arrival_times(8.0, 1.0, np.random.default_rng([3, 1])), 50))
+    assert steady == pytest.approx(arrival_offsets(50, 8.0, 1.0, np.random.default_rng([3, 1])))
+    grid = np.linspace(0, 5, 501)
+    walls = [ramped(s, 2.0) for s in grid]
+    assert all(b > a for a, b in zip(walls, walls[1:]))
+    assert ramped(1.0, 2.0) == pytest.approx(2.0) and ramped(3.0, 2.0) == pytest.approx(4.0)  # joins at R
+    # Operational time s maps to wall time t with cumulative rate t^2 / 2R: half the steady arrivals by R.
+    assert ramped(0.5, 2.0) == pytest.approx(math.sqrt(2.0))
+
+
+def test_failures_are_counted_by_cause():
+    from llmctl.bench.metrics import failures_by_cause
+
+    outs = [RequestOutcome(False, status=500, error="boom"), RequestOutcome(False, status=None, error="ReadTimeout: x"),
+            RequestOutcome(False, status=500, error="other"), RequestOutcome(False, status=200, error="engine died"),
+            RequestOutcome(True, output_tokens=1)]
+    assert failures_by_cause(outs) == {"HTTP 500": 2, "ReadTimeout": 1, "stream error": 1}
+    m = compute_metrics(outs, 1.0, [50])
+    assert m["failure_rate"] == pytest.approx(0.8) and m["failures_by_cause"]["HTTP 500"] == 2
+
+
+def test_slo_needs_names_percentiles_and_metrics_to_compute():
+    from llmctl.bench.metrics import parse_metric_names, slo_needs
+
+    assert slo_needs(["p99_ttft_ms<500", "p99.5_itl_ms < 3", "mean_e2el_ms<9", "completed>1", "bad"]) == (
+        [99.0, 99.5], ["ttft", "itl", "e2el"])
+    assert parse_metric_names("ttft, itl,ttft") == ("ttft", "itl")
+    with pytest.raises(ValueError, match="latency: expected"):
+        parse_metric_names("ttft,latency")
+    keys = metric_keys([99], False, ("ttft",))
+    assert "p99_ttft_ms" in keys and "mean_tpot_ms" not in keys
+
+
+def test_sweep_parsing_targets_and_frontier():
+    from llmctl.bench.sweep import frontier, meets_targets, parse_concurrencies, parse_rates
+
+    assert parse_rates("1, 2,inf") == [1.0, 2.0, math.inf] and parse_concurrencies(None) == [None]
+    assert parse_concurrencies("1,8") == [1, 8]
+    for bad in ("0", "x", ""):
+        with pytest.raises(ValueError):
+            parse_rates(bad)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        parse_concurrencies("4,0")
+    row = {"completed": 5, "request_throughput": 10.0, "request_goodput": 9.0, "slo": [{"passed": True}]}
+    assert meets_targets(row) and not meets_targets({**row, "request_goodput": 8.9})  # 90 % attainment
+    assert not meets_targets({**row, "slo": [{"passed": False}]}) and not meets_targets({**row, "completed": 0})
+    rows = [{**row, "request_rate": r, "max_concurrency": None, "output_throughput": t, "request_throughput": t,
+             "request_goodput": None, "meets_targets": ok} for r, t, ok in ((1.0, 1.0, True), (4.0, 3.0, True), ("inf", 5.0, False))]
+    assert frontier(rows)["request_rate"] == 4.0 and frontier(rows[2:]) is None
+
+
+def test_dataset_files_refuse_malformed_records_with_their_place(tmp_path):
+    from llmctl.bench import dataset_files
+
+    cases = [
+        ("sharegpt", '[{"conversations": [{"from": "robot", "value": "x"}]}]', r"\[0\]: each turn needs a known 'from'"),
+        ("sharegpt", '[{"conversations": [{"from": "human", "value": "q"}]}]', "holds no human turn followed by a reply"),
+        ("messages", '{"prompt": "x"}\n', r":1: expected an object with a 'messages' or 'conversations' list"),
+        ("messages", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}\n', "max_tokens must be"),
+        ("trace", '{"timestamp": 1, "input_length": 0, "output_length": 2}\n', "must be integers >= 1"),
+        ("trace", '{"timestamp": 1, "input_length": 3, "output_length": 2, "hash_ids": [-1]}\n', "hash_ids"),
+        ("trace", '{"timestamp": 1\n', r":1: not valid JSON"),
+    ]
+    for kind, text, message in cases:
+        path = tmp_path / f"{kind}.data"
+        path.write_text(text)
+        read = {"sharegpt": lambda: dataset_files.sharegpt_requests(path, 2, None),
+                "messages": lambda: dataset_files.messages_requests(path, 2, 8, None),
+                "trace": lambda: dataset_files.trace_requests(path, 2, 0, None)}[kind]
+        with pytest.raises(UserError, match=message):
+            read()

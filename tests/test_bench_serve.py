@@ -31,17 +31,28 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "llmctl" / "default_model"
 class FakeOpenAI:
     """Behaviour knobs plus a log of the requests it saw; `app()` builds the FastAPI application."""
 
-    def __init__(self, ttft_s=0.03, itl_s=0.004, fail_every=0, usage=True, error_after=None, max_model_len=None):
+    def __init__(self, ttft_s=0.03, itl_s=0.004, fail_every=0, usage=True, error_after=None, max_model_len=None,
+                 api_key=None):
         self.ttft_s, self.itl_s, self.fail_every, self.usage = ttft_s, itl_s, fail_every, usage
+        self.api_key = api_key  # when set, anything without "Bearer <api_key>" gets a 401 (as vLLM's --api-key)
         self.max_model_len = max_model_len  # listed in /v1/models (as vLLM does) when set
         self.error_after = error_after  # tokens streamed before an in-stream error event
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
+        self.refused: list[str] = []  # "METHOD /path" of each request answered 401
+        self.on_request = lambda request: None  # a test's hook, called after each request is recorded
         self.in_flight = 0
         self.peak = 0
 
     def app(self):
         app = FastAPI()
+
+        @app.middleware("http")
+        async def check_key(request: Request, call_next):
+            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                self.refused.append(f"{request.method} {request.url.path}")
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
 
         @app.get("/v1/models")
         async def models():
@@ -54,8 +65,11 @@ class FakeOpenAI:
             body = await request.json()
             self.bodies.append(body)
             self.headers.append(dict(request.headers))
+            self.on_request(request)
             if self.fail_every and len(self.bodies) % self.fail_every == 0:
                 return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+            if body.get("stream") is False:
+                return JSONResponse(await self._whole(body, chat))
             return StreamingResponse(self._events(body, chat), media_type="text/event-stream")
 
         @app.post("/v1/completions")
@@ -67,6 +81,14 @@ class FakeOpenAI:
             return await handle(request, chat=True)
 
         return app
+
+    async def _whole(self, body: dict, chat: bool) -> dict:
+        n = body["max_tokens"] if body.get("ignore_eos") else min(3, body["max_tokens"])
+        await asyncio.sleep(self.ttft_s + self.itl_s * (n - 1))
+        text = "".join(f" w{i}" for i in range(n))
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+        usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
+        return {"choices": [{**choice, "finish_reason": "length"}], "usage": usage}
 
     async def _events(self, body: dict, chat: bool):
         self.in_flight += 1
@@ -174,15 +196,21 @@ def test_chat_ignores_role_and_finish_only_chunks(fake, capsys):
     assert fake.bodies[0]["messages"][0]["role"] == "user"
 
 
-def test_failed_requests_are_counted_with_samples(fake, capsys):
+def test_failed_requests_exit_1_unless_within_max_failure_rate(fake, capsys):
+    """A server failing part of the run (before: exit 0, which CI scripts took as a pass)."""
     fake.fail_every = 4
     code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "20", "--max-concurrency", "1", *SMALL)
-    assert code == 0
+    assert code == 1
     doc = json.loads(out)
     assert (doc["completed"], doc["failed"]) == (15, 5)
+    assert doc["failure_rate"] == 0.25 and doc["failures_by_cause"] == {"HTTP 500": 5}
     assert doc["error_samples"] == [{"status": 500, "message": "boom", "count": 5}]
     assert doc["total_output_tokens"] == 15 * 8
     assert "5 request(s) failed: HTTP 500: boom" in err
+    assert "llmctl: error: 5 of 20 requests failed (25.0% > --max-failure-rate 0): HTTP 500: 5" in err
+    code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "8", "--max-concurrency", "1",
+                           "--max-failure-rate", "0.25", *SMALL)
+    assert code == 0 and json.loads(out)["failed"] == 2 and "error:" not in err
 
 
 @pytest.mark.parametrize("error_after, message", [(2, "engine died"), (0, "engine died")])
@@ -247,7 +275,7 @@ def test_unknown_slo_key_exits_2_before_any_request(fake, capsys):
     (["--plot", "out.txt"], "must end in one of"),
     (["--base-url", "ftp://x"], "http:// or https://"),
     (["--tokenizer", "."], "no tokenizer.json there"),
-    (["--dataset-path", "x.jsonl"], "only read with --dataset file"),
+    (["--dataset-path", "x.jsonl"], "not read with --dataset-name random"),
 ])
 def test_bad_flags_are_one_line_errors(fake, capsys, args, message):
     code, out, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "2", *args)
@@ -444,3 +472,45 @@ def test_config_file_env_and_flag_precedence(fake, capsys, tmp_path, monkeypatch
     monkeypatch.setenv("LLMCTL_NUM_PROMPTS", "3")
     assert json.loads(bench(capsys, "--config", str(cfg), "--json")[1])["num_prompts"] == 3
     assert json.loads(bench(capsys, "--config", str(cfg), "--json", "--num-prompts", "1")[1])["num_prompts"] == 1
+
+
+def test_rate_sweep_against_llmctl_serve_writes_rows_csv_and_plot(llmctl_server, capsys, tmp_path):
+    import csv
+
+    from PIL import Image
+
+    table, png = tmp_path / "sweep.csv", tmp_path / "curve.png"
+    code, out, err = bench(capsys, "--base-url", llmctl_server, "--num-prompts", "2", "--request-rate", "2,4,8,inf",
+                           "--sweep-cooldown", "0", "--random-input-len", "8", "--random-output-len", "3",
+                           "--slo", "p99_ttft_ms<60000", "--csv", str(table), "--plot", str(png), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["request_rates"] == [2.0, 4.0, 8.0, "inf"] and len(doc["sweep"]) == 4
+    assert all((row["completed"], row["failed"], row["total_output_tokens"]) == (2, 0, 6) for row in doc["sweep"])
+    assert doc["best_point"] is not None and doc["best_point"]["request_rate"] in doc["request_rates"]
+    rows = list(csv.DictReader(table.open()))
+    assert [row["request_rate"] for row in rows] == ["2.0", "4.0", "8.0", "inf"]
+    assert all(float(row["mean_ttft_ms"]) > 0 for row in rows)
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1200, 500)
+        assert len(image.convert("L").getcolors(maxcolors=1 << 16)) > 16  # drawn, not blank
+
+
+def test_multi_turn_history_reaches_llmctl_serve(llmctl_server, capsys, tmp_path):
+    """Turn 2's prompt, as the server counted it, is the chat template over turn 1 and the server's own answer."""
+    from llmctl.engine.tokenizer import Tokenizer
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "tell me a story"},
+                                             {"role": "assistant", "content": "once upon a time"},
+                                             {"role": "user", "content": "and then"}]}) + "\n")
+    code, out, err = bench(capsys, "--base-url", llmctl_server, "--dataset-name", "conversation", "--dataset-path",
+                           str(data), "--num-prompts", "1", "--random-output-len", "3", "--save-detailed", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    tok = Tokenizer.from_pretrained(DEFAULT_MODEL)
+    recorded = len(tok.encode("once upon a time", add_special_tokens=False))
+    assert doc["completed"] == 2 and doc["output_lens"] == [recorded, 3]  # turn 1 asks the recorded answer's length
+    history = [{"role": "user", "content": "tell me a story"},
+               {"role": "assistant", "content": doc["generated_texts"][0]}, {"role": "user", "content": "and then"}]
+    assert doc["input_lens"] == [len(tok.encode_chat(history[:1])), len(tok.encode_chat(history))]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Protocol
 
@@ -46,6 +46,17 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     group: Optional[int] = None  # shared-prefix group, None for other datasets
+    messages: Optional[tuple[dict, ...]] = None  # chat history sent as is (messages / conversation datasets)
+    arrival_s: Optional[float] = None  # send time from a trace, seconds after the start
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A multi-turn conversation replayed turn by turn: each turn's request carries the history so
+    far, with the server's own earlier answers. Each turn is a BenchRequest holding the user message."""
+
+    turns: tuple[BenchRequest, ...]
+    system: Optional[str] = None
 
 
 class TextTokenizer(Protocol):
@@ -137,7 +148,7 @@ def fit_requests(requests: list[BenchRequest], context: int) -> tuple[list[Bench
         if room < 1:
             too_long += 1
         elif request.output_len > room:
-            request, capped = BenchRequest(request.prompt, request.prompt_len, room, request.group), capped + 1
+            request, capped = replace(request, output_len=room), capped + 1
         fitted.append(request)
     return fitted, capped, too_long
 

@@ -46,6 +46,16 @@ class RequestOutcome:
     status: Optional[int] = None
     error: str = ""
     generated_text: str = ""
+    request_id: str = ""
+
+    @property
+    def cause(self) -> str:
+        """Why a failed request failed, coarse enough to count: 'HTTP 500', 'stream error', 'ReadTimeout'."""
+        if self.status is not None and self.status != 200:
+            return f"HTTP {self.status}"
+        if self.status == 200:
+            return "stream error"
+        return self.error.split(":", 1)[0].strip() or "no response"
 
     @property
     def tpot(self) -> Optional[float]:
@@ -167,8 +177,18 @@ def error_samples(outcomes: list[RequestOutcome], limit: int = MAX_ERROR_SAMPLES
     return list(samples.values())
 
 
+def failures_by_cause(outcomes: list[RequestOutcome]) -> dict[str, int]:
+    """Failed requests counted by cause, most frequent first."""
+    counts: dict[str, int] = {}
+    for out in outcomes:
+        if not out.success:
+            counts[out.cause] = counts.get(out.cause, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
 def compute_metrics(outcomes: list[RequestOutcome], duration_s: float, percentiles: list[float],
-                    goodput: Optional[dict[str, float]] = None, peak_concurrency: int = 0) -> dict[str, Any]:
+                    goodput: Optional[dict[str, float]] = None, peak_concurrency: int = 0,
+                    latency_metrics: Iterable[str] = PERCENTILE_METRICS) -> dict[str, Any]:
     """The result document's metric section (vLLM key names), from per-request outcomes."""
     done = [out for out in outcomes if out.success]
     total_input = sum(out.prompt_len for out in done)
@@ -195,19 +215,53 @@ def compute_metrics(outcomes: list[RequestOutcome], duration_s: float, percentil
         "e2el": [out.latency for out in done],
     }
     for name in PERCENTILE_METRICS:
-        metrics.update(_ms_stats(name, series[name], percentiles))
+        if name in latency_metrics:
+            metrics.update(_ms_stats(name, series[name], percentiles))
     metrics["token_count_source"] = token_count_source(outcomes)
+    metrics["failure_rate"] = metrics["failed"] / len(outcomes) if outcomes else 0.0
+    metrics["failures_by_cause"] = failures_by_cause(outcomes)
     metrics["error_samples"] = error_samples(outcomes)
     return metrics
 
 
-def metric_keys(percentiles: list[float], with_goodput: bool) -> list[str]:
+def metric_keys(percentiles: list[float], with_goodput: bool,
+                latency_metrics: Iterable[str] = PERCENTILE_METRICS) -> list[str]:
     """Every numeric key of the metric section (what --slo may gate on)."""
-    sample = compute_metrics([], 1.0, percentiles, {"ttft": 1.0} if with_goodput else None)
+    sample = compute_metrics([], 1.0, percentiles, {"ttft": 1.0} if with_goodput else None,
+                             latency_metrics=latency_metrics)
     return [key for key, value in sample.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
 
 
+def parse_metric_names(text: str) -> tuple[str, ...]:
+    """--percentile-metrics 'ttft,tpot' -> ('ttft', 'tpot'), each one of PERCENTILE_METRICS."""
+    names = tuple(dict.fromkeys(part.strip() for part in str(text).split(",") if part.strip()))
+    unknown = [name for name in names if name not in PERCENTILE_METRICS]
+    if unknown or not names:
+        raise ValueError(f"{', '.join(unknown) or 'nothing'}: expected a comma list of {', '.join(PERCENTILE_METRICS)}")
+    return names
+
+
 # ---- SLO gates --------------------------------------------------------------------------------
+
+_LATENCY_KEY = re.compile(r"^(mean|median|std|p(\d+(?:\.\d+)?))_(%s)_ms$" % "|".join(PERCENTILE_METRICS))
+
+
+def slo_needs(texts: Iterable[str]) -> tuple[list[float], list[str]]:
+    """The percentiles and latency metrics --slo gates name ('p99.5_ttft_ms<500' -> [99.5], ['ttft']),
+    so they get computed even when --metric-percentiles / --percentile-metrics leave them out."""
+    percentiles: list[float] = []
+    names: list[str] = []
+    for text in texts:
+        match = _SLO.match(text)
+        key = _LATENCY_KEY.match(match.group(1)) if match else None
+        if key is None:
+            continue
+        if key.group(3) not in names:
+            names.append(key.group(3))
+        if key.group(2) and 0 < float(key.group(2)) <= 100 and float(key.group(2)) not in percentiles:
+            percentiles.append(float(key.group(2)))
+    return percentiles, names
+
 
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _SLO = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(<=|>=|<|>)\s*(\S+)\s*$")
@@ -281,6 +335,8 @@ def summary_rows(result: dict[str, Any], percentiles: list[float]) -> list[tuple
         ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}"),
     ]
     for name in PERCENTILE_METRICS:
+        if f"mean_{name}_ms" not in result:
+            continue  # left out by --percentile-metrics
         title, short = _TITLES[name]
         rows.append((title, None))
         rows.append((f"Mean {short} (ms)", f"{result[f'mean_{name}_ms']:.2f}"))

@@ -1,4 +1,5 @@
-"""`bench serve --plot`: TTFT, TPOT and E2E latency histograms and output throughput over time.
+"""`bench serve --plot`: TTFT, TPOT and E2E latency histograms and output throughput over time for
+one run; for a sweep, the load curve (latency against throughput, a marker per point).
 
 matplotlib is imported inside the functions (Agg backend, no display needed) so that neither the
 CLI's start-up nor a benchmark without --plot pays for it.
@@ -60,6 +61,46 @@ def write_plot(path: Path, outcomes: list[RequestOutcome], title: str) -> None:
     axes.set_ylabel("tokens/s")
     figure.suptitle(title)
     figure.tight_layout()
+    _save(figure, path)
+
+
+def write_sweep_plot(path: Path, rows: list[dict], title: str) -> None:
+    """The load curve of a sweep: latency against measured throughput, one marker per load point."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    points = sorted((row for row in rows if row["completed"]), key=lambda row: row["request_throughput"])
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    x = [row["request_throughput"] for row in points]
+    for key, label in (("median_ttft_ms", "median TTFT"), ("p99_ttft_ms", "P99 TTFT"), ("p99_e2el_ms", "P99 E2EL")):
+        if points and key in points[0]:
+            left.plot(x, [row[key] for row in points], marker="o", label=label)
+    points_tpot = [row for row in points if "mean_tpot_ms" in row]  # absent when --percentile-metrics drops it
+    right.plot([row["output_throughput"] for row in points_tpot], [row["mean_tpot_ms"] for row in points_tpot],
+               marker="o", color="tab:purple", label="mean TPOT")
+    for row in points_tpot:
+        right.annotate(f"{row['request_rate']}/{row['max_concurrency'] or '∞'}",
+                       (row["output_throughput"], row["mean_tpot_ms"]), fontsize=7)
+    _labels(left, "request throughput (req/s)", "latency (ms)")
+    _labels(right, "output throughput (tok/s)", "time per output token (ms)")
+    figure.suptitle(title + "  (labels: request rate / max concurrency)")
+    figure.tight_layout()
+    _save(figure, path)
+
+
+def _labels(axes, xlabel: str, ylabel: str) -> None:
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(loc="best")
+
+
+def _save(figure, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     try:
         figure.savefig(path, dpi=100)
     except OSError as exc:

@@ -149,7 +149,7 @@ def _spec_decode_line(spec: dict[str, Any]) -> str:
 # ---- bench serve -----------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def load_progress(target: Any, plan: Any, num_requests: int, num_warmups: int) -> Iterator[Optional[Callable]]:
+def load_progress(target: Any, plan: Any, num_requests: Optional[int], num_warmups: int) -> Iterator[Optional[Callable]]:
     """Yields the `observe(phase, outcome)` of a live bar per phase (warm-up, benchmark) with failure
     counts on a TTY, None when stderr is piped."""
     err = stderr_console()
@@ -162,7 +162,9 @@ def load_progress(target: Any, plan: Any, num_requests: int, num_warmups: int) -
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn())
     rate = "all at once" if plan.request_rate == float("inf") else f"{plan.request_rate:g} req/s"
-    err.print(f"[bold]{target.model}[/bold] @ {target.url}: {num_requests} requests, {rate}", markup=True)
+    count = f"{num_requests} requests" if num_requests is not None else f"requests for {plan.duration_s:g} s"
+    limit = f", at most {plan.max_concurrency} in flight" if plan.max_concurrency else ""
+    err.print(f"[bold]{target.model}[/bold] @ {target.url}: {count}, {rate}{limit}", markup=True)
     with Progress(*columns, console=err, transient=True) as progress:
         tasks = {}
         if num_warmups:
@@ -205,18 +207,46 @@ def render_serve(document: dict[str, Any], percentiles: list[float]) -> None:
     sys.stdout.write("\n".join(lines + ["=" * 50]) + "\n")
 
 
-def print_load_errors(samples: list[dict[str, Any]]) -> None:
+def print_load_errors(samples: list[dict[str, Any]], where: str = "") -> None:
     """One stderr line per kind of failed request (`bench serve`, `profile server`)."""
     for sample in samples:
         status = "no response" if sample["status"] is None else f"HTTP {sample['status']}"
-        sys.stderr.write(f"llmctl: {sample['count']} request(s) failed: {status}: {sample['message']}\n")
+        sys.stderr.write(f"llmctl: {where}{sample['count']} request(s) failed: {status}: {sample['message']}\n")
 
 
-def print_serve_problems(document: dict[str, Any]) -> None:
-    print_load_errors(document["error_samples"])
-    for gate in document.get("slo", []):
+def render_sweep(document: dict[str, Any]) -> None:
+    """One row per load point, then the highest load that met the targets."""
+    headers = ["rate", "concurrency", "ok", "failed", "req/s", "out tok/s", "median TTFT ms", "p99 TTFT ms",
+               "mean TPOT ms", "p99 E2EL ms", "targets"]
+    rows = [[str(row["request_rate"]), str(row["max_concurrency"] or "-"), str(row["completed"]), str(row["failed"]),
+             fmt(row["request_throughput"]), fmt(row["output_throughput"]), fmt(row.get("median_ttft_ms")),
+             fmt(row.get("p99_ttft_ms")), fmt(row.get("mean_tpot_ms")), fmt(row.get("p99_e2el_ms")),
+             "met" if row["meets_targets"] else "missed"] for row in document["sweep"]]
+    _table(headers, rows, set(range(2, 10)))
+    best = document["best_point"]
+    line = ("no load point met the targets" if best is None else
+            f"highest load meeting the targets: request rate {best['request_rate']}, max concurrency "
+            f"{best['max_concurrency'] or 'unlimited'} ({fmt(best['request_throughput'])} req/s measured)")
+    stdout_console().print(line, markup=False, highlight=False)
+
+
+def print_serve_problems(document: dict[str, Any], max_failure_rate: float = 0.0) -> None:
+    """Failures by cause, --slo verdicts and the --max-failure-rate verdict, per load point, on stderr."""
+    rows = document.get("sweep") or [document]
+    for row in rows:
+        where = f"[rate {row['request_rate']}, concurrency {row['max_concurrency'] or 'unlimited'}] " if len(rows) > 1 else ""
+        _print_point_problems(row, max_failure_rate, where)
+
+
+def _print_point_problems(row: dict[str, Any], max_failure_rate: float, where: str) -> None:
+    print_load_errors(row["error_samples"], where)
+    for gate in row.get("slo", []):
         measured = "not measured" if gate["value"] is None else f"measured {gate['value']:.6g}"
         verdict = "passed" if gate["passed"] else "violated"
-        sys.stderr.write(f"llmctl: slo {verdict}: {gate['gate']} ({measured})\n")
-    if document["completed"] == 0:
-        sys.stderr.write(f"llmctl: error: all {document['failed']} requests failed\n")
+        sys.stderr.write(f"llmctl: {where}slo {verdict}: {gate['gate']} ({measured})\n")
+    causes = ", ".join(f"{cause}: {count}" for cause, count in row["failures_by_cause"].items())
+    if row["completed"] == 0:
+        sys.stderr.write(f"llmctl: error: {where}all {row['failed']} requests failed ({causes})\n")
+    elif row["failure_rate"] > max_failure_rate:
+        sys.stderr.write(f"llmctl: error: {where}{row['failed']} of {row['completed'] + row['failed']} requests "
+                         f"failed ({row['failure_rate']:.1%} > --max-failure-rate {max_failure_rate:g}): {causes}\n")
