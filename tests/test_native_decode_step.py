@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from llmctl.engine import LLM, SamplingParams
-from llmctl.engine.kernels import load_cpu_kernels
+from llmctl.engine.kernels import CPU_LIBRARY, CPU_SOURCES, FLAGS, build_library, load_cpu_kernels
+from llmctl.engine.kernels.decode_stack import layout_mismatches
 from tests.conftest import make_tiny_model
 
 KERNELS = load_cpu_kernels()
@@ -24,6 +25,15 @@ ARCHS = {
     "mistral-head-dim-16": dict(),  # the attention kernel's masked half rows
     "qwen2-bias-tied": dict(),
 }
+
+
+def test_the_ctypes_descriptors_mirror_common_h():
+    """decode_stack.py's Structures and kinds against common.h's as the library compiled them (any x86 CPU: the
+    layout function is built without AVX-512 too)."""
+    library = build_library(CPU_SOURCES, FLAGS, "the layout check", CPU_LIBRARY)
+    if library is None:
+        pytest.skip("no C compiler, or the kernels are disabled")
+    assert layout_mismatches(library) == []
 
 
 def _engine(tmp_path, arch: str, engine: Optional[dict] = None, **overrides) -> LLM:
