@@ -112,27 +112,37 @@ def quant_check(tree, theirs) -> int:
     return differing
 
 
-def compare_steps(engine, prompt, ours, theirs, steps: int) -> int:
-    """`steps` engine steps with every native step run on both stacks (ours first, theirs on the same inputs: the
-    same K/V written twice where they agree); returns how many steps' logits or argmaxes differ."""
-    import torch
+class BothSteps:
+    """A native step that runs `ours`, then `theirs` on the same inputs (the same K/V written twice where they
+    agree), hands on ours' result and counts the steps whose logits or argmaxes differ."""
 
+    def __init__(self, ours, theirs):
+        self.ours, self.theirs, self.differing = ours, theirs, []
+
+    def can_run(self, query_lens, max_row_tokens) -> bool:
+        return self.ours.can_run(query_lens, max_row_tokens) and self.theirs.can_run(query_lens, max_row_tokens)
+
+    def __call__(self, *args):
+        import torch
+
+        logits, argmax = self.ours(*args)
+        mine = logits.clone()
+        other, other_argmax = self.theirs(*args)
+        self.differing.append(not torch.equal(mine, other) or argmax != other_argmax)
+        return logits, argmax
+
+
+def compare_steps(engine, prompt, ours, theirs, steps: int) -> int:
+    """`steps` engine steps with every native step run on both stacks; returns how many differ."""
     from decode_overhead import decode_steps
 
-    runner, differing = engine.executor.runner, []
-
-    def both(*args):
-        logits, argmax = ours(*args)
-        mine = (logits.clone(), argmax)
-        other, other_argmax = theirs(*args)
-        differing.append(not torch.equal(mine[0], other) or mine[1] != other_argmax)
-        return mine[0], mine[1]
-
+    runner, both = engine.executor.runner, BothSteps(ours, theirs)
     runner.native_decode = both
     decode_steps(engine, prompt, steps)
     runner.native_decode = ours
-    print(f"outputs: {len(differing)} native steps compared, {sum(differing)} with different logits or argmax")
-    return sum(differing)
+    print(f"outputs: {len(both.differing)} native steps compared, {sum(both.differing)} with different logits or "
+          f"argmax")
+    return sum(both.differing) + (not both.differing)
 
 
 def time_pairs(engine, prompt, ours, theirs, args) -> list[tuple[float, float, float, float]]:

@@ -112,7 +112,7 @@ void rotary_bf16(ROTARY_ARGS) { rotary(x, rows, row_stride, heads, head_dim, cos
 void rotary_f32(ROTARY_ARGS) { rotary(x, rows, row_stride, heads, head_dim, cos, sin, num_threads, 0); }
 /* The argmax of a float32 row of `width` >= 1: torch.argmax's answer, the first maximum, or the first NaN of a row
  * that holds one; two vector passes instead of torch's scalar loop. */
-HIDDEN int64_t argmax_row(const float *row, int64_t width) {
+INLINE int64_t argmax_of(const float *row, int64_t width) {
     /* pass 1: the maximum, four independent accumulators; a NaN anywhere is found in pass 2 */
     __m512 best[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
                       _mm512_set1_ps(-INFINITY)};
@@ -143,10 +143,12 @@ HIDDEN int64_t argmax_row(const float *row, int64_t width) {
     return -1; /* never: width >= 1 */
 }
 
-/* Row-wise argmax_row of float32 rows [rows, width] (width >= 1). */
+/* Row-wise argmax_of of float32 rows [rows, width] (width >= 1). */
 void argmax_f32(const float *x, int64_t rows, int64_t width, int64_t *out) {
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * width, width);
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_of(x + r * width, width);
 }
+
+HIDDEN int64_t argmax_row(const float *row, int64_t width) { return argmax_of(row, width); }
 
 HIDDEN void rms_norm_row_bf16(const void *x, void *residual, const void *weight, void *out, int64_t base, int64_t dim,
                               float eps) {

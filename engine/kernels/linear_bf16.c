@@ -37,8 +37,8 @@ INLINE float gemv_row(const uint16_t *row, const uint16_t *vector, int64_t k, co
 }
 
 /* Thread `me`'s rows of gemv_bf16 (of `threads`): each row is its own output. */
-HIDDEN void gemv_bf16_share(const uint16_t *weight, const uint16_t *vector, const void *bias, void *y, int64_t n,
-                            int64_t k, int64_t me, int64_t threads) {
+INLINE void gemv_share(const uint16_t *weight, const uint16_t *vector, const void *bias, void *y, int64_t n,
+                       int64_t k, int64_t me, int64_t threads) {
     const int64_t first = n * me / threads, last = n * (me + 1) / threads;
     for (int64_t r = first; r < last; r++) {
         float value = gemv_row(weight + r * k, vector, k, weight + last * k);
@@ -47,9 +47,14 @@ HIDDEN void gemv_bf16_share(const uint16_t *weight, const uint16_t *vector, cons
     }
 }
 
+HIDDEN void gemv_bf16_share(const uint16_t *weight, const uint16_t *vector, const void *bias, void *y, int64_t n,
+                            int64_t k, int64_t me, int64_t threads) {
+    gemv_share(weight, vector, bias, y, n, k, me, threads);
+}
+
 int gemv_bf16(const void *w, const void *x, const void *bias, void *y, int64_t n, int64_t k, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    gemv_bf16_share((const uint16_t *)w, (const uint16_t *)x, bias, y, n, k, omp_get_thread_num(), omp_get_num_threads());
+    gemv_share((const uint16_t *)w, (const uint16_t *)x, bias, y, n, k, omp_get_thread_num(), omp_get_num_threads());
     return 1;
 }
 #else
@@ -58,7 +63,7 @@ int gemv_bf16(const void *w, const void *x, const void *bias, void *y, int64_t n
     return 0; /* no AVX512-BF16: the caller keeps torch.mv */
 }
 #endif
-/* y = x W^T (+ bias) on AMX (Sapphire Rapids and later) from a weight packed by kernels/__init__.py's
+/* y = x W^T (+ bias) on AMX (Sapphire Rapids and later) from a weight packed by kernels/cpu.py's
  * `pack_amx`: N padded to 64 and K to 32, tiles [N / 32][K / 32][2][16 pairs][16 outputs][2] (a 16 x 16
  * B tile of bf16 pairs, 1 KiB, for each 16 outputs x 32 inputs; a 32-output pair's two side by side, each
  * pair's K steps one contiguous stream: strided 4 KiB steps defeat the prefetcher). On the GEMV above each row

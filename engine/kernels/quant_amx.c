@@ -175,7 +175,7 @@ static void dequantize_pair(int bits, const uint8_t *codes, const uint16_t *scal
         }
 }
 
-/* The whole weight dequantised into cpu_kernels.c's gemm_amx_bf16 layout (kernels/__init__.py's pack_amx: n
+/* The whole weight dequantised into linear_bf16.c's gemm_amx_bf16 layout (kernels/cpu.py's pack_amx: n
  * padded to 64, k to 32, [n / 32][k / 32][2][16 pairs][16][2]): for row counts where that kernel's blocking
  * beats the pipelined one below; each output is bitwise the same. Returns 0 for shapes not covered. */
 int quant_dequantize_amx_bf16(const void *weight, const void *scales, const void *zeros, int bits, void *out, int64_t n,
@@ -189,7 +189,7 @@ int quant_dequantize_amx_bf16(const void *weight, const void *scales, const void
     return 1;
 }
 
-/* gemm_amx_bf16's rounding (cpu_kernels.c round_bf16): nearest even on the bits, NaN kept */
+/* gemm_amx_bf16's rounding (common.h round_bf16): nearest even on the bits, NaN kept */
 INLINE __m512i amx_round_bf16(__m512 x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));

@@ -554,7 +554,7 @@ int quant_gemv_bf16_chain(const void *weight, const void *scales, const void *ze
 }
 
 /* quant_gemv_bf16_chain's one row run by thread `me` of a parallel region of `threads` that the caller already holds
- * (cpu_kernels.c's one-region decode step): the thread's share of y, x prepared into its own buffers, then its
+ * (decode_step.c's one-region decode step): the thread's share of y, x prepared into its own buffers, then its
  * share of `next` prefetched; no region, no barrier (the caller's follows). Returns 0 (nothing computed) for shapes
  * the layout does not cover, or where a thread's buffers for more than STACK_INPUTS_MAX inputs find no memory. */
 int quant_gemv_bf16_share(const void *weight, const void *scales, const void *zeros, int bits, const void *x,

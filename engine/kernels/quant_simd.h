@@ -33,6 +33,10 @@
 #define LLMCTL_KERNELS_QUANT_SIMD_H
 #include "common.h"
 
+/* A function of this header as the one file it was in had it: static, so each library file compiles its own copy
+ * with the same inlining choices. */
+#define LOCAL static __attribute__((unused))
+
 #define BLOCK 16      /* output rows per block */
 #define CHUNK 64      /* bytes per chunk */
 #define X_BLOCK_MAX 256 /* 255 * 32767 * 256 < 2^31: the int32 dot products cannot overflow */
@@ -63,7 +67,7 @@ INLINE int amx_bits(int bits) { return bits == 4 || bits == 8; } /* the AMX kern
 
 /* Inputs per x block: the group itself up to X_BLOCK_MAX, else its largest divisor that fits and is whole
  * chunks (0: none). */
-static inline int64_t x_block_of(int64_t group, int bits) {
+LOCAL int64_t x_block_of(int64_t group, int bits) {
     const int64_t step = step_of(bits);
     if (group <= X_BLOCK_MAX) return group;
     for (int64_t size = X_BLOCK_MAX; size >= step; size -= step)
@@ -73,7 +77,7 @@ static inline int64_t x_block_of(int64_t group, int bits) {
 
 
 /* Whether the layout covers this shape (the Python side checks first and explains). */
-static inline int covered(int bits, int64_t n, int64_t k, int64_t group) {
+LOCAL int covered(int bits, int64_t n, int64_t k, int64_t group) {
     if (!known_bits(bits) || n < 1 || group < 1 || k < 1 || k % group) return 0;
     return group % step_of(bits) == 0 && x_block_of(group, bits) > 0;
 }
@@ -88,7 +92,7 @@ typedef struct {
 } Prepared;
 
 /* One x block of `size` inputs: its int16 codes, scale and code sum. */
-static inline void prepare_block(const uint16_t *src, int16_t *dst, int64_t size, float *xscale, float *xsum) {
+LOCAL void prepare_block(const uint16_t *src, int16_t *dst, int64_t size, float *xscale, float *xsum) {
     float top = 0.0f;
     for (int64_t i = 0; i < size; i++) top = fmaxf(top, fabsf(bf16_to_f32(src[i])));
     const float inverse = top > 0.0f && top <= 3.0e38f ? 32767.0f / top : 0.0f;
@@ -123,7 +127,7 @@ INLINE int block_largest(const uint16_t *src, int64_t size, float *largest) {
  * exact in any order and vcvtps2dq rounds to nearest even as lrintf does. A block holding a NaN or a
  * magnitude above 3e38 (where the scalar rules for NaN and infinities decide) goes to prepare_block (the scalar
  * loops were most of a small GEMV's fixed cost). */
-static inline void prepare_block_512(const uint16_t *src, int16_t *dst, int64_t size, float *xscale, float *xsum) {
+LOCAL void prepare_block_512(const uint16_t *src, int16_t *dst, int64_t size, float *xscale, float *xsum) {
     float largest;
     if (!block_largest(src, size, &largest)) {
         prepare_block(src, dst, size, xscale, xsum);
@@ -144,7 +148,7 @@ static inline void prepare_block_512(const uint16_t *src, int16_t *dst, int64_t 
 }
 #endif
 
-static inline int prepare_alloc(int64_t m, int64_t k, int64_t x_block, Prepared *p) {
+LOCAL int prepare_alloc(int64_t m, int64_t k, int64_t x_block, Prepared *p) {
     p->x_block = x_block, p->x_blocks = k / x_block;
     p->xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k));
     p->xscale = (float *)malloc(sizeof(float) * (size_t)(m * p->x_blocks));
@@ -157,7 +161,7 @@ static inline int prepare_alloc(int64_t m, int64_t k, int64_t x_block, Prepared 
 }
 
 /* x rows [first, last) as int16 blocks */
-static inline void prepare_rows(const uint16_t *x, int64_t first, int64_t last, int64_t k, const Prepared *p) {
+LOCAL void prepare_rows(const uint16_t *x, int64_t first, int64_t last, int64_t k, const Prepared *p) {
     const int64_t x_block = p->x_block;
     for (int64_t r = first; r < last; r++)
         for (int64_t b = 0; b < p->x_blocks; b++) {
