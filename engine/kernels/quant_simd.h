@@ -1,7 +1,7 @@
-/* Weight-streaming GEMV for grouped integer weights with bfloat16 activations (llmctl's GroupedIntWeight),
- * built by kernels/quant.py from quant_gemv.c, quant_amx.c and quant_bf16.c
- * (this header: the layout, the x preparation and the ISA mapping they share). An AVX-512 body (AVX512-BW; VNNI where the CPU has it) and an AVX2 + FMA + F16C body share one
- * layout; `quant_kernel_isa()` says which one was compiled (0: none, the engine keeps its torch paths).
+/* Weight-streaming GEMV for grouped integer weights with bfloat16 activations (llmctl's GroupedIntWeight), built by
+ * kernels/quant.py from quant_gemv.c, quant_amx.c and quant_bf16.c; this header holds the layout, the x preparation
+ * and the ISA mapping they share. An AVX-512 body (AVX512-BW; VNNI where the CPU has it) and an AVX2 + FMA + F16C
+ * body share one layout; `quant_kernel_isa()` says which one was compiled (0: none, the engine keeps its torch paths).
  *
  *   y[r, o] = sum_i x[r, i] * (q[o, i] - zero[o, i / group]) * scale[o, i / group]  (+ bias[o])
  *
