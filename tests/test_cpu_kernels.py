@@ -172,6 +172,18 @@ def test_the_build_is_cached_and_reused(fresh_loader):
     assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
 
 
+def test_an_edited_header_rebuilds(fresh_loader, tmp_path):
+    """The cache key holds every header beside the sources, not only the .c files."""
+    if kernels_module.find_compiler() is None or kernels_module.disabled():
+        pytest.skip("no C compiler, or the kernels are disabled")
+    source, header = tmp_path / "answer.c", tmp_path / "answer.h"
+    source.write_text('#include "answer.h"\nint answer(void) { return ANSWER; }\n')
+    flags = tuple(f for f in kernels_module.FLAGS if f != "-march=native")
+    for value in (1, 2):
+        header.write_text(f"#define ANSWER {value}\n")
+        assert kernels_module.build_library([source], flags, "the header test").answer() == value
+
+
 def test_opting_out_or_lacking_a_compiler_gives_none(fresh_loader, monkeypatch, kernel_log):
     monkeypatch.setenv(kernels_module.DISABLE_ENV, "1")
     assert load_cpu_kernels() is None and not kernel_log

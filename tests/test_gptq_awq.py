@@ -228,7 +228,7 @@ def test_checkpoint_matches_transformers_on_the_dequantised_weights(tiny_models,
     assert_matches_reference(llm, reference, unquantised, make_prompts(512)[:3], tolerance=1e-2)
 
 
-# bfloat16 on CPU runs the native kernels (engine/kernels/quant_kernels.c) where they build, else torch's
+# bfloat16 on CPU runs the native kernels (engine/kernels/quant_*.c) where they build, else torch's
 # int4 kernel (int4pack) for 4-bit groups of 32..256 and its int8 kernel for symmetric per-channel 8-bit; the
 # act-order input permutation is applied to the activations first
 _NATIVE = load_quant_kernels() is not None

@@ -3,6 +3,7 @@ bitwise the logits of the model's Python forward, used exactly where every op of
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from typing import Optional
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from llmctl.engine import LLM, SamplingParams
-from llmctl.engine.kernels import load_cpu_kernels
+from llmctl.engine.kernels import CPU_LIBRARY, CPU_SOURCES, FLAGS, build_library, load_cpu_kernels
+from llmctl.engine.kernels.decode_stack import layout_mismatches
 from tests.conftest import make_tiny_model
 
 KERNELS = load_cpu_kernels()
@@ -24,6 +26,85 @@ ARCHS = {
     "mistral-head-dim-16": dict(),  # the attention kernel's masked half rows
     "qwen2-bias-tied": dict(),
 }
+
+
+def test_the_ctypes_descriptors_mirror_common_h():
+    """decode_stack.py's Structures and kinds against common.h's as the library compiled them (any x86 CPU: the
+    layout function is built without AVX-512 too)."""
+    library = build_library(CPU_SOURCES, FLAGS, "the layout check", CPU_LIBRARY)
+    if library is None:
+        pytest.skip("no C compiler, or the kernels are disabled")
+    assert layout_mismatches(library) == []
+
+
+def test_the_stack_descriptors_point_at_its_operands(monkeypatch):
+    """DecodeStack's ctypes descriptors read back as C reads them, on any CPU (the native step is replaced by a
+    function that reads the model and step structs): every address, size and chained quantised part in place."""
+    from llmctl.engine.kernels import decode_stack, quant
+    from llmctl.engine.kernels.decode_stack import DecodeStack, StackLayer, StackLinear, StackModel, StackStep
+
+    hidden, heads, head_dim, intermediate, vocab, blocks, block_size = 32, 2, 16, 48, 40, 4, 8
+    bf16 = dict(dtype=torch.bfloat16)
+    pools = [torch.zeros(1, blocks, block_size, head_dim, **bf16) for _ in range(2)]
+    weights = {name: torch.randn(rows, columns).to(**bf16) for name, (rows, columns) in
+               dict(qkv=(4 * head_dim, hidden), o=(hidden, heads * head_dim), gate_up=(2 * intermediate, hidden),
+                    down=(hidden, intermediate), lm_head=(vocab, hidden)).items()}
+    layer = {"input_norm": torch.ones(hidden, **bf16), "qkv": ("gemv", weights["qkv"]), "qkv_bias": None,
+             "o": ("gemv", weights["o"]), "o_bias": None, "post_norm": torch.ones(hidden, **bf16),
+             "gate_up": ("gemv", weights["gate_up"]), "gate_up_bias": None, "down": ("gemv", weights["down"]),
+             "down_bias": torch.zeros(hidden, **bf16), "k_pool": pools[0], "v_pool": pools[1]}
+    kernels = quant.load_quant_kernels()
+    if kernels is not None:  # the down linear in two parts: 4-bit rows (symmetric 8-bit codes 120..135), then 8-bit
+        monkeypatch.setattr(quant, "PART_MIN_SAVED_BYTES", 0)
+        codes = torch.cat([torch.randint(120, 136, (16, intermediate)), torch.randint(0, 256, (16, intermediate))])
+        parts = kernels.pack_parts(codes.to(torch.uint8), torch.rand(hidden, intermediate // 16) + 0.1, None, 8, 16)
+        assert len(parts.parts) == 2
+        layer["down"] = ("quant", quant.QuantRowOperand(kernels, parts))
+    table = torch.randn(64, head_dim // 2).to(**bf16)
+    embedding, final_norm = torch.randn(vocab, hidden).to(**bf16), torch.ones(hidden, **bf16)
+    seen = {}
+
+    def read_back(model_address, step_address, logits, argmax, threads):
+        model, step = StackModel.from_address(model_address), StackStep.from_address(step_address)
+        layer_struct = StackLayer.from_address(model.layers)
+        values = lambda address, count: list((ctypes.c_int64 * count).from_address(address))  # noqa: E731
+        linears = {name: StackLinear.from_address(getattr(layer_struct, name)) for name in DecodeStack.LINEARS}
+        seen.update(sizes=(model.num_layers, model.hidden, model.heads, model.kv_heads, model.head_dim,
+                           model.intermediate, model.vocab, model.num_blocks, model.block_size, model.window),
+                    eps=model.eps, embedding=model.embedding, lm_head=StackLinear.from_address(model.lm_head).weight,
+                    norms=(layer_struct.input_norm, layer_struct.post_norm, layer_struct.qkv_bias,
+                           layer_struct.down_bias), pools=(layer_struct.k_pool, layer_struct.v_pool),
+                    linears={name: (s.kind, s.weight, s.rows) for name, s in linears.items()},
+                    step=(step.tokens, values(step.token, 1), values(step.position, 1), values(step.slot, 1),
+                          step.num_rows, values(step.tables, 2), values(step.lens, 1), step.starts, step.num_logits),
+                    threads=threads)
+        down = linears["down"]
+        if down.next_part:
+            second = StackLinear.from_address(down.next_part)
+            seen["parts"] = [(p.kind, p.weight, p.bits, p.group, p.quant_gemv, p.quant_share, p.rows, p.next_part)
+                             for p in (down, second)]
+        return 1
+
+    stack = DecodeStack(read_back, [layer], embedding, final_norm, ("gemv", weights["lm_head"]), table, table,
+                        num_heads=heads, num_kv_heads=1, intermediate=intermediate, eps=1e-5, scale=0.25, window=None)
+    logits, argmax = stack(array("q", [3]), array("q", [9]), array("q", [10]), [[2, 1, 0]], [11], [1], array("q", [0]))
+    assert logits.shape == (1, vocab) and argmax is None
+    assert seen["sizes"] == (1, hidden, heads, 1, head_dim, intermediate, vocab, blocks, block_size, 0)
+    assert seen["eps"] == pytest.approx(1e-5) and seen["embedding"] == embedding.data_ptr()
+    assert seen["lm_head"] == weights["lm_head"].data_ptr()
+    assert seen["norms"] == (layer["input_norm"].data_ptr(), layer["post_norm"].data_ptr(), None,
+                             layer["down_bias"].data_ptr())
+    assert seen["pools"] == (pools[0].data_ptr(), pools[1].data_ptr())
+    assert seen["step"] == (1, [3], [9], [10], 1, [2, 1], [11], None, 1)
+    for name in ("qkv", "o", "gate_up"):
+        assert seen["linears"][name] == (decode_stack.KINDS["gemv"], weights[name].data_ptr(),
+                                         weights[name].shape[0])
+    if kernels is not None:
+        first, second = seen["parts"]
+        assert [p[0] for p in (first, second)] == [decode_stack.KINDS["quant"]] * 2
+        assert (first[1], first[2], first[6]) == (parts.parts[0].codes.data_ptr(), 4, 16)
+        assert (second[1], second[2], second[6], second[7]) == (parts.parts[1].codes.data_ptr(), 8, 16, None)
+        assert first[4] == kernels.chain_gemv_address and first[5] == kernels.share_gemv_address
 
 
 def _engine(tmp_path, arch: str, engine: Optional[dict] = None, **overrides) -> LLM:

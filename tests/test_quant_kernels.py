@@ -158,7 +158,7 @@ def test_malformed_grouped_weights_are_refused(change, message):
         GroupedIntWeight(**fields)
 
 
-# ---- the native kernels (engine/kernels/quant_kernels.c), both bodies ---------------------------------------
+# ---- the native kernels (engine/kernels/quant_*.c), both bodies --------------------------------------------
 
 def kernels_or_skip(target):
     kernels = load_quant_kernels(target)

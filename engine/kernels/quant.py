@@ -1,6 +1,7 @@
-"""Native GEMV for grouped integer weights with bfloat16 activations (`quant_kernels.c`).
+"""Native GEMV for grouped integer weights with bfloat16 activations (quant_gemv.c, quant_amx.c, quant_bf16.c; the
+layout in quant_simd.h).
 
-Built on first use like `cpu_kernels.c` (same cache, `LLMCTL_DISABLE_CPU_KERNELS=1` turns them off) but as
+Built on first use like the CPU library (same cache, `LLMCTL_DISABLE_CPU_KERNELS=1` turns them off) but as
 a library of its own, because it also builds for CPUs with AVX2 and no AVX-512 (the attention and norm
 kernels need AVX-512): `load_quant_kernels()` gives the AVX-512 body where the CPU has AVX512-BW (with VNNI
 dot products where it has those), the AVX2 + FMA + F16C body elsewhere, and None without a compiler or on
@@ -16,7 +17,7 @@ Besides the GEMV (`gemv`, every row count), the library has dequantising GEMMs f
 (`gemm_amx`, `gemm_amx_int8`, where the CPU has AMX) and, on CPUs with AVX512-BF16 and no AMX, `gemm_bf16`
 (vdpbf16ps on a per-call bf16 copy of a pair of blocks at a time); engine/layers/quantization.py chooses.
 
-`QuantKernels.pack` turns codes, scales and zeros into that layout (see the C source): output rows in
+`QuantKernels.pack` turns codes, scales and zeros into that layout (see quant_simd.h): output rows in
 blocks of 16, each block's codes in 64-byte chunks of 16 rows x 4 (8-bit) or 8 (4-bit) inputs
 (`interleave_codes`), scales and zeros as float16 [blocks, groups, 16] (`interleave_groups`); the padded
 rows of the last block have scale 0 and are never written.
@@ -33,23 +34,25 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from llmctl.engine.kernels import FLAGS, build_library, profiled
+from .build import FLAGS, build_library
+from .tracing import profiled
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("quant_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_gemv.c", "quant_amx.c", "quant_bf16.c"))
+LIBRARY = "quant_kernels"
 _PORTABLE = tuple(f for f in FLAGS if f != "-march=native")
 # "skylake-avx512": the AVX-512 body without VNNI, VBMI and AVX512-BF16 (Skylake-X to Ice Lake), for the tests
 TARGETS = {"native": FLAGS, "avx2": _PORTABLE + ("-march=haswell",), "skylake-avx512": _PORTABLE + ("-march=skylake-avx512",)}
 FP16 = torch.finfo(torch.float16)
-BLOCK, CHUNK = 16, 64  # output rows per block, bytes per chunk (quant_kernels.c)
+BLOCK, CHUNK = 16, 64  # output rows per block, bytes per chunk (quant_simd.h)
 # The kernels' code formats: 4, 6 and 8 bits, and IQ4_CODES: 8-bit codes from IQ4_GRID, stored as 4-bit indices
-# into it (quant_kernels.c: 0x48, stored in 4 bits, computed in 8)
+# into it (quant_simd.h: 0x48, stored in 4 bits, computed in 8)
 IQ4_CODES = 0x48
 # ggml's kvalues_iq4nl (IQ4_NL and IQ4_XS dequantise to d * kvalue) + 128: the 8-bit codes they load as
 IQ4_GRID = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
 STEP = {8: 4, 6: 4, 4: 8, IQ4_CODES: 4}  # inputs per chunk
-# bytes a chunk is stored in: 6-bit codes are the 8-bit layout's chunks, each in 48 bytes (quant_kernels.c SIX_CHUNK),
+# bytes a chunk is stored in: 6-bit codes are the 8-bit layout's chunks, each in 48 bytes (quant_simd.h SIX_CHUNK),
 # IQ4_CODES ones each in 32 (GRID_CHUNK)
 CHUNK_BYTES = {8: CHUNK, 6: 48, 4: CHUNK, IQ4_CODES: 32}
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
@@ -141,7 +144,7 @@ class QuantRowOperand:
     weight: KernelParts
 
     def stack_fields(self) -> list[tuple[int, ...]]:
-        """decode_stack_bf16's descriptor fields after the kind, one tuple per part: codes, scales, zeros (0: the
+        """`StackLinear`'s fields (common.h) after the kind, one tuple per part: codes, scales, zeros (0: the
         midpoint), code format, group size, the addresses of the GEMV that also prefetches the next linear
         (quant_gemv_bf16_chain) and of its one-row share for a thread of the caller's region
         (quant_gemv_bf16_share), the part's rows (the descriptor's next-part address is the caller's)."""
@@ -164,7 +167,7 @@ class QuantKernels:
         self._dequantize = library.quant_dequantize_bf16
         self._dequantize.argtypes = [_POINTER] * 3 + [ctypes.c_int, _POINTER] + [_INT64] * 3 + [ctypes.c_int]
         self._dequantize.restype = ctypes.c_int
-        # for the native decode step: cpu_kernels.c's decode_stack_bf16 calls this library's GEMV by address, the
+        # for the native decode step: decode_step.c's decode_stack_bf16 calls this library's GEMV by address, the
         # variant that also prefetches the start of the linear the step runs next
         self.chain_gemv_address = ctypes.cast(library.quant_gemv_bf16_chain, ctypes.c_void_p).value
         self.share_gemv_address = ctypes.cast(library.quant_gemv_bf16_share, ctypes.c_void_p).value
@@ -326,7 +329,7 @@ def _padded_rows(values: torch.Tensor) -> torch.Tensor:
 
 
 def interleave_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [n, k] -> the kernel's layout [blocks, k / STEP, CHUNK_BYTES] (see quant_kernels.c): per chunk,
+    """uint8 codes [n, k] -> the kernel's layout [blocks, k / STEP, CHUNK_BYTES] (see quant_simd.h): per chunk,
     16-bit word 2i + e of row i holds (8 bits) inputs e and 2 + e in its low and high byte, (4 bits)
     inputs 2t + e in nibble t; 6 bits: the 8-bit chunk's 64 bytes stored in 48 (`_six_bit_chunks`)."""
     if bits == 6:
@@ -355,10 +358,8 @@ class PartPlan(NamedTuple):
 
 
 # A weight splits into parts only where a part saves at least this many bytes of codes against the weight's own
-# format: each part is one more GEMV call in a decode step (a parallel region, x prepared again, the stream's ramp).
-# Measured (Zen 5, two threads, decode_overhead.py --streaming, alternated): SmolLM-135M Q4_K_M, whose 14 qkv with a
-# Q8_0 v split at 110 KB saved each, ran no faster (2.395 against 2.33-2.44 ms a step at a ~80 GB/s read figure;
-# 0.97x in the offline single-stream runs); the hidden-1024 IQ4_XS qkv, 655 KB saved each, ran ~4 % faster.
+# format: each part is one more GEMV call in a decode step (a parallel region, x prepared again, the stream's ramp);
+# SmolLM-135M Q4_K_M's 110 KB splits ran no faster, a hidden-1024 IQ4_XS qkv's 655 KB ones ~4 % faster.
 PART_MIN_SAVED_BYTES = 256 << 10
 _NARROWER = (4, IQ4_CODES, 6, 8)  # code formats by bytes a code (4-bit codes compute cheaper than IQ4's lookup)
 
@@ -499,7 +500,7 @@ def fits_float16(values: torch.Tensor) -> bool:
 def load_quant_kernels(target: str = "native") -> Optional[QuantKernels]:
     """The built kernels for `target` ("native": this CPU's best body; "avx2", "skylake-avx512": the bodies older
     CPUs get, for the tests), or None (logged) if unavailable."""
-    library = build_library(SOURCE, TARGETS[target], "quantised linears use torch's kernels")
+    library = build_library(SOURCES, TARGETS[target], "quantised linears use torch's kernels", LIBRARY)
     if library is None:
         return None
     if library.quant_kernel_isa() == 0:
