@@ -1,4 +1,4 @@
-"""Quantised GEMV kernels at decode shapes: the native kernels (engine/kernels/quant_kernels.c) against
+"""Quantised GEMV kernels at decode shapes: the native kernels (engine/kernels/quant_*.c) against
 torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`, bfloat16 activations.
 
 Times are CPU time of the calling thread (`time.thread_time_ns`), best of `--repeats` blocks, so a shared

@@ -15,7 +15,7 @@ different types keeps each shard's own width.
 
 Besides the GEMV (`gemv`, every row count), the library has dequantising GEMMs for many rows: on AMX tiles
 (`gemm_amx`, `gemm_amx_int8`, where the CPU has AMX) and, on CPUs with AVX512-BF16 and no AMX, `gemm_bf16`
-(vdpbf16ps on a per-call bf16 copy of a pair of blocks at a time); engine/layers/quantization.py chooses.
+(vdpbf16ps on a per-call bf16 copy of a pair of blocks at a time); engine/layers/quantization/grouped.py chooses.
 
 `QuantKernels.pack` turns codes, scales and zeros into that layout (see quant_simd.h): output rows in
 blocks of 16, each block's codes in 64-byte chunks of 16 rows x 4 (8-bit) or 8 (4-bit) inputs
