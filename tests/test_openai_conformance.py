@@ -119,9 +119,8 @@ UNSUPPORTED = [
     ("/v1/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "guided_json", {"type": "object"}),
     ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
-    ("/v1/chat/completions", "parallel_tool_calls", True),
+    ("/v1/chat/completions", "tool_choice", "auto"),  # without tools
+    ("/v1/chat/completions", "parallel_tool_calls", False),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
