@@ -16,7 +16,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from server_helpers import running_server
+from server_helpers import running_server, openai_client, post_json
 
 MODEL = "conf"
 USER = [{"role": "user", "content": "Speak!"}]
@@ -30,11 +30,10 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
-def _post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + path, json=body, timeout=60)
+_post = post_json
 
 
 def _nullable_fields(params_type) -> list[str]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import httpx
-import openai
 import pytest
 
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
@@ -16,7 +14,7 @@ from llmctl.server.chat_output import ChatOutputSpec
 from llmctl.server.protocol import ChatCompletionRequest, Prompt, ServerLimits, engine_params
 from llmctl.server.responses import TokenTexts, shapes_for
 from llmctl.server.tool_calling import ChatFeatures, template_tools
-from server_helpers import running_server
+from server_helpers import openai_client, post_json, running_server
 
 MODEL = "tiny-tools"
 # What matters of Qwen2.5's template: the tools as JSON, an assistant's calls in <tool_call>, tool
@@ -62,11 +60,10 @@ def server(tools_model):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
-def _post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + path, json=body, timeout=30)
+_post = post_json
 
 
 def _rendered(server, body: dict) -> str:
@@ -160,6 +157,18 @@ def test_tokenize_round_trips_through_detokenize(server):
     assert chat["count"] == usage["prompt_tokens"]
     assert _post(server, "/detokenize", {"tokens": [10 ** 9]}).status_code == 400
     assert _post(server, "/tokenize", {"model": "other", "prompt": "x"}).status_code == 404
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"tool_call_parser": "nope"}, "--tool-call-parser 'nope'"),
+    ({"reasoning_parser": "nope"}, "--reasoning-parser 'nope'"),
+    ({"enable_auto_tool_choice": True}, "needs --tool-call-parser"),
+])
+def test_server_settings_check_the_tool_flags(fields, words):
+    from llmctl.server.app import ServerSettings
+
+    with pytest.raises(ValueError, match=words):
+        ServerSettings(**fields).validate()
 
 
 # ---- shapes: recorded outputs through the response layer -------------------------------------------

@@ -140,12 +140,13 @@ class OpenAIServing:
             return [await asyncio.to_thread(self._chat_prompt, body)]
         return await asyncio.to_thread(self._completion_prompts, body)
 
-    def _check_text_length(self, body: AnyRequest) -> None:
+    def _check_text_length(self, body: Union[AnyRequest, TokenizeChatRequest, TokenizeCompletionRequest]) -> None:
         if self.tokenizer is None:
             return
         limit = self.max_model_len * self.tokenizer.max_chars_per_token
-        if isinstance(body, ChatCompletionRequest):
-            texts, param = ["".join(m["content"] + m.get("name", "") for m in body.plain_messages())], "messages"
+        if isinstance(body, (ChatCompletionRequest, TokenizeChatRequest)):
+            texts = ["".join(m["content"] + m.get("name", "") for m in template_messages(body.messages))]
+            param = "messages"
         else:
             prompt = body.prompt
             texts, param = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)], "prompt"
@@ -217,15 +218,12 @@ class OpenAIServing:
         self.check_model(body.model)
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer", param="prompt")
+        self._check_text_length(body)
         if isinstance(body, TokenizeChatRequest):
             body.check_unsupported()
             ids = await asyncio.to_thread(self.tokenizer.encode_chat, template_messages(body.messages),
                                           body.add_generation_prompt, **self.template_variables(body))
         else:
-            if len(body.prompt) > self.max_model_len * self.tokenizer.max_chars_per_token:
-                raise APIError(400, f"the prompt has {len(body.prompt)} characters, more than fit this model's "
-                                    f"context of {self.max_model_len} tokens", param="prompt",
-                               code="context_length_exceeded")
             ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt, body.add_special_tokens)
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                                   "token_strs": None}
