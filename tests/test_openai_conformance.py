@@ -175,11 +175,14 @@ def test_unknown_field_through_the_openai_client(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"guided_jsn": {}})
 
 
-def test_assistant_tool_calls_in_history_are_refused(server):
+def test_assistant_tool_calls_in_history_are_accepted_and_function_call_refused(server):
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
-    response = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages})
-    assert response.status_code == 400 and "tool_calls" in response.json()["error"]["message"]
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    assert _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages}).status_code == 200
+    legacy = [*USER, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]
+    response = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": legacy})
+    assert response.status_code == 400 and "function_call" in response.json()["error"]["message"]
 
 
 # ---- point 3: routes -------------------------------------------------------------------------------

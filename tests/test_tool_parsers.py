@@ -146,3 +146,22 @@ def test_tool_call_schema_for_required_and_named():
     jsonschema.validate({"city": "Oslo"}, named)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({}, named)
+
+
+@pytest.mark.parametrize("spec, text, calls, reason", [
+    (ChatOutputSpec(required_tool=True), '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+     '{"name": "now", "parameters": {}}]', [("get_weather", '{"city": "Oslo"}'), ("now", "{}")], "tool_calls"),
+    (ChatOutputSpec(named_tool="get_weather"), ' {"city": "Oslo"}', [("get_weather", '{"city": "Oslo"}')], "stop"),
+])
+def test_grammar_enforced_tool_choice_output_whole_and_streamed(spec, text, calls, reason):
+    """What `tool_call_schema` makes the model write reads back as calls (once the engine enforces it)."""
+    message, got_reason = ChatOutput(spec).message(text, "stop")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == calls
+    assert got_reason == reason and message["content"] is None
+    output, streamed = ChatOutput(spec), {}
+    for start in range(0, len(text), 3):
+        delta, got_reason = output.delta(0, text[start:start + 3], True, "stop" if start + 3 >= len(text) else None)
+        for call in delta.get("tool_calls", []):
+            entry = streamed.setdefault(call["index"], [call["function"].get("name"), ""])
+            entry[1] += call["function"]["arguments"]
+    assert [tuple(v) for v in streamed.values()] == calls and got_reason == reason

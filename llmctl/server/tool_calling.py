@@ -73,10 +73,13 @@ def template_tools(body: Any, features: ChatFeatures) -> Optional[list[dict[str,
 
 def chat_output_spec(body: Any, features: ChatFeatures) -> Optional[ChatOutputSpec]:
     """How the request's output is read; None: as plain content."""
-    tool_parser = features.tool_call_parser if tool_choice_of(body) == "auto" and body.tools else None
-    if tool_parser is None and features.reasoning_parser is None:
+    choice = tool_choice_of(body)
+    tool_parser = features.tool_call_parser if choice == "auto" and body.tools else None
+    named = body.tool_choice.function.name if choice == "named" else None
+    if tool_parser is None and named is None and choice != "required" and features.reasoning_parser is None:
         return None
-    return ChatOutputSpec(reasoning_parser=features.reasoning_parser, tool_parser=tool_parser)
+    return ChatOutputSpec(reasoning_parser=features.reasoning_parser, tool_parser=tool_parser,
+                          required_tool=choice == "required", named_tool=named)
 
 
 def tool_call_schema(tools: list[dict[str, Any]], named: Optional[str] = None) -> dict[str, Any]:
