@@ -26,8 +26,7 @@ from llmctl.server.middleware import AUDIT_KEY
 from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EngineParams,
                                     Prompt, ServerLimits, TokenizeChatRequest, TokenizeCompletionRequest,
                                     check_unsupported, engine_params, template_messages)
-from llmctl.server.tool_calling import (ChatFeatures, chat_output_spec, check_tool_choice, template_tools,
-                                        tool_choice_of)
+from llmctl.server.tool_calling import ChatFeatures, chat_output_spec, check_tool_choice, template_variables
 from llmctl.server.responses import SSE_DONE, Choice, ResponseShapes, TokenTexts, shapes_for, sse, token_usage
 from llmctl.server.text_filter import OutputFilter, RequestFilter
 
@@ -191,26 +190,10 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer, so it cannot render chat messages", param="messages")
         return Prompt(None, self.tokenizer.encode_chat(body.plain_messages(), body.add_generation_prompt,
-                                                       **self.template_variables(body)))
+                                                       **self._template_variables(body)))
 
-    def template_variables(self, body: Any) -> dict[str, Any]:
-        """What a chat request passes its template beside the messages: chat_template_kwargs, the tools
-        (refused when the template cannot show them to the model) and reasoning_effort (the same)."""
-        variables = dict(body.chat_template_kwargs or {})
-        reads = self.tokenizer.chat_template_variables
-        tools = template_tools(body, self.chat_features)
-        if tools is not None:
-            if "tools" not in reads and tool_choice_of(body) != "none":
-                raise APIError(400, "this model's chat template does not render tools, so the model cannot call "
-                                    "them", param="tools")
-            variables["tools"] = tools
-        effort = getattr(body, "reasoning_effort", None)
-        if effort is not None:
-            if "reasoning_effort" not in reads:
-                raise APIError(400, "reasoning_effort is not supported by this model: its chat template takes no "
-                                    "reasoning effort", param="reasoning_effort", code="unsupported_parameter")
-            variables["reasoning_effort"] = effort
-        return variables
+    def _template_variables(self, body: Union[ChatCompletionRequest, TokenizeChatRequest]) -> dict[str, Any]:
+        return template_variables(body, self.chat_features, self.tokenizer.chat_template_variables)
 
     # ---- vLLM's /tokenize and /detokenize --------------------------------------------------------------
     async def tokenize_endpoint(self, body: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> dict[str, Any]:
@@ -222,7 +205,7 @@ class OpenAIServing:
         if isinstance(body, TokenizeChatRequest):
             body.check_unsupported()
             ids = await asyncio.to_thread(self.tokenizer.encode_chat, template_messages(body.messages),
-                                          body.add_generation_prompt, **self.template_variables(body))
+                                          body.add_generation_prompt, **self._template_variables(body))
         else:
             ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt, body.add_special_tokens)
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,

@@ -71,6 +71,25 @@ def template_tools(body: Any, features: ChatFeatures) -> Optional[list[dict[str,
     return [tool.model_dump(exclude_none=True) for tool in body.tools]
 
 
+def template_variables(body: Any, features: ChatFeatures, template_reads: frozenset[str]) -> dict[str, Any]:
+    """What a chat request passes its template beside the messages: chat_template_kwargs, the tools
+    (refused when the template cannot show them to the model) and reasoning_effort (the same)."""
+    variables = dict(body.chat_template_kwargs or {})
+    tools = template_tools(body, features)
+    if tools is not None:
+        if "tools" not in template_reads and tool_choice_of(body) != "none":
+            raise APIError(400, "this model's chat template does not render tools, so the model cannot call them",
+                           param="tools")
+        variables["tools"] = tools
+    effort = getattr(body, "reasoning_effort", None)  # /tokenize's chat bodies have none
+    if effort is not None:
+        if "reasoning_effort" not in template_reads:
+            raise APIError(400, "reasoning_effort is not supported by this model: its chat template takes no "
+                                "reasoning effort", param="reasoning_effort", code="unsupported_parameter")
+        variables["reasoning_effort"] = effort
+    return variables
+
+
 def chat_output_spec(body: Any, features: ChatFeatures) -> Optional[ChatOutputSpec]:
     """How the request's output is read; None: as plain content."""
     choice = tool_choice_of(body)
