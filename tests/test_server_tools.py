@@ -204,7 +204,7 @@ def test_tool_calls_and_reasoning_in_a_body_validate_as_openai_types():
 
 
 def test_streamed_tool_call_deltas_accumulate_as_the_openai_sdk_does():
-    from openai.lib.streaming.chat._completions import ChatCompletionStreamState
+    from openai.lib.streaming.chat import ChatCompletionStreamState
     from openai.types.chat import ChatCompletionChunk
 
     shapes, state = _shapes(True), ChatCompletionStreamState()
