@@ -15,6 +15,7 @@ SECURITY = "Security and limits"
 ACCESS = "Access and filtering"
 FALLBACK = "Fallback model"
 CONCURRENCY = "Admission (concurrency limit)"
+TOOLS = "Tool calling and reasoning"
 
 
 def _o(*names: str, help: str, panel: str = SERVER, **kw):
@@ -69,6 +70,10 @@ def serve(
     concurrency_backoff: Annotated[float, _o("--concurrency-backoff", help="auto: factor the limit is multiplied by when a target is missed.", panel=CONCURRENCY)] = 0.9,
     concurrency_queue: Annotated[int, _o("--concurrency-queue", help="Requests that may wait for a slot (0: refuse at once with 503).", panel=CONCURRENCY)] = 0,
     concurrency_queue_timeout: Annotated[float, _o("--concurrency-queue-timeout", help="Seconds a queued request waits for a slot before its 503.", panel=CONCURRENCY)] = 5.0,
+    enable_auto_tool_choice: Annotated[bool, _o("--enable-auto-tool-choice", help="Let the model call tools on its own (tool_choice \"auto\", the default with tools); needs --tool-call-parser.", panel=TOOLS)] = False,
+    tool_call_parser: Annotated[Optional[str], _o("--tool-call-parser", help="How the model writes tool calls: hermes (Qwen2.5/3, Hermes), llama3_json, mistral.", panel=TOOLS)] = None,
+    reasoning_parser: Annotated[Optional[str], _o("--reasoning-parser", help="Split <think>...</think> into reasoning_content: deepseek_r1, qwen3.", panel=TOOLS)] = None,
+    exclude_tools_when_tool_choice_none: Annotated[bool, _o("--exclude-tools-when-tool-choice-none", help="With tool_choice \"none\", leave the tools out of the prompt (default: rendered, not called).", panel=TOOLS)] = False,
     engine_args: eo.EngineArgs = eo.FLAGS,
     config: Optional[Path] = ConfigOption,
 ) -> None:
@@ -94,7 +99,9 @@ def serve(
         limit_concurrency=limit_concurrency, timeout_headers_s=timeout_headers, timeout_body_s=timeout_body,
         timeout_keep_alive_s=timeout_keep_alive, max_sequences_per_request=max_seqs_per_request,
         timeout_stream_write_s=timeout_stream_write, api_keys=api_keys, output_filter=output_filter,
-        input_filter=input_filter, **_policy_settings(locals()),
+        input_filter=input_filter, enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none, **_policy_settings(locals()),
     )
     try:
         settings.validate()

@@ -239,12 +239,32 @@ class Tokenizer:
         types one (`<|im_end|>\\n<|im_start|>system ...`, to forge a turn) has it encoded as the
         plain characters it is. (transformers' apply_chat_template and vLLM parse the whole
         rendered string, so there the typed token becomes the real one.)"""
+        self._refuse_control_tokens_in_tools(messages, extra.get("tools"))
         # The template already writes BOS and friends: do not add them twice.
         rendered = self.apply_chat_template(messages, add_generation_prompt, **extra)
         texts = [m[key] for m in messages for key in _MESSAGE_TEXT_KEYS if isinstance(m.get(key), str) and m[key]]
         if not any(special in text for text in texts for special in self.special_token_texts):
             return self.encode(rendered, add_special_tokens=False)  # the common case: as before, byte for byte
         return self._encode_marked(messages, rendered, add_generation_prompt, **extra)
+
+    def _refuse_control_tokens_in_tools(self, messages: list[dict[str, Any]], tools: Any) -> None:
+        """Tool definitions and calls are rendered as JSON, not as marked message text: one that types a
+        control token could forge a turn, so it is refused."""
+        structured = json.dumps([tools, [m.get("tool_calls") for m in messages]], ensure_ascii=False)
+        typed = next((t for t in self.special_token_texts if t in structured), None)
+        if typed is not None:
+            raise InvalidRequestError(f"a tool definition or tool call contains the text of the control token "
+                                      f"{typed!r}", param="tools" if typed in json.dumps(tools, ensure_ascii=False)
+                                      else "messages")
+
+    @functools.cached_property
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from its caller (e.g. `tools`, `enable_thinking`)."""
+        if not self.chat_template:
+            return frozenset()
+        from jinja2 import meta
+
+        return frozenset(meta.find_undeclared_variables(self._chat_template.environment.parse(self.chat_template)))
 
     @functools.cached_property
     def special_token_texts(self) -> tuple[str, ...]:

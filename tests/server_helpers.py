@@ -78,6 +78,16 @@ def wait_for(predicate: Any, timeout_s: float = 60.0, what: str = "a condition")
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
+def post_json(server: "RunningServer", path: str, body: dict, timeout_s: float = 60.0) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=timeout_s)
+
+
+def openai_client(server: "RunningServer", api_key: str = "none"):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from server_helpers import running_server
+from server_helpers import running_server, openai_client, post_json
 
 MODEL = "conf"
 USER = [{"role": "user", "content": "Speak!"}]
@@ -30,11 +30,10 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
-def _post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + path, json=body, timeout=60)
+_post = post_json
 
 
 def _nullable_fields(params_type) -> list[str]:
@@ -119,9 +118,8 @@ UNSUPPORTED = [
     ("/v1/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "guided_json", {"type": "object"}),
     ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
-    ("/v1/chat/completions", "parallel_tool_calls", True),
+    ("/v1/chat/completions", "tool_choice", "auto"),  # without tools
+    ("/v1/chat/completions", "parallel_tool_calls", False),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
@@ -177,11 +175,14 @@ def test_unknown_field_through_the_openai_client(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"guided_jsn": {}})
 
 
-def test_assistant_tool_calls_in_history_are_refused(server):
+def test_assistant_tool_calls_in_history_are_accepted_and_function_call_refused(server):
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
-    response = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages})
-    assert response.status_code == 400 and "tool_calls" in response.json()["error"]["message"]
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    assert _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages}).status_code == 200
+    legacy = [*USER, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]
+    response = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": legacy})
+    assert response.status_code == 400 and "function_call" in response.json()["error"]["message"]
 
 
 # ---- point 3: routes -------------------------------------------------------------------------------

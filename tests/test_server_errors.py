@@ -81,9 +81,9 @@ CASES = [
     ("top_logprobs without logprobs", _post("/v1/chat/completions",
                                             {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
      400, "invalid_request_error", "top_logprobs"),
-    ("tools are not supported", _post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                               "tools": [{"type": "function"}]}),
-     400, "invalid_request_error", "tools"),
+    ("auto tool choice without the server's flags", _post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}),
+     400, "invalid_request_error", "tool_choice"),
     ("unknown model", _post("/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404, "not_found_error", "model"),
     ("unknown route", _post("/v1/engines", {"prompt": "x"}), 404, "not_found_error", None),
     ("wrong method", _post("/v1/completions", method="GET"), 405, "invalid_request_error", None),

@@ -15,7 +15,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -32,11 +32,13 @@ from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, DrainCuto
                                       audit_line, is_protected)
 from llmctl.server.openapi import install_openapi
 from llmctl.server.profiler import TorchProfilerSession
-from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                    TokenizeCompletionRequest)
 from llmctl.server.routing import DEFAULT_FALLBACK_AT, DEFAULT_HYSTERESIS, FallbackPolicy, ModelRouter, load_signal
 from llmctl.server.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing
 from llmctl.server.policy_files import PolicyFileError
 from llmctl.server.text_filter import FilterCounters, OutputFilter, RuleSet, load_rules
+from llmctl.server.tool_calling import ChatFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,16 @@ class ServerSettings:
     fallback_at: float = DEFAULT_FALLBACK_AT
     fallback_hysteresis: float = DEFAULT_HYSTERESIS
     concurrency: Optional[ConcurrencySettings] = None  # None: no admission limit beyond the engine's queue
+    # --- tool calling and reasoning (docs/serve.md "Tool calling and reasoning"; vLLM's flags) ---
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
+    exclude_tools_when_tool_choice_none: bool = False
+
+    @property
+    def chat_features(self) -> ChatFeatures:
+        return ChatFeatures(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser,
+                            self.exclude_tools_when_tool_choice_none)
 
     def validate(self) -> None:
         checks = [
@@ -111,6 +123,7 @@ class ServerSettings:
                              "(--fallback-served-model-name differs from --served-model-name)")
         if self.concurrency is not None:
             self.concurrency.validate()
+        self.chat_features.validate()
         self._load_access_files()
 
     def _load_access_files(self) -> None:
@@ -128,7 +141,7 @@ class ServerSettings:
 
 
 KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version",
-                   "/start_profile", "/stop_profile"}
+                   "/start_profile", "/stop_profile", "/tokenize", "/detokenize"}
 
 
 def _load_of(engine: AsyncLLMEngine):
@@ -150,7 +163,7 @@ def _served(engine: AsyncLLMEngine, view: ModelMetrics, settings: ServerSettings
     output_filter = OutputFilter(settings.output_rules, counters) if settings.output_rules else None
     serving = OpenAIServing(engine, view.model_name, settings.max_output_tokens, view,  # type: ignore[arg-type]
                             settings.max_sequences_per_request, settings.timeout_stream_write_s,
-                            output_filter=output_filter)
+                            output_filter=output_filter, chat_features=settings.chat_features)
     policy = RequestPolicy(view.model_name, tokenizer=serving.tokenizer, input_rules=settings.input_rules,
                            output_filtered=settings.output_rules is not None, counters=counters)
     return _Served(engine, view, serving, policy)
@@ -278,6 +291,21 @@ def _add_routes(app: FastAPI, engines: list[AsyncLLMEngine], router: ModelRouter
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving, body = await routed(body, request)
         return await serving.chat(body, request)
+
+    def tokenizing(model: Optional[str], request: Request) -> OpenAIServing:
+        """The serving whose tokenizer a /tokenize or /detokenize body names (ids mean something in one vocabulary)."""
+        served = router.fallback if router.fallback is not None and model == router.fallback_name else router.primary
+        served.serving.check_model(model)
+        check_model_access(key_of(request), served.serving.model_name)
+        return served.serving
+
+    @app.post("/tokenize")
+    async def tokenize(body: Union[TokenizeChatRequest, TokenizeCompletionRequest], request: Request):
+        return await tokenizing(body.model, request).tokenize_endpoint(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        return await tokenizing(body.model, request).detokenize_endpoint(body)
 
     created = int(time.time())
     servings = [router.primary.serving] + ([router.fallback.serving] if router.fallback is not None else [])

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 from llmctl.server.errors import APIError, StreamStalledError, from_exception
 
 ASGIApp = Callable[..., Any]
-PROTECTED_PREFIXES = ("/v1/", "/start_profile", "/stop_profile")
+PROTECTED_PREFIXES = ("/v1/", "/start_profile", "/stop_profile", "/tokenize", "/detokenize")
 AUDIT_KEY = "llmctl.audit"
 logger = logging.getLogger(__name__)
 

@@ -13,13 +13,14 @@ argument"). Fields OpenAI or vLLM define but this server does not implement are 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from llmctl.engine.errors import InvalidRequestError
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
+from llmctl.server.chat_output import ChatOutputSpec, needs_special_tokens
 from llmctl.server.errors import APIError
 
 MAX_N = 16
@@ -112,14 +113,12 @@ _UNSUPPORTED_CHAT = {
     "prediction": ("predicted outputs", ()),
     "moderation": ("moderation", ()),
     "web_search_options": ("web search", ()),
-    "reasoning_effort": ("reasoning effort (not a reasoning model server)", ()),
     "verbosity": ("verbosity", ()),
     "store": ("stored completions", (False,)),
     "service_tier": ("service tiers", ("auto", "default")),
     "prompt_cache_retention": ("prompt cache retention (the prefix cache is in memory only)", ("in_memory",)),
     "prompt_cache_options": ("prompt cache options", ()),
-    "tool_choice": ("tool calling", ("none",)),
-    "parallel_tool_calls": ("tool calling", ()),
+    "parallel_tool_calls": ("parallel_tool_calls false (every call the model writes is returned)", (True,)),
     "functions": ("function calling", ([],)),
     "function_call": ("function calling", ("none",)),
     "echo": ("vLLM's chat echo", (False,)),
@@ -216,13 +215,54 @@ class TextPart(_Body):
     text: str
 
 
+class MediaPart(_Body):
+    """A non-text content part: declared so it is refused by name (this server's models take text only)."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file",
+                  "input_file"]
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    """A call of a replayed assistant message (OpenAI's shape; `index` as a stream's deltas carry it)."""
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+    index: Optional[int] = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Union[TextPart, MediaPart]], None] = None
     name: Optional[str] = None
     # What a client sends back when it replays an assistant message from a response.
     refusal: Optional[str] = None
-    tool_calls: Optional[list[Any]] = None
+    tool_calls: Optional[list[ToolCall]] = None
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
     annotations: Optional[list[Any]] = None  # citations on a replayed response: no input to the model
@@ -235,20 +275,20 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[ToolDefinition]] = None
     add_generation_prompt: bool = True
     audio: Optional[Any] = None
     modalities: Optional[Any] = None
     prediction: Optional[Any] = None
     moderation: Optional[Any] = None
     web_search_options: Optional[Any] = None
-    reasoning_effort: Optional[Any] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     verbosity: Optional[Any] = None
     store: Optional[Any] = None
     service_tier: Optional[Any] = None
     prompt_cache_retention: Optional[Any] = None
     prompt_cache_options: Optional[Any] = None
-    tool_choice: Optional[Any] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[Any] = None
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
@@ -260,18 +300,30 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: Optional[Any] = None
     prompt_logprobs: Optional[int] = None  # vLLM: top-N log-probabilities of each rendered prompt token
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them: role and text content."""
-        out = []
-        for message in self.messages:
-            content = message.content
-            if isinstance(content, list):
-                content = "".join(part.text for part in content)
-            entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
-            if message.name:
-                entry["name"] = message.name
-            out.append(entry)
-        return out
+    def plain_messages(self) -> list[dict[str, Any]]:
+        return template_messages(self.messages)
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them (transformers' shape): role and text content, an
+    assistant's `tool_calls` (arguments as objects), a tool result's `tool_call_id`."""
+    from llmctl.server.tool_calling import template_tool_calls
+
+    out = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content if isinstance(part, TextPart))
+        entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                 "content": content or ""}
+        if message.name:
+            entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = template_tool_calls(message.tool_calls)
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    return out
 
 
 def check_unsupported(body: Union[CompletionRequest, ChatCompletionRequest]) -> None:
@@ -297,16 +349,27 @@ def check_unsupported(body: Union[CompletionRequest, ChatCompletionRequest]) -> 
             raise APIError(400, "best_of must equal n (beam search / best-of ranking is not supported)",
                            param="best_of")
     else:
-        if body.tools:
-            raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
-        taken = sorted(k for k in body.chat_template_kwargs or {} if k in _TEMPLATE_VARIABLES or k.endswith("_token"))
-        if taken:
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (set by the request itself, "
-                                "or tool calling, which is not supported)", param="chat_template_kwargs")
-        for index, message in enumerate(body.messages):
-            if message.tool_calls or message.function_call is not None or message.audio is not None:
-                raise APIError(400, "assistant messages with tool_calls, function_call or audio are not supported "
-                                    "by this server", param=f"messages.{index}")
+        _check_messages(body.messages)
+        check_template_kwargs(body.chat_template_kwargs)
+
+
+def check_template_kwargs(kwargs: Optional[dict[str, Any]]) -> None:
+    taken = sorted(k for k in kwargs or {} if k in _TEMPLATE_VARIABLES or k.endswith("_token"))
+    if taken:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (set by the request itself: "
+                            "messages, tools, ...)", param="chat_template_kwargs")
+
+
+def _check_messages(messages: Sequence[ChatMessage]) -> None:
+    """Refuse message parts no model here reads: images, audio, files, and the deprecated function_call."""
+    for index, message in enumerate(messages):
+        if message.function_call is not None or message.audio is not None:
+            raise APIError(400, "assistant messages with function_call (deprecated: send tool_calls) or audio are "
+                                "not supported by this server", param=f"messages.{index}")
+        for part in message.content if isinstance(message.content, list) else []:
+            if isinstance(part, MediaPart):
+                raise APIError(400, f"content parts of type {part.type!r} are not supported: this model takes text "
+                                    "only", param=f"messages.{index}.content", code="unsupported_parameter")
 
 
 def _is_accepted(value: Any, accepted: tuple) -> bool:
@@ -346,15 +409,18 @@ class EngineParams:
     logprobs: Optional[int]  # top-N candidates per generated token; None: no logprobs in the response
     prompt_logprobs: Optional[int]  # vLLM's prompt_logprobs: top-N per prompt token in the response
     prompt_logprobs_width: Optional[int]  # candidates the engine scores per prompt token (echo and prompt_logprobs)
+    chat_output: Optional[ChatOutputSpec] = None  # chat: reasoning and tool calls read from the text (None: as is)
 
 
 def engine_params(body: Union[CompletionRequest, ChatCompletionRequest], prompts: Sequence[Prompt],
-                  limits: ServerLimits) -> EngineParams:
+                  limits: ServerLimits, chat_output: Optional[ChatOutputSpec] = None) -> EngineParams:
     """The request's `EngineParams`; a value the server refuses raises `APIError` or `InvalidRequestError`
     naming its field (the fan-out first, then per prompt its max_tokens and sampling values)."""
     _check_fan_out(body.n, len(prompts), limits.max_sequences_per_request)
     sampling = tuple(_sampling_params(body, _resolve_max_tokens(body, len(prompt.token_ids), limits),
                                       limits.vocab_size) for prompt in prompts)
+    if needs_special_tokens(chat_output):  # the tool parser's marker is a special token (mistral's [TOOL_CALLS])
+        sampling = tuple(replace(params, skip_special_tokens=False) for params in sampling)
     options = body.stream_options
     include_usage = options is not None and options.include_usage
     completion = isinstance(body, CompletionRequest)
@@ -363,7 +429,7 @@ def engine_params(body: Union[CompletionRequest, ChatCompletionRequest], prompts
         include_usage=include_usage, continuous_usage=include_usage and options.continuous_usage_stats,
         echo=completion and body.echo, scores_prompt_only=completion and body.scores_prompt_only,
         logprobs=_logprobs(body), prompt_logprobs=body.prompt_logprobs,
-        prompt_logprobs_width=_prompt_logprobs_width(body),
+        prompt_logprobs_width=_prompt_logprobs_width(body), chat_output=chat_output,
     )
 
 
@@ -494,3 +560,39 @@ def _logit_bias(bias: dict[str, float], vocab_size: int):
         return logits.index_add(0, index.to(logits.device), delta.to(logits.device, logits.dtype))
 
     return apply
+
+
+# ---- vLLM's /tokenize and /detokenize ----------------------------------------------------------------
+class TokenizeCompletionRequest(_Body):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: Optional[list[ToolDefinition]] = None
+    chat_template: Optional[Any] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[Any] = None
+
+    def check_unsupported(self) -> None:
+        _check_messages(self.messages)
+        for name, value in (("continue_final_message", self.continue_final_message),
+                            ("add_special_tokens", self.add_special_tokens), ("chat_template", self.chat_template),
+                            ("mm_processor_kwargs", self.mm_processor_kwargs)):
+            if value not in (None, False):
+                raise APIError(400, f"{name} is not supported by this server", param=name,
+                               code="unsupported_parameter")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: list[int]

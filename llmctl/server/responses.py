@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.engine.tokenizer import IncrementalDetokenizer
+from llmctl.server.chat_output import ChatOutput
 from llmctl.server.protocol import EngineParams, Prompt
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -173,6 +174,10 @@ class ChatShapes(ResponseShapes):
     body_object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.output = ChatOutput(self.params.chat_output)  # reasoning and tool calls read from the text
+
     def opening_chunks(self) -> list[dict[str, Any]]:
         """One per choice, naming the role (as OpenAI's streams begin)."""
         return [self._chunk(index, {"role": "assistant", "content": "", "refusal": None}, None, None)
@@ -180,9 +185,9 @@ class ChatShapes(ResponseShapes):
 
     def chunk(self, p_index: int, completion: CompletionOutput, first: bool,
               prompt_logprobs: Optional[list[Optional[LogprobEntry]]]) -> dict[str, Any]:
-        ids, text = completion.token_ids, completion.text
-        return self._chunk(completion.index, {"content": text} if text or ids else {}, self._logprobs(completion),
-                           completion.finish_reason)
+        delta, reason = self.output.delta(completion.index, completion.text, bool(completion.token_ids),
+                                          completion.finish_reason)
+        return self._chunk(completion.index, delta, self._logprobs(completion), reason)
 
     def _chunk(self, index: int, delta: dict, logprobs: Optional[dict], reason: Optional[str]) -> dict[str, Any]:
         return {**self.head(self.chunk_object),
@@ -190,12 +195,12 @@ class ChatShapes(ResponseShapes):
 
     def body(self, finals: Mapping[int, RequestOutput], usage: dict[str, int]) -> dict[str, Any]:
         params, final = self.params, finals[0]
-        choices = [{
-            "index": completion.index,
-            "message": {"role": "assistant", "content": completion.text, "refusal": None},
-            "logprobs": self._logprobs(completion),
-            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-        } for completion in final.outputs]
+        choices = []
+        for completion in final.outputs:
+            message, reason = self.output.message(completion.text, completion.finish_reason)
+            choices.append({"index": completion.index, "message": {"role": "assistant", **message, "refusal": None},
+                            "logprobs": self._logprobs(completion), "finish_reason": reason,
+                            "stop_reason": completion.stop_reason})
         response = {**self.head(self.body_object), "choices": choices, "usage": usage}
         if params.prompt_logprobs is not None:  # vLLM puts them beside the choices in chat
             response["prompt_logprobs"] = vllm_prompt_logprobs(self.texts, self.prompts[0], final.prompt_logprobs,

@@ -23,8 +23,10 @@ from llmctl.engine.outputs import RequestOutput
 from llmctl.server.errors import APIError, StreamStalledError, from_exception
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
-from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, EngineParams, Prompt, ServerLimits,
-                                    check_unsupported, engine_params)
+from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EngineParams,
+                                    Prompt, ServerLimits, TokenizeChatRequest, TokenizeCompletionRequest,
+                                    check_unsupported, engine_params, template_messages)
+from llmctl.server.tool_calling import ChatFeatures, chat_output_spec, check_tool_choice, template_variables
 from llmctl.server.responses import SSE_DONE, Choice, ResponseShapes, TokenTexts, shapes_for, sse, token_usage
 from llmctl.server.text_filter import OutputFilter, RequestFilter
 
@@ -71,8 +73,9 @@ class _Job:
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, max_output_tokens: int, metrics: ServerMetrics,
                  max_sequences_per_request: int = 256, stream_write_timeout_s: float = 60.0,
-                 output_filter: Optional[OutputFilter] = None):
+                 output_filter: Optional[OutputFilter] = None, chat_features: ChatFeatures = ChatFeatures()):
         self.engine = engine
+        self.chat_features = chat_features
         self.output_filter = output_filter
         self.stream_write_timeout_s = stream_write_timeout_s
         self.model_name = model_name
@@ -94,13 +97,16 @@ class OpenAIServing:
     async def _serve(self, body: AnyRequest, request: Request):
         self.check_model(body.model)
         check_unsupported(body)
+        chat = isinstance(body, ChatCompletionRequest)
+        if chat:
+            check_tool_choice(body, self.chat_features)
         prompts = await self.tokenize(body)
         audit = request.scope.get(AUDIT_KEY, {})
-        chat = isinstance(body, ChatCompletionRequest)
         audit.update(model=self.model_name, user=body.user, stream=body.stream,
                      prompt_tokens=sum(len(p.token_ids) for p in prompts),
                      prompt=body.plain_messages() if chat else [p.text for p in prompts])
-        params = engine_params(body, prompts, self.limits)
+        params = engine_params(body, prompts, self.limits,
+                               chat_output_spec(body, self.chat_features) if chat else None)
         # The engine id is always ours: a client's X-Request-Id is for logs and may repeat across clients.
         base_id = uuid.uuid4().hex
         shapes = shapes_for(params, self.token_texts, prompts, base_id, self.model_name)
@@ -133,12 +139,13 @@ class OpenAIServing:
             return [await asyncio.to_thread(self._chat_prompt, body)]
         return await asyncio.to_thread(self._completion_prompts, body)
 
-    def _check_text_length(self, body: AnyRequest) -> None:
+    def _check_text_length(self, body: Union[AnyRequest, TokenizeChatRequest, TokenizeCompletionRequest]) -> None:
         if self.tokenizer is None:
             return
         limit = self.max_model_len * self.tokenizer.max_chars_per_token
-        if isinstance(body, ChatCompletionRequest):
-            texts, param = ["".join(m["content"] + m.get("name", "") for m in body.plain_messages())], "messages"
+        if isinstance(body, (ChatCompletionRequest, TokenizeChatRequest)):
+            texts = ["".join(m["content"] + m.get("name", "") for m in template_messages(body.messages))]
+            param = "messages"
         else:
             prompt = body.prompt
             texts, param = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)], "prompt"
@@ -182,9 +189,40 @@ class OpenAIServing:
     def _chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer, so it cannot render chat messages", param="messages")
-        messages = body.plain_messages()
-        ids = self.tokenizer.encode_chat(messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
-        return Prompt(None, ids)
+        return Prompt(None, self.tokenizer.encode_chat(body.plain_messages(), body.add_generation_prompt,
+                                                       **self._template_variables(body)))
+
+    def _template_variables(self, body: Union[ChatCompletionRequest, TokenizeChatRequest]) -> dict[str, Any]:
+        return template_variables(body, self.chat_features, self.tokenizer.chat_template_variables)
+
+    # ---- vLLM's /tokenize and /detokenize --------------------------------------------------------------
+    async def tokenize_endpoint(self, body: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> dict[str, Any]:
+        """vLLM's answer: the prompt's token ids as a completion or chat request would submit them."""
+        self.check_model(body.model)
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer", param="prompt")
+        self._check_text_length(body)
+        if isinstance(body, TokenizeChatRequest):
+            body.check_unsupported()
+            ids = await asyncio.to_thread(self.tokenizer.encode_chat, template_messages(body.messages),
+                                          body.add_generation_prompt, **self._template_variables(body))
+        else:
+            ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt, body.add_special_tokens)
+        answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                                  "token_strs": None}
+        if body.return_token_strs:
+            answer["token_strs"] = [self.token_texts.text(t) for t in ids]
+        return answer
+
+    async def detokenize_endpoint(self, body: DetokenizeRequest) -> dict[str, str]:
+        self.check_model(body.model)
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer", param="tokens")
+        vocab = self.model_info.vocab_size
+        outside = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise APIError(400, f"token id {outside} is not in this model's vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # ---- submission -------------------------------------------------------------------------------
     async def _submit(self, params: EngineParams, prompts: list[Prompt], base_id: str) -> list[RequestStream]:
