@@ -6,16 +6,20 @@ the whole server unhealthy and refuses new requests instead of quietly serving f
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError, EngineDeadError
 from llmctl.server.app import ServerSettings
+from llmctl.server import runner
 from llmctl.server.replicas import ReplicaBalancer, load_replicas, replica_engine_args
 from tests.server_helpers import RunningServer, free_port, wait_for
 
@@ -68,10 +72,13 @@ def test_two_replicas_answer_a_mix_as_one_engine_does_and_share_the_burst(dp_ser
 
 
 def test_a_failed_replica_fails_the_server_loudly(tiny_chat_model):
-    args = EngineArgs(model=str(tiny_chat_model), data_parallel_size=2, **ENGINE)
+    args = EngineArgs(model=str(tiny_chat_model), data_parallel_size=2, num_threads=2, **ENGINE)
     replicas = load_replicas(args)
     server = RunningServer(replicas, ServerSettings(port=free_port(), served_model_name="m")).start()
     try:
+        # Each engine thread steps with its share of the threads (OpenMP's count is per thread).
+        threads = [asyncio.run(r.call_in_engine_thread(lambda _engine: torch.get_num_threads())) for r in replicas]
+        assert threads == [1, 1]
         _kill(replicas[1])
         health = httpx.get(server.base_url + "/health", timeout=10)
         assert health.status_code == 503 and "data-parallel replica 1 failed" in health.json()["error"]
@@ -134,3 +141,11 @@ def test_replica_settings_split_the_threads_and_refuse_what_is_not_supported():
         EngineArgs(data_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(EngineArgsError, match="an LLMEngine is one replica"):
         LLM(device="cpu", data_parallel_size=2)
+
+
+def test_the_runner_stops_the_server_with_exit_1_once_a_replica_died(monkeypatch):
+    monkeypatch.setattr(runner, "RANK_FAILURE_GRACE_S", 0.0)
+    server, failed = SimpleNamespace(should_exit=False), threading.Event()
+    replicas = [_FakeReplica(), _FakeReplica(dead_error=EngineDeadError("step failed"))]
+    runner._stop_after_rank_failure(server, replicas[:1], failed, replicas)
+    assert server.should_exit and failed.is_set()
