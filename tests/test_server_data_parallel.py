@@ -57,8 +57,8 @@ def test_two_replicas_answer_a_mix_as_one_engine_does_and_share_the_burst(dp_ser
         answers = list(pool.map(lambda body: client.post("/v1/completions", json=body).json(), requests))
     llm = LLM(str(tiny_chat_model), **ENGINE)
     expected = llm.generate([r["prompt"] for r in requests],
-                            [SamplingParams(max_tokens=r["max_tokens"], temperature=r["temperature"], seed=r.get("seed"),
-                                            ignore_eos=True) for r in requests])
+                            [SamplingParams(max_tokens=r["max_tokens"], temperature=r["temperature"],
+                                            seed=r.get("seed"), ignore_eos=True) for r in requests])
     assert [a["choices"][0]["text"] for a in answers] == [e.outputs[0].text for e in expected]
 
     finished = _series(dp_server.base_url, "llmctl:request_success_total")

@@ -157,7 +157,8 @@ def _served(engine: AsyncLLMEngine, view: ModelMetrics, settings: ServerSettings
     return _Served(engine, view, serving, policy)
 
 
-def _views(metrics: ServerMetrics, name: str, engines: list[AsyncLLMEngine], first_registered: bool) -> list[ModelMetrics]:
+def _views(metrics: ServerMetrics, name: str, engines: list[AsyncLLMEngine],
+           first_registered: bool) -> list[ModelMetrics]:
     """One metrics view per replica of the model `name` (replica 0's snapshot may be registered already)."""
     return [metrics.for_model(name) if index == 0 and first_registered
             else metrics.add_engine(name, engine.get_stats, lambda e=engine: e.is_healthy, _load_of(engine), index)

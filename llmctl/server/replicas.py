@@ -96,11 +96,12 @@ class ReplicaBalancer(Generic[Target]):
         return min(load_signal(e.get_stats(), e.max_waiting_requests) for e in self.engines)
 
     def pick(self) -> Target:
-        """The target for a new request; raises `EngineDeadError` once any replica failed."""
-        failure = replica_failure(self.engines)
+        """The target for a new request; with replicas, raises `EngineDeadError` once any of them failed
+        (a lone engine reports its own death when the request reaches it)."""
+        size = len(self.engines)
+        failure = replica_failure(self.engines) if size > 1 else None
         if failure is not None:
             raise EngineDeadError(f"{failure}; the server is stopping")
-        size = len(self.engines)
         order = [(self._next + k) % size for k in range(size)]
         loads = {i: self.load(i) for i in order}
         lowest = min(loads.values())
