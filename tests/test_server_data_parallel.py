@@ -135,8 +135,8 @@ def test_the_balancer_picks_the_least_loaded_and_spreads_a_burst_between_snapsho
 
 
 def test_replica_settings_split_the_threads_and_refuse_what_is_not_supported():
-    replicas = replica_engine_args(EngineArgs(device="cpu", data_parallel_size=2, num_threads=4))
-    assert [(r.num_threads, r.data_parallel_size) for r in replicas] == [(2, 1), (2, 1)]
+    replicas = replica_engine_args(EngineArgs(device="cpu", data_parallel_size=2, num_threads=4, seed=7))
+    assert [(r.num_threads, r.data_parallel_size, r.seed) for r in replicas] == [(2, 1, 7), (2, 1, 8)]
     with pytest.raises(EngineArgsError, match="data_parallel_size > 1 with tensor_parallel_size"):
         EngineArgs(data_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(EngineArgsError, match="an LLMEngine is one replica"):

@@ -23,7 +23,8 @@ Target = TypeVar("Target")
 
 def replica_engine_args(args: EngineArgs) -> list[EngineArgs]:
     """One engine's settings per replica: CPU threads split evenly (replicas stepping at once must not
-    oversubscribe the cores), and on CUDA device N + i for replica i (N: the device named, else 0)."""
+    oversubscribe the cores), on CUDA device N + i for replica i (N: the device named, else 0), and
+    engine seed + i (unseeded requests on two replicas must not draw the same random streams)."""
     import torch
 
     from llmctl.engine.llm_engine import resolve_device
@@ -35,9 +36,11 @@ def replica_engine_args(args: EngineArgs) -> list[EngineArgs]:
         if first + size > torch.cuda.device_count():
             raise EngineArgsError(f"data_parallel_size {size} needs one CUDA device per replica from cuda:{first}, "
                                   f"but {torch.cuda.device_count()} are visible")
-        return [dataclasses.replace(args, data_parallel_size=1, device=f"cuda:{first + i}") for i in range(size)]
+        return [dataclasses.replace(args, data_parallel_size=1, seed=args.seed + i, device=f"cuda:{first + i}")
+                for i in range(size)]
     threads = max(1, (args.num_threads or torch.get_num_threads()) // size)
-    return [dataclasses.replace(args, data_parallel_size=1, num_threads=threads) for _ in range(size)]
+    return [dataclasses.replace(args, data_parallel_size=1, seed=args.seed + i, num_threads=threads)
+            for i in range(size)]
 
 
 def load_replicas(args: EngineArgs, **options: Any) -> list[AsyncLLMEngine]:
