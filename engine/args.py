@@ -93,6 +93,10 @@ class EngineArgs:
     master_addr: str = _arg("127.0.0.1", "Address of node 0, where ranks meet (torch.distributed rendezvous).")
     master_port: Optional[int] = _arg(None, "Port on node 0 where ranks meet (default: a free one on one node, "
                                             f"{DEFAULT_MASTER_PORT} with --nnodes > 1).")
+    # Data parallelism (llmctl/server/replicas.py): whole engine replicas behind one `llmctl serve`.
+    data_parallel_size: int = _arg(1, "Engine replicas `llmctl serve` runs and balances requests over by load "
+                                      "(CPU: the threads are split between them; CUDA: one device each).",
+                                   short="-dp")
     # Python-only: how long a rank waits in a step's collective for the others before the engine fails.
     collective_timeout_s: float = 30.0
 
@@ -124,6 +128,10 @@ class EngineArgs:
             raise EngineArgsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         SpeculativeConfig.parse(self.speculative_config)
         self.parallel_for({})
+        _positive("data_parallel_size", self.data_parallel_size)
+        if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.nnodes > 1):
+            raise EngineArgsError("data_parallel_size > 1 with tensor_parallel_size > 1 or nnodes > 1 is not "
+                                  "supported yet: each data-parallel replica is one in-process engine")
 
     @property
     def speculative(self) -> Optional["SpeculativeConfig"]:

@@ -164,6 +164,7 @@ class AsyncLLMEngine:
         self._thread: Optional[threading.Thread] = None
         self._consecutive_failures = 0
         self._stats: dict[str, float] = {}
+        self._stats_version = 0
         self.dead_error: Optional[EngineDeadError] = None
 
     @classmethod
@@ -334,6 +335,13 @@ class AsyncLLMEngine:
             pending = self._pending
         return {**self._stats, "num_pending": pending}
 
+    @property
+    def stats_version(self) -> int:
+        """How many snapshots the engine thread has published (a balancer's tally of the requests it
+        sent since the last one restarts when this moves)."""
+        with self._lock:
+            return self._stats_version
+
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -361,6 +369,7 @@ class AsyncLLMEngine:
         stats = self.engine.get_stats()  # one snapshot per iteration, for readers and listeners alike
         with self._lock:
             self._stats = stats
+            self._stats_version += 1
             self._num_waiting = int(stats.get("num_waiting", 0))
         for listener in self._step_listeners if step is not None else ():
             listener(step, stats)

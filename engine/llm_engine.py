@@ -209,6 +209,9 @@ class LLMEngine:
         """`executor_class` builds the executor from the runner's configuration (vLLM's seam for
         other executors; default: in-process, or `MultiprocExecutor` with tensor_parallel_size > 1)."""
         args.validate()
+        if args.data_parallel_size > 1:
+            raise EngineArgsError(f"data_parallel_size {args.data_parallel_size}: an LLMEngine is one replica; "
+                                  "data-parallel replicas are run by `llmctl serve --data-parallel-size`")
         device = resolve_device(args.device)
         self.args = args = args.with_device_defaults(device.type)  # what the engine runs with, as reported
         folder = model_path(args)

@@ -15,7 +15,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -34,6 +34,7 @@ from llmctl.server.openapi import install_openapi
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                     TokenizeCompletionRequest)
+from llmctl.server.replicas import ReplicaBalancer, replica_failure
 from llmctl.server.routing import DEFAULT_FALLBACK_AT, DEFAULT_HYSTERESIS, FallbackPolicy, ModelRouter, load_signal
 from llmctl.server.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing
 from llmctl.server.policy_files import PolicyFileError
@@ -169,30 +170,46 @@ def _served(engine: AsyncLLMEngine, view: ModelMetrics, settings: ServerSettings
     return _Served(engine, view, serving, policy)
 
 
-def _models(engine: AsyncLLMEngine, fallback_engine: Optional[AsyncLLMEngine], settings: ServerSettings,
-            metrics: ServerMetrics) -> tuple[list[_Served], ModelRouter[_Served]]:
-    """The served models (the primary first) and the router choosing between them."""
+def _views(metrics: ServerMetrics, name: str, engines: list[AsyncLLMEngine],
+           first_registered: bool) -> list[ModelMetrics]:
+    """One metrics view per replica of the model `name` (replica 0's snapshot may be registered already)."""
+    return [metrics.for_model(name) if index == 0 and first_registered
+            else metrics.add_engine(name, engine.get_stats, lambda e=engine: e.is_healthy, _load_of(engine), index)
+            for index, engine in enumerate(engines)]
+
+
+def _models(replicas: list[AsyncLLMEngine], fallback_engine: Optional[AsyncLLMEngine], settings: ServerSettings,
+            metrics: ServerMetrics) -> tuple[list[_Served], ModelRouter[ReplicaBalancer[_Served]]]:
+    """The served engines (the primary's replicas first) and the router choosing between the models, each
+    model a balancer over its replicas (the fallback: one)."""
     counters = FilterCounters.on(metrics.registry, settings.served_model_name)
-    served = [_served(engine, metrics.for_model(settings.served_model_name), settings, counters)]
+    views = _views(metrics, settings.served_model_name, replicas, first_registered=True)
+    primary = ReplicaBalancer(replicas, [_served(e, view, settings, counters) for e, view in zip(replicas, views)])
+    served = list(primary.targets)
+    fallback = None
     if fallback_engine is not None:
-        view = metrics.add_engine(settings.fallback_served_model_name, fallback_engine.get_stats,
-                                  lambda: fallback_engine.is_healthy, _load_of(fallback_engine))
+        view = _views(metrics, settings.fallback_served_model_name, [fallback_engine], first_registered=False)[0]
         served.append(_served(fallback_engine, view, settings, counters))
-    fallback = (served[1].view.model_name, served[1]) if len(served) > 1 else None
-    router = ModelRouter((settings.served_model_name, served[0]), lambda: _load_of(engine)(engine.get_stats()),
+        fallback = (view.model_name, ReplicaBalancer([fallback_engine], served[-1:]))
+    router = ModelRouter((settings.served_model_name, primary), primary.lowest_load,
                          fallback, FallbackPolicy(settings.fallback_at, settings.fallback_hysteresis))
     return served, router
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine: bool = True,
-              fallback_engine: Optional[AsyncLLMEngine] = None) -> FastAPI:
-    """The ASGI app serving `engine` (and `fallback_engine` under load); engines warm up on startup
-    unless already started."""
+def build_app(engine: Union[AsyncLLMEngine, Sequence[AsyncLLMEngine]], settings: ServerSettings, *,
+              start_engine: bool = True, fallback_engine: Optional[AsyncLLMEngine] = None) -> FastAPI:
+    """The ASGI app serving `engine` (a sequence: data-parallel replicas of it) and `fallback_engine`
+    under load; engines warm up on startup unless already started."""
     settings.validate()
     if (fallback_engine is None) != (settings.fallback_served_model_name is None):
         raise ValueError("a fallback engine and settings.fallback_served_model_name go together")
-    metrics = ServerMetrics(settings.served_model_name, engine.get_stats, lambda: engine.is_healthy, _load_of(engine))
-    served, router = _models(engine, fallback_engine, settings, metrics)
+    replicas = [engine] if isinstance(engine, AsyncLLMEngine) else list(engine)
+    if len(replicas) > 1 and settings.profile_dir is not None:
+        raise ValueError("--profile-dir with --data-parallel-size > 1 is not supported (a profile is of one engine)")
+    engine = replicas[0]
+    metrics = ServerMetrics(settings.served_model_name, engine.get_stats, lambda: engine.is_healthy, _load_of(engine),
+                            engine_labelled=len(replicas) > 1)
+    served, router = _models(replicas, fallback_engine, settings, metrics)
     engines = [model.engine for model in served]
     degraded = (metrics.track_fallback(router.primary_name, router.fallback_name, lambda: router.degraded)
                 if router.fallback is not None else None)
@@ -222,7 +239,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     setattr(app.state, ARRAY_LIMIT_KEY, max(limits))
     install_error_handlers(app)
     install_openapi(app)
-    _add_routes(app, engines, router, degraded, metrics, settings)
+    _add_routes(app, replicas, engines, router, degraded, metrics, settings)
 
     def on_finished(record: dict[str, Any]) -> None:
         metrics.observe_http(endpoint_label(record["path"], KNOWN_ENDPOINTS), record["status"])
@@ -269,18 +286,19 @@ def _limiter(settings: Optional[ConcurrencySettings], metrics: ServerMetrics,
     return limiter
 
 
-def _add_routes(app: FastAPI, engines: list[AsyncLLMEngine], router: ModelRouter[_Served], degraded,
-                metrics: ServerMetrics, settings: ServerSettings) -> None:
+def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[AsyncLLMEngine],
+                router: ModelRouter[ReplicaBalancer[_Served]], degraded, metrics: ServerMetrics,
+                settings: ServerSettings) -> None:
     async def routed(body, request: Request) -> tuple[OpenAIServing, Any]:
         """Admit `body` by the policy of the model it names (an API key's permission is for that model),
         then route it once, before tokenising: the serving that answers and the body addressed to it.
         Token-id prompts stay on the model they name: ids mean something in one vocabulary only."""
         named = router.fallback if body.model is not None and body.model == router.fallback_name else router.primary
-        await named.policy.admit(body, request)
+        await named.targets[0].policy.admit(body, request)
         route = router.route(body.model, may_degrade=not _has_token_prompt(body))
         if route.degraded:
             degraded.inc()
-        return route.target.serving, body.model_copy(update={"model": route.model})
+        return route.target.pick().serving, body.model_copy(update={"model": route.model})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -294,7 +312,8 @@ def _add_routes(app: FastAPI, engines: list[AsyncLLMEngine], router: ModelRouter
 
     def tokenizing(model: Optional[str], request: Request) -> OpenAIServing:
         """The serving whose tokenizer a /tokenize or /detokenize body names (ids mean something in one vocabulary)."""
-        served = router.fallback if router.fallback is not None and model == router.fallback_name else router.primary
+        balancer = router.fallback if router.fallback is not None and model == router.fallback_name else router.primary
+        served = balancer.targets[0]  # every replica of a model has its tokenizer
         served.serving.check_model(model)
         check_model_access(key_of(request), served.serving.model_name)
         return served.serving
@@ -308,7 +327,7 @@ def _add_routes(app: FastAPI, engines: list[AsyncLLMEngine], router: ModelRouter
         return await tokenizing(body.model, request).detokenize_endpoint(body)
 
     created = int(time.time())
-    servings = [router.primary.serving] + ([router.fallback.serving] if router.fallback is not None else [])
+    servings = [balancer.targets[0].serving for balancer in (router.primary, router.fallback) if balancer is not None]
     model_cards = {serving.model_name: {"id": serving.model_name, "object": "model", "created": created,
                                         "owned_by": "llmctl", "max_model_len": serving.max_model_len}
                    for serving in servings}
@@ -327,6 +346,9 @@ def _add_routes(app: FastAPI, engines: list[AsyncLLMEngine], router: ModelRouter
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        failure = replica_failure(replicas) if len(replicas) > 1 else None
+        if failure is not None:  # a replica lost is the server failing, not a smaller server
+            return JSONResponse({"status": "unhealthy", "error": failure}, status_code=503)
         for engine in engines:
             if engine.dead_error is not None or not engine.is_healthy:
                 return JSONResponse({"status": "unhealthy",

@@ -2,7 +2,9 @@
 
 Owns one `CollectorRegistry` per server (no process-global state): request counters and latency
 histograms observed by the handlers, per-step batch efficiency observed on the engine thread, and
-gauges/counters read from the engine's stats snapshot at scrape time.
+gauges/counters read from the engine's stats snapshot at scrape time. With data-parallel replicas
+every per-model series also carries an `engine` label (the replica's index, as vLLM labels its
+data-parallel engines); totals are their sum (`sum without (engine) (...)`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ SPEC_POS_PREFIX = "spec_decode_num_accepted_tokens_pos_"
 
 @dataclass
 class _EngineSource:
-    model_name: str
+    labels: tuple[str, ...]  # model_name, plus the replica index with data parallelism
     stats: Callable[[], dict[str, float]]
     healthy: Callable[[], bool]
     load: Callable[[dict[str, float]], float]
@@ -53,23 +55,24 @@ class _EngineSource:
 class _EngineStatsCollector(Collector):
     """Reads each engine's latest snapshot when Prometheus scrapes (one series per served model)."""
 
-    def __init__(self) -> None:
+    def __init__(self, label_names: list[str]) -> None:
+        self.label_names = label_names
         self.engines: list[_EngineSource] = []
 
     def collect(self) -> Iterator:
         families: dict[str, Any] = {}
         per_pos = CounterMetricFamily(SPEC_PER_POS, "Draft tokens accepted, by their position in the draft.",
-                                      labels=["model_name", "position"])
+                                      labels=self.label_names + ["position"])
         for engine in self.engines:
             stats = engine.stats()
             for family_type, name, doc, value in self._rows(engine, stats):
                 family = families.get(name)
                 if family is None:
-                    family = families[name] = family_type(name, doc, labels=["model_name"])
-                family.add_metric([engine.model_name], float(value))
+                    family = families[name] = family_type(name, doc, labels=self.label_names)
+                family.add_metric(list(engine.labels), float(value))
             for key, value in stats.items():
                 if key.startswith(SPEC_POS_PREFIX):
-                    per_pos.add_metric([engine.model_name, key[len(SPEC_POS_PREFIX):]], float(value))
+                    per_pos.add_metric([*engine.labels, key[len(SPEC_POS_PREFIX):]], float(value))
         yield from families.values()
         yield per_pos
 
@@ -120,12 +123,17 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
+    """`engine_labelled`: data parallelism, where each model's series are per replica (`engine` label);
+    the engine given here is then replica 0 and `add_engine` adds the others."""
+
     def __init__(self, model_name: str, engine_stats: Callable[[], dict[str, float]],
-                 engine_healthy: Callable[[], bool], engine_load: Callable[[dict[str, float]], float]):
+                 engine_healthy: Callable[[], bool], engine_load: Callable[[dict[str, float]], float],
+                 engine_labelled: bool = False):
         disable_created_metrics()  # the *_created samples double every series for no dashboard use
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        labels = ["model_name"]
+        self.engine_labelled = engine_labelled
+        labels = ["model_name"] + (["engine"] if engine_labelled else [])
         r = self.registry
         self.http_requests = Counter("llmctl:http_requests", "HTTP requests by endpoint and status code.",
                                      ["endpoint", "status"], registry=r)
@@ -154,18 +162,22 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram("llmctl:request_generation_tokens", "Tokens generated per "
                                                    "finished request (all its choices).", labels,
                                                    buckets=TOKEN_COUNT_BUCKETS, registry=r)
-        self._engines = _EngineStatsCollector()
+        self._engines = _EngineStatsCollector(labels)
         self.add_engine(model_name, engine_stats, engine_healthy, engine_load)
         r.register(self._engines)
 
     def add_engine(self, model_name: str, stats: Callable[[], dict[str, float]], healthy: Callable[[], bool],
-                   load: Callable[[dict[str, float]], float]) -> "ModelMetrics":
-        """Another served model's engine (the fallback): its snapshot series carry its own model_name."""
-        self._engines.engines.append(_EngineSource(model_name, stats, healthy, load))
-        return self.for_model(model_name)
+                   load: Callable[[dict[str, float]], float], replica: int = 0) -> "ModelMetrics":
+        """Another engine (the fallback's, or a data-parallel replica): its snapshot series carry its own
+        model_name (and replica index)."""
+        self._engines.engines.append(_EngineSource(self._labels(model_name, replica), stats, healthy, load))
+        return self.for_model(model_name, replica)
 
-    def for_model(self, model_name: str) -> "ModelMetrics":
-        return ModelMetrics(self, model_name)
+    def for_model(self, model_name: str, replica: int = 0) -> "ModelMetrics":
+        return ModelMetrics(self, model_name, self._labels(model_name, replica))
+
+    def _labels(self, model_name: str, replica: int) -> tuple[str, ...]:
+        return (model_name, str(replica)) if self.engine_labelled else (model_name,)
 
     def track_fallback(self, primary: str, fallback: str, active: Callable[[], bool]) -> Counter:
         """Routing series (only with --fallback-model); returns the counter of degraded requests."""
@@ -194,43 +206,43 @@ class ServerMetrics:
     def observe_http(self, endpoint: str, status: int) -> None:
         self.http_requests.labels(endpoint, str(status)).inc()
 
-    def observe_step(self, step: StepInfo, _stats: dict[str, float], model: Optional[str] = None) -> None:
+    def observe_step(self, step: StepInfo, _stats: dict[str, float], labels: Optional[tuple[str, ...]] = None) -> None:
         """Engine-thread listener (prometheus_client is thread-safe)."""
-        model = model or self.model_name
-        self.batch_efficiency.labels(model).observe(step.batch_efficiency)
-        self.step_tokens.labels(model).inc(step.num_batched_tokens)
-        self.iteration_tokens.labels(model).observe(step.num_batched_tokens)
-        inter_token = self.inter_token_latency.labels(model)
+        labels = labels or self._labels(self.model_name, 0)
+        self.batch_efficiency.labels(*labels).observe(step.batch_efficiency)
+        self.step_tokens.labels(*labels).inc(step.num_batched_tokens)
+        self.iteration_tokens.labels(*labels).observe(step.num_batched_tokens)
+        inter_token = self.inter_token_latency.labels(*labels)
         for latency in step.inter_token_latencies:
             inter_token.observe(latency)
 
     def observe_finished(self, output: RequestOutput, tokens_per_choice: list[int],
-                         finish_reasons: list[Optional[str]], model: Optional[str] = None) -> None:
+                         finish_reasons: list[Optional[str]], labels: Optional[tuple[str, ...]] = None) -> None:
         """A finished request: `output` for its prompt and timings; what each choice generated and
         why it stopped, counted by the caller over the request's outputs (deltas carry only news)."""
-        model = model or self.model_name
+        labels = labels or self._labels(self.model_name, 0)
         metrics = output.metrics
         generated = sum(tokens_per_choice)
-        self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
-        self.generation_tokens.labels(model).inc(generated)
-        self.request_prompt_tokens.labels(model).observe(len(output.prompt_token_ids))
-        self.request_generation_tokens.labels(model).observe(generated)
+        self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(*labels).inc(generated)
+        self.request_prompt_tokens.labels(*labels).observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.labels(*labels).observe(generated)
         for reason in finish_reasons:
-            self.request_success.labels(model, reason or "unknown").inc()
+            self.request_success.labels(*labels, reason or "unknown").inc()
         if metrics.time_to_first_token is not None:
-            self.ttft.labels(model).observe(metrics.time_to_first_token)
+            self.ttft.labels(*labels).observe(metrics.time_to_first_token)
         if metrics.queue_time is not None:
-            self.queue_time.labels(model).observe(metrics.queue_time)
+            self.queue_time.labels(*labels).observe(metrics.queue_time)
         if metrics.finished_time is not None:
-            self.e2e.labels(model).observe(metrics.finished_time - metrics.arrival_time)
+            self.e2e.labels(*labels).observe(metrics.finished_time - metrics.arrival_time)
             per_seq = max(tokens_per_choice, default=0)
             if per_seq > 1 and metrics.first_token_time is not None:
-                self.tpot.labels(model).observe((metrics.finished_time - metrics.first_token_time) / (per_seq - 1))
+                self.tpot.labels(*labels).observe((metrics.finished_time - metrics.first_token_time) / (per_seq - 1))
 
-    def observe_cut_off(self, delivered_tokens: int, model: Optional[str] = None) -> None:
+    def observe_cut_off(self, delivered_tokens: int, labels: Optional[tuple[str, ...]] = None) -> None:
         """Tokens streamed for choices that never finished (the client left): generated all the same."""
         if delivered_tokens > 0:
-            self.generation_tokens.labels(model or self.model_name).inc(delivered_tokens)
+            self.generation_tokens.labels(*(labels or self._labels(self.model_name, 0))).inc(delivered_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -240,22 +252,23 @@ class ModelMetrics:
     """The observers of one served model (what `OpenAIServing` and the engine's step listener call),
     plus listeners told of every finished request (the adaptive concurrency controller's samples)."""
 
-    def __init__(self, metrics: ServerMetrics, model_name: str):
+    def __init__(self, metrics: ServerMetrics, model_name: str, labels: tuple[str, ...]):
         self.metrics = metrics
         self.model_name = model_name
+        self.labels = labels
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []
 
     def observe_step(self, step: StepInfo, stats: dict[str, float]) -> None:
-        self.metrics.observe_step(step, stats, self.model_name)
+        self.metrics.observe_step(step, stats, self.labels)
 
     def observe_finished(self, output: RequestOutput, tokens_per_choice: list[int],
                          finish_reasons: list[Optional[str]]) -> None:
-        self.metrics.observe_finished(output, tokens_per_choice, finish_reasons, self.model_name)
+        self.metrics.observe_finished(output, tokens_per_choice, finish_reasons, self.labels)
         for listener in self.finished_listeners:
             listener(output)
 
     def observe_cut_off(self, delivered_tokens: int) -> None:
-        self.metrics.observe_cut_off(delivered_tokens, self.model_name)
+        self.metrics.observe_cut_off(delivered_tokens, self.labels)
 
 
 def endpoint_label(path: str, known: Optional[set[str]] = None) -> str:

@@ -30,6 +30,7 @@ from llmctl.output import format_bytes
 from llmctl.engine.async_engine import AsyncLLMEngine, ModelInfo
 from llmctl.server.app import ServerSettings, build_app
 from llmctl.server.connections import ConnectionLimits, guarded_protocol
+from llmctl.server.replicas import load_replicas, replica_failure
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +169,13 @@ def load_engines(engine_args: EngineArgs, fallback: Optional[FallbackModel], **o
     return primary, fallback_engine
 
 
-def _stop_after_rank_failure(server: uvicorn.Server, engines: list[AsyncLLMEngine], failed: threading.Event) -> None:
-    """Watch the engines; the first one that died of a lost rank stops the server (after the grace)."""
+def _stop_after_rank_failure(server: uvicorn.Server, engines: list[AsyncLLMEngine], failed: threading.Event,
+                             replicas: list[AsyncLLMEngine]) -> None:
+    """Watch the engines; the first one that died of a lost rank, or any data-parallel replica that
+    died (`replicas`, 2 or more), stops the server (after the grace)."""
     while not server.should_exit:
         dead = next((e.dead_error for e in engines if isinstance(e.dead_error, RankFailedError)), None)
+        dead = dead or (replica_failure(replicas) if len(replicas) > 1 else None)
         if dead is not None:
             logger.critical("%s; the server stops in %g s (exit 1)", dead, RANK_FAILURE_GRACE_S)
             time.sleep(RANK_FAILURE_GRACE_S)
@@ -190,19 +194,28 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting
     if fallback is not None and parallel.world_size > 1:
         raise UserError("--fallback-model with --tensor-parallel-size > 1 is not supported (one tensor-parallel "
                         "engine per server)")
+    if fallback is not None and engine_args.data_parallel_size > 1:
+        raise UserError("--fallback-model with --data-parallel-size > 1 is not supported yet")
     check_bindable(settings.host, settings.port)
-    engine, fallback_engine = load_engines(engine_args, fallback, max_waiting_requests=max_waiting_requests,
-                                           request_timeout_s=request_timeout_s)
-    for loaded in (fallback_engine, engine):
-        if loaded is not None:
-            sys.stderr.write(memory_line(loaded.model_info) + "\n")
-    app = build_app(engine, settings, fallback_engine=fallback_engine)
+    options = dict(max_waiting_requests=max_waiting_requests, request_timeout_s=request_timeout_s)
+    if engine_args.data_parallel_size > 1:
+        replicas, fallback_engine = load_replicas(engine_args, **options), None
+    else:
+        engine, fallback_engine = load_engines(engine_args, fallback, **options)
+        replicas = [engine]
+    if fallback_engine is not None:
+        sys.stderr.write(memory_line(fallback_engine.model_info) + "\n")
+    for index, replica in enumerate(replicas):
+        sys.stderr.write(memory_line(replica.model_info) + (f" [replica {index}]\n" if len(replicas) > 1 else "\n"))
+    engine = replicas[0]
+    app = build_app(replicas, settings, fallback_engine=fallback_engine)
     level = logging.getLogger("llmctl").getEffectiveLevel()
     server = _GracefulServer(uvicorn_config(app, settings, log_level=max(level, logging.INFO),
                                             access_log=level <= logging.INFO))
     rank_failed = threading.Event()
     threading.Thread(target=_stop_after_rank_failure, args=(server, [engine, fallback_engine][: 1 + bool(fallback_engine)],
-                                                            rank_failed), name="llmctl-rank-failure", daemon=True).start()
+                                                            rank_failed, replicas), name="llmctl-rank-failure",
+                     daemon=True).start()
     try:
         server.run()
     except SystemExit:  # uvicorn exits when it cannot bind (taken since check_bindable)
