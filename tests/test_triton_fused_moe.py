@@ -1,9 +1,14 @@
 """The Triton fused-MoE kernel (engine/kernels/triton/fused_moe.py) against the torch experts: compiled on CUDA
 where there is a GPU, else on CPU tensors under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
-before anything imports triton). Shapes that are no multiple of the tiles, experts no token chose, top-1 to top-4,
+before anything imports triton), and compiled for sm_90 without a GPU. Shapes that are no multiple of the tiles, experts no token chose, top-1 to top-4,
 decode-sized and prefill-sized batches (both block sizes); and the alignment's invariants."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ import torch.nn.functional as F
 from llmctl.engine.layers.fused_moe.router import select_experts
 from llmctl.engine.layers.fused_moe.torch_impl import fused_experts_torch
 
+ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
@@ -77,3 +83,41 @@ def test_alignment_groups_every_pair_once_in_its_experts_blocks(fused_moe):
         assert len(pairs) > 0 and (flat[pairs] == block_experts[block]).all()
     counts = torch.bincount(flat, minlength=experts)
     assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def compile_for_cuda(capability: int) -> None:
+    """Compile the grouped GEMM (bf16 with the router weight, fp32 IEEE without) for an sm_`capability` GPU: no GPU
+    needed, run where TRITON_INTERPRET is unset. Exits 3 where this triton has not the compiler entry points."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile
+    except ImportError:
+        sys.exit(3)
+    from llmctl.engine.kernels.triton import fused_moe
+
+    kernel = fused_moe._grouped_gemm_kernel
+    names = kernel.arg_names
+    for element, constants in (("*bf16", dict(PAIRS_PER_ROW=1, MUL_ROUTE=True, PRECISION=None)),
+                               ("*fp32", dict(PAIRS_PER_ROW=2, MUL_ROUTE=False, PRECISION="ieee"))):
+        constants.update(UPCAST=False, BLOCK_M=16, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K)
+        signature = {name: "constexpr" if name in constants else
+                     "*i32" if name in ("sorted_ids_ptr", "block_experts_ptr", "num_padded_ptr") else
+                     element if name.endswith("_ptr") else "i32" for name in names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(names.index(name),): value for name, value in constants.items()})
+        assert "cubin" in compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4}).asm
+
+
+def test_kernel_compiles_for_a_cuda_gpu(tmp_path):
+    """The kernel the interpreter ran also compiles to a cubin for Hopper (sm_90) in a process without the
+    interpreter: no interpreter-only construct slipped in."""
+    pytest.importorskip("triton")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path))
+    script = "import sys; sys.path.insert(0, 'tests'); from test_triton_fused_moe import compile_for_cuda; " \
+             "compile_for_cuda(90)"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode == 3:
+        pytest.skip("this triton has not the compiler entry points (ASTSource, GPUTarget) the check uses")
+    assert proc.returncode == 0, proc.stderr[-3000:]
