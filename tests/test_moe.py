@@ -30,7 +30,7 @@ MOE_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          norm_topk_prob=True, head_dim=16)),
 }
-NEW_TOKENS = 12
+NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_greedy_tokens_and_logits_match_transformers(moe_models, arch):
     llm = LLM(str(moe_models[arch]), skip_tokenizer_init=True, dtype="float32", device="cpu",
               max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256)
     generator = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 256, (length,), generator=generator).tolist() for length in (1, 9, 40, 70)]
+    prompts = [torch.randint(0, 256, (length,), generator=generator).tolist() for length in (1, 11, 45)]
     recorders = [LogitRecorder() for _ in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logits_processors=[rec])
               for rec in recorders]
@@ -156,3 +156,17 @@ def test_quantization_and_tensor_parallel_are_refused(moe_models, tmp_path):
 
     with pytest.raises(ModelLoadError, match="pre-quantised .gptq. mixture-of-experts checkpoints are not supported"):
         ModelConfig.from_dict(raw)
+
+
+def test_moe_gguf_is_refused_with_the_folder_hint(tmp_path):
+    import gguf
+
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.expert_count", 8)
+    writer.add_uint32("llama.expert_used_count", 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="mixture-of-experts GGUF models are not supported .load the Hugging Face"):
+        LLM(str(path), device="cpu")
