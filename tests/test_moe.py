@@ -26,7 +26,7 @@ MOE_CONFIGS = {
     # layer 1 dense (mlp_only_layers); norm_topk_prob off: the top-k softmax weights as they are
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=48, mlp_only_layers=[1],
-                                         norm_topk_prob=False)),
+                                         norm_topk_prob=False, head_dim=32)),  # 32: the native decode kernel's
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          norm_topk_prob=True, head_dim=16)),
 }
