@@ -110,7 +110,8 @@ class GGUFFile:
 
     def _refuse_unsupported(self) -> None:
         if int(self.metadata.get(f"{self.arch}.expert_count", 0) or 0):
-            raise ModelLoadError(f"{self.path.name}: mixture-of-experts GGUF models are not supported")
+            raise ModelLoadError(f"{self.path.name}: mixture-of-experts GGUF models are not supported (load the "
+                                 "Hugging Face folder: Mixtral, Qwen2-MoE and Qwen3-MoE run from safetensors)")
         key, value = (self.metadata.get(f"{self.arch}.attention.{k}") for k in ("key_length", "value_length"))
         if key is not None and value is not None and key != value:
             raise ModelLoadError(f"{self.path.name}: attention key_length {key} != value_length {value}")

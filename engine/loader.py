@@ -24,6 +24,7 @@ from llmctl.engine.layers.fused_ops import LayerOps
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, WeightShapeError, default_weight_loader
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.models.llama import LlamaForCausalLM
+from llmctl.engine.models.moe import model_class
 from llmctl.engine.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,10 @@ class WeightLoader:
         self.filled.add((target, shard))
 
     def _target(self, name: str) -> tuple[str, object]:
+        experts = getattr(self.model, "expert_names", None)  # a mixture-of-experts model's per-expert tensors
+        found = experts.target(name) if experts is not None else None
+        if found is not None:
+            return found
         for fragment, (fused, shard) in self.model.stacked_params.items():
             if f".{fragment}." in name:
                 return name.replace(f".{fragment}.", f".{fused}."), shard
@@ -169,6 +174,10 @@ class WeightLoader:
                                          f"(shape {tuple(param.shape)})")
 
     def _hf_name(self, target: str, shard: object) -> str:
+        experts = getattr(self.model, "expert_names", None)
+        found = experts.checkpoint_name(target, shard) if experts is not None else None
+        if found is not None:
+            return found
         for fragment, (fused, shard_id) in self.model.stacked_params.items():
             if shard is not None and shard_id == shard and f".{fused}." in target:
                 return target.replace(f".{fused}.", f".{fragment}.")
@@ -185,7 +194,7 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
     model = None
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config, max_positions, dtype=dtype, linear_method=linear_method,
+            model = model_class(config)(config, max_positions, dtype=dtype, linear_method=linear_method,
                                      ops=ops, lm_head_method=lm_head_method, tp=tp)
         if load_format == "dummy":
             _fill_dummy(model, seed)

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.fused_moe.config import MOE_ARCHITECTURES, MoEConfig
 from llmctl.engine.layers.quantization import QuantizationConfig, QuantizationRegistry, active_registry
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           *MOE_ARCHITECTURES)
 # The decoder linears in Hugging Face's names, inside model.layers.N
 DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -51,6 +53,7 @@ class ModelConfig:
     # config.json's quantization_config.quant_method (a pre-quantised checkpoint), else None
     quant_method: Optional[str] = None
     quantization: Optional[QuantizationConfig] = None  # its quantization_config, parsed by the registry
+    moe: Optional[MoEConfig] = None  # a mixture-of-experts architecture's routing facts, else None
 
     @classmethod
     def from_pretrained(cls, folder: Path, registry: Optional[QuantizationRegistry] = None) -> "ModelConfig":
@@ -85,7 +88,7 @@ class ModelConfig:
         except (TypeError, ValueError) as exc:
             raise ModelLoadError(f"{source} has a non-integer size field: {exc}") from None
         rope_theta, rope_scaling = _rope(raw)
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         config = cls(
             architecture=architecture,
             **base,
@@ -99,14 +102,18 @@ class ModelConfig:
             qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
             o_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(raw, architecture),
             hidden_act=str(raw.get("hidden_act", "silu")),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
             quant_method=_quant_method(raw),
+            moe=MoEConfig.from_dict(raw, architecture, base["num_layers"], source),
         )
         config._validate(source)
+        if config.quant_method is not None and config.moe is not None:
+            raise ModelLoadError(f"{source}: pre-quantised ({config.quant_method}) mixture-of-experts checkpoints "
+                                 f"are not supported ({architecture})")
         if config.quant_method is not None:
             linear_names = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in DECODER_LINEARS]
             parsed = (registry or active_registry()).checkpoint_config(
@@ -164,7 +171,7 @@ def _sliding_window(raw: dict[str, Any], architecture: str) -> Optional[int]:
     window = raw.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
         return None
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture.startswith(("Qwen2", "Qwen3")):
         if raw.get("use_sliding_window", False):
             raise ModelLoadError(f"{architecture} with use_sliding_window=true is not supported")
         return None

@@ -80,9 +80,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps, size: Optional[int] = None):
+        """`size`: the intermediate size (default config.intermediate_size; a MoE model's shared expert has its own)."""
         super().__init__()
-        size = config.intermediate_size
+        size = size or config.intermediate_size
         self.gate_up_proj = linears.merged(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = linears.row(size, config.hidden_size, bias=config.mlp_bias)
         self.size = self.gate_up_proj.out_features // 2  # this rank's part of the intermediate size
@@ -93,12 +94,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, ops)
         self.self_attn = Attention(config, linears, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, ops)
-        self.mlp = MLP(config, linears, ops)
+        self.mlp = mlp
 
     # The layer is split at attention, the one op whose shapes depend on each sequence's context:
     # CUDA graphs capture the halves around it (see engine/cuda_graphs.py) and attention runs eagerly.
@@ -118,10 +119,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, ops: LayerOps):
+    def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, ops: LayerOps, build_mlp):
+        """`build_mlp(index, config, linears, ops)`: layer `index`'s MLP module."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, linears.dtype, linears.tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, linears, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, linears, ops, build_mlp(i, config, linears, ops))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, ops)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
@@ -149,12 +152,16 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.ops = ops or TorchLayerOps()
         linears = LinearFactory(linear_method, dtype, tp)
-        self.model = LlamaModel(config, max_positions, linears, self.ops)
+        self.model = LlamaModel(config, max_positions, linears, self.ops, self.build_mlp)
         heads = LinearFactory(lm_head_method or linear_method, dtype, tp)
         if config.tie_word_embeddings:
             self.lm_head = heads.tied(self.model.embed_tokens.weight)
         else:
             self.lm_head = heads.vocab_column(config.hidden_size, config.vocab_size)
+
+    def build_mlp(self, index: int, config: ModelConfig, linears: LinearFactory, ops: LayerOps) -> nn.Module:
+        """Decoder layer `index`'s MLP (a mixture-of-experts model's subclass returns its MoE block)."""
+        return MLP(config, linears, ops)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings and this step's RoPE cos/sin rows."""

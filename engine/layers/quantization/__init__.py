@@ -138,6 +138,9 @@ def linear_methods_for(model_config: "ModelConfig", quantization: Optional[str],
     if (model_config.quant_method is not None or gguf) and quantization:
         raise EngineArgsError(f"the checkpoint is already quantised ({model_config.quant_method or 'GGUF'}); drop "
                               f"--quantization {quantization}")
+    if quantization and model_config.moe is not None:  # the fused experts have no quantised form yet
+        raise EngineArgsError(f"--quantization {quantization} is not supported for mixture-of-experts models "
+                              f"({model_config.architecture})")
     if quantization:
         config = registry.flag_config(quantization)
     elif gguf:

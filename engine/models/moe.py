@@ -1,0 +1,74 @@
+"""Mixture-of-experts members of the Llama family (Mixtral, Qwen2-MoE, Qwen3-MoE): llama.py's attention and
+decoder structure with the MLP of each sparse layer (`MoEConfig.sparse_layers`) a `SparseMoeBlock`: the router,
+the fused experts (engine/layers/fused_moe/) and Qwen2-MoE's shared expert scaled by its sigmoid gate.
+Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep llama.py's MLP. One rank only; the native
+CPU decode step does not cover experts, so every step runs `forward`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.fused_moe import ExpertNames, FusedMoE, ReplicatedGate
+from llmctl.engine.layers.fused_ops import LayerOps
+from llmctl.engine.layers.linear import LinearFactory
+from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.models.llama import MLP, LlamaForCausalLM
+from llmctl.engine.parallel import TensorParallel
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps):
+        super().__init__()
+        moe = config.moe
+        self.gate = ReplicatedGate(config.hidden_size, moe.num_experts, linears.dtype)
+        self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
+                                moe.renormalize, linears.dtype, ops.silu_and_mul)
+        self.shared_expert: Optional[MLP] = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, linears, ops, size=moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = ReplicatedGate(config.hidden_size, 1, linears.dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden, self.gate(hidden))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """`LlamaForCausalLM` whose sparse layers' MLP is a `SparseMoeBlock`; `expert_names` tells the loader where
+    each per-expert checkpoint tensor lands."""
+
+    expert_names = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, config: ModelConfig, max_positions: int, *, tp: TensorParallel = TensorParallel.single(),
+                 **kwargs):
+        if not tp.is_single:
+            raise ModelLoadError(f"{config.architecture}: tensor parallelism is not supported for "
+                                 "mixture-of-experts models (use --tensor-parallel-size 1)")
+        super().__init__(config, max_positions, tp=tp, **kwargs)
+
+    def build_mlp(self, index: int, config: ModelConfig, linears: LinearFactory, ops: LayerOps) -> nn.Module:
+        if index in config.moe.sparse_layers:
+            return SparseMoeBlock(config, linears, ops)
+        return MLP(config, linears, ops)
+
+    def native_decode_step(self, kernels, kv_caches: list[torch.Tensor]):
+        """None: the native decode stack has no expert kernels, so batch-1 decode runs `forward` (which reads
+        only the chosen experts' weights)."""
+        return None
+
+
+class MixtralForCausalLM(MoEForCausalLM):
+    expert_names = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module tree for `config`: the MoE classes for mixture-of-experts architectures, else llama.py's."""
+    if config.moe is None:
+        return LlamaForCausalLM
+    return MixtralForCausalLM if config.architecture == "MixtralForCausalLM" else MoEForCausalLM
