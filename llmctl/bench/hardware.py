@@ -16,12 +16,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmctl.bench.memory_budget import MemoryBudget
 from llmctl.bench.shapes import BUILTIN, ModelShape
 from llmctl.bench.specs import GpuSpec, lookup
 from llmctl.errors import one_line
 
 SCHEMA_VERSION = 1
 SPREAD_LIMIT_PCT = 5.0
+NOISE_LIMIT_PCT = 10.0  # (max - min) / median of one figure's repetitions above this: the host was noisy
+CPU_MEMORY_SHARE = 0.7  # of the memory budget for the CPU decode weights; buffers and the allocator take the rest
 MIB, GIB = 1 << 20, 1 << 30
 
 
@@ -64,6 +67,7 @@ class Result:
     peak: Optional[float]
     pct_of_peak: Optional[float]
     params: dict[str, Any] = field(default_factory=dict)
+    spread_pct: Optional[float] = None  # (max - min) / median of the repetitions, in %
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +96,7 @@ class Report:
 
 Task = tuple[str, str, Callable[[], Any]]  # (label for progress, device label, returns a Measured)
 Progress = Callable[[str, int, int], None]  # (step label, steps done, total steps)
+OnResult = Callable[["Result"], None]  # called with each figure as soon as it is measured
 
 
 def to_result(measured: Any, device: str, spec: Optional[GpuSpec]) -> Result:
@@ -101,9 +106,10 @@ def to_result(measured: Any, device: str, spec: Optional[GpuSpec]) -> Result:
     base = spec.peak(measured.peak_key) if spec is not None and measured.peak_key else None
     peak = base * measured.peak_scale if base is not None else None
     pct = 100.0 * median / peak if peak else None
+    spread = 100.0 * (max(values) - min(values)) / median if median else None
     return Result(measured.name, measured.label, device, measured.unit, _round(median), _round(min(values)),
                   _round(max(values)), len(values), _round(peak), None if pct is None else round(pct, 1),
-                  measured.params)
+                  measured.params, None if spread is None else round(spread, 1))
 
 
 def _round(value: Optional[float]) -> Optional[float]:
@@ -113,6 +119,14 @@ def _round(value: Optional[float]) -> Optional[float]:
 def fail_below(results: list[Result], pct: float) -> list[Result]:
     """Figures with a known peak that reached less than pct % of it."""
     return [r for r in results if r.pct_of_peak is not None and r.pct_of_peak < pct]
+
+
+def noise_warnings(results: list[Result], limit_pct: float = NOISE_LIMIT_PCT) -> list[str]:
+    """One warning per figure whose repetitions spread more than limit_pct of their median: such a
+    median may move by as much between two runs."""
+    return [f"{r.label} on {r.device}: repetitions spread {r.spread_pct:.0f}% of the median ((max - min) / median "
+            f"> {limit_pct:g}%): the host was busy or changing clocks; compare medians across runs with care"
+            for r in results if r.spread_pct is not None and r.spread_pct > limit_pct]
 
 
 def spread_warnings(results: list[Result], devices: list[dict[str, Any]], limit_pct: float = SPREAD_LIMIT_PCT) -> list[str]:
@@ -146,7 +160,8 @@ def cpu_inventory() -> dict[str, Any]:
             "machine": platform.machine()}
 
 
-def cpu_tasks(plan: Plan, shape: Optional[ModelShape]) -> list[Task]:
+def cpu_tasks(plan: Plan, shape: Optional[ModelShape], budget: MemoryBudget) -> tuple[list[Task], list[str]]:
+    """The CPU benchmarks sized to the memory budget, and the notes on what was shrunk to fit."""
     import torch
 
     from llmctl.bench import kernels as k
@@ -157,20 +172,48 @@ def cpu_tasks(plan: Plan, shape: Optional[ModelShape]) -> list[Task]:
     l2_total = (caches.get(2) or 2 * MIB) * (os.cpu_count() or 1)
     llc = caches.get(max(caches)) if caches else 32 * MIB
     copy_bytes = max(256 * MIB, plan.cpu_copy_llc_multiple * llc)
-    shape = shape or BUILTIN[plan.cpu_shape]
-    return [
+    if budget.bytes is not None:  # four buffers of copy_bytes: half the budget at most
+        copy_bytes = max(16 * MIB, min(copy_bytes, budget.bytes // 8))
+    decode, note = cpu_decode_shape(shape or BUILTIN[plan.cpu_shape], budget)
+    tasks: list[Task] = [
         ("GEMM fp32", "cpu", lambda: k.gemm(timer, cpu, "fp32", plan.cpu_gemm, l2_total)),
         ("GEMM bf16", "cpu", lambda: k.gemm(timer, cpu, "bf16", plan.cpu_gemm, l2_total)),
         ("memory copy", "cpu", lambda: k.memory_copy(timer, cpu, copy_bytes, peak_key=None)),
         ("memory read", "cpu", lambda: k.memory_read(timer, cpu, copy_bytes, peak_key=None)),
-        (f"decode step {shape.name}", "cpu", lambda: k.decode_step(timer, cpu, torch.float32, shape)),
     ]
+    if decode is not None:
+        tasks.append((f"decode step {decode.name}", "cpu", lambda: k.decode_step(timer, cpu, torch.float32, decode)))
+    return tasks, [note] if note else []
 
 
-def run_cpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Report:
+def _fp32_bytes(shape: ModelShape) -> int:
+    return 4 * shape.linear_params
+
+
+def cpu_decode_shape(wanted: ModelShape, budget: MemoryBudget) -> tuple[Optional[ModelShape], Optional[str]]:
+    """The wanted shape when its float32 weights fit in CPU_MEMORY_SHARE of the budget, else the largest
+    built-in shape that does (None when none does), with a note that says why."""
+    room = None if budget.bytes is None else CPU_MEMORY_SHARE * budget.bytes
+    if room is None or _fp32_bytes(wanted) <= room:
+        return wanted, None
+    why = (f"decode step: {wanted.name}'s float32 weights need {_fp32_bytes(wanted) / GIB:.1f} GiB, more than "
+           f"{CPU_MEMORY_SHARE:.0%} of the {budget.describe()} this process may use")
+    fits = sorted((s for s in BUILTIN.values() if _fp32_bytes(s) <= room), key=lambda s: s.linear_params)
+    if not fits:
+        return None, why + "; no built-in shape fits either, so the decode step is skipped"
+    return fits[-1], why + f"; measured {fits[-1].name} instead"
+
+
+def run_cpu(plan: Plan, shape: Optional[ModelShape], progress: Progress, on_result: Optional[OnResult] = None,
+            budget: Optional[MemoryBudget] = None) -> Report:
+    from llmctl.bench.memory_budget import memory_budget
+
     report = Report("cpu", plan.mode, [cpu_inventory()])
     report.notes.append("CPUs have no datasheet peak in the spec table: % of peak shows '—'")
-    _run_tasks(cpu_tasks(plan, shape), {}, report, progress)
+    tasks, notes = cpu_tasks(plan, shape, budget or memory_budget())
+    report.notes += notes
+    _run_tasks(tasks, {}, report, progress, on_result)
+    report.warnings += noise_warnings(report.results)
     return report
 
 
@@ -318,7 +361,7 @@ def peer_tasks(plan: Plan, count: int) -> list[Task]:
     return tasks
 
 
-def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Report:
+def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress, on_result: Optional[OnResult] = None) -> Report:
     import torch
 
     from llmctl.checks.probe import open_nvml
@@ -340,9 +383,9 @@ def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Repo
             tasks += gpu_tasks(plan, i, shape, lambda handle=handle: _pcie_link(nvml, handle))
         if count > 1:
             tasks += peer_tasks(plan, count)
-        _run_tasks(tasks, specs, report, progress)
+        _run_tasks(tasks, specs, report, progress, on_result)
     report.notes += _link_notes(devices)
-    report.warnings += spread_warnings(report.results, devices)
+    report.warnings += spread_warnings(report.results, devices) + noise_warnings(report.results)
     return report
 
 
@@ -359,9 +402,10 @@ def _link_notes(devices: list[dict[str, Any]]) -> list[str]:
 
 
 # ---- shared -------------------------------------------------------------------------------------
-def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: Report, progress: Progress) -> None:
-    """Run each task once; a failing one (out of memory, unsupported kernel) is recorded in
-    `report.errors` and the rest still run."""
+def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: Report, progress: Progress,
+               on_result: Optional[OnResult] = None) -> None:
+    """Run each task once, handing each figure to on_result as it completes; a failing one (out of
+    memory, unsupported kernel) is recorded in `report.errors` and the rest still run."""
     import torch
 
     for done, (label, device, task) in enumerate(tasks):
@@ -376,6 +420,8 @@ def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: R
         else:
             spec = specs.get(device.split("->")[0]) if "->" not in device else None
             report.results.append(to_result(measured, device, spec))
+            if on_result is not None:
+                on_result(report.results[-1])
         finally:
             gc.collect()
             if torch.cuda.is_available():
