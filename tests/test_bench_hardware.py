@@ -37,6 +37,14 @@ def llmctl(*args: str) -> subprocess.CompletedProcess:
     ("NVIDIA L4", "L4", 121.0, 300),
     ("NVIDIA GeForce RTX 4090", "GeForce RTX 4090", 165.2, 1008),
     ("Tesla V100-SXM2-32GB", "V100 SXM2", None, 900),
+    ("NVIDIA B200", "B200 (HGX)", 2250.0, 7700),
+    ("NVIDIA GB200", "GB200 (B200 in a Grace superchip)", 2500.0, 8000),
+    ("NVIDIA GH200 480GB", "GH200 96GB HBM3", 989.4, 4000),
+    ("NVIDIA H20", "H20", 148.0, 4000),
+    ("NVIDIA H800", "H800 SXM5 80GB", 989.4, 3352),
+    ("NVIDIA A800-SXM4-80GB", "A800 SXM4 80GB", 312.0, 2039),
+    ("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada", 364.2, 960),
+    ("NVIDIA L20", "L20", 119.5, 864),
 ])
 def test_lookup_matches_nvml_names(name, product, bf16, memory):
     spec = lookup(name)
@@ -44,7 +52,7 @@ def test_lookup_matches_nvml_names(name, product, bf16, memory):
     assert spec.bf16_tflops == bf16 and spec.memory_gbs == memory
 
 
-@pytest.mark.parametrize("name", [None, "", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA L40", "NVIDIA B200",
+@pytest.mark.parametrize("name", [None, "", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA L40", "NVIDIA B100",
                                   "Intel(R) Xeon(R) Processor", "NVIDIA H1000"])
 def test_lookup_unknown_or_partial_names(name):
     spec = lookup(name)
@@ -80,6 +88,8 @@ def test_peak_keys_and_pcie_rates():
     assert pcie_gbs(4, 16) == pytest.approx(31.51, abs=0.01) and pcie_gbs(3, 8) == pytest.approx(7.88, abs=0.01)
     with pytest.raises(ValueError):
         pcie_gbs(9, 16)
+    assert lookup("NVIDIA GH200 480GB").peak("pcie") == 450.0  # NVLink-C2C is the host link there
+    assert lookup("NVIDIA B200").peak("pcie") == pytest.approx(63.02, abs=0.01)
 
 
 # ---- peak arithmetic, --fail-below, spread warning ---------------------------------------------

@@ -375,7 +375,8 @@ def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress, on_resu
         specs = {d["label"]: lookup(d["name"]) for d in devices}
         for d in devices:
             if specs[d["label"]] is None:
-                report.notes.append(f"{d['label']} ({d['name']}) is not in the datasheet table: % of peak shows '—'")
+                report.notes.append(f"{d['label']} ({d['name']}): no peak known (not in the datasheet table, "
+                                    "llmctl/bench/specs.py): % of peak shows '—'")
         tasks: list[Task] = []
         for i in range(count):
             props = torch.cuda.get_device_properties(i)
