@@ -278,15 +278,18 @@ def test_gpu_quick_json_has_every_figure_and_known_peaks():
         assert d["name"] == props.name and d["memory_bytes"] == props.total_memory
         assert d["sm_count"] == props.multi_processor_count and d["l2_bytes"] > 0
     capability = torch.cuda.get_device_capability(0)
-    expected = {"gemm_fp16", "gemm_fp32", "memory_copy", "memory_read", "h2d", "d2h", "attention_prefill",
-                "attention_decode", "decode_step"}
+    expected = {"gemm_fp16", "gemm_fp32", "memory_copy", "memory_read", "h2d", "d2h", "bidirectional",
+                "attention_prefill", "attention_decode", "decode_step"}
     if capability >= (8, 0):
         expected |= {"gemm_bf16", "gemm_tf32"}
     if capability >= (8, 9):
         expected.add("gemm_fp8")
     first = {r["name"]: r for r in doc["results"] if r["device"] == "cuda:0"}
     assert expected <= set(first)
-    assert (count > 1) == any(r["name"] == "p2p" for r in doc["results"])
+    assert sum(r["name"] == "p2p" for r in doc["results"]) == count * (count - 1)  # the full peer matrix
+    sweep = [r for r in doc["results"] if r["name"] == "allreduce_busbw"]
+    assert len(sweep) == (len(hardware.PLANS["quick"].allreduce_sizes) if count > 1 else 0)
+    assert all(r["params"]["wrong_elements"] == 0 for r in sweep)
     known = lookup(doc["devices"][0]["name"]) is not None
     for r in doc["results"]:
         assert 0 < r["min"] <= r["median"] <= r["max"] and r["repeats"] == hardware.PLANS["quick"].reps

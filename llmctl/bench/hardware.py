@@ -42,15 +42,16 @@ class Plan:
     attention_decode: tuple[int, int, int, int, int]  # batch, q heads, kv heads, head dim, context
     cpu_shape: str
     gpu_shape: str
+    allreduce_sizes: tuple[int, ...] = (MIB, 32 * MIB, 256 * MIB)  # bytes per rank, the NCCL sweep
 
 
 PLANS = {
     "quick": Plan("quick", 5, 0.1, 8192, 1024, 1 * GIB, 2, 256 * MIB, (2, 32, 8, 128, 4096), (32, 32, 8, 128, 4096),
                   "smollm-135m", "llama-3-8b"),
     "default": Plan("default", 20, 0.5, 8192, 2048, 2 * GIB, 4, 512 * MIB, (4, 32, 8, 128, 4096),
-                    (64, 32, 8, 128, 4096), "qwen2.5-0.5b", "llama-3-8b"),
+                    (64, 32, 8, 128, 4096), "qwen2.5-0.5b", "llama-3-8b", (MIB, 16 * MIB, 128 * MIB, GIB)),
     "full": Plan("full", 100, 2.0, 8192, 4096, 4 * GIB, 8, 1 * GIB, (8, 32, 8, 128, 8192), (128, 32, 8, 128, 8192),
-                 "qwen2.5-0.5b", "llama-3-8b"),
+                 "qwen2.5-0.5b", "llama-3-8b", tuple(MIB << (2 * i) for i in range(7))),
 }
 
 
@@ -323,6 +324,8 @@ def gpu_tasks(plan: Plan, index: int, shape: Optional[ModelShape], link: Callabl
         ("memory read", label, lambda: k.memory_read(timer, device, copy_bytes)),
         ("host→device", label, lambda: _with_link(k.host_transfer(timer, device, plan.transfer_bytes, "h2d"), link)),
         ("device→host", label, lambda: _with_link(k.host_transfer(timer, device, plan.transfer_bytes, "d2h"), link)),
+        ("host↔device", label, lambda: _with_link(k.host_transfer_bidirectional(timer, device, plan.transfer_bytes),
+                                                  link)),
         ("attention prefill", label, lambda: k.attention_prefill(
             timer, device, half, k.AttentionShape(*plan.attention_prefill), use_flash=flash_ok)),
         ("attention decode", label, lambda: k.attention_decode(
@@ -347,14 +350,13 @@ def _with_link(measured: Any, link: Callable[[], Any]) -> Any:
 
 
 def peer_tasks(plan: Plan, count: int) -> list[Task]:
-    """Ring of peer copies: cuda:i -> cuda:(i+1) % count."""
+    """The peer-copy matrix, nvbandwidth-style: cuda:i -> cuda:j for every ordered pair i != j."""
     import torch
 
     from llmctl.bench import kernels as k
 
     tasks: list[Task] = []
-    for i in range(count):
-        j = (i + 1) % count
+    for i, j in ((i, j) for i in range(count) for j in range(count) if i != j):
         src, dst = torch.device("cuda", i), torch.device("cuda", j)
         tasks.append((f"peer copy {i}→{j}", f"cuda:{i}->cuda:{j}",
                       lambda src=src, dst=dst: k.peer_copy(src, dst, plan.transfer_bytes, plan.warmup_s, plan.reps)))
@@ -385,9 +387,30 @@ def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress, on_resu
         if count > 1:
             tasks += peer_tasks(plan, count)
         _run_tasks(tasks, specs, report, progress, on_result)
+    if count > 1:
+        _allreduce_sweep(plan, count, report, on_result)
     report.notes += _link_notes(devices)
     report.warnings += spread_warnings(report.results, devices) + noise_warnings(report.results)
     return report
+
+
+def _allreduce_sweep(plan: Plan, count: int, report: Report, on_result: Optional[OnResult]) -> None:
+    """nccl-tests-style all-reduce over every local GPU (one spawned process each); wrong sums are errors."""
+    from llmctl.bench import collectives
+
+    device = f"cuda:0-{count - 1}"
+    try:
+        rows = collectives.allreduce_sweep(count, list(plan.allreduce_sizes), "nccl", reps=min(plan.reps, 20))
+    except Exception as exc:  # noqa: BLE001 - a failed rank (NCCL error, spawn failure) is one failed figure
+        report.errors.append({"benchmark": "all-reduce sweep", "device": device, "error": one_line(exc)[:300]})
+        return
+    for row in rows:
+        report.results.append(to_result(collectives.to_measured(row, count, "nccl"), device, None))
+        if on_result is not None:
+            on_result(report.results[-1])
+        if row.wrong_elements:
+            report.errors.append({"benchmark": f"all-reduce {row.nbytes} bytes", "device": device,
+                                  "error": f"{row.wrong_elements} element(s) of the sums were wrong"})
 
 
 def _link_notes(devices: list[dict[str, Any]]) -> list[str]:
