@@ -32,6 +32,7 @@ complete -c llmctl -n '__llmctl_bench' -l quick -d 'Few repetitions and small sh
 complete -c llmctl -n '__llmctl_bench' -l full -d 'Many repetitions and larger shapes.'
 complete -c llmctl -n '__llmctl_bench' -l model -s m -r -d 'Shape of the decode-step benchmark - a model folder (config.json) or a built-in '
 complete -c llmctl -n '__llmctl_bench' -l fail-below -r -d 'Exit 1 when any figure with a datasheet peak is under PCT % of it.'
+complete -c llmctl -n '__llmctl_bench' -l stress -r -d 'Instead of the microbenchmarks - checked fp32 GEMMs on every GPU for DURATION (6'
 complete -c llmctl -n '__llmctl_bench_latency' -l batch-size -r -d 'Prompts in the batch.'
 complete -c llmctl -n '__llmctl_bench_latency' -l input-len -r -d 'Prompt tokens per request.'
 complete -c llmctl -n '__llmctl_bench_latency' -l num-iters-warmup -r -d 'Untimed passes first.'

@@ -394,6 +394,21 @@ def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress, on_resu
     return report
 
 
+def run_gpu_stress(duration_s: float, progress: Progress, on_result: Optional[OnResult] = None) -> Report:
+    """`--stress`: checked GEMMs on every GPU for duration_s with NVML telemetry (llmctl.bench.stress)."""
+    import torch
+
+    from llmctl.bench.stress import run_stress
+    from llmctl.checks.probe import open_nvml
+
+    count = torch.cuda.device_count()
+    with open_nvml() as (nvml, _reason, _mismatch):
+        report = Report("cuda", "stress", [gpu_inventory(i, nvml) for i in range(count)])
+        handles = {f"cuda:{i}": _nvml_handle(nvml, torch.cuda.get_device_properties(i)) for i in range(count)}
+        run_stress(duration_s, report, handles, nvml, progress, on_result)
+    return report
+
+
 def _allreduce_sweep(plan: Plan, count: int, report: Report, on_result: Optional[OnResult]) -> None:
     """nccl-tests-style all-reduce over every local GPU (one spawned process each); wrong sums are errors."""
     from llmctl.bench import collectives

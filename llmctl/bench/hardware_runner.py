@@ -22,6 +22,7 @@ class HardwareJob:
     num_threads: Optional[int]
     json_output: bool
     fail_below: Optional[float]
+    stress_s: Optional[float] = None  # --stress: seconds of checked GEMMs instead of the microbenchmarks
 
 
 def run_hardware_job(job: HardwareJob) -> int:
@@ -32,6 +33,8 @@ def run_hardware_job(job: HardwareJob) -> int:
     from llmctl.bench.shapes import resolve_shape
     from llmctl.output import print_json
 
+    if job.stress_s is not None and (job.cpu or not torch.cuda.is_available()):
+        raise UserError("--stress loads CUDA GPUs with checked GEMMs: it needs a CUDA device and not --cpu")
     if job.gpu and not torch.cuda.is_available():
         raise UserError(f"--gpu: no CUDA device is available (torch {torch.__version__}, "
                         f"CUDA build {torch.version.cuda or 'none'}); use --cpu")
@@ -43,8 +46,11 @@ def run_hardware_job(job: HardwareJob) -> int:
     show = measured_line if job.json_output else HardwareRows()
     with progress_bar(True) as update:
         on_result = lambda result: show(result.to_dict())  # noqa: E731
-        run = hardware.run_gpu if use_gpu else hardware.run_cpu
-        report = run(plan, shape, update, on_result)
+        if job.stress_s is not None:
+            report = hardware.run_gpu_stress(job.stress_s, update, on_result)
+        else:
+            run = hardware.run_gpu if use_gpu else hardware.run_cpu
+            report = run(plan, shape, update, on_result)
     if not job.gpu and not job.cpu and not use_gpu:
         report.notes.insert(0, f"no CUDA device (torch {torch.__version__}): benchmarked the CPU instead; "
                                "pass --cpu to ask for it explicitly")
