@@ -1,4 +1,5 @@
-"""Interconnect: PCIe link training, GPU-to-GPU topology and CPU affinity, IOMMU and ACS."""
+"""Interconnect: PCIe link training, GPU-to-GPU topology and CPU affinity, NVLink error counters,
+IOMMU and ACS."""
 
 from __future__ import annotations
 
@@ -127,6 +128,40 @@ def _nvlink_states(nv: Any, i: int) -> dict[int, int]:
         if state is not None:
             states[link] = int(state)
     return states
+
+
+# nvmlNvLinkErrorCounter_t: data-link replays, recoveries, CRC errors on flits and on data
+NVLINK_COUNTERS = {"replay": 0, "recovery": 1, "crc_flit": 2, "crc_data": 3}
+
+
+def nvlink_errors(host: Host, plan: Plan) -> Result:
+    """NVLink data-link error counters (replay, recovery, CRC flit/data) since the driver loaded are
+    at most nvlink_errors_max on every active link.
+
+    A few replays recover silently, but counts that grow mean a marginal link that slows NCCL
+    all-reduce and may take the GPU off the fabric (XID 74). Any count above the threshold warns.
+    """
+    gate = gpu_gate("nvlink-errors", host)
+    if gate:
+        return gate
+    nv, limit = host.nvml, plan.thresholds.nvlink_errors_max
+    findings, observed = [], {}
+    for i in range(nv.count):
+        active = [link for link, state in _nvlink_states(nv, i).items() if state]
+        counts = {link: {name: nv.device(i, "nvmlDeviceGetNvLinkErrorCounter", link, counter)
+                         for name, counter in NVLINK_COUNTERS.items()} for link in active}
+        observed[label(i)] = counts
+        for link, values in counts.items():
+            high = {name: value for name, value in values.items() if value is not None and value > limit}
+            if high:
+                shown = ", ".join(f"{name} {value}" for name, value in high.items())
+                findings.append(Finding(Status.WARN, f"{label(i)} NVLink {link}: {shown}",
+                                        f"nvidia-smi nvlink -e -i {i}  # reseat or service the link if it keeps growing"))
+    if not any(observed.values()):
+        return skip("nvlink-errors", "no active NVLink reported", observed)
+    if not findings:
+        findings.append(Finding(Status.PASS, f"NVLink error counters <= {limit} on every active link"))
+    return fold("nvlink-errors", findings, observed, {name: f"<= {limit}" for name in NVLINK_COUNTERS})
 
 
 def _nvlink_findings(nvlinks: dict[int, dict[int, int]]) -> list[Finding]:

@@ -125,6 +125,15 @@ class SoftwareFacts:
 
 
 @dataclass(frozen=True)
+class KernelLog:
+    """The kernel log's lines since boot and where they came from; source None (with the error) if unreadable."""
+
+    lines: tuple[str, ...] = ()
+    source: Optional[str] = None
+    error: str = "not read"
+
+
+@dataclass(frozen=True)
 class LoadSample:
     """Best PCIe (generation, width) seen per NVML index while copying; empty with a reason if none."""
 
@@ -163,6 +172,7 @@ class Host:
     try_bind: Callable[[str, int], Optional[int]] = try_bind_tcp
     software: Lazy[SoftwareFacts] = field(default_factory=lambda: Lazy.of(SoftwareFacts(torch_error="not probed")))
     pcie_load: Lazy[LoadSample] = field(default_factory=lambda: Lazy.of(LoadSample()))
+    kernel_log: Lazy[KernelLog] = field(default_factory=lambda: Lazy.of(KernelLog()))
 
     def path(self, absolute: str) -> Path:
         return self.root / absolute.lstrip("/")

@@ -1,11 +1,12 @@
-"""The 24 host checks in report order, and the deployment check `--server` adds; their ids are part of
+"""The 28 host checks in report order, and the deployment check `--server` adds; their ids are part of
 the command-line and JSON interface."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from llmctl.checks import deployment, gpu, gpu_health, interconnect, rendezvous, software, storage, system
+from llmctl.checks import (deployment, fabric, gpu, gpu_health, interconnect, kernel_log, rendezvous, software, storage,
+                           system)
 from llmctl.checks.model import Check
 from llmctl.errors import UserError
 
@@ -20,8 +21,12 @@ CHECKS: tuple[Check, ...] = (
     Check("gpu-memory-free", "GPU", "free GPU memory covers --gpu-memory-utilization", gpu_health.gpu_memory_free),
     Check("gpu-mig-mode", "GPU", "MIG mode as planned, no change pending", gpu.gpu_mig_mode),
     Check("gpu-compute-mode", "GPU", "compute mode is Default", gpu.gpu_compute_mode),
+    Check("gpu-xid-events", "GPU", "no fatal XID/SXID in the kernel log since boot", kernel_log.gpu_xid_events),
     Check("pcie-link", "Interconnect", "PCIe link at max generation and width under load", interconnect.pcie_link),
     Check("gpu-topology", "Interconnect", "P2P, NVLink state, cross-socket pairs, CPU affinity", interconnect.gpu_topology),
+    Check("nvlink-errors", "Interconnect", "NVLink replay/recovery/CRC error counters within limits", interconnect.nvlink_errors),
+    Check("fabric-manager", "Interconnect", "NVSwitch systems: Fabric Manager running, GPUs in the fabric", fabric.fabric_manager),
+    Check("rdma-peermem", "Interconnect", "RDMA ports ACTIVE, nvidia_peermem loaded for GPUDirect RDMA", fabric.rdma_peermem),
     Check("iommu-acs", "Interconnect", "IOMMU off or passthrough, no ACS redirect between GPUs", interconnect.iommu_acs),
     Check("tp-rendezvous", "Interconnect", "tensor-parallel rendezvous port bindable, /dev/shm room for the ranks",
           rendezvous.tp_rendezvous),

@@ -116,6 +116,7 @@ def report(
 
 def live_host(nvml: Any, nvml_error: str, nvml_mismatch: bool, plan: Plan) -> Host:
     """The real machine: root `/`, this process's environment, torch and the PCIe probe on demand."""
+    from llmctl.checks.kernel_log import read_kernel_log
     from llmctl.checks.pcie_load import measure_under_load
     from llmctl.checks.probe import Lazy, LoadSample
     from llmctl.checks.software import gather_software
@@ -125,4 +126,4 @@ def live_host(nvml: Any, nvml_error: str, nvml_mismatch: bool, plan: Plan) -> Ho
     else:
         load = Lazy.of(LoadSample(note="no NVML"))
     return Host(nvml=nvml, nvml_error=nvml_error, nvml_mismatch=nvml_mismatch, env=dict(os.environ),
-                software=Lazy(gather_software), pcie_load=load)
+                software=Lazy(gather_software), pcie_load=load, kernel_log=Lazy(read_kernel_log))

@@ -21,6 +21,7 @@ class Thresholds:
     retired_pages_warn: int = 15  # DCGM_LIMIT_MAX_RETIRED_PAGES_SOFT_LIMIT
     ecc_uncorrected_max: int = 0  # volatile uncorrected ECC errors since the last reset
     pcie_replay_max: int = 100  # cumulative replay counter since boot
+    nvlink_errors_max: int = 0  # each NVLink replay/recovery/CRC counter since the driver loaded
     pcie_load_seconds: float = 1.0  # pinned-copy load while reading the link; 0 reads the idle link
     mig_allowed: bool = False
     cpu_governor: str = "performance"

@@ -103,6 +103,11 @@ def _limits(host: Host) -> Optional[tuple[Optional[int], Optional[float]]]:
     return mem_limit, cpus
 
 
+def cgroup_memory_limit(host: Host) -> Optional[int]:
+    """This process's cgroup memory limit in bytes (v2 memory.max, v1 memory.limit_in_bytes); None if unlimited."""
+    return (_limits(host) or (None, None))[0]
+
+
 def cgroup_limits(host: Host, plan: Plan) -> Result:
     """The cgroup's memory and CPU quota meet the minimums and the container got the GPUs it asked for.
 

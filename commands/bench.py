@@ -12,7 +12,7 @@ from llmctl import engine_options as eo
 from llmctl import help as help_format
 from llmctl.config import ConfigOption
 
-HARDWARE_FLAGS = ("gpu", "cpu", "quick", "full", "model", "num_threads", "json_output", "fail_below")
+HARDWARE_FLAGS = ("gpu", "cpu", "quick", "full", "model", "num_threads", "json_output", "fail_below", "stress")
 WORKLOAD = "Workload"
 
 bench_app = typer.Typer(
@@ -35,6 +35,7 @@ def bench(
     num_threads: eo.engine_flag("num_threads", min=1) = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (nothing else).")] = False,
     fail_below: Annotated[Optional[float], typer.Option("--fail-below", min=0.0, max=100.0, metavar="PCT", help="Exit 1 when any figure with a datasheet peak is under PCT % of it.")] = None,
+    stress: Annotated[Optional[str], typer.Option("--stress", metavar="DURATION", help="Instead of the microbenchmarks: checked fp32 GEMMs on every GPU for DURATION (60, 90s, 5m), gpu-burn style, with clocks, temperature, power and throttle reasons per figure; wrong results, new XIDs or ECC errors exit 1.")] = None,
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Hardware microbenchmarks with datasheet peaks; subcommands benchmark the engine.
@@ -54,9 +55,15 @@ def bench(
     if quick and full:
         raise UserError("give --quick or --full, not both")
     from llmctl.bench.hardware_runner import HardwareJob, run_hardware_job
+    from llmctl.bench.stress import parse_duration
 
+    try:
+        stress_s = parse_duration(stress) if stress is not None else None
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     mode = "quick" if quick else "full" if full else "default"
-    raise typer.Exit(run_hardware_job(HardwareJob(gpu, cpu, mode, model, num_threads, json_output, fail_below)))
+    raise typer.Exit(run_hardware_job(HardwareJob(gpu, cpu, mode, model, num_threads, json_output, fail_below,
+                                                  stress_s)))
 
 
 def _from_cli(ctx: typer.Context, name: str) -> bool:

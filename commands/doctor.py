@@ -1,4 +1,4 @@
-"""`llmctl doctor`: run the 24-item preflight checklist and report it as a table or JSON."""
+"""`llmctl doctor`: run the 28-item preflight checklist and report it as a table or JSON."""
 
 from __future__ import annotations
 
@@ -52,8 +52,9 @@ def doctor(
     tensor_parallel_size: eo.engine_flag("tensor_parallel_size", min=1) = 1,
     master_addr: eo.engine_flag("master_addr") = "127.0.0.1",
     master_port: eo.engine_flag("master_port", min=0, max=65535) = None,
+    bundle: Optional[Path] = typer.Option(None, "--bundle", metavar="DIR", file_okay=False, help="Also write a support bundle there: the JSON report, nvidia-smi -q and topology, pip freeze, the NVIDIA kernel-log lines, the environment with secrets masked."),
 ) -> None:
-    """Check this host against the 24-item LLM inference preflight checklist (reads only, changes nothing).
+    """Check this host against the 28-item LLM inference preflight checklist (reads only, changes nothing).
 
     Exit codes: 0 = every check passed (warnings allowed); 1 = a check failed, or warned with --strict; 2 = usage error.
 
@@ -77,12 +78,12 @@ def doctor(
     plan = Plan(expect_gpus, model, gpu_memory_utilization, thresholds or Thresholds(), server,
                 tensor_parallel_size=tensor_parallel_size, master_addr=master_addr,
                 master_port=DEFAULT_MASTER_PORT if master_port is None else master_port)
-    report = _run(checks, plan, strict, with_facts=json)
+    report = _run(checks, plan, strict, with_facts=json or bundle is not None, bundle=bundle)
     _render(report, json)
     raise typer.Exit(report["summary"]["exit_code"])
 
 
-def _run(checks: list, plan: Any, strict: bool, with_facts: bool) -> dict:
+def _run(checks: list, plan: Any, strict: bool, with_facts: bool, bundle: Optional[Path] = None) -> dict:
     from llmctl.checks.probe import open_nvml
     from llmctl.checks.runner import live_host, report, run_checks
 
@@ -90,7 +91,20 @@ def _run(checks: list, plan: Any, strict: bool, with_facts: bool) -> dict:
     with open_nvml() as (nvml, reason, mismatch):
         host = live_host(nvml, reason, mismatch, plan)
         results = run_checks(checks, host, plan)
-        return report(results, checks, host, plan, strict, started, with_facts)
+        document = report(results, checks, host, plan, strict, started, with_facts)
+        if bundle is not None:
+            _write_bundle(bundle, document, host)
+        return document
+
+
+def _write_bundle(folder: Path, document: dict, host: Any) -> None:
+    import sys
+
+    from llmctl.checks.bundle import write_bundle
+
+    missing = {name: why for name, why in write_bundle(folder, document, host).items() if why != "ok"}
+    left_out = "".join(f"; {name} left out: {why}" for name, why in missing.items())
+    sys.stderr.write(f"llmctl: support bundle written to {folder}{left_out}\n")
 
 
 def _render(report: dict, as_json: bool) -> None:

@@ -180,6 +180,10 @@ def torch_profile(
     sort_by: Annotated[SortKey, typer.Option("--sort-by", help="Operator table sort key.")] = SortKey.self_cpu_time_total,
     row_limit: Annotated[int, typer.Option("--row-limit", min=1, help="Rows of the operator table.")] = 20,
     record_shapes: Annotated[bool, typer.Option("--record-shapes/--no-record-shapes", help="Record operator input shapes.")] = True,
+    with_stack: Annotated[bool, typer.Option("--with-stack", help="Record each op's Python/C++ call stack (larger trace).")] = False,
+    profile_memory: Annotated[bool, typer.Option("--profile-memory", help="Record tensor memory allocated and freed per op (memory columns in the table).")] = False,
+    with_flops: Annotated[bool, typer.Option("--with-flops", help="Estimate FLOPs of matmul and convolution ops (a FLOP column in the table).")] = False,
+    memory_snapshot: Annotated[bool, typer.Option("--memory-snapshot", help="CUDA only: also dump the caching allocator's history to memory_snapshot.pickle (open it at https://pytorch.org/memory_viz).")] = False,
     engine_args: eo.EngineArgs = eo.FLAGS,
     output_dir: OutputDir = None,
     json_output: JsonOut = False,
@@ -193,7 +197,8 @@ def torch_profile(
 
     sched, shrunk = tt.fit_schedule(steps, wait, warmup, active)
     plan = tt.TorchPlan(engine_args, batch_size, input_len, output_len, sched["wait"], sched["warmup"], sched["active"],
-                        steps, sort_by.value, row_limit, record_shapes, engine_args.seed)
+                        steps, sort_by.value, row_limit, record_shapes, engine_args.seed, with_stack, profile_memory,
+                        with_flops, memory_snapshot)
     plan.validate()
     if shrunk:
         typer.echo(f"llmctl: note: --steps {steps} is shorter than the default schedule; profiling "
@@ -209,6 +214,8 @@ def torch_profile(
     if not json_output:
         typer.echo(table)
         typer.echo(f"trace: {manifest.output_dir / tt.TRACE_NAME} (open in https://ui.perfetto.dev)")
+        if memory_snapshot:
+            typer.echo(f"memory snapshot: {manifest.output_dir / tt.SNAPSHOT_NAME} (open in https://pytorch.org/memory_viz)")
     report.finish(manifest, json_output, quiet=True)
 
 

@@ -6,7 +6,8 @@
 # --quick`, the quantised linears on CUDA (tests/test_quant_cuda.py: int8/int4 on torch's CUDA kernels and fp8
 # on the fp8 tensor cores against their dequantised references; then `bench throughput --quantization fp8`,
 # whose report must name the quantisation and its weight/KV bytes), the other CUDA-marked tests, the offline
-# throughput benchmark on cuda and a short `llmctl serve` + `llmctl bench serve` run. Each step has its own timeout and all share one 8.5-minute deadline; a step that
+# throughput benchmark on cuda and a short `llmctl serve` + `llmctl bench serve` run, `bench --gpu --stress 60` (checked GEMMs, telemetry) and the NCCL
+# all-reduce sweep (skipped, saying why, on one GPU). Each step has its own timeout and all share one 10.3-minute deadline; a step that
 # fails or times out is reported and the others still run; a summary table comes last. Each step's verdict
 # (scripts/gpu_check_steps.sh) needs more than an exit status where one can lie: doctor must exit 0 or 1 with
 # its JSON report and no traceback, bench must write its JSON report. Installs nothing from the network.
@@ -58,7 +59,7 @@ for n in sys.argv[1:]: print(f"{n}=={version(n)}")' "${WHEELS[@]}") || exit 1
 fi
 
 source scripts/gpu_check_steps.sh
-deadline=$((SECONDS + 510))
+deadline=$((SECONDS + 620))
 out="${OUT:-/tmp}/gpu_check"
 rm -rf "$out" && mkdir -p "$out"
 log="$out/gpu_check.log"
@@ -98,6 +99,19 @@ step tp_nccl 120 verdict_pytest_or_skip "$errdir/tp_nccl.log" "$PY" -m pytest -q
     tests/test_cuda_tensor_parallel.py
 tail -n 8 "$errdir/tp_nccl.log"
 step bench_gpu 150 verdict_bench_json "$out/bench_gpu.json" "$PY" -m llmctl.cli bench --gpu --json --quick
+# gpu-burn style: 60 s of checked fp32 GEMMs per GPU with NVML telemetry; wrong results or new XIDs/ECC exit 1.
+step stress 100 verdict_bench_json "$errdir/stress.json" "$PY" -m llmctl.cli bench --gpu --stress 60 --json
+# nccl-tests style all-reduce busbw sweep over every GPU (bench --gpu runs it too); needs two GPUs or more.
+gpus=$(timeout 60 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if (( gpus > 1 )); then
+    step nccl_sweep 90 verdict_exit0 - "$PY" -c "import sys; from llmctl.bench.collectives import allreduce_sweep, bandwidths
+rows = allreduce_sweep($gpus, [1 << 20, 1 << 24, 1 << 28, 1 << 30])
+for r in rows: print(r.nbytes, 'bytes: busbw %.1f GB/s' % bandwidths(r.nbytes, sorted(r.seconds)[len(r.seconds) // 2], $gpus)[1], r.wrong_elements, 'wrong')
+sys.exit(1 if any(r.wrong_elements for r in rows) else 0)"
+else
+    printf 'nccl_sweep\tok (skipped: %s GPU here; the all-reduce sweep needs two or more)\t0\n' "$gpus" >> "$steps"
+    echo "== nccl_sweep: skipped ($gpus GPU; needs two or more)"
+fi
 # The quant step's files stay in $errdir (the device tool brings 8 back); their tails and figures reach the log.
 step quant 120 verdict_pytest_ran "$errdir/quant.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_quant_cuda.py
 tail -n 15 "$errdir/quant.log"
@@ -184,6 +198,11 @@ def figures(name):
         keep = ("gemm_bf16", "gemm_fp8", "memory_copy", "h2d", "decode_step")
         rows = [f"{r['name']} {r['median']:,.4g} {r['unit']}" + (f" ({r['pct_of_peak']}%)" if r["pct_of_peak"] else "")
                 for r in doc["results"] if r["device"] == "cuda:0" and r["name"] in keep]
+        return "; ".join(rows) + (f"; {len(doc['errors'])} errors" if doc["errors"] else "")
+    if name == "stress" and (doc := load("stress.json", scratch)):
+        rows = [f"{r['device']} {r['median']:,.4g} TFLOP/s, {r['params']['compute_errors']} wrong, "
+                f"max {(r['params']['telemetry']['temperature_c'] or {}).get('max', '?')} C"
+                for r in doc["results"] if r["name"] == "stress_gemm"]
         return "; ".join(rows) + (f"; {len(doc['errors'])} errors" if doc["errors"] else "")
     if name == "quant_bench" and (doc := load("quant_bench.json", scratch)):
         return (f"fp8 weights {doc['weight_bytes'] / 2**20:,.1f} MiB, KV cache {doc['kv_cache_bytes'] / 2**20:,.0f} MiB, "

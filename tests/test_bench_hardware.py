@@ -37,6 +37,14 @@ def llmctl(*args: str) -> subprocess.CompletedProcess:
     ("NVIDIA L4", "L4", 121.0, 300),
     ("NVIDIA GeForce RTX 4090", "GeForce RTX 4090", 165.2, 1008),
     ("Tesla V100-SXM2-32GB", "V100 SXM2", None, 900),
+    ("NVIDIA B200", "B200 (HGX)", 2250.0, 7700),
+    ("NVIDIA GB200", "GB200 (B200 in a Grace superchip)", 2500.0, 8000),
+    ("NVIDIA GH200 480GB", "GH200 96GB HBM3", 989.4, 4000),
+    ("NVIDIA H20", "H20", 148.0, 4000),
+    ("NVIDIA H800", "H800 SXM5 80GB", 989.4, 3352),
+    ("NVIDIA A800-SXM4-80GB", "A800 SXM4 80GB", 312.0, 2039),
+    ("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada", 364.2, 960),
+    ("NVIDIA L20", "L20", 119.5, 864),
 ])
 def test_lookup_matches_nvml_names(name, product, bf16, memory):
     spec = lookup(name)
@@ -44,7 +52,7 @@ def test_lookup_matches_nvml_names(name, product, bf16, memory):
     assert spec.bf16_tflops == bf16 and spec.memory_gbs == memory
 
 
-@pytest.mark.parametrize("name", [None, "", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA L40", "NVIDIA B200",
+@pytest.mark.parametrize("name", [None, "", "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA L40", "NVIDIA B100",
                                   "Intel(R) Xeon(R) Processor", "NVIDIA H1000"])
 def test_lookup_unknown_or_partial_names(name):
     spec = lookup(name)
@@ -80,6 +88,8 @@ def test_peak_keys_and_pcie_rates():
     assert pcie_gbs(4, 16) == pytest.approx(31.51, abs=0.01) and pcie_gbs(3, 8) == pytest.approx(7.88, abs=0.01)
     with pytest.raises(ValueError):
         pcie_gbs(9, 16)
+    assert lookup("NVIDIA GH200 480GB").peak("pcie") == 450.0  # NVLink-C2C is the host link there
+    assert lookup("NVIDIA B200").peak("pcie") == pytest.approx(63.02, abs=0.01)
 
 
 # ---- peak arithmetic, --fail-below, spread warning ---------------------------------------------
@@ -268,15 +278,18 @@ def test_gpu_quick_json_has_every_figure_and_known_peaks():
         assert d["name"] == props.name and d["memory_bytes"] == props.total_memory
         assert d["sm_count"] == props.multi_processor_count and d["l2_bytes"] > 0
     capability = torch.cuda.get_device_capability(0)
-    expected = {"gemm_fp16", "gemm_fp32", "memory_copy", "memory_read", "h2d", "d2h", "attention_prefill",
-                "attention_decode", "decode_step"}
+    expected = {"gemm_fp16", "gemm_fp32", "memory_copy", "memory_read", "h2d", "d2h", "bidirectional",
+                "attention_prefill", "attention_decode", "decode_step"}
     if capability >= (8, 0):
         expected |= {"gemm_bf16", "gemm_tf32"}
     if capability >= (8, 9):
         expected.add("gemm_fp8")
     first = {r["name"]: r for r in doc["results"] if r["device"] == "cuda:0"}
     assert expected <= set(first)
-    assert (count > 1) == any(r["name"] == "p2p" for r in doc["results"])
+    assert sum(r["name"] == "p2p" for r in doc["results"]) == count * (count - 1)  # the full peer matrix
+    sweep = [r for r in doc["results"] if r["name"] == "allreduce_busbw"]
+    assert len(sweep) == (len(hardware.PLANS["quick"].allreduce_sizes) if count > 1 else 0)
+    assert all(r["params"]["wrong_elements"] == 0 for r in sweep)
     known = lookup(doc["devices"][0]["name"]) is not None
     for r in doc["results"]:
         assert 0 < r["min"] <= r["median"] <= r["max"] and r["repeats"] == hardware.PLANS["quick"].reps

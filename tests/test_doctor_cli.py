@@ -17,12 +17,12 @@ from llmctl.cli import run
 
 IDS = [
     "gpu-visible", "gpu-persistence-mode", "gpu-clocks-consistent", "gpu-throttle-reasons", "gpu-thermal-power", "gpu-ecc",
-    "gpu-memory-health", "gpu-memory-free", "gpu-mig-mode", "gpu-compute-mode", "pcie-link", "gpu-topology", "iommu-acs",
-    "tp-rendezvous",
+    "gpu-memory-health", "gpu-memory-free", "gpu-mig-mode", "gpu-compute-mode", "gpu-xid-events", "pcie-link",
+    "gpu-topology", "nvlink-errors", "fabric-manager", "rdma-peermem", "iommu-acs", "tp-rendezvous",
     "numa-balancing", "cpu-governor", "ulimits", "thp", "swap", "shm-size", "driver-version", "cuda-torch-compat",
     "disk-space-model", "cgroup-limits",
 ]
-NVML_CHECKS = IDS[:12]
+NVML_CHECKS = IDS[:10] + ["pcie-link", "gpu-topology", "nvlink-errors"]
 
 
 def llmctl(*args: str) -> subprocess.CompletedProcess:
@@ -50,7 +50,7 @@ def test_real_doctor_json_on_this_machine(real_json):
     if report["host"]["gpus"] == []:  # this machine: no GPU, so every NVML check skips with its reason
         for check_id in NVML_CHECKS:
             assert by_id[check_id]["status"] == "skip" and by_id[check_id]["summary"], check_id
-    assert report["summary"]["total"] == 24 and report["summary"]["exit_code"] == 0
+    assert report["summary"]["total"] == 28 and report["summary"]["exit_code"] == 0
 
 
 def test_expect_gpus_fails_on_a_host_without_them(real_json):
@@ -59,7 +59,7 @@ def test_expect_gpus_fails_on_a_host_without_them(real_json):
     proc = llmctl("doctor", "--json", "--expect-gpus", str(wanted))
     assert proc.returncode == 1
     report = json.loads(proc.stdout)
-    assert len(report["results"]) == 24
+    assert len(report["results"]) == 28
     visible = next(r for r in report["results"] if r["id"] == "gpu-visible")
     assert visible["status"] == "fail" and f"expected {wanted} GPU(s)" in visible["summary"]
 

@@ -292,15 +292,32 @@ def test_health_waits_for_a_warming_server_and_refuses_an_unhealthy_one(monkeypa
     assert err.value.exit_code == 3
 
 
+def _session_run(code: str, folder: Path) -> subprocess.CompletedProcess:
+    """Run `code` (which prints the trace path) in a fresh interpreter without KINETO_LOG_LEVEL."""
+    env = {k: v for k, v in _env().items() if k != "KINETO_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()).is_file()
+    return proc
+
+
 def test_server_profiler_session_prints_no_kineto_lines(tmp_path):
     """`/start_profile` and `/stop_profile` run this session in the server process; kineto's C++ side
     used to print `USDT: ... profiler_start` / `profiler_stop` (and `ERROR:` on CPU hosts) on its stderr."""
     code = ("import sys, torch; from llmctl.server.profiler import TorchProfilerSession as S; "
             "s = S(sys.argv[1]); s.start(); torch.ones(64, 64).mm(torch.ones(64, 64)); print(s.stop())")
-    env = {k: v for k, v in _env().items() if k != "KINETO_LOG_LEVEL"}
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert Path(proc.stdout.strip()).is_file()
+    proc = _session_run(code, tmp_path)
     noise = [line for line in proc.stderr.splitlines() if line.startswith(("USDT:", "STAGE:", "ERROR:"))]
     assert not noise, noise
+
+
+def test_server_profiler_on_the_engine_thread_prints_no_kineto_init_error(tmp_path):
+    """The server makes the session on its main thread and starts it on the engine thread: kineto printed
+    "ERROR: External init callback must run in same thread as registerClient" there."""
+    code = ("import sys, threading, torch; from llmctl.server.profiler import TorchProfilerSession as S; "
+            "s = S(sys.argv[1]); out = []; "
+            "t = threading.Thread(target=lambda: (s.start(), torch.ones(8).sum(), out.append(s.stop()))); "
+            "t.start(); t.join(); print(out[0])")
+    proc = _session_run(code, tmp_path)
+    assert "External init callback" not in proc.stderr and not proc.stderr.strip(), proc.stderr

@@ -68,6 +68,27 @@ def test_three_steps_profile_with_a_shrunk_schedule_and_no_kineto_noise(tmp_path
     assert not noise, noise  # kineto's C++ log lines
 
 
+def test_stack_memory_and_flops_options_reach_the_trace_and_table(tmp_path):
+    out = tmp_path / "t"
+    proc = llmctl("--batch-size", "2", "--input-len", "8", "--output-len", "4", "--wait", "0", "--active", "1",
+                  "--num-threads", "1", "--with-stack", "--profile-memory", "--with-flops", "--row-limit", "50",
+                  "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    table = (out / "ops.txt").read_text()
+    assert "FLOPS" in table.upper() and "CPU Mem" in table
+    trace = json.load(gzip.open(out / "trace.json.gz"))
+    assert any(event.get("cat") == "python_function" for event in trace["traceEvents"])  # --with-stack
+    assert any(event.get("name") == "[memory]" for event in trace["traceEvents"])  # --profile-memory
+    options = json.loads((out / "manifest.json").read_text())["result"]["options"]
+    assert options == {"with_stack": True, "profile_memory": True, "with_flops": True, "memory_snapshot": None}
+
+
+def test_memory_snapshot_is_refused_without_cuda():
+    proc = llmctl("--memory-snapshot", "--device", "cpu")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "--memory-snapshot" in proc.stderr and "needs a CUDA device" in proc.stderr
+
+
 def test_bad_schedule_and_sort_key():
     short = llmctl("--steps", "2", "--wait", "1", "--warmup", "1", "--active", "2")
     assert short.returncode == 2 and "shorter than the schedule" in short.stderr
@@ -94,3 +115,16 @@ def test_cuda_trace_has_kernels_and_device_times(tmp_path):
     assert sum(row["device_time_total_us"] for row in rows) > 0
     trace = json.load(gzip.open(out / "trace.json.gz"))
     assert any(event.get("cat") == "kernel" for event in trace["traceEvents"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+def test_cuda_memory_snapshot_is_a_pickle_memory_viz_reads(tmp_path):
+    import pickle
+
+    out = tmp_path / "snap"
+    proc = llmctl("--device", "cuda", "--batch-size", "2", "--active", "1", "--memory-snapshot", "--json", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    snapshot = pickle.loads((out / "memory_snapshot.pickle").read_bytes())
+    assert snapshot["segments"] and any(snapshot["device_traces"])  # allocations recorded during the steps
+    assert "memory_snapshot.pickle" in json.loads(proc.stdout)["files"]

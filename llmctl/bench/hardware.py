@@ -16,12 +16,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmctl.bench.memory_budget import MemoryBudget
 from llmctl.bench.shapes import BUILTIN, ModelShape
 from llmctl.bench.specs import GpuSpec, lookup
 from llmctl.errors import one_line
 
 SCHEMA_VERSION = 1
 SPREAD_LIMIT_PCT = 5.0
+NOISE_LIMIT_PCT = 10.0  # (max - min) / median of one figure's repetitions above this: the host was noisy
+CPU_MEMORY_SHARE = 0.7  # of the memory budget for the CPU decode weights; buffers and the allocator take the rest
 MIB, GIB = 1 << 20, 1 << 30
 
 
@@ -39,15 +42,16 @@ class Plan:
     attention_decode: tuple[int, int, int, int, int]  # batch, q heads, kv heads, head dim, context
     cpu_shape: str
     gpu_shape: str
+    allreduce_sizes: tuple[int, ...] = (MIB, 32 * MIB, 256 * MIB)  # bytes per rank, the NCCL sweep
 
 
 PLANS = {
     "quick": Plan("quick", 5, 0.1, 8192, 1024, 1 * GIB, 2, 256 * MIB, (2, 32, 8, 128, 4096), (32, 32, 8, 128, 4096),
                   "smollm-135m", "llama-3-8b"),
     "default": Plan("default", 20, 0.5, 8192, 2048, 2 * GIB, 4, 512 * MIB, (4, 32, 8, 128, 4096),
-                    (64, 32, 8, 128, 4096), "qwen2.5-0.5b", "llama-3-8b"),
+                    (64, 32, 8, 128, 4096), "qwen2.5-0.5b", "llama-3-8b", (MIB, 16 * MIB, 128 * MIB, GIB)),
     "full": Plan("full", 100, 2.0, 8192, 4096, 4 * GIB, 8, 1 * GIB, (8, 32, 8, 128, 8192), (128, 32, 8, 128, 8192),
-                 "qwen2.5-0.5b", "llama-3-8b"),
+                 "qwen2.5-0.5b", "llama-3-8b", tuple(MIB << (2 * i) for i in range(7))),
 }
 
 
@@ -64,6 +68,7 @@ class Result:
     peak: Optional[float]
     pct_of_peak: Optional[float]
     params: dict[str, Any] = field(default_factory=dict)
+    spread_pct: Optional[float] = None  # (max - min) / median of the repetitions, in %
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +97,7 @@ class Report:
 
 Task = tuple[str, str, Callable[[], Any]]  # (label for progress, device label, returns a Measured)
 Progress = Callable[[str, int, int], None]  # (step label, steps done, total steps)
+OnResult = Callable[["Result"], None]  # called with each figure as soon as it is measured
 
 
 def to_result(measured: Any, device: str, spec: Optional[GpuSpec]) -> Result:
@@ -101,9 +107,10 @@ def to_result(measured: Any, device: str, spec: Optional[GpuSpec]) -> Result:
     base = spec.peak(measured.peak_key) if spec is not None and measured.peak_key else None
     peak = base * measured.peak_scale if base is not None else None
     pct = 100.0 * median / peak if peak else None
+    spread = 100.0 * (max(values) - min(values)) / median if median else None
     return Result(measured.name, measured.label, device, measured.unit, _round(median), _round(min(values)),
                   _round(max(values)), len(values), _round(peak), None if pct is None else round(pct, 1),
-                  measured.params)
+                  measured.params, None if spread is None else round(spread, 1))
 
 
 def _round(value: Optional[float]) -> Optional[float]:
@@ -113,6 +120,14 @@ def _round(value: Optional[float]) -> Optional[float]:
 def fail_below(results: list[Result], pct: float) -> list[Result]:
     """Figures with a known peak that reached less than pct % of it."""
     return [r for r in results if r.pct_of_peak is not None and r.pct_of_peak < pct]
+
+
+def noise_warnings(results: list[Result], limit_pct: float = NOISE_LIMIT_PCT) -> list[str]:
+    """One warning per figure whose repetitions spread more than limit_pct of their median: such a
+    median may move by as much between two runs."""
+    return [f"{r.label} on {r.device}: repetitions spread {r.spread_pct:.0f}% of the median ((max - min) / median "
+            f"> {limit_pct:g}%): the host was busy or changing clocks; compare medians across runs with care"
+            for r in results if r.spread_pct is not None and r.spread_pct > limit_pct]
 
 
 def spread_warnings(results: list[Result], devices: list[dict[str, Any]], limit_pct: float = SPREAD_LIMIT_PCT) -> list[str]:
@@ -146,7 +161,8 @@ def cpu_inventory() -> dict[str, Any]:
             "machine": platform.machine()}
 
 
-def cpu_tasks(plan: Plan, shape: Optional[ModelShape]) -> list[Task]:
+def cpu_tasks(plan: Plan, shape: Optional[ModelShape], budget: MemoryBudget) -> tuple[list[Task], list[str]]:
+    """The CPU benchmarks sized to the memory budget, and the notes on what was shrunk to fit."""
     import torch
 
     from llmctl.bench import kernels as k
@@ -157,20 +173,48 @@ def cpu_tasks(plan: Plan, shape: Optional[ModelShape]) -> list[Task]:
     l2_total = (caches.get(2) or 2 * MIB) * (os.cpu_count() or 1)
     llc = caches.get(max(caches)) if caches else 32 * MIB
     copy_bytes = max(256 * MIB, plan.cpu_copy_llc_multiple * llc)
-    shape = shape or BUILTIN[plan.cpu_shape]
-    return [
+    if budget.bytes is not None:  # four buffers of copy_bytes: half the budget at most
+        copy_bytes = max(16 * MIB, min(copy_bytes, budget.bytes // 8))
+    decode, note = cpu_decode_shape(shape or BUILTIN[plan.cpu_shape], budget)
+    tasks: list[Task] = [
         ("GEMM fp32", "cpu", lambda: k.gemm(timer, cpu, "fp32", plan.cpu_gemm, l2_total)),
         ("GEMM bf16", "cpu", lambda: k.gemm(timer, cpu, "bf16", plan.cpu_gemm, l2_total)),
         ("memory copy", "cpu", lambda: k.memory_copy(timer, cpu, copy_bytes, peak_key=None)),
         ("memory read", "cpu", lambda: k.memory_read(timer, cpu, copy_bytes, peak_key=None)),
-        (f"decode step {shape.name}", "cpu", lambda: k.decode_step(timer, cpu, torch.float32, shape)),
     ]
+    if decode is not None:
+        tasks.append((f"decode step {decode.name}", "cpu", lambda: k.decode_step(timer, cpu, torch.float32, decode)))
+    return tasks, [note] if note else []
 
 
-def run_cpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Report:
+def _fp32_bytes(shape: ModelShape) -> int:
+    return 4 * shape.linear_params
+
+
+def cpu_decode_shape(wanted: ModelShape, budget: MemoryBudget) -> tuple[Optional[ModelShape], Optional[str]]:
+    """The wanted shape when its float32 weights fit in CPU_MEMORY_SHARE of the budget, else the largest
+    built-in shape that does (None when none does), with a note that says why."""
+    room = None if budget.bytes is None else CPU_MEMORY_SHARE * budget.bytes
+    if room is None or _fp32_bytes(wanted) <= room:
+        return wanted, None
+    why = (f"decode step: {wanted.name}'s float32 weights need {_fp32_bytes(wanted) / GIB:.1f} GiB, more than "
+           f"{CPU_MEMORY_SHARE:.0%} of the {budget.describe()} this process may use")
+    fits = sorted((s for s in BUILTIN.values() if _fp32_bytes(s) <= room), key=lambda s: s.linear_params)
+    if not fits:
+        return None, why + "; no built-in shape fits either, so the decode step is skipped"
+    return fits[-1], why + f"; measured {fits[-1].name} instead"
+
+
+def run_cpu(plan: Plan, shape: Optional[ModelShape], progress: Progress, on_result: Optional[OnResult] = None,
+            budget: Optional[MemoryBudget] = None) -> Report:
+    from llmctl.bench.memory_budget import memory_budget
+
     report = Report("cpu", plan.mode, [cpu_inventory()])
     report.notes.append("CPUs have no datasheet peak in the spec table: % of peak shows '—'")
-    _run_tasks(cpu_tasks(plan, shape), {}, report, progress)
+    tasks, notes = cpu_tasks(plan, shape, budget or memory_budget())
+    report.notes += notes
+    _run_tasks(tasks, {}, report, progress, on_result)
+    report.warnings += noise_warnings(report.results)
     return report
 
 
@@ -280,6 +324,8 @@ def gpu_tasks(plan: Plan, index: int, shape: Optional[ModelShape], link: Callabl
         ("memory read", label, lambda: k.memory_read(timer, device, copy_bytes)),
         ("host→device", label, lambda: _with_link(k.host_transfer(timer, device, plan.transfer_bytes, "h2d"), link)),
         ("device→host", label, lambda: _with_link(k.host_transfer(timer, device, plan.transfer_bytes, "d2h"), link)),
+        ("host↔device", label, lambda: _with_link(k.host_transfer_bidirectional(timer, device, plan.transfer_bytes),
+                                                  link)),
         ("attention prefill", label, lambda: k.attention_prefill(
             timer, device, half, k.AttentionShape(*plan.attention_prefill), use_flash=flash_ok)),
         ("attention decode", label, lambda: k.attention_decode(
@@ -304,21 +350,20 @@ def _with_link(measured: Any, link: Callable[[], Any]) -> Any:
 
 
 def peer_tasks(plan: Plan, count: int) -> list[Task]:
-    """Ring of peer copies: cuda:i -> cuda:(i+1) % count."""
+    """The peer-copy matrix, nvbandwidth-style: cuda:i -> cuda:j for every ordered pair i != j."""
     import torch
 
     from llmctl.bench import kernels as k
 
     tasks: list[Task] = []
-    for i in range(count):
-        j = (i + 1) % count
+    for i, j in ((i, j) for i in range(count) for j in range(count) if i != j):
         src, dst = torch.device("cuda", i), torch.device("cuda", j)
         tasks.append((f"peer copy {i}→{j}", f"cuda:{i}->cuda:{j}",
                       lambda src=src, dst=dst: k.peer_copy(src, dst, plan.transfer_bytes, plan.warmup_s, plan.reps)))
     return tasks
 
 
-def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Report:
+def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress, on_result: Optional[OnResult] = None) -> Report:
     import torch
 
     from llmctl.checks.probe import open_nvml
@@ -332,7 +377,8 @@ def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Repo
         specs = {d["label"]: lookup(d["name"]) for d in devices}
         for d in devices:
             if specs[d["label"]] is None:
-                report.notes.append(f"{d['label']} ({d['name']}) is not in the datasheet table: % of peak shows '—'")
+                report.notes.append(f"{d['label']} ({d['name']}): no peak known (not in the datasheet table, "
+                                    "llmctl/bench/specs.py): % of peak shows '—'")
         tasks: list[Task] = []
         for i in range(count):
             props = torch.cuda.get_device_properties(i)
@@ -340,10 +386,46 @@ def run_gpu(plan: Plan, shape: Optional[ModelShape], progress: Progress) -> Repo
             tasks += gpu_tasks(plan, i, shape, lambda handle=handle: _pcie_link(nvml, handle))
         if count > 1:
             tasks += peer_tasks(plan, count)
-        _run_tasks(tasks, specs, report, progress)
+        _run_tasks(tasks, specs, report, progress, on_result)
+    if count > 1:
+        _allreduce_sweep(plan, count, report, on_result)
     report.notes += _link_notes(devices)
-    report.warnings += spread_warnings(report.results, devices)
+    report.warnings += spread_warnings(report.results, devices) + noise_warnings(report.results)
     return report
+
+
+def run_gpu_stress(duration_s: float, progress: Progress, on_result: Optional[OnResult] = None) -> Report:
+    """`--stress`: checked GEMMs on every GPU for duration_s with NVML telemetry (llmctl.bench.stress)."""
+    import torch
+
+    from llmctl.bench.stress import run_stress
+    from llmctl.checks.probe import open_nvml
+
+    count = torch.cuda.device_count()
+    with open_nvml() as (nvml, _reason, _mismatch):
+        report = Report("cuda", "stress", [gpu_inventory(i, nvml) for i in range(count)])
+        handles = {f"cuda:{i}": _nvml_handle(nvml, torch.cuda.get_device_properties(i)) for i in range(count)}
+        run_stress(duration_s, report, handles, nvml, progress, on_result)
+    return report
+
+
+def _allreduce_sweep(plan: Plan, count: int, report: Report, on_result: Optional[OnResult]) -> None:
+    """nccl-tests-style all-reduce over every local GPU (one spawned process each); wrong sums are errors."""
+    from llmctl.bench import collectives
+
+    device = f"cuda:0-{count - 1}"
+    try:
+        rows = collectives.allreduce_sweep(count, list(plan.allreduce_sizes), "nccl", reps=min(plan.reps, 20))
+    except Exception as exc:  # noqa: BLE001 - a failed rank (NCCL error, spawn failure) is one failed figure
+        report.errors.append({"benchmark": "all-reduce sweep", "device": device, "error": one_line(exc)[:300]})
+        return
+    for row in rows:
+        report.results.append(to_result(collectives.to_measured(row, count, "nccl"), device, None))
+        if on_result is not None:
+            on_result(report.results[-1])
+        if row.wrong_elements:
+            report.errors.append({"benchmark": f"all-reduce {row.nbytes} bytes", "device": device,
+                                  "error": f"{row.wrong_elements} element(s) of the sums were wrong"})
 
 
 def _link_notes(devices: list[dict[str, Any]]) -> list[str]:
@@ -359,9 +441,10 @@ def _link_notes(devices: list[dict[str, Any]]) -> list[str]:
 
 
 # ---- shared -------------------------------------------------------------------------------------
-def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: Report, progress: Progress) -> None:
-    """Run each task once; a failing one (out of memory, unsupported kernel) is recorded in
-    `report.errors` and the rest still run."""
+def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: Report, progress: Progress,
+               on_result: Optional[OnResult] = None) -> None:
+    """Run each task once, handing each figure to on_result as it completes; a failing one (out of
+    memory, unsupported kernel) is recorded in `report.errors` and the rest still run."""
     import torch
 
     for done, (label, device, task) in enumerate(tasks):
@@ -376,6 +459,8 @@ def _run_tasks(tasks: list[Task], specs: dict[str, Optional[GpuSpec]], report: R
         else:
             spec = specs.get(device.split("->")[0]) if "->" not in device else None
             report.results.append(to_result(measured, device, spec))
+            if on_result is not None:
+                on_result(report.results[-1])
         finally:
             gc.collect()
             if torch.cuda.is_available():

@@ -1,5 +1,6 @@
 """What `llmctl bench` (`--gpu`/`--cpu`) does once its flags are parsed: pick the device, run the
-microbenchmarks (`hardware`) under a progress bar, print the report or `--json`, then the notes,
+microbenchmarks (`hardware`) under a progress bar, print each figure as it completes, then the
+device inventory or the `--json` document, then the notes,
 warnings and failures on stderr, and return the exit code (1: a benchmark failed or a figure is
 under `--fail-below`)."""
 
@@ -21,16 +22,19 @@ class HardwareJob:
     num_threads: Optional[int]
     json_output: bool
     fail_below: Optional[float]
+    stress_s: Optional[float] = None  # --stress: seconds of checked GEMMs instead of the microbenchmarks
 
 
 def run_hardware_job(job: HardwareJob) -> int:
     import torch
 
     from llmctl.bench import hardware
-    from llmctl.bench.report import progress_bar, render_hardware
+    from llmctl.bench.report import HardwareRows, measured_line, progress_bar, render_inventory
     from llmctl.bench.shapes import resolve_shape
     from llmctl.output import print_json
 
+    if job.stress_s is not None and (job.cpu or not torch.cuda.is_available()):
+        raise UserError("--stress loads CUDA GPUs with checked GEMMs: it needs a CUDA device and not --cpu")
     if job.gpu and not torch.cuda.is_available():
         raise UserError(f"--gpu: no CUDA device is available (torch {torch.__version__}, "
                         f"CUDA build {torch.version.cuda or 'none'}); use --cpu")
@@ -39,8 +43,14 @@ def run_hardware_job(job: HardwareJob) -> int:
         torch.set_num_threads(job.num_threads)
     use_gpu = job.gpu or (not job.cpu and torch.cuda.is_available())
     plan = hardware.PLANS[job.mode]
+    show = measured_line if job.json_output else HardwareRows()
     with progress_bar(True) as update:
-        report = hardware.run_gpu(plan, shape, update) if use_gpu else hardware.run_cpu(plan, shape, update)
+        on_result = lambda result: show(result.to_dict())  # noqa: E731
+        if job.stress_s is not None:
+            report = hardware.run_gpu_stress(job.stress_s, update, on_result)
+        else:
+            run = hardware.run_gpu if use_gpu else hardware.run_cpu
+            report = run(plan, shape, update, on_result)
     if not job.gpu and not job.cpu and not use_gpu:
         report.notes.insert(0, f"no CUDA device (torch {torch.__version__}): benchmarked the CPU instead; "
                                "pass --cpu to ask for it explicitly")
@@ -48,7 +58,7 @@ def run_hardware_job(job: HardwareJob) -> int:
     if job.json_output:
         print_json(doc)
     else:
-        render_hardware(doc)
+        render_inventory(doc["devices"])
     return verdict(report, job.fail_below)
 
 

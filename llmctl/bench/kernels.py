@@ -205,6 +205,30 @@ def host_transfer(timer: Timer, device: torch.device, nbytes: int, direction: st
                     {"bytes": n * 4, "pinned": True}, peak_key="pcie")
 
 
+def host_transfer_bidirectional(timer: Timer, device: torch.device, nbytes: int) -> Measured:
+    """Pinned host -> device and device -> host copies of nbytes each at once, on two streams (the PCIe
+    link is full duplex); counts both directions, so the peak is twice the per-direction link."""
+    n = nbytes // 4
+    host_in = _random((n,), torch.float32, torch.device("cpu")).pin_memory()
+    host_out = torch.empty((n,), dtype=torch.float32).pin_memory()
+    dev_in = torch.empty((n,), dtype=torch.float32, device=device)
+    dev_out = _random((n,), torch.float32, device)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def both(_i: int) -> None:
+        with torch.cuda.stream(up):
+            dev_in.copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(down):
+            host_out.copy_(dev_out, non_blocking=True)
+        up.synchronize()
+        down.synchronize()
+
+    seconds = Timer(timer.warmup_s, timer.reps).time(both)  # two streams: host-side timing around both
+    return Measured("bidirectional", f"host↔device pinned {format_bytes(nbytes)} each way", "GB/s",
+                    [2 * n * 4 / s / 1e9 for s in seconds], {"bytes_each_way": n * 4, "pinned": True},
+                    peak_key="pcie", peak_scale=2.0)
+
+
 def peer_copy(src_device: torch.device, dst_device: torch.device, nbytes: int, warmup_s: float, reps: int) -> Measured:
     """GPU -> GPU copy of nbytes. Timed on the host around a synchronised copy (the copy involves
     two devices' streams, so one device's events would not bracket it); nbytes is large enough

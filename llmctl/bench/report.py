@@ -69,9 +69,9 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> None:
     out.file.flush()
 
 
-def render_hardware(doc: dict[str, Any]) -> None:
+def render_inventory(devices: list[dict[str, Any]]) -> None:
     out = stdout_console()
-    for d in doc["devices"]:
+    for d in devices:
         if d["kind"] == "cpu":
             out.print(f"{d['label']}: {d['name']}, {d['logical_cores']} logical cores, torch threads {d['threads']}",
                       markup=False, highlight=False)
@@ -83,9 +83,44 @@ def render_hardware(doc: dict[str, Any]) -> None:
                       f"{format_bytes(d['memory_bytes'])}, sm_{d['compute_capability'].replace('.', '')}, "
                       f"driver {d.get('driver_version') or '?'}, CUDA {d.get('cuda_version')}{pcie}",
                       markup=False, highlight=False)
-    rows = [[r["device"], r["label"], fmt(r["median"]), fmt(r["min"]), fmt(r["max"]), r["unit"], fmt(r["peak"]),
-             DASH if r["pct_of_peak"] is None else f"{r['pct_of_peak']:.1f}%"] for r in doc["results"]]
-    _table(["device", "benchmark", "median", "min", "max", "unit", "peak", "% of peak"], rows, {2, 3, 4, 6, 7})
+
+
+# (header, width, right-aligned): fixed widths because rows are printed one by one as figures complete
+HARDWARE_COLUMNS = (("device", 14, False), ("benchmark", 36, False), ("median", 10, True), ("min", 10, True),
+                    ("max", 10, True), ("spread", 7, True), ("unit", 9, False), ("peak", 9, True),
+                    ("% of peak", 9, True))
+
+
+def hardware_row(r: dict[str, Any]) -> list[str]:
+    spread = DASH if r.get("spread_pct") is None else f"{r['spread_pct']:.0f}%"
+    return [r["device"], r["label"], fmt(r["median"]), fmt(r["min"]), fmt(r["max"]), spread, r["unit"],
+            fmt(r["peak"]), DASH if r["pct_of_peak"] is None else f"{r['pct_of_peak']:.1f}%"]
+
+
+class HardwareRows:
+    """Prints the hardware table one row per figure as it completes (the header before the first), so
+    a run cut short (killed, interrupted) still shows what it measured."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def _line(self, cells: list[str]) -> None:
+        text = "  ".join(c.rjust(w) if right else c.ljust(w) for c, (_, w, right) in zip(cells, HARDWARE_COLUMNS))
+        sys.stdout.write(text.rstrip() + "\n")
+        sys.stdout.flush()
+
+    def __call__(self, result: dict[str, Any]) -> None:
+        if not self.started:
+            self._line([name for name, _, _ in HARDWARE_COLUMNS])
+            self.started = True
+        self._line(hardware_row(result))
+
+
+def measured_line(result: dict[str, Any]) -> None:
+    """One figure on stderr as it completes, for --json runs (stdout holds only the document)."""
+    sys.stderr.write(f"llmctl: measured {result['device']} {result['label']}: {fmt(result['median'])} "
+                     f"{result['unit']} (median of {result['repeats']})\n")
+    sys.stderr.flush()
 
 
 def render_throughput(doc: dict[str, Any]) -> None:

@@ -30,11 +30,13 @@ class GpuSpec:
     memory_gbs: float
     pcie_gen: int
     pcie_width: int = 16
+    c2c_gbs: Optional[float] = None  # Grace superchips: per-direction NVLink-C2C, the host link instead of PCIe
 
     @property
     def pcie_gbs(self) -> float:
-        """Theoretical per-direction host link bandwidth of the datasheet's PCIe generation and width."""
-        return pcie_gbs(self.pcie_gen, self.pcie_width)
+        """Theoretical per-direction host link bandwidth: the datasheet's PCIe generation and width, or
+        NVLink-C2C on a Grace superchip (host copies do not cross PCIe there)."""
+        return self.c2c_gbs if self.c2c_gbs is not None else pcie_gbs(self.pcie_gen, self.pcie_width)
 
     def peak(self, metric: str) -> Optional[float]:
         """The peak for a metric key: gemm_<dtype> (TFLOP/s), memory (GB/s), pcie (GB/s)."""
@@ -55,8 +57,21 @@ def pcie_gbs(gen: int, width: int) -> float:
 
 
 # Sources: NVIDIA product datasheets and architecture whitepapers (A100, H100, H200, Ada, Volta,
-# Turing). Sparse figures were halved to their dense values where a datasheet only lists sparse ones.
+# Turing, HGX B200 / GB200 NVL72, GH200, H20, L20). Sparse figures were halved to their dense values
+# where a datasheet only lists sparse ones. H800/A800 are the export variants of H100/A100: same
+# compute and memory, narrower NVLink. NVLink-C2C: 900 GB/s total, 450 GB/s per direction.
 SPECS: tuple[GpuSpec, ...] = (
+    GpuSpec("B200 (HGX)", ("NVIDIA B200",), 75.0, 1100.0, 2250.0, 2250.0, 4500.0, 7700, 5),
+    GpuSpec("GB200 (B200 in a Grace superchip)", ("NVIDIA GB200",), 80.0, 1250.0, 2500.0, 2500.0, 5000.0, 8000, 5,
+            c2c_gbs=450.0),
+    GpuSpec("GH200 96GB HBM3", ("NVIDIA GH200 480GB",), 66.9, 494.7, 989.4, 989.4, 1978.9, 4000, 5, c2c_gbs=450.0),
+    GpuSpec("H800 SXM5 80GB", ("NVIDIA H800",), 66.9, 494.7, 989.4, 989.4, 1978.9, 3352, 5),
+    GpuSpec("H800 PCIe 80GB", ("NVIDIA H800 PCIe",), 51.2, 378.0, 756.0, 756.0, 1513.0, 2039, 5),
+    GpuSpec("H20", ("NVIDIA H20",), 44.0, 74.0, 148.0, 148.0, 296.0, 4000, 5),
+    GpuSpec("A800 SXM4 80GB", ("NVIDIA A800-SXM4-80GB",), 19.5, 156.0, 312.0, 312.0, None, 2039, 4),
+    GpuSpec("A800 PCIe 80GB", ("NVIDIA A800 80GB PCIe",), 19.5, 156.0, 312.0, 312.0, None, 1935, 4),
+    GpuSpec("RTX 6000 Ada", ("NVIDIA RTX 6000 Ada Generation",), 91.1, 182.1, 364.2, 364.2, 728.5, 960, 4),
+    GpuSpec("L20", ("NVIDIA L20",), 59.8, 59.8, 119.5, 119.5, 239.0, 864, 4),
     GpuSpec("H200 SXM", ("NVIDIA H200",), 66.9, 494.7, 989.4, 989.4, 1978.9, 4800, 5),
     GpuSpec("H200 NVL", ("NVIDIA H200 NVL",), 60.0, 417.5, 835.5, 835.5, 1670.5, 4800, 5),
     GpuSpec("H100 SXM5 80GB", ("NVIDIA H100 80GB HBM3",), 66.9, 494.7, 989.4, 989.4, 1978.9, 3352, 5),

@@ -9,9 +9,10 @@ for `warmup` and records `active`; the recorded window is exported as a Chrome/P
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from llmctl.errors import UserError
 from llmctl.profiling import ui
@@ -19,6 +20,8 @@ from llmctl.profiling.artifacts import Manifest
 
 TRACE_NAME = "trace.json.gz"
 TABLE_NAME = "ops.txt"
+SNAPSHOT_NAME = "memory_snapshot.pickle"  # what https://pytorch.org/memory_viz reads
+SNAPSHOT_MAX_ENTRIES = 100_000  # allocation events kept by the CUDA caching allocator's history
 SORT_KEYS = ("self_cpu_time_total", "cpu_time_total", "self_device_time_total", "device_time_total", "count",
              "self_cpu_memory_usage", "cpu_memory_usage")
 
@@ -57,6 +60,10 @@ class TorchPlan:
     row_limit: int = 20
     record_shapes: bool = True
     seed: int = 0
+    with_stack: bool = False  # Python/C++ call stacks per op (larger trace, slower)
+    profile_memory: bool = False  # tensor allocations and frees per op
+    with_flops: bool = False  # FLOP estimates for matmul and convolution ops
+    memory_snapshot: bool = False  # CUDA caching-allocator history -> memory_snapshot.pickle
 
     @property
     def total_steps(self) -> int:
@@ -73,6 +80,17 @@ class TorchPlan:
                             f"(wait {self.wait} + warmup {self.warmup} + active {self.active})")
         if self.sort_by not in SORT_KEYS:
             raise UserError(f"--sort-by must be one of {', '.join(SORT_KEYS)}")
+        if self.memory_snapshot and not _cuda_planned(self.engine_args):
+            raise UserError("--memory-snapshot records the CUDA caching allocator and needs a CUDA device "
+                            f"(--device {getattr(self.engine_args, 'device', 'auto')}; torch.cuda.is_available() "
+                            "is False or the device is cpu)")
+
+
+def _cuda_planned(engine_args: Any) -> bool:
+    import torch
+
+    device = str(getattr(engine_args, "device", "auto"))
+    return device != "cpu" and torch.cuda.is_available()
 
 
 def run_torch(plan: TorchPlan, manifest: Manifest) -> str:
@@ -92,8 +110,10 @@ def run_torch(plan: TorchPlan, manifest: Manifest) -> str:
     trace = manifest.output_dir / TRACE_NAME
     feeder = _Feeder(engine, plan)
     sched = schedule(wait=plan.wait, warmup=plan.warmup, active=plan.active, repeat=1)
-    with profile(activities=activities, record_shapes=plan.record_shapes, schedule=sched,
-                 on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace))) as prof:
+    with _memory_history(plan, manifest), \
+            profile(activities=activities, record_shapes=plan.record_shapes, schedule=sched,
+                    with_stack=plan.with_stack, profile_memory=plan.profile_memory, with_flops=plan.with_flops,
+                    on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace))) as prof:
         with ui.steps("engine steps", plan.total_steps) as bar:
             for _ in range(plan.total_steps):
                 feeder.top_up()
@@ -113,6 +133,8 @@ def run_torch(plan: TorchPlan, manifest: Manifest) -> str:
         batch_size=plan.batch_size, input_len=plan.input_len, output_len=plan.output_len,
         requests_started=feeder.count, trace=TRACE_NAME if trace.exists() else None,
         sort_by=plan.sort_by, ops=op_rows(averages, plan.sort_by, plan.row_limit, device.type == "cuda"),
+        options={"with_stack": plan.with_stack, "profile_memory": plan.profile_memory, "with_flops": plan.with_flops,
+                 "memory_snapshot": SNAPSHOT_NAME if plan.memory_snapshot else None},
     )
     if not trace.exists():
         manifest.finish("tool_failed", None, "torch.profiler exported no trace")
@@ -120,6 +142,25 @@ def run_torch(plan: TorchPlan, manifest: Manifest) -> str:
         manifest.finish("ok")
     manifest.write()
     return table
+
+
+@contextlib.contextmanager
+def _memory_history(plan: TorchPlan, manifest: Manifest) -> Iterator[None]:
+    """With --memory-snapshot: record the CUDA caching allocator's history around the profiled steps and
+    dump it as a pickle that https://pytorch.org/memory_viz opens."""
+    if not plan.memory_snapshot:
+        yield
+        return
+    import torch
+
+    torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES)
+    try:
+        yield
+        path = manifest.output_dir / SNAPSHOT_NAME
+        torch.cuda.memory._dump_snapshot(str(path))
+        manifest.add_file(path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def _engine(args):

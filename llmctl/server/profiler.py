@@ -1,5 +1,6 @@
 """`torch.profiler` sessions behind `/start_profile` and `/stop_profile` (servers started with
-`--profile-dir`). Both calls run on the engine thread, where the model's ops execute."""
+`--profile-dir`). Both calls run on the engine thread, where the model's ops execute; the session is
+made on the main thread, which initialises Kineto there (`init_kineto_on_this_thread`)."""
 
 from __future__ import annotations
 
@@ -8,29 +9,31 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+def _activities() -> list:
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+
 class TorchProfilerSession:
     def __init__(self, folder: Path):
+        from llmctl.profiling import init_kineto_on_this_thread
+
         self.folder = Path(folder)
         self._profiler: Optional[Any] = None
         self._started = 0.0
+        init_kineto_on_this_thread(_activities())
 
     @property
     def active(self) -> bool:
         return self._profiler is not None
 
     def start(self) -> None:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import profile
 
-        from llmctl.profiling import quiet_kineto
-
-        quiet_kineto()
-
-        activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(ProfilerActivity.CUDA)
         self.folder.mkdir(parents=True, exist_ok=True)
-        profiler = profile(activities=activities, record_shapes=True, with_stack=False)
+        profiler = profile(activities=_activities(), record_shapes=True, with_stack=False)
         profiler.start()
         self._profiler, self._started = profiler, time.time()
 
