@@ -35,8 +35,10 @@ def _arg(default: Any, help: str, **cli: Any) -> Any:
 
 @dataclass
 class EngineArgs:
-    model: Optional[str] = _arg(None, "Hugging Face model folder (default: the embedded model).", short="-m")
-    tokenizer: Optional[str] = _arg(None, "Tokenizer folder (default: the model folder).")
+    model: Optional[str] = _arg(None, "Hugging Face model folder, .gguf file, or model id ORG/NAME found in the local "
+                                      "Hugging Face cache (never downloaded; default: the embedded model).", short="-m")
+    revision: Optional[str] = _arg(None, "With a model id: the cached branch, tag or commit (default: main).")
+    tokenizer: Optional[str] = _arg(None, "Tokenizer folder or cached model id (default: the model's).")
     dtype: str = _arg("auto", "Weight and activation dtype (auto: the checkpoint's).", choices=DTYPES)
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N.")
     seed: int = _arg(0, "Engine random seed (unseeded sampling).")
