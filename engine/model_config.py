@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.rotary import SCALED_ROPE_TYPES
 from llmctl.engine.layers.quantization import QuantizationConfig, QuantizationRegistry, active_registry
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -85,6 +86,9 @@ class ModelConfig:
         except (TypeError, ValueError) as exc:
             raise ModelLoadError(f"{source} has a non-integer size field: {exc}") from None
         rope_theta, rope_scaling = _rope(raw)
+        partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+        if partial is not None and float(partial) != 1.0:
+            raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (RoPE over whole heads)")
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         config = cls(
             architecture=architecture,
@@ -100,7 +104,7 @@ class ModelConfig:
             o_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
-            sliding_window=_sliding_window(raw, architecture),
+            sliding_window=_sliding_window(raw, architecture, source),
             hidden_act=str(raw.get("hidden_act", "silu")),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
@@ -120,10 +124,18 @@ class ModelConfig:
                                  f"num_key_value_heads {self.num_kv_heads}")
         if self.hidden_act not in ("silu", "swish"):
             raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported (only silu)")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ("default", "llama3", "linear", "rope_freqs"):
+        self._validate_rope(source)
+
+    def _validate_rope(self, source: str) -> None:
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type", "default")
+        if rope_type not in ("default",) + SCALED_ROPE_TYPES:
             raise ModelLoadError(f"{source}: rope_scaling type {rope_type!r} is not supported "
-                                 "(supported: default, linear, llama3)")
+                                 f"(supported: default, {', '.join(SCALED_ROPE_TYPES[:-1])})")
+        for key in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+            if len(scaling.get(key) or ()) != self.head_dim // 2:
+                raise ModelLoadError(f"{source}: rope_scaling {key} needs head_dim / 2 = {self.head_dim // 2} "
+                                     "entries")
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:
@@ -155,19 +167,48 @@ def _rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
         scaling = dict(raw.get("rope_scaling") or {})
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
         return theta, None
-    return theta, scaling
+    return theta, _rope_lengths(scaling, raw)
 
 
-def _sliding_window(raw: dict[str, Any], architecture: str) -> Optional[int]:
+def _rope_lengths(scaling: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """The pretraining length the scaling is relative to, where transformers reads it: for llama3, YaRN and
+    LongRoPE the config's top-level original_max_position_embeddings first (Phi-3 keeps it there), then the
+    scaling's own, then max_position_embeddings; for dynamic NTK, max_position_embeddings. A missing YaRN or
+    LongRoPE factor is the ratio of the two lengths."""
+    rope_type, longest = scaling["rope_type"], int(raw.get("max_position_embeddings", 2048))
+    if rope_type == "dynamic":
+        return scaling | {"original_max_position_embeddings": longest}
+    if rope_type not in ("llama3", "yarn", "longrope"):
+        return scaling
+    original = int(raw.get("original_max_position_embeddings")
+                   or scaling.get("original_max_position_embeddings") or longest)
+    scaling = scaling | {"original_max_position_embeddings": original}
+    if rope_type in ("yarn", "longrope") and scaling.get("factor") is None:
+        scaling["factor"] = longest / original
+    return scaling
+
+
+def _sliding_window(raw: dict[str, Any], architecture: str, source: str) -> Optional[int]:
+    """The one window every layer's attention slides over, or None. Qwen2/3 slide only with use_sliding_window,
+    and then only layers from max_window_layers on (transformers' rule); an explicit layer_types says per layer.
+    A model mixing sliding and full layers is refused: one attention backend serves every layer."""
     window = raw.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
         return None
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if raw.get("use_sliding_window", False):
-            raise ModelLoadError(f"{architecture} with use_sliding_window=true is not supported")
+    layers = int(raw["num_hidden_layers"])
+    layer_types = raw.get("layer_types")
+    if layer_types is None and architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = int(raw.get("max_window_layers", 28)) if raw.get("use_sliding_window", False) else layers
+        layer_types = ["full_attention"] * min(first, layers) + ["sliding_attention"] * max(layers - first, 0)
+    kinds = set(layer_types or ["sliding_attention"])
+    if kinds == {"full_attention"}:
         return None
+    if kinds != {"sliding_attention"}:
+        raise ModelLoadError(f"{source}: layer_types mixing {', '.join(sorted(kinds))} (per-layer sliding windows) "
+                             "are not supported")
     return window
 
 

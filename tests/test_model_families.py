@@ -1,0 +1,113 @@
+"""The architectures and configurations beyond the plain Llama family, each against transformers on a tiny
+random checkpoint it wrote: greedy tokens identical and float32 logits close, in one mixed batch with chunked
+prefill and prefix-cache hits; and the RoPE scalings' frequencies against transformers' own functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from test_parity import LogitRecorder, make_prompts, reference_logits
+
+from llmctl.engine import LLM, SamplingParams
+from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.rotary import inverse_frequencies
+from llmctl.engine.model_config import ModelConfig
+
+NEW_TOKENS = 8
+
+
+def assert_matches_transformers(folder, max_model_len: int = 400, tolerance: float = 1e-3) -> LLM:
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_batched_tokens=64,
+              block_size=16, max_num_seqs=4, max_model_len=max_model_len)
+    prompts = make_prompts(llm.engine.vocab_size)[5:]  # 220, 300 and 180 tokens sharing a prefix of 160+
+    recorders = [LogitRecorder() for _ in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logits_processors=[rec])
+              for rec in recorders]
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.get_stats()["prefix_cache_hit_rate"] > 0
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, out, rec in zip(prompts, outputs, recorders):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                          min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+        assert tokens == expected.tolist(), f"a {len(prompt)}-token prompt diverged"
+        diff = (torch.stack(rec.rows) - reference_logits(reference, prompt, tokens)).abs().max().item()
+        assert diff < tolerance, f"max |logit diff| {diff} for a {len(prompt)}-token prompt"
+    return llm
+
+
+# ---- RoPE scalings ---------------------------------------------------------------------------------------
+
+LONGROPE = dict(rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
+                long_factor=[2.0 + 0.3 * i for i in range(8)])
+
+
+@pytest.mark.parametrize("scaling, length", [
+    (dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256), 1024),
+    (dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=128, beta_fast=16, beta_slow=2,
+          mscale=1.0, mscale_all_dim=0.5, truncate=False), 1024),
+    (dict(rope_type="dynamic", factor=2.0), 1024),
+    (dict(rope_type="dynamic", factor=2.0), 3000),
+    (LONGROPE, 200),
+    (LONGROPE, 1024),
+])
+def test_rope_frequencies_and_attention_factor_are_transformers(scaling, length):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+               num_attention_heads=4, vocab_size=32, max_position_embeddings=1024, original_max_position_embeddings=256,
+               rope_theta=10000.0, rope_scaling=dict(scaling))
+    if scaling["rope_type"] != "longrope":
+        del raw["original_max_position_embeddings"]
+    config = ModelConfig.from_dict(raw)
+    ours, factor = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, length)
+    reference = LlamaConfig(**{k: v for k, v in raw.items() if k != "rope_scaling"},
+                            rope_parameters=dict(scaling, rope_theta=10000.0))
+    expected, expected_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](reference, "cpu", seq_len=length)
+    torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(expected_factor)
+
+
+def test_unsupported_rope_settings_are_refused_by_name():
+    base = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, vocab_size=32)
+    for extra, named in ((dict(rope_scaling=dict(rope_type="mrope")), "'mrope'"),
+                         (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
+                         (dict(rope_scaling=dict(LONGROPE, short_factor=[1.0])), "short_factor")):
+        with pytest.raises(ModelLoadError, match=named):
+            ModelConfig.from_dict(base | extra)
+
+
+def test_qwen2_with_yarn_matches_transformers(tmp_path):
+    assert_matches_transformers(make_tiny_model(
+        tmp_path, "qwen2", rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128,
+                                                rope_theta=10000.0)))
+
+
+def test_llama_with_dynamic_ntk_matches_transformers(tmp_path):
+    assert_matches_transformers(make_tiny_model(
+        tmp_path, "llama", rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)))
+
+
+# ---- Qwen2 sliding windows ---------------------------------------------------------------------------------
+
+def test_qwen2_sliding_window_on_every_layer_matches_transformers(tmp_path):
+    llm = assert_matches_transformers(make_tiny_model(tmp_path, "qwen2", use_sliding_window=True, sliding_window=48,
+                                                      max_window_layers=0))
+    assert llm.engine.model_config.sliding_window == 48
+
+
+def test_qwen2_window_layers_follow_max_window_layers():
+    raw = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, vocab_size=32, use_sliding_window=True, sliding_window=64)
+    assert ModelConfig.from_dict(raw | dict(max_window_layers=4)).sliding_window is None
+    assert ModelConfig.from_dict(raw | dict(max_window_layers=0)).sliding_window == 64
+    assert ModelConfig.from_dict(raw | dict(use_sliding_window=False, max_window_layers=0)).sliding_window is None
+    with pytest.raises(ModelLoadError, match="per-layer sliding windows"):
+        ModelConfig.from_dict(raw | dict(max_window_layers=2))
