@@ -24,6 +24,7 @@ from llmctl.engine.layers.fused_ops import LayerOps
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, WeightShapeError, default_weight_loader
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.models.llama import LlamaForCausalLM
+from llmctl.engine.models.phi3 import model_class
 from llmctl.engine.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,10 @@ class WeightLoader:
         self.filled: set[tuple[str, object]] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
+        for part, piece in self.model.checkpoint_tensors(name, tensor):
+            self._load_one(part, piece)
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         if name.endswith(IGNORED_SUFFIXES):
             return
         if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
@@ -185,7 +190,7 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
     model = None
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config, max_positions, dtype=dtype, linear_method=linear_method,
+            model = model_class(config.architecture)(config, max_positions, dtype=dtype, linear_method=linear_method,
                                      ops=ops, lm_head_method=lm_head_method, tp=tp)
         if load_format == "dummy":
             _fill_dummy(model, seed)

@@ -20,7 +20,8 @@ from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.rotary import SCALED_ROPE_TYPES
 from llmctl.engine.layers.quantization import QuantizationConfig, QuantizationRegistry, active_registry
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
 # The decoder linears in Hugging Face's names, inside model.layers.N
 DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -111,6 +112,9 @@ class ModelConfig:
             quant_method=_quant_method(raw),
         )
         config._validate(source)
+        if config.quant_method is not None and architecture == "Phi3ForCausalLM":
+            raise ModelLoadError(f"{source}: pre-quantised ({config.quant_method}) {architecture} checkpoints are "
+                                 "not supported (their fused qkv_proj / gate_up_proj)")
         if config.quant_method is not None:
             linear_names = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in DECODER_LINEARS]
             parsed = (registry or active_registry()).checkpoint_config(
@@ -167,6 +171,8 @@ def _rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
         scaling = dict(raw.get("rope_scaling") or {})
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type") == "su":  # early Phi-3 configs' name for LongRoPE
+        scaling["rope_type"] = "longrope"
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
         return theta, None

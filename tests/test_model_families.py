@@ -18,7 +18,10 @@ from llmctl.engine.model_config import ModelConfig
 NEW_TOKENS = 8
 
 
-def assert_matches_transformers(folder, max_model_len: int = 400, tolerance: float = 1e-3) -> LLM:
+def assert_matches_transformers(folder, max_model_len: int = 400, tolerance: float = 1e-3,
+                                use_generate: bool = True) -> LLM:
+    """`use_generate=False`: the greedy tokens are checked against the argmax of transformers' full-sequence
+    logits instead of its generate() (whose Phi-3 cache reset at the LongRoPE switch breaks its own decoding)."""
     from transformers import AutoModelForCausalLM
 
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_batched_tokens=64,
@@ -32,11 +35,15 @@ def assert_matches_transformers(folder, max_model_len: int = 400, tolerance: flo
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, out, rec in zip(prompts, outputs, recorders):
         tokens = out.outputs[0].token_ids
-        with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                          min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+        expected_logits = reference_logits(reference, prompt, tokens)
+        if use_generate:
+            with torch.no_grad():
+                expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                              min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+        else:
+            expected = expected_logits.argmax(dim=-1)
         assert tokens == expected.tolist(), f"a {len(prompt)}-token prompt diverged"
-        diff = (torch.stack(rec.rows) - reference_logits(reference, prompt, tokens)).abs().max().item()
+        diff = (torch.stack(rec.rows) - expected_logits).abs().max().item()
         assert diff < tolerance, f"max |logit diff| {diff} for a {len(prompt)}-token prompt"
     return llm
 
@@ -111,3 +118,37 @@ def test_qwen2_window_layers_follow_max_window_layers():
     assert ModelConfig.from_dict(raw | dict(use_sliding_window=False, max_window_layers=0)).sliding_window is None
     with pytest.raises(ModelLoadError, match="per-layer sliding windows"):
         ModelConfig.from_dict(raw | dict(max_window_layers=2))
+
+
+# ---- Phi-3 -----------------------------------------------------------------------------------------------
+
+PHI3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=1024, original_max_position_embeddings=128, pad_token_id=0)
+
+
+@pytest.mark.parametrize("max_model_len", [128, 400])
+def test_phi3_with_longrope_matches_transformers(tmp_path, max_model_len):
+    """400 > original_max_position_embeddings: the long factors, which transformers takes for these prompts (all
+    longer than 128 tokens); 128: the short ones, which it takes for sequences up to 128."""
+    folder = make_tiny_model(tmp_path, "Phi3Config", **PHI3, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.05 * i for i in range(8)],
+        long_factor=[1.5 + 0.5 * i for i in range(8)]))
+    if max_model_len == 400:
+        assert_matches_transformers(folder, max_model_len, use_generate=False)
+    else:
+        assert_short_prompts_match(folder, max_model_len)
+
+
+def assert_short_prompts_match(folder, max_model_len: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_batched_tokens=32,
+              block_size=16, max_model_len=max_model_len)
+    prompts = [[(5 * i + 1) % 500 for i in range(n)] for n in (40, 70, 100)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                          min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+        assert out.outputs[0].token_ids == expected.tolist()

@@ -12,7 +12,7 @@ down_proj and the embedding all-reduce, and the logits are gathered from every r
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -155,6 +155,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = heads.tied(self.model.embed_tokens.weight)
         else:
             self.lm_head = heads.vocab_column(config.hidden_size, config.vocab_size)
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensor as the (HF name, tensor) pairs the loader maps (an architecture whose
+        checkpoints fuse projections splits them)."""
+        yield name, tensor
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings and this step's RoPE cos/sin rows."""
