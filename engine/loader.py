@@ -190,7 +190,7 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
     model = None
     try:
         with torch.device(device):
-            model = model_class(config.architecture)(config, max_positions, dtype=dtype, linear_method=linear_method,
+            model = model_class(config)(config, max_positions, dtype=dtype, linear_method=linear_method,
                                      ops=ops, lm_head_method=lm_head_method, tp=tp)
         if load_format == "dummy":
             _fill_dummy(model, seed)

@@ -333,7 +333,7 @@ def test_failed_load_frees_the_half_loaded_model(ckpt, damage, monkeypatch):
             super().__init__(*args, **kwargs)
             built.append(weakref.ref(self))
 
-    monkeypatch.setattr(loader, "LlamaForCausalLM", Tracked)
+    monkeypatch.setattr(loader, "model_class", lambda config: Tracked)
     path = ckpt / "model.safetensors"
     if damage == "truncated":
         # Keep the header and most tensors, cut the last one: fails after loading some weights.

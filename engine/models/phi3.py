@@ -28,6 +28,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         yield name, tensor
 
 
-def model_class(architecture: str) -> type[LlamaForCausalLM]:
-    """The module tree of a dense architecture."""
-    return Phi3ForCausalLM if architecture == "Phi3ForCausalLM" else LlamaForCausalLM
+def model_class(config) -> type[LlamaForCausalLM]:
+    """The module tree of a dense architecture's `ModelConfig`."""
+    return Phi3ForCausalLM if config.architecture == "Phi3ForCausalLM" else LlamaForCausalLM
