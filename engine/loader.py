@@ -23,7 +23,7 @@ from llmctl.engine.gguf_loader import GGUFFile, is_gguf
 from llmctl.engine.layers.fused_ops import LayerOps
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, WeightShapeError, default_weight_loader
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.models.llama import LlamaForCausalLM
+from llmctl.engine.models.llama import LlamaForCausalLM, RMSNorm
 from llmctl.engine.models.phi3 import model_class
 from llmctl.engine.parallel import TensorParallel
 
@@ -198,7 +198,7 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
             _fill_from_checkpoint(model, folder, verify)
         model.model.rotary.build_tables()
         for module in model.modules():
-            if isinstance(module, LinearBase):
+            if isinstance(module, (LinearBase, RMSNorm)):
                 module.process_weights_after_loading()
     except BaseException as exc:
         model = None

@@ -21,7 +21,7 @@ from llmctl.engine.layers.rotary import SCALED_ROPE_TYPES
 from llmctl.engine.layers.quantization import QuantizationConfig, QuantizationRegistry, active_registry
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "Phi3ForCausalLM", "GemmaForCausalLM")
 # The decoder linears in Hugging Face's names, inside model.layers.N
 DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -50,6 +50,9 @@ class ModelConfig:
     hidden_act: str
     checkpoint_dtype: Optional[str]
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Gemma: RMSNorm scales by (offset + weight), embeddings are multiplied by sqrt(hidden_size) in the model dtype
+    norm_weight_offset: float = 0.0
+    embedding_multiplier: Optional[float] = None
     # config.json's quantization_config.quant_method (a pre-quantised checkpoint), else None
     quant_method: Optional[str] = None
     quantization: Optional[QuantizationConfig] = None  # its quantization_config, parsed by the registry
@@ -91,6 +94,7 @@ class ModelConfig:
         if partial is not None and float(partial) != 1.0:
             raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (RoPE over whole heads)")
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_gemma = architecture == "GemmaForCausalLM"
         config = cls(
             architecture=architecture,
             **base,
@@ -100,16 +104,18 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_gemma)),
             qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
             o_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(raw, architecture, source),
-            hidden_act=str(raw.get("hidden_act", "silu")),
+            hidden_act=_activation(raw, is_gemma),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
             quant_method=_quant_method(raw),
+            norm_weight_offset=1.0 if is_gemma else 0.0,
+            embedding_multiplier=hidden ** 0.5 if is_gemma else None,
         )
         config._validate(source)
         if config.quant_method is not None and architecture == "Phi3ForCausalLM":
@@ -126,8 +132,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"{source}: num_attention_heads {self.num_heads} is not a multiple of "
                                  f"num_key_value_heads {self.num_kv_heads}")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.hidden_act not in ("silu", "swish", "gelu_pytorch_tanh"):
+            raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported "
+                                 "(silu, gelu_pytorch_tanh)")
         self._validate_rope(source)
 
     def _validate_rope(self, source: str) -> None:
@@ -149,6 +156,15 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
             return arch
     named = ", ".join(archs) if archs else f"model_type {raw.get('model_type')!r}"
     raise ModelLoadError(f"{source}: unsupported architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _activation(raw: dict[str, Any], is_gemma: bool) -> str:
+    """The MLP's gate activation; Gemma's legacy "gelu" (and hidden_activation) mean the tanh approximation, as
+    transformers reads them."""
+    if not is_gemma:
+        return str(raw.get("hidden_act", "silu"))
+    act = str(raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh")
+    return "gelu_pytorch_tanh" if act == "gelu" else act
 
 
 def _quant_method(raw: dict[str, Any]) -> Optional[str]:

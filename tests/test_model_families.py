@@ -152,3 +152,25 @@ def assert_short_prompts_match(folder, max_model_len: int) -> None:
             expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
                                           min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
         assert out.outputs[0].token_ids == expected.tolist()
+
+
+# ---- Gemma -----------------------------------------------------------------------------------------------
+
+def test_gemma_matches_transformers(tmp_path):
+    """GeGLU, (1 + weight) norms, embeddings scaled by sqrt(hidden) in the model dtype, tied head."""
+    folder = make_tiny_model(tmp_path, "GemmaConfig", head_dim=32, hidden_act="gelu_pytorch_tanh")
+    llm = assert_matches_transformers(folder)
+    config = llm.engine.model_config
+    assert config.tie_word_embeddings and config.norm_weight_offset == 1.0 and config.embedding_multiplier == 8.0
+
+
+def test_gemma_layer_ops_agree():
+    """Every LayerOps implementation's GeGLU is transformers' gelu_pytorch_tanh(gate) * up."""
+    from transformers.activations import ACT2FN
+
+    from llmctl.engine.layers.fused_ops import TorchLayerOps, TritonLayerOps
+
+    gate_up = torch.randn(5, 64)
+    expected = ACT2FN["gelu_pytorch_tanh"](gate_up[:, :32]) * gate_up[:, 32:]
+    for ops in (TorchLayerOps(), TritonLayerOps(torch.device("cpu"))):
+        torch.testing.assert_close(ops.gelu_tanh_and_mul(gate_up), expected)

@@ -30,4 +30,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 def model_class(config) -> type[LlamaForCausalLM]:
     """The module tree of a dense architecture's `ModelConfig`."""
-    return Phi3ForCausalLM if config.architecture == "Phi3ForCausalLM" else LlamaForCausalLM
+    return Phi3ForCausalLM if config.architecture == "Phi3ForCausalLM" else LlamaForCausalLM  # Gemma 1: flags
