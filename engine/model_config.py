@@ -53,7 +53,7 @@ class ModelConfig:
     # Gemma: RMSNorm scales by (offset + weight), embeddings are multiplied by sqrt(hidden_size) in the model dtype
     norm_weight_offset: float = 0.0
     embedding_multiplier: Optional[float] = None
-    # config.json's quantization_config.quant_method (a pre-quantised checkpoint), else None
+    # config.json's quantization_config.quant_method (a pre-quantised checkpoint), a GGUF file's types, else None
     quant_method: Optional[str] = None
     quantization: Optional[QuantizationConfig] = None  # its quantization_config, parsed by the registry
 

@@ -136,8 +136,8 @@ def linear_methods_for(model_config: "ModelConfig", quantization: Optional[str],
     registry = registry or active_registry()
     target = LinearTarget(device, dtype, kernels, batch_hint, load_format, model_config.tie_word_embeddings)
     if (model_config.quant_method is not None or gguf) and quantization:
-        raise EngineArgsError(f"the checkpoint is already quantised ({model_config.quant_method or 'GGUF'}); drop "
-                              f"--quantization {quantization}")
+        named = "GGUF" if gguf else model_config.quant_method
+        raise EngineArgsError(f"the checkpoint is already quantised ({named}); drop --quantization {quantization}")
     if quantization:
         config = registry.flag_config(quantization)
     elif gguf:
