@@ -19,6 +19,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization/on_the_fly.py, fp8.py).
 DEFAULT_MASTER_PORT = 29500  # torchrun's
+# Pre-quantised checkpoint formats a --quantization value may name (accepted when the checkpoint is one, as in vLLM).
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
 ON_THE_FLY_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128",
                             "int4-asym", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym", "fp8")
 # (max_num_seqs, max_num_batched_tokens) a device type gets when the user names none: a GPU step reads its
@@ -72,7 +74,8 @@ class EngineArgs:
     quantization: Optional[str] = _arg(None, "Quantise the linear weights on load: int8 (weight-only, per "
                                              "output channel), int4-g32|g64|g128 (weight-only, grouped, "
                                              "symmetric; int4: g128), int4[-gN]-asym (with a zero point per "
-                                             "group), fp8 (e4m3 weights and activations, CUDA sm_89+). "
+                                             "group), fp8 (e4m3 weights and activations, CUDA sm_89+); gptq, "
+                                             "awq, compressed-tensors: the checkpoint's own format, checked. "
                                              "Default: none.")
     quantization_batch_cache: bool = _arg(False, "CPU, quantised linears with bfloat16 activations: also keep each "
                                                  "weight dequantised to bf16, in bf16's own layout (AMX tiles, else "
@@ -107,7 +110,7 @@ class EngineArgs:
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.quantization is not None:
-            _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS)
+            _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)
         for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks",
                      "kv_cache_memory", "num_threads"):
             if getattr(self, name) is not None:
