@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from huggingface_hub import constants, scan_cache_dir
 from huggingface_hub.file_download import repo_folder_name
@@ -80,12 +81,32 @@ def test_local_paths_win_over_model_ids(tmp_path, monkeypatch):
     assert default_model_name("org/elsewhere") == "org/elsewhere" and default_model_name("org/local") == "local"
 
 
-def test_generate_from_a_model_id_offline(hub_cache, tmp_path):
+def _offline_env(hub_cache: Path, home: Path) -> dict[str, str]:
+    """A subprocess environment that finds the cache through HF_HOME alone, offline."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMCTL_", "HF_"))}
-    env.update(NO_COLOR="1", HF_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1")
-    shutil.move(str(hub_cache), tmp_path / "home" / "hub")  # found through HF_HOME alone
+    env.update(NO_COLOR="1", HF_HOME=str(home), HF_HUB_OFFLINE="1")
+    shutil.move(str(hub_cache), home / "hub")
+    return env
+
+
+def test_generate_from_a_model_id_offline(hub_cache, tmp_path):
+    env = _offline_env(hub_cache, tmp_path / "home")
     out = subprocess.run([sys.executable, "-m", "llmctl.cli", "generate", "-m", REPO, "--max-tokens", "3",
                           "--temperature", "0", "--json", "Hello"], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert '"finish_reason": "length"' in out.stdout and '"error": null' in out.stdout
+
+
+def test_serve_takes_the_model_id_positionally_and_serves_it_under_that_id(hub_cache, tmp_path):
+    from test_serve_cli import _start
+
+    proc, base = _start(REPO, env=_offline_env(hub_cache, tmp_path / "home"))
+    try:
+        assert [m["id"] for m in httpx.get(base + "/v1/models", timeout=5).json()["data"]] == [REPO]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    both = subprocess.run([sys.executable, "-m", "llmctl.cli", "serve", REPO, "-m", "other/model"],
+                          capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "two models given" in both.stderr
