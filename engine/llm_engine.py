@@ -92,12 +92,13 @@ def model_path(args: EngineArgs) -> Path:
 
 
 def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
-    limit = config.max_position_embeddings
+    limit = config.max_context
     if args.max_model_len is None:
         return limit
     if args.max_model_len > limit:
+        stretched = " (with its RoPE scaling)" if limit != config.max_position_embeddings else ""
         raise EngineArgsError(f"max_model_len {args.max_model_len} exceeds the model's "
-                              f"max_position_embeddings {limit}")
+                              f"max_position_embeddings {limit}{stretched}")
     return args.max_model_len
 
 

@@ -128,6 +128,16 @@ class ModelConfig:
             config = dataclasses.replace(config, quantization=parsed)
         return config
 
+    @property
+    def max_context(self) -> int:
+        """The longest context the model runs: max_position_embeddings, stretched by a YaRN or dynamic-NTK factor
+        (YaRN's from its original length), as vLLM derives it."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") in ("yarn", "dynamic"):
+            stretched = int(scaling["original_max_position_embeddings"] * float(scaling["factor"]))
+            return max(self.max_position_embeddings, stretched)
+        return self.max_position_embeddings
+
     def _validate(self, source: str) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"{source}: num_attention_heads {self.num_heads} is not a multiple of "

@@ -174,3 +174,26 @@ def test_gemma_layer_ops_agree():
     expected = ACT2FN["gelu_pytorch_tanh"](gate_up[:, :32]) * gate_up[:, 32:]
     for ops in (TorchLayerOps(), TritonLayerOps(torch.device("cpu"))):
         torch.testing.assert_close(ops.gelu_tanh_and_mul(gate_up), expected)
+
+
+def test_published_phi3_and_qwen25_configs_read_as_transformers_reads_them():
+    """Phi-3.5-mini's config.json (top-level original_max_position_embeddings, 'longrope' factors) and a
+    Qwen2.5 config with the YaRN block its model card gives."""
+    phi = dict(architectures=["Phi3ForCausalLM"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, max_position_embeddings=131072,
+               original_max_position_embeddings=4096, rope_theta=10000.0, sliding_window=262144,
+               rope_scaling=dict(type="longrope", long_factor=[1.5] * 48, short_factor=[1.0] * 48))
+    config = ModelConfig.from_dict(phi)
+    assert config.head_dim == 96 and config.rope_scaling["factor"] == 32.0
+    assert config.rope_scaling["original_max_position_embeddings"] == 4096
+    _, attention = inverse_frequencies(96, 10000.0, config.rope_scaling, 8192)
+    assert attention == pytest.approx((1 + torch.log(torch.tensor(32.0)).item() / torch.log(torch.tensor(4096.0)).item())
+                                      ** 0.5)
+    qwen = dict(architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                rope_theta=1000000.0, use_sliding_window=False, sliding_window=32768, max_window_layers=21,
+                rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32768))
+    config = ModelConfig.from_dict(qwen)
+    assert config.sliding_window is None and config.rope_scaling["rope_type"] == "yarn"
+    assert config.max_context == 131072  # YaRN's stretched context, as vLLM derives it
+    assert ModelConfig.from_dict(phi).max_context == 131072
