@@ -170,7 +170,8 @@ class RunnerConfig:
 
 def quantization_label(quantization: Optional[str], mc: ModelConfig) -> Optional[str]:
     """How the linears are quantised: `--quantization`, else the checkpoint's own scheme, else None."""
-    return on_the_fly_quantization(quantization, mc) or (mc.quantization.describe() if mc.quantization else mc.quant_method)
+    described = mc.quantization.describe() if mc.quantization else mc.quant_method
+    return on_the_fly_quantization(quantization, mc) or described
 
 
 def model_bytes(model: torch.nn.Module) -> int:
