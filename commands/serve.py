@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -24,6 +25,7 @@ def _o(*names: str, help: str, panel: str = SERVER, **kw):
 
 @eo.with_engine_flags()
 def serve(
+    model_tag: Annotated[Optional[str], typer.Argument(metavar="MODEL", show_default=False, help="The model (folder, .gguf file or cached ORG/NAME), as `vllm serve MODEL` takes it; same as -m/--model.")] = None,
     host: Annotated[str, _o("--host", help="Address to bind (127.0.0.1: this machine only; 0.0.0.0: all).")] = "127.0.0.1",
     port: Annotated[int, _o("--port", "-p", help="TCP port (0: pick a free one).")] = 8000,
     served_model_name: Annotated[Optional[str], _o("--served-model-name", help="Model id clients send (default: the model folder's name).")] = None,
@@ -82,6 +84,10 @@ def serve(
     from llmctl.server.app import ServerSettings
     from llmctl.server.runner import run_server
 
+    if model_tag is not None:
+        if engine_args.model is not None and engine_args.model != model_tag:
+            raise UserError(f"two models given: {model_tag!r} and --model {engine_args.model!r}; pass one")
+        engine_args = dataclasses.replace(engine_args, model=model_tag)
     if max_waiting_requests is not None and max_waiting_requests < 0:
         raise UserError("--max-waiting-requests must be >= 0")
     if request_timeout is not None and request_timeout <= 0:
@@ -91,7 +97,7 @@ def serve(
             raise UserError("pass --api-key (or LLMCTL_API_KEY) or --api-key-file, not both")
         api_key = _read_key_file(api_key_file)
     settings = ServerSettings(
-        served_model_name=served_model_name or (Path(engine_args.model).resolve().name if engine_args.model else eo.EMBEDDED_MODEL_ID),
+        served_model_name=served_model_name or eo.default_model_name(engine_args.model),
         host=host, port=port, api_key=api_key, max_output_tokens=max_output_tokens, max_body_bytes=max_body_size,
         rate_limit=rate_limit, allowed_origins=list(allowed_origins or []), audit_log=audit_log,
         audit_log_prompts=audit_log_prompts, shutdown_timeout_s=shutdown_timeout, profile_dir=profile_dir,

@@ -19,6 +19,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization/on_the_fly.py, fp8.py).
 DEFAULT_MASTER_PORT = 29500  # torchrun's
+# Pre-quantised checkpoint formats a --quantization value may name (accepted when the checkpoint is one, as in vLLM).
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq", "compressed-tensors")
 ON_THE_FLY_QUANTIZATIONS = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128",
                             "int4-asym", "int4-g32-asym", "int4-g64-asym", "int4-g128-asym", "fp8")
 # (max_num_seqs, max_num_batched_tokens) a device type gets when the user names none: a GPU step reads its
@@ -35,8 +37,10 @@ def _arg(default: Any, help: str, **cli: Any) -> Any:
 
 @dataclass
 class EngineArgs:
-    model: Optional[str] = _arg(None, "Hugging Face model folder (default: the embedded model).", short="-m")
-    tokenizer: Optional[str] = _arg(None, "Tokenizer folder (default: the model folder).")
+    model: Optional[str] = _arg(None, "Hugging Face model folder, .gguf file, or model id ORG/NAME found in the local "
+                                      "Hugging Face cache (never downloaded; default: the embedded model).", short="-m")
+    revision: Optional[str] = _arg(None, "With a model id: the cached branch, tag or commit (default: main).")
+    tokenizer: Optional[str] = _arg(None, "Tokenizer folder or cached model id (default: the model's).")
     dtype: str = _arg("auto", "Weight and activation dtype (auto: the checkpoint's).", choices=DTYPES)
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N.")
     seed: int = _arg(0, "Engine random seed (unseeded sampling).")
@@ -70,7 +74,8 @@ class EngineArgs:
     quantization: Optional[str] = _arg(None, "Quantise the linear weights on load: int8 (weight-only, per "
                                              "output channel), int4-g32|g64|g128 (weight-only, grouped, "
                                              "symmetric; int4: g128), int4[-gN]-asym (with a zero point per "
-                                             "group), fp8 (e4m3 weights and activations, CUDA sm_89+). "
+                                             "group), fp8 (e4m3 weights and activations, CUDA sm_89+); gptq, "
+                                             "awq, compressed-tensors: the checkpoint's own format, checked. "
                                              "Default: none.")
     quantization_batch_cache: bool = _arg(False, "CPU, quantised linears with bfloat16 activations: also keep each "
                                                  "weight dequantised to bf16, in bf16's own layout (AMX tiles, else "
@@ -109,7 +114,7 @@ class EngineArgs:
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.quantization is not None:
-            _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS)
+            _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)
         for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks",
                      "kv_cache_memory", "num_threads"):
             if getattr(self, name) is not None:

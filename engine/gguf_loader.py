@@ -15,7 +15,9 @@ written unpermuted (llama.cpp runs them with NeoX RoPE).
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -68,7 +70,15 @@ class GGUFFile:
         return value
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_dict(self.config_dict(), source=self.path.name)
+        """The config, its quant_method naming the file's linear weight types (what the engine reports)."""
+        config = ModelConfig.from_dict(self.config_dict(), source=self.path.name)
+        return dataclasses.replace(config, quant_method=self.quantization_label())
+
+    def quantization_label(self) -> str:
+        """'gguf' and the linear weights' ggml types, most weights first (e.g. 'gguf Q4_K, Q6_K')."""
+        counts = Counter(tensor.tensor_type.name for name, tensor in self.tensors.items()
+                         if name.endswith(".weight") and name != "rope_freqs.weight" and hf_name(name, self.path.name).rsplit(".", 2)[-2] in LINEARS)
+        return "gguf " + ", ".join(kind for kind, _ in counts.most_common())
 
     def config_dict(self) -> dict[str, Any]:
         """The metadata as config.json keys."""

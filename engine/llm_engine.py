@@ -36,6 +36,7 @@ from llmctl.engine.sequence import Sequence
 from llmctl.engine.spec_decode.draft_proposer import DraftModel, DraftProposer
 from llmctl.engine.spec_decode.ngram_proposer import NgramProposer, SpecDecodeStats
 from llmctl.engine.step_types import ModelRunnerOutput, SchedulerOutput, SeqUpdate
+from llmctl.engine.hub import resolve_model_folder
 from llmctl.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,8 @@ def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> 
 
 
 def model_path(args: EngineArgs) -> Path:
-    """The model folder (or .gguf file) the arguments name, checked to exist."""
-    folder = Path(args.model) if args.model else default_model_path()
+    """The model folder (or .gguf file) the arguments name, a model id's cached snapshot, checked to exist."""
+    folder = resolve_model_folder(args.model, args.revision) if args.model else default_model_path()
     if not folder.exists():
         raise ModelLoadError(f"model folder {folder} does not exist")
     if not is_gguf(folder) and not folder.is_dir():
@@ -91,12 +92,13 @@ def model_path(args: EngineArgs) -> Path:
 
 
 def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
-    limit = config.max_position_embeddings
+    limit = config.max_context
     if args.max_model_len is None:
         return limit
     if args.max_model_len > limit:
+        stretched = " (with its RoPE scaling)" if limit != config.max_position_embeddings else ""
         raise EngineArgsError(f"max_model_len {args.max_model_len} exceeds the model's "
-                              f"max_position_embeddings {limit}")
+                              f"max_position_embeddings {limit}{stretched}")
     return args.max_model_len
 
 
@@ -219,12 +221,12 @@ class LLMEngine:
             gguf = GGUFFile(folder)
             self.model_config = gguf.model_config()
             self.tokenizer = None if args.skip_tokenizer_init else (
-                Tokenizer.from_pretrained(Path(args.tokenizer)) if args.tokenizer
+                Tokenizer.from_pretrained(resolve_model_folder(args.tokenizer)) if args.tokenizer
                 else Tokenizer.from_gguf(gguf.metadata, folder.name))
         else:
             self.model_config = ModelConfig.from_pretrained(folder)
             self.tokenizer = (None if args.skip_tokenizer_init
-                              else Tokenizer.from_pretrained(Path(args.tokenizer or folder)))
+                              else Tokenizer.from_pretrained(resolve_model_folder(args.tokenizer) if args.tokenizer else folder))
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         if device.type == "cpu":

@@ -23,8 +23,8 @@ from llmctl.engine.gguf_loader import GGUFFile, is_gguf
 from llmctl.engine.layers.fused_ops import LayerOps
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, WeightShapeError, default_weight_loader
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.models.llama import LlamaForCausalLM
-from llmctl.engine.models.moe import model_class
+from llmctl.engine.models.llama import LlamaForCausalLM, RMSNorm
+from llmctl.engine.models.registry import model_class
 from llmctl.engine.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,10 @@ class WeightLoader:
         self.filled: set[tuple[str, object]] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
+        for part, piece in self.model.checkpoint_tensors(name, tensor):
+            self._load_one(part, piece)
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         if name.endswith(IGNORED_SUFFIXES):
             return
         if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
@@ -202,7 +206,7 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
             _fill_from_checkpoint(model, folder, verify)
         model.model.rotary.build_tables()
         for module in model.modules():
-            if isinstance(module, LinearBase):
+            if isinstance(module, (LinearBase, RMSNorm)):
                 module.process_weights_after_loading()
     except BaseException as exc:
         model = None

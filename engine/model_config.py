@@ -18,10 +18,11 @@ from typing import Any, Optional
 
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.fused_moe.config import MOE_ARCHITECTURES, MoEConfig
+from llmctl.engine.layers.rotary import SCALED_ROPE_TYPES
 from llmctl.engine.layers.quantization import QuantizationConfig, QuantizationRegistry, active_registry
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           *MOE_ARCHITECTURES)
+                           "Phi3ForCausalLM", "GemmaForCausalLM", *MOE_ARCHITECTURES)
 # The decoder linears in Hugging Face's names, inside model.layers.N
 DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -50,7 +51,10 @@ class ModelConfig:
     hidden_act: str
     checkpoint_dtype: Optional[str]
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    # config.json's quantization_config.quant_method (a pre-quantised checkpoint), else None
+    # Gemma: RMSNorm scales by (offset + weight), embeddings are multiplied by sqrt(hidden_size) in the model dtype
+    norm_weight_offset: float = 0.0
+    embedding_multiplier: Optional[float] = None
+    # config.json's quantization_config.quant_method (a pre-quantised checkpoint), a GGUF file's types, else None
     quant_method: Optional[str] = None
     quantization: Optional[QuantizationConfig] = None  # its quantization_config, parsed by the registry
     moe: Optional[MoEConfig] = None  # a mixture-of-experts architecture's routing facts, else None
@@ -88,7 +92,11 @@ class ModelConfig:
         except (TypeError, ValueError) as exc:
             raise ModelLoadError(f"{source} has a non-integer size field: {exc}") from None
         rope_theta, rope_scaling = _rope(raw)
+        partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+        if partial is not None and float(partial) != 1.0:
+            raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (RoPE over whole heads)")
         is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        is_gemma = architecture == "GemmaForCausalLM"
         config = cls(
             architecture=architecture,
             **base,
@@ -98,22 +106,27 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_gemma)),
             qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
             o_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            sliding_window=_sliding_window(raw, architecture),
-            hidden_act=str(raw.get("hidden_act", "silu")),
+            sliding_window=_sliding_window(raw, architecture, source),
+            hidden_act=_activation(raw, is_gemma),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
             quant_method=_quant_method(raw),
+            norm_weight_offset=1.0 if is_gemma else 0.0,
+            embedding_multiplier=hidden ** 0.5 if is_gemma else None,
             moe=MoEConfig.from_dict(raw, architecture, base["num_layers"], source),
         )
         config._validate(source)
         if config.quant_method is not None and config.moe is not None:
             raise ModelLoadError(f"{source}: pre-quantised ({config.quant_method}) mixture-of-experts checkpoints "
                                  f"are not supported ({architecture})")
+        if config.quant_method is not None and architecture == "Phi3ForCausalLM":
+            raise ModelLoadError(f"{source}: pre-quantised ({config.quant_method}) {architecture} checkpoints are "
+                                 "not supported (their fused qkv_proj / gate_up_proj)")
         if config.quant_method is not None:
             linear_names = [f"model.layers.{i}.{name}" for i in range(config.num_layers) for name in DECODER_LINEARS]
             parsed = (registry or active_registry()).checkpoint_config(
@@ -121,16 +134,35 @@ class ModelConfig:
             config = dataclasses.replace(config, quantization=parsed)
         return config
 
+    @property
+    def max_context(self) -> int:
+        """The longest context the model runs: max_position_embeddings, stretched by a YaRN or dynamic-NTK factor
+        (YaRN's from its original length), as vLLM derives it."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") in ("yarn", "dynamic"):
+            stretched = int(scaling["original_max_position_embeddings"] * float(scaling["factor"]))
+            return max(self.max_position_embeddings, stretched)
+        return self.max_position_embeddings
+
     def _validate(self, source: str) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"{source}: num_attention_heads {self.num_heads} is not a multiple of "
                                  f"num_key_value_heads {self.num_kv_heads}")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported (only silu)")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ("default", "llama3", "linear", "rope_freqs"):
+        if self.hidden_act not in ("silu", "swish", "gelu_pytorch_tanh"):
+            raise ModelLoadError(f"{source}: hidden_act {self.hidden_act!r} is not supported "
+                                 "(silu, gelu_pytorch_tanh)")
+        self._validate_rope(source)
+
+    def _validate_rope(self, source: str) -> None:
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type", "default")
+        if rope_type not in ("default",) + SCALED_ROPE_TYPES:
             raise ModelLoadError(f"{source}: rope_scaling type {rope_type!r} is not supported "
-                                 "(supported: default, linear, llama3)")
+                                 f"(supported: default, {', '.join(SCALED_ROPE_TYPES[:-1])})")
+        for key in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+            if len(scaling.get(key) or ()) != self.head_dim // 2:
+                raise ModelLoadError(f"{source}: rope_scaling {key} needs head_dim / 2 = {self.head_dim // 2} "
+                                     "entries")
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:
@@ -140,6 +172,15 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
             return arch
     named = ", ".join(archs) if archs else f"model_type {raw.get('model_type')!r}"
     raise ModelLoadError(f"{source}: unsupported architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _activation(raw: dict[str, Any], is_gemma: bool) -> str:
+    """The MLP's gate activation; Gemma's legacy "gelu" (and hidden_activation) mean the tanh approximation, as
+    transformers reads them."""
+    if not is_gemma:
+        return str(raw.get("hidden_act", "silu"))
+    act = str(raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh")
+    return "gelu_pytorch_tanh" if act == "gelu" else act
 
 
 def _quant_method(raw: dict[str, Any]) -> Optional[str]:
@@ -162,19 +203,50 @@ def _rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
         scaling = dict(raw.get("rope_scaling") or {})
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
+    if scaling.get("rope_type") == "su":  # early Phi-3 configs' name for LongRoPE
+        scaling["rope_type"] = "longrope"
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
         return theta, None
-    return theta, scaling
+    return theta, _rope_lengths(scaling, raw)
 
 
-def _sliding_window(raw: dict[str, Any], architecture: str) -> Optional[int]:
+def _rope_lengths(scaling: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """The pretraining length the scaling is relative to, where transformers reads it: for llama3, YaRN and
+    LongRoPE the config's top-level original_max_position_embeddings first (Phi-3 keeps it there), then the
+    scaling's own, then max_position_embeddings; for dynamic NTK, max_position_embeddings. A missing YaRN or
+    LongRoPE factor is the ratio of the two lengths."""
+    rope_type, longest = scaling["rope_type"], int(raw.get("max_position_embeddings", 2048))
+    if rope_type == "dynamic":
+        return scaling | {"original_max_position_embeddings": longest}
+    if rope_type not in ("llama3", "yarn", "longrope"):
+        return scaling
+    original = int(raw.get("original_max_position_embeddings")
+                   or scaling.get("original_max_position_embeddings") or longest)
+    scaling = scaling | {"original_max_position_embeddings": original}
+    if rope_type in ("yarn", "longrope") and scaling.get("factor") is None:
+        scaling["factor"] = longest / original
+    return scaling
+
+
+def _sliding_window(raw: dict[str, Any], architecture: str, source: str) -> Optional[int]:
+    """The one window every layer's attention slides over, or None. Qwen2/3 slide only with use_sliding_window,
+    and then only layers from max_window_layers on (transformers' rule); an explicit layer_types says per layer.
+    A model mixing sliding and full layers is refused: one attention backend serves every layer."""
     window = raw.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
         return None
-    if architecture.startswith(("Qwen2", "Qwen3")):
-        if raw.get("use_sliding_window", False):
-            raise ModelLoadError(f"{architecture} with use_sliding_window=true is not supported")
+    layers = int(raw["num_hidden_layers"])
+    layer_types = raw.get("layer_types")
+    if layer_types is None and architecture.startswith(("Qwen2", "Qwen3")):
+        first = int(raw.get("max_window_layers", 28)) if raw.get("use_sliding_window", False) else layers
+        layer_types = ["full_attention"] * min(first, layers) + ["sliding_attention"] * max(layers - first, 0)
+    kinds = set(layer_types or ["sliding_attention"])
+    if kinds == {"full_attention"}:
         return None
+    if kinds != {"sliding_attention"}:
+        raise ModelLoadError(f"{source}: layer_types mixing {', '.join(sorted(kinds))} (per-layer sliding windows) "
+                             "are not supported")
     return window
 
 

@@ -24,7 +24,7 @@ from llmctl.engine.kernels import cpu_kernels_for
 from llmctl.engine.layers.attention import CommonAttentionMetadata, select_backend
 from llmctl.engine.layers.attention.torch_backend import NATIVE_MAX_QUERY
 from llmctl.engine.layers.fused_ops import select_layer_ops
-from llmctl.engine.layers.quantization import linear_methods_for
+from llmctl.engine.layers.quantization import linear_methods_for, on_the_fly_quantization
 from llmctl.engine.layers.quantization.grouped import add_batch_weights
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
@@ -170,7 +170,8 @@ class RunnerConfig:
 
 def quantization_label(quantization: Optional[str], mc: ModelConfig) -> Optional[str]:
     """How the linears are quantised: `--quantization`, else the checkpoint's own scheme, else None."""
-    return quantization or (mc.quantization.describe() if mc.quantization else mc.quant_method)
+    described = mc.quantization.describe() if mc.quantization else mc.quant_method
+    return on_the_fly_quantization(quantization, mc) or described
 
 
 def model_bytes(model: torch.nn.Module) -> int:

@@ -122,10 +122,28 @@ def missing_tokenizer(args) -> Optional[str]:
     often holds only config.json), else None."""
     from pathlib import Path
 
-    folder = args.tokenizer or args.model
-    if folder is None or not Path(folder).is_dir() or (Path(folder) / "tokenizer.json").is_file():
+    from llmctl.engine.errors import ModelLoadError
+    from llmctl.engine.hub import resolve_model_folder
+
+    name = args.tokenizer or args.model
+    try:  # a cached model id's snapshot folder, else the path given
+        folder = None if name is None else resolve_model_folder(name, None if args.tokenizer else args.revision)
+    except ModelLoadError:
+        return None  # a model id not cached is the loader's error to report
+    if folder is None or not folder.is_dir() or (folder / "tokenizer.json").is_file():
         return None  # the embedded model has one; a missing folder is the loader's error to report
     return str(folder)
+
+
+def default_model_name(model: Optional[str]) -> str:
+    """The id a server reports for `model` by default: a model id as given (vLLM's), a folder's name."""
+    from pathlib import Path
+
+    from llmctl.engine.hub import is_repo_id
+
+    if model is None:
+        return EMBEDDED_MODEL_ID
+    return model if is_repo_id(model) else Path(model).resolve().name
 
 
 def engine_args(**values: Any) -> EngineArgs:

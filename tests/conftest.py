@@ -78,10 +78,11 @@ ARCH_CONFIGS = {
 
 
 def make_tiny_model(folder: Path, arch: str, *, vocab_size: int = 512, seed: int = 0, **overrides) -> Path:
-    """Save a tiny random model of `arch` (float32) with transformers' own save_pretrained."""
+    """Save a tiny random model of `arch` (float32) with transformers' own save_pretrained; `arch` is a key of
+    ARCH_CONFIGS or a transformers config class name."""
     import transformers
 
-    config_name, extra = ARCH_CONFIGS[arch]
+    config_name, extra = ARCH_CONFIGS.get(arch, (arch, {}))
     config = getattr(transformers, config_name)(**{
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": vocab_size, "max_position_embeddings": 1024,

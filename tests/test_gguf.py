@@ -99,7 +99,8 @@ def test_q4_k_m_mix_runs_grouped_with_q6_k_as_6_bit_codes(k_quant_model, tmp_pat
     assert found["model.layers.1.self_attn.qkv_proj"] == found["model.layers.0.mlp.gate_up_proj"] == (4, 32)
     assert found["model.layers.1.mlp.down_proj"] == "float"  # TQ2_0: no grouped form
     assert "GGUF TQ2_0 linears are dequantised to torch.float32" in caplog.text
-    assert "Q6_K" not in caplog.text and "Q4_K" not in caplog.text
+    assert "Q6_K linears are dequantised" not in caplog.text and "Q4_K linears are dequantised" not in caplog.text
+    assert "(gguf Q4_K, Q6_K, TQ2_0)" in caplog.text  # the start-up log names the file's types, most weights first
     unquantised = AutoModelForCausalLM.from_pretrained(k_quant_model, dtype=torch.float32).eval()
     check_against_reference(llm, reference_model(k_quant_model, held), unquantised, prompts=3)
 
@@ -230,7 +231,7 @@ def test_generate_runs_a_gguf_file_with_its_own_tokenizer(chat_gguf):
     result = json.loads(proc.stdout.splitlines()[-1])
     folder = Tokenizer.from_pretrained(source)
     assert result["prompt_tokens"] == len(folder.encode("To be, or not"))  # BOS + the BPE pieces
-    assert result["completion_tokens"] == 4
+    assert result["completion_tokens"] == 4 and result["quantization"].startswith("gguf ")
     assert result["text"] == folder.decode(result["outputs"][0]["token_ids"])
 
 

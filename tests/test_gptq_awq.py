@@ -267,9 +267,9 @@ def test_checkpoint_runs_on_cuda(tiny_models, tmp_path, name):
 def test_generate_runs_a_gptq_checkpoint(tiny_chat_model, tmp_path):
     folder = tmp_path / "gptq"
     write_quantised_checkpoint(tiny_chat_model, folder, Scheme("gptq"))
-    proc = run_cli("generate", "hi", "-m", str(folder), "--max-tokens", "3", "--json")
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.splitlines()[-1])
+    proc = run_cli("generate", "hi", "-m", str(folder), "--max-tokens", "3", "--json", "--quantization", "gptq")
+    assert proc.returncode == 0, proc.stderr  # the checkpoint's own method named, as vLLM accepts it
+    assert "gptq" in json.loads(proc.stdout.splitlines()[-1])["quantization"].lower()
 
 
 # ---- packers against the engine's unpacking --------------------------------------------------------------
@@ -427,6 +427,9 @@ def test_on_the_fly_quantization_of_a_quantised_checkpoint_is_refused(tiny_model
     write_quantised_checkpoint(tiny_models["llama"], folder, Scheme("gptq"))
     with pytest.raises(EngineArgsError, match=r"the checkpoint is already quantised \(gptq\); drop --quantization int8"):
         LLM(str(folder), skip_tokenizer_init=True, device="cpu", quantization="int8", max_model_len=64, num_kv_blocks=8)
+    with pytest.raises(EngineArgsError, match="--quantization awq names a pre-quantised format, but the checkpoint is "
+                                              "quantised with gptq"):
+        LLM(str(folder), skip_tokenizer_init=True, device="cpu", quantization="awq", max_model_len=64, num_kv_blocks=8)
     with pytest.raises(EngineArgsError, match="--load-format dummy cannot fill a pre-quantised"):
         LLM(str(folder), skip_tokenizer_init=True, device="cpu", load_format="dummy", max_model_len=64,
             num_kv_blocks=8)

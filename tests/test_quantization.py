@@ -57,7 +57,10 @@ def test_generate_refuses_a_pre_quantised_checkpoint_in_one_line(tiny_chat_model
 
 
 def test_unknown_quantization_is_refused():
-    with pytest.raises(EngineArgsError, match="quantization must be one of int8, int4, .*, got 'gptq'"):
+    with pytest.raises(EngineArgsError, match="quantization must be one of int8, int4, .*, got 'marlin'"):
+        LLM(quantization="marlin")
+    with pytest.raises(EngineArgsError, match="--quantization gptq names a pre-quantised format, but the checkpoint "
+                                              "is not pre-quantised"):
         LLM(quantization="gptq")
 
 

@@ -1,4 +1,4 @@
-"""The decoder layer's elementwise ops (RMSNorm, residual add + RMSNorm, SiLU*mul, RoPE), chosen once per
+"""The decoder layer's elementwise ops (RMSNorm, residual add + RMSNorm, SiLU*mul, GeGLU, RoPE), chosen once per
 model by `select_layer_ops`: the native CPU kernels where they are built, the Triton kernels on CUDA where
 triton imports, torch ops otherwise. The model holds one `LayerOps` and never asks which it is.
 
@@ -33,9 +33,18 @@ class LayerOps(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for rows laid out as [gate | up]."""
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up (GeGLU, Gemma's MLP) for rows laid out as [gate | up]."""
+
     def rotary(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE of the first `heads` heads of each row of the 2-D `x`, as [tokens, heads, head_dim]."""
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """torch's GeGLU: every implementation runs it (no native or Triton kernel yet)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def _heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -55,6 +64,9 @@ class TorchLayerOps:
     def silu_and_mul(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, gate_up):
+        return gelu_tanh_and_mul(gate_up)
 
     def rotary(self, x, heads, head_dim, cos, sin):
         return rotate(_heads(x, heads, head_dim), cos, sin)
@@ -107,6 +119,9 @@ class TritonLayerOps:
     def silu_and_mul(self, gate_up):
         with self._on_device:
             return self._activation.silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up):
+        return gelu_tanh_and_mul(gate_up)
 
     def rotary(self, x, heads, head_dim, cos, sin):
         with self._on_device:

@@ -12,7 +12,7 @@ down_proj and the embedding all-reduce, and the logits are gathered from every r
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -30,16 +30,29 @@ class RMSNorm(nn.Module):
     """RMSNorm; with `residual`, first adds x into the residual stream and normalises the sum,
     returning (normed, residual) (the residual passed in is consumed: `ops` may update it in place)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: LayerOps):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: LayerOps, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.ops = ops
+        self.offset = offset  # Gemma scales by (1 + weight)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Fold the offset into the weight once (in float32), so every `LayerOps` norm kernel serves it."""
+        if self.offset:
+            self.weight.copy_((self.weight.float() + self.offset).to(self.weight.dtype))
+            self.offset = 0.0
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def model_norm(config: ModelConfig, size: int, dtype: torch.dtype, ops: LayerOps) -> RMSNorm:
+    """An RMSNorm as the model's config defines them (eps, Gemma's weight offset)."""
+    return RMSNorm(size, config.rms_norm_eps, dtype, ops, config.norm_weight_offset)
 
 
 class Attention(nn.Module):
@@ -54,8 +67,8 @@ class Attention(nn.Module):
                                     config.num_kv_heads * self.head_dim, bias=config.qkv_bias, head_dim=self.head_dim)
         self.o_proj = linears.row(config.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, ops)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, linears.dtype, ops)
+            self.q_norm = model_norm(config, self.head_dim, linears.dtype, ops)
+            self.k_norm = model_norm(config, self.head_dim, linears.dtype, ops)
         self.qk_norm = config.qk_norm
         self.ops = ops
 
@@ -87,18 +100,18 @@ class MLP(nn.Module):
         self.gate_up_proj = linears.merged(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = linears.row(size, config.hidden_size, bias=config.mlp_bias)
         self.size = self.gate_up_proj.out_features // 2  # this rank's part of the intermediate size
-        self.ops = ops
+        self.act_and_mul = ops.gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps, mlp: nn.Module):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, ops)
+        self.input_layernorm = model_norm(config, config.hidden_size, linears.dtype, ops)
         self.self_attn = Attention(config, linears, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, ops)
+        self.post_attention_layernorm = model_norm(config, config.hidden_size, linears.dtype, ops)
         self.mlp = mlp
 
     # The layer is split at attention, the one op whose shapes depend on each sequence's context:
@@ -125,7 +138,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, linears.dtype, linears.tp)
         self.layers = nn.ModuleList(DecoderLayer(config, linears, ops, build_mlp(i, config, linears, ops))
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype, ops)
+        self.norm = model_norm(config, config.hidden_size, linears.dtype, ops)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
 
@@ -163,9 +176,16 @@ class LlamaForCausalLM(nn.Module):
         """Decoder layer `index`'s MLP (a mixture-of-experts model's subclass returns its MoE block)."""
         return MLP(config, linears, ops)
 
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensor as the (HF name, tensor) pairs the loader maps (an architecture whose
+        checkpoints fuse projections splits them)."""
+        yield name, tensor
+
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings and this step's RoPE cos/sin rows."""
         hidden = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier is not None:  # Gemma: the multiplier rounded to the model dtype first
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         return hidden, self.model.rotary.tables(positions, hidden.dtype)
 
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -183,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         attention, no q/k norm (Qwen3). None elsewhere (`forward` runs)."""
         config, layers = self.config, self.model.layers
         if kernels is None or self.ops.kernels is not kernels or not self.tp.is_single or config.qk_norm \
+                or config.hidden_act == "gelu_pytorch_tanh" or config.embedding_multiplier is not None \
                 or self.model.embed_tokens.weight.dtype != torch.bfloat16 \
                 or not kernels.supports_decode(torch.bfloat16, config.num_heads, config.num_kv_heads, config.head_dim):
             return None

@@ -66,9 +66,3 @@ class MoEForCausalLM(LlamaForCausalLM):
 class MixtralForCausalLM(MoEForCausalLM):
     expert_names = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 
-
-def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
-    """The module tree for `config`: the MoE classes for mixture-of-experts architectures, else llama.py's."""
-    if config.moe is None:
-        return LlamaForCausalLM
-    return MixtralForCausalLM if config.architecture == "MixtralForCausalLM" else MoEForCausalLM

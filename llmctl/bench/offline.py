@@ -47,15 +47,21 @@ class ModelInfo:
 
 def model_info(args: Any) -> ModelInfo:
     """Read config.json (cheap) so bad lengths fail before the weights load."""
+    from llmctl.engine.errors import ModelLoadError
+    from llmctl.engine.hub import resolve_model_folder
     from llmctl.engine.llm_engine import default_model_path
     from llmctl.engine.model_config import ModelConfig
 
-    folder = Path(args.model) if args.model else default_model_path()
+    try:  # a model id: its snapshot in the local Hugging Face cache
+        model, revision = args.model, getattr(args, "revision", None)
+        folder = resolve_model_folder(model, revision) if model else default_model_path()
+    except ModelLoadError as exc:
+        raise UserError(str(exc)) from None
     if not folder.is_dir():
         raise UserError(f"model folder {folder} does not exist" if not folder.exists()
                         else f"{folder} is not a folder (give the Hugging Face model folder)")
     config = ModelConfig.from_pretrained(folder)
-    limit = config.max_position_embeddings
+    limit = config.max_context
     if args.max_model_len is not None and args.max_model_len > limit:
         raise UserError(f"--max-model-len {args.max_model_len} exceeds the model's max_position_embeddings {limit}")
     return ModelInfo(folder, args.model or "embedded default model", config.vocab_size, args.max_model_len or limit)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 
+from llmctl.engine.args import CHECKPOINT_QUANTIZATIONS
 from llmctl.engine.errors import EngineArgsError, ModelLoadError
 from llmctl.engine.layers.linear import LinearMethod
 from llmctl.engine.layers.quantization.awq import AWQConfig
@@ -127,6 +128,17 @@ def active_registry() -> QuantizationRegistry:
     return _ACTIVE.get()
 
 
+def on_the_fly_quantization(quantization: Optional[str], model_config: "ModelConfig") -> Optional[str]:
+    """The `--quantization` value left to apply on load: None where it names the checkpoint's own format
+    (gptq, awq, compressed-tensors, as vLLM accepts them); such a name for any other checkpoint is refused."""
+    if quantization not in CHECKPOINT_QUANTIZATIONS:
+        return quantization
+    if model_config.quant_method == quantization:
+        return None
+    found = f"quantised with {model_config.quant_method}" if model_config.quant_method else "not pre-quantised"
+    raise EngineArgsError(f"--quantization {quantization} names a pre-quantised format, but the checkpoint is {found}")
+
+
 def linear_methods_for(model_config: "ModelConfig", quantization: Optional[str], device: torch.device,
                        dtype: torch.dtype, kernels=None, *, gguf: bool = False, load_format: str = "auto",
                        batch_hint: int = 1, registry: Optional[QuantizationRegistry] = None) -> LinearMethods:
@@ -134,10 +146,11 @@ def linear_methods_for(model_config: "ModelConfig", quantization: Optional[str],
     `--quantization` method, the checkpoint's own format, or the fastest unquantised method. `batch_hint`: the
     rows the unquantised method is tuned for."""
     registry = registry or active_registry()
+    quantization = on_the_fly_quantization(quantization, model_config)
     target = LinearTarget(device, dtype, kernels, batch_hint, load_format, model_config.tie_word_embeddings)
     if (model_config.quant_method is not None or gguf) and quantization:
-        raise EngineArgsError(f"the checkpoint is already quantised ({model_config.quant_method or 'GGUF'}); drop "
-                              f"--quantization {quantization}")
+        named = "GGUF" if gguf else model_config.quant_method
+        raise EngineArgsError(f"the checkpoint is already quantised ({named}); drop --quantization {quantization}")
     if quantization and model_config.moe is not None:  # the fused experts have no quantised form yet
         raise EngineArgsError(f"--quantization {quantization} is not supported for mixture-of-experts models "
                               f"({model_config.architecture})")
@@ -157,4 +170,4 @@ def quantized_linear_method(quantization: str, device: torch.device, dtype: torc
 
 __all__ = ["CHECKPOINT", "DEFAULT_REGISTRY", "FILE", "FLAG", "LinearMethods", "LinearTarget", "QuantizationConfig",
            "QuantizationFormat", "QuantizationRegistry", "active_registry", "linear_methods_for",
-           "quantized_linear_method"]
+           "on_the_fly_quantization", "quantized_linear_method"]
