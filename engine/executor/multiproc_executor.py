@@ -265,7 +265,8 @@ class MultiprocExecutor:
         import torch.distributed as dist
 
         if dist.is_initialized():  # the default process group is per process
-            raise EngineError("a tensor-parallel engine already runs in this process (one per process)")
+            raise EngineError("a parallel engine already runs in this process (one per process): call "
+                              "shutdown() on the first LLM (or build it in a `with LLM(...) as llm:` block)")
         self.parallel = parallel
         self.fault: Optional[RankFailedError] = None
         self._closed = False
