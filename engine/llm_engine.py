@@ -230,9 +230,9 @@ class LLMEngine:
         speculative = args.speculative
         draft = None
         if speculative is not None and speculative.model is not None:
-            if args.tensor_parallel_size > 1:
-                raise EngineArgsError("a draft model (speculative_config \"model\") with tensor_parallel_size > 1 is "
-                                      "not supported yet; the ngram method is")
+            if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+                raise EngineArgsError("a draft model (speculative_config \"model\") with tensor_parallel_size or "
+                                      "pipeline_parallel_size > 1 is not supported yet; the ngram method is")
             draft = DraftModel.load(speculative.model, self.model_config, Path(args.tokenizer or folder),
                                     self.max_model_len)
         dtype = resolve_dtype(args.dtype, self.model_config, device)

@@ -50,8 +50,8 @@ import torch
 
 from llmctl.engine.args import ParallelConfig
 from llmctl.engine.errors import EngineError, RankFailedError
-from llmctl.engine.model_runner import ModelRunner, RunnerConfig, StepInputs
-from llmctl.engine.parallel import TensorParallel
+from llmctl.engine.model_runner import ModelRunner, RunnerConfig, StepInputs, StepLogits
+from llmctl.engine.parallel import PipelineParallel, TensorParallel, pipeline_layer_ranges
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
 
@@ -74,7 +74,8 @@ def _joined_key(rank: int) -> str:
 @dataclass(frozen=True)
 class _Groups:
     control: object
-    model: object
+    model: object  # this rank's pipeline stage's tensor-parallel ranks
+    pipe: object  # every rank: the pipeline's point-to-point sends (hidden states, the last stage's logits)
 
 
 # ---- the step message -----------------------------------------------------------------------------
@@ -151,9 +152,14 @@ def _connect(parallel: ParallelConfig, rank: int, device: torch.device, store, c
                                 timeout=timedelta(seconds=LOAD_TIMEOUT_S))
     ranks = list(range(world))
     control = dist.new_group(ranks, timeout=timedelta(seconds=control_timeout_s), backend="gloo")
-    model = dist.new_group(ranks, timeout=timedelta(seconds=parallel.collective_timeout_s),
-                           backend="nccl" if device.type == "cuda" else "gloo")
-    return _Groups(control, model)
+    model_backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=parallel.collective_timeout_s)
+    tp = parallel.tensor_parallel_size
+    # every rank creates every stage's group, in the same order (new_group is collective over the default group)
+    stage_groups = [dist.new_group(ranks[stage * tp:(stage + 1) * tp], timeout=timeout, backend=model_backend)
+                    for stage in range(parallel.pipeline_parallel_size)]
+    pipe = dist.new_group(ranks, timeout=timeout, backend=model_backend) if parallel.pipeline_parallel_size > 1 else None
+    return _Groups(control, stage_groups[rank // tp], pipe)
 
 
 def _agree_num_blocks(num_blocks: int) -> int:
@@ -167,16 +173,29 @@ def _agree_num_blocks(num_blocks: int) -> int:
 
 
 def _rank_config(config: RunnerConfig, parallel: ParallelConfig, rank: int, groups: _Groups) -> RunnerConfig:
+    """Global rank = stage x tensor_parallel_size + tensor-parallel rank (vLLM's layout): a stage's
+    tensor-parallel ranks are neighbours, and each sends to the same tensor-parallel rank of the next stage."""
+    tp, stages = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    stage = rank // tp
+    layers = pipeline_layer_ranges(config.model_config.num_layers, stages, parallel.layer_partition)[stage]
+    pipeline = PipelineParallel(stage, stages, layers, groups.pipe, rank - tp if stage > 0 else None,
+                                rank + tp if stage < stages - 1 else None)
     return replace(config, device=_rank_device(config.device, parallel, rank),
-                   tensor_parallel=TensorParallel(rank, parallel.world_size, groups.model))
+                   tensor_parallel=TensorParallel(rank % tp, tp, groups.model), pipeline_parallel=pipeline)
+
+
+def _sends_logits(parallel: ParallelConfig, rank: int) -> bool:
+    """The last stage's first tensor-parallel rank hands the step's logits to the driver (rank 0)."""
+    return parallel.pipeline_parallel_size > 1 and rank == parallel.world_size - parallel.tensor_parallel_size
 
 
 # ---- a rank that only runs the model ----------------------------------------------------------------
 class _Worker:
-    def __init__(self, rank: int, runner: ModelRunner, groups: _Groups):
+    def __init__(self, rank: int, runner: ModelRunner, groups: _Groups, sends_logits: bool):
         self.rank = rank
         self.runner = runner
         self.groups = groups
+        self.sends_logits = sends_logits
 
     def serve(self) -> None:
         """Run steps until the driver says stop (returns) or goes away (raises)."""
@@ -194,7 +213,9 @@ class _Worker:
                 self.runner.release_kept_state()
             for seq_id, num_tokens in truncations:
                 self.runner.truncate_kept_state(seq_id, num_tokens)
-            self.runner.forward(inputs)
+            out = self.runner.forward(inputs)
+            if self.sends_logits and inputs.logits_indices.numel():
+                dist.send(out.logits.contiguous(), 0, group=self.groups.pipe)
 
 
 def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_threads: int) -> None:
@@ -212,7 +233,7 @@ def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_
         groups = _connect(parallel, rank, config.device, store, IDLE_TIMEOUT_S)
         runner = ModelRunner(_rank_config(config, parallel, rank, groups))
         _agree_num_blocks(runner.num_blocks)
-        _Worker(rank, runner, groups).serve()
+        _Worker(rank, runner, groups, _sends_logits(parallel, rank)).serve()
     except BaseException as exc:  # noqa: BLE001 - a worker's failure is its exit code and its log line
         logger.error("rank %d stops: %s: %s", rank, type(exc).__name__, " ".join(str(exc).split())[:500])
         os._exit(1)
@@ -378,10 +399,22 @@ class MultiprocExecutor:
         try:
             self._send(step.inputs)
             out = self.runner.forward(step.inputs)
+            if self.parallel.pipeline_parallel_size > 1:
+                out = self._receive_logits(step.inputs)
         except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
             self.fault = self._failure("step", exc)
             raise self.fault from None
         return self.runner.sample(step, out, rows)
+
+    def _receive_logits(self, inputs: StepInputs) -> StepLogits:
+        """The last pipeline stage's logits of the step's sampled and prompt-scored rows."""
+        import torch.distributed as dist
+
+        logits = torch.empty((inputs.logits_indices.numel(), self.runner.config.model_config.vocab_size),
+                             dtype=torch.float32, device=self.device)
+        if logits.numel():
+            dist.recv(logits, self.parallel.world_size - self.parallel.tensor_parallel_size, group=self.groups.pipe)
+        return StepLogits(logits)
 
     def _send(self, inputs: StepInputs) -> None:
         import torch.distributed as dist

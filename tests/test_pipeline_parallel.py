@@ -1,0 +1,52 @@
+"""Pipeline parallelism (issue 43): the decoder layers split over stages, hidden states and residuals passed
+between them point to point, each stage's KV pool for its layers only, the logits sent back to the driver."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmctl.engine import LLM, EngineArgs, SamplingParams
+from llmctl.engine.errors import EngineArgsError
+from llmctl.engine.parallel import TensorParallelError, pipeline_layer_ranges
+
+
+def test_layers_split_evenly_or_as_the_partition_says():
+    assert pipeline_layer_ranges(7, 2) == [range(0, 4), range(4, 7)]
+    assert pipeline_layer_ranges(6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
+    assert pipeline_layer_ranges(6, 2, (1, 5)) == [range(0, 1), range(1, 6)]
+    with pytest.raises(TensorParallelError, match="sums to 5, but the model has 6"):
+        pipeline_layer_ranges(6, 2, (2, 3))
+    with pytest.raises(TensorParallelError, match="cannot fill 3 pipeline stages"):
+        pipeline_layer_ranges(2, 3)
+
+
+def test_pipeline_flags_place_the_ranks():
+    placed = EngineArgs(pipeline_parallel_size=2, tensor_parallel_size=2, pp_layer_partition="1,1").parallel_for({})
+    assert (placed.world_size, placed.tensor_parallel_size, placed.pipeline_parallel_size) == (4, 2, 2)
+    assert placed.layer_partition == (1, 1)
+    with pytest.raises(EngineArgsError, match="one positive layer count for each of the 2"):
+        EngineArgs(pipeline_parallel_size=2, pp_layer_partition="2")
+    with pytest.raises(EngineArgsError, match="comma-separated layer counts"):
+        EngineArgs(pipeline_parallel_size=2, pp_layer_partition="a,b")
+
+
+def _llm(folder, **extra) -> LLM:
+    return LLM(model=str(folder), device="cpu", dtype="float32", max_model_len=128, block_size=16,
+               skip_tokenizer_init=True, **extra)
+
+
+def test_two_stages_give_the_greedy_tokens_of_one_rank_through_a_mixed_batch_and_chunked_prefill(tiny_models):
+    """A 32-token budget chunks the longer prompts while the others decode (mixed batches); the shared prefix
+    hits the prefix cache."""
+    shared = [(7 * i) % 500 for i in range(40)]
+    prompts = [shared + [1, 2, 3], [9, 8, 7, 9, 8, 7], shared + [4, 5], list(range(60, 110))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    settings = dict(max_num_batched_tokens=32, num_kv_blocks=24, enable_prefix_caching=True)
+    with _llm(tiny_models["llama"], **settings) as one:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    with _llm(tiny_models["llama"], pipeline_parallel_size=2, **settings) as pp:
+        runner = pp.engine.executor.runner
+        assert len(runner.kv_caches) == 1 and runner.stage_layers == range(0, 1)  # stage 0 holds layer 0 only
+        assert runner.model.lm_head is None and runner.model.model.norm is None
+        got = [o.outputs[0].token_ids for o in pp.generate(prompts, params)]
+    assert got == want
