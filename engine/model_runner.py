@@ -206,6 +206,7 @@ class ModelRunner:
         mc = config.model_config
         tp = config.tensor_parallel
         self.pp = pp = config.pipeline_parallel
+        self._sends: list = []  # the last step's sends to the next pipeline stage, until they complete
         self.stage_layers = pp.layer_range(mc.num_layers)
         kernels = cpu_kernels_for(self.device, config.dtype)
         backend_cls = select_backend(self.device, config.dtype, mc.head_dim, config.attention_backend)
@@ -389,7 +390,9 @@ class ModelRunner:
         out = self._run(inputs, self.kv_caches, self.graphs, self._stage_input(inputs, True))
         if self.pp.is_last:
             return out
-        self.pp.send(*out)
+        for work in self._sends:  # the previous micro-batch's: by now the next stage is taking it
+            work.wait()
+        self._sends = self.pp.send(*out)
         return None
 
     def _stage_input(self, inputs: "StepInputs", receive: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

@@ -172,12 +172,13 @@ class PipelineParallel:
     def layer_range(self, num_layers: int) -> range:
         return range(num_layers) if self.layers is None else self.layers
 
-    def send(self, *tensors: torch.Tensor) -> None:
-        """To the next stage (the hidden states and the residual stream of every token of the step)."""
+    def send(self, *tensors: torch.Tensor) -> list:
+        """To the next stage (the hidden states and the residual stream of every token of the step), without
+        waiting: returns the sends' works (the caller waits on them before its next send), so a stage goes on
+        to the next micro-batch while the next stage takes this one."""
         import torch.distributed as dist
 
-        for tensor in tensors:
-            dist.send(tensor.contiguous(), self.next_rank, group=self.group)
+        return [dist.isend(tensor.contiguous(), self.next_rank, group=self.group) for tensor in tensors]
 
     def receive(self, count: int, shape: tuple[int, ...], dtype: torch.dtype,
                 device: torch.device) -> list[torch.Tensor]:

@@ -50,3 +50,29 @@ def test_two_stages_give_the_greedy_tokens_of_one_rank_through_a_mixed_batch_and
         assert runner.model.lm_head is None and runner.model.model.norm is None
         got = [o.outputs[0].token_ids for o in pp.generate(prompts, params)]
     assert got == want
+
+
+def test_micro_batches_keep_both_stages_busy_and_an_abort_in_flight_is_dropped(tiny_models):
+    """Eight decoding sequences split into two micro-batches of four, one in each stage; a request aborted
+    while its micro-batch is in flight gets no tokens from it, and the others finish as one rank's."""
+    prompts = [[3 + i, 40 + i, 7] for i in range(8)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with _llm(tiny_models["llama"]) as one:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    with _llm(tiny_models["llama"], pipeline_parallel_size=2, num_kv_blocks=24) as pp:
+        engine = pp.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        engine.step()
+        assert [len(out.scheduled) for out, _ in engine._in_flight] == [4]  # the first applied, the second running
+        in_flight = engine._in_flight[0][0].scheduled[0].seq.request_id
+        assert engine.abort_request(in_flight).finished
+        got = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step().outputs:
+                if output.finished:
+                    got[output.request_id] = output.outputs[0].token_ids
+        assert not engine._in_flight
+    assert in_flight not in got
+    assert [got[str(i)] for i in range(8) if str(i) != in_flight] == [w for i, w in enumerate(want)
+                                                                       if str(i) != in_flight]

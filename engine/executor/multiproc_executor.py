@@ -50,7 +50,7 @@ import torch
 
 from llmctl.engine.args import ParallelConfig
 from llmctl.engine.errors import EngineError, RankFailedError
-from llmctl.engine.model_runner import ModelRunner, RunnerConfig, StepInputs, StepLogits
+from llmctl.engine.model_runner import ModelRunner, PreparedStep, RunnerConfig, StepInputs, StepLogits
 from llmctl.engine.parallel import PipelineParallel, TensorParallel, pipeline_layer_ranges
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
@@ -202,6 +202,7 @@ class _Worker:
         import torch.distributed as dist
 
         header = torch.empty(HEADER_LEN, dtype=torch.long)
+        logits_sent = None  # the last stage's previous send to the driver, until it completes
         while True:
             dist.broadcast(header, 0, group=self.groups.control)
             if header[0].item() == STOP:
@@ -215,7 +216,9 @@ class _Worker:
                 self.runner.truncate_kept_state(seq_id, num_tokens)
             out = self.runner.forward(inputs)
             if self.sends_logits and inputs.logits_indices.numel():
-                dist.send(out.logits.contiguous(), 0, group=self.groups.pipe)
+                if logits_sent is not None:
+                    logits_sent.wait()
+                logits_sent = dist.isend(out.logits.contiguous(), 0, group=self.groups.pipe)
 
 
 def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_threads: int) -> None:
@@ -277,6 +280,15 @@ def _stop(processes: dict[int, object], timeout_s: float) -> None:
 
 
 # ---- the driver (rank 0, in the engine's process) -----------------------------------------------------
+@dataclass
+class PendingStep:
+    """A micro-batch in the pipeline: its prepared step, sampling rows and step-message broadcasts."""
+
+    step: PreparedStep
+    rows: list[Optional[SamplingRow]]
+    messages: list
+
+
 class MultiprocExecutor:
     """The `Executor` of a tensor-parallel engine; rank 0 runs here."""
 
@@ -393,18 +405,48 @@ class MultiprocExecutor:
         """Rank 0's pool (every rank holds one of the same size, its KV heads' share)."""
         return self.num_blocks * self.runner.bytes_per_block
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Micro-batches the engine keeps in flight: one per pipeline stage."""
+        return self.parallel.pipeline_parallel_size
+
     def execute(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
+        if self.parallel.pipeline_parallel_size > 1:
+            return self.collect(self.submit(scheduled, rows))
         self.check_health()
         step = self.runner.prepare(scheduled)
         try:
-            self._send(step.inputs)
+            for work in self._send(step.inputs):
+                work.wait()
             out = self.runner.forward(step.inputs)
-            if self.parallel.pipeline_parallel_size > 1:
-                out = self._receive_logits(step.inputs)
         except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
             self.fault = self._failure("step", exc)
             raise self.fault from None
         return self.runner.sample(step, out, rows)
+
+    def submit(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> PendingStep:
+        """Pipeline parallelism: start a micro-batch (its step message and the first stage, here) and return
+        while the later stages run it; `collect` samples it. Micro-batches are collected in submission order."""
+        self.check_health()
+        step = self.runner.prepare(scheduled)
+        try:
+            messages = self._send(step.inputs)
+            self.runner.forward(step.inputs)  # stage 0: hands its output to stage 1 and returns
+        except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
+            self.fault = self._failure("step", exc)
+            raise self.fault from None
+        return PendingStep(step, rows, messages)
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        self.check_health()
+        try:
+            for work in pending.messages:
+                work.wait()
+            out = self._receive_logits(pending.step.inputs)
+        except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
+            self.fault = self._failure("step", exc)
+            raise self.fault from None
+        return self.runner.sample(pending.step, out, pending.rows)
 
     def _receive_logits(self, inputs: StepInputs) -> StepLogits:
         """The last pipeline stage's logits of the step's sampled and prompt-scored rows."""
@@ -416,13 +458,14 @@ class MultiprocExecutor:
             dist.recv(logits, self.parallel.world_size - self.parallel.tensor_parallel_size, group=self.groups.pipe)
         return StepLogits(logits)
 
-    def _send(self, inputs: StepInputs) -> None:
+    def _send(self, inputs: StepInputs) -> list:
+        """Start broadcasting the step message; returns the broadcasts' works (the caller waits on them)."""
         import torch.distributed as dist
 
         header, payload = pack_step(inputs, self._truncations, self._release)
-        dist.broadcast(header, 0, group=self.groups.control)
-        dist.broadcast(payload, 0, group=self.groups.control)
+        works = [dist.broadcast(tensor, 0, group=self.groups.control, async_op=True) for tensor in (header, payload)]
         self._truncations, self._release = [], False
+        return works
 
     def make_generator(self, seed: int) -> torch.Generator:
         return self.runner.make_generator(seed)
