@@ -3,10 +3,14 @@ between them point to point, each stage's KV pool for its layers only, the logit
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 from llmctl.engine import LLM, EngineArgs, SamplingParams
-from llmctl.engine.errors import EngineArgsError
+from llmctl.engine.errors import EngineArgsError, RankFailedError
 from llmctl.engine.parallel import TensorParallelError, pipeline_layer_ranges
 
 
@@ -35,44 +39,70 @@ def _llm(folder, **extra) -> LLM:
                skip_tokenizer_init=True, **extra)
 
 
-def test_two_stages_give_the_greedy_tokens_of_one_rank_through_a_mixed_batch_and_chunked_prefill(tiny_models):
+def _decode_with_an_abort_in_flight(engine, prompts, params) -> tuple[str, dict]:
+    """Run `prompts` on a two-stage engine, aborting a request whose micro-batch is in flight."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    engine.step()
+    assert [len(out.scheduled) for out, _ in engine._in_flight] == [len(prompts) // 2]  # the second micro-batch
+    in_flight = engine._in_flight[0][0].scheduled[0].seq.request_id
+    assert engine.abort_request(in_flight).finished
+    got = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            if output.finished:
+                got[output.request_id] = output.outputs[0].token_ids
+    assert not engine._in_flight
+    return in_flight, got
+
+
+def test_two_stages_give_one_ranks_greedy_tokens_through_mixed_batches_chunks_and_micro_batches(tiny_models):
     """A 32-token budget chunks the longer prompts while the others decode (mixed batches); the shared prefix
-    hits the prefix cache."""
+    hits the prefix cache. Then eight decoding sequences run as two micro-batches of four, one in each stage;
+    a request aborted while its micro-batch is in flight gets no tokens from it, the others one rank's."""
     shared = [(7 * i) % 500 for i in range(40)]
     prompts = [shared + [1, 2, 3], [9, 8, 7, 9, 8, 7], shared + [4, 5], list(range(60, 110))]
+    decodes = [[3 + i, 40 + i, 7] for i in range(8)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     settings = dict(max_num_batched_tokens=32, num_kv_blocks=24, enable_prefix_caching=True)
     with _llm(tiny_models["llama"], **settings) as one:
         want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+        want_decodes = [o.outputs[0].token_ids for o in one.generate(decodes, params)]
     with _llm(tiny_models["llama"], pipeline_parallel_size=2, **settings) as pp:
         runner = pp.engine.executor.runner
         assert len(runner.kv_caches) == 1 and runner.stage_layers == range(0, 1)  # stage 0 holds layer 0 only
         assert runner.model.lm_head is None and runner.model.model.norm is None
         got = [o.outputs[0].token_ids for o in pp.generate(prompts, params)]
+        aborted, got_decodes = _decode_with_an_abort_in_flight(pp.engine, decodes, params)
     assert got == want
+    assert aborted not in got_decodes
+    assert got_decodes == {str(i): w for i, w in enumerate(want_decodes) if str(i) != aborted}
 
 
-def test_micro_batches_keep_both_stages_busy_and_an_abort_in_flight_is_dropped(tiny_models):
-    """Eight decoding sequences split into two micro-batches of four, one in each stage; a request aborted
-    while its micro-batch is in flight gets no tokens from it, and the others finish as one rank's."""
-    prompts = [[3 + i, 40 + i, 7] for i in range(8)]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    with _llm(tiny_models["llama"]) as one:
+def test_two_stages_of_two_tensor_parallel_ranks_give_one_ranks_tokens_and_a_killed_rank_fails_loudly(tiny_models):
+    """Four ranks: each stage's heads split over two ranks, hidden states passed between matching ranks. Then
+    a rank of the last stage is killed mid-request: the request fails with the rank named within the
+    collective timeout, and no rank process is left (each exits non-zero)."""
+    prompts = [[5, 6, 7, 8, 9] * 4, [11, 12, 13], list(range(30, 50))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    settings = dict(max_num_batched_tokens=16, num_kv_blocks=12)
+    with _llm(tiny_models["llama"], **settings) as one:
         want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
-    with _llm(tiny_models["llama"], pipeline_parallel_size=2, num_kv_blocks=24) as pp:
-        engine = pp.engine
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        engine.step()
-        assert [len(out.scheduled) for out, _ in engine._in_flight] == [4]  # the first applied, the second running
-        in_flight = engine._in_flight[0][0].scheduled[0].seq.request_id
-        assert engine.abort_request(in_flight).finished
-        got = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step().outputs:
-                if output.finished:
-                    got[output.request_id] = output.outputs[0].token_ids
-        assert not engine._in_flight
-    assert in_flight not in got
-    assert [got[str(i)] for i in range(8) if str(i) != in_flight] == [w for i, w in enumerate(want)
-                                                                       if str(i) != in_flight]
+    with _llm(tiny_models["llama"], pipeline_parallel_size=2, tensor_parallel_size=2, collective_timeout_s=5.0,
+              **settings) as pp:
+        assert pp.engine.executor.runner.num_heads == 2  # 4 heads over 2 tensor-parallel ranks
+        got = [o.outputs[0].token_ids for o in pp.generate(prompts, params)]
+        ranks = pp.engine.executor._processes
+        killed = []
+
+        def kill_once(index, output):
+            if not killed:
+                os.kill(ranks[3].pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        with pytest.raises(RankFailedError, match="rank 3"):
+            pp.generate([[1, 2, 3]], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+                        on_output=kill_once)
+        assert time.monotonic() - killed[0] < 20
+    assert got == want
+    assert all(process.exitcode not in (None, 0) for process in ranks.values())
