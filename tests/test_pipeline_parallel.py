@@ -32,6 +32,12 @@ def test_pipeline_flags_place_the_ranks():
         EngineArgs(pipeline_parallel_size=2, pp_layer_partition="2")
     with pytest.raises(EngineArgsError, match="comma-separated layer counts"):
         EngineArgs(pipeline_parallel_size=2, pp_layer_partition="a,b")
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+    under_torchrun = EngineArgs(pipeline_parallel_size=2).parallel_for(torchrun)  # T = WORLD_SIZE / P
+    assert (under_torchrun.tensor_parallel_size, under_torchrun.pipeline_parallel_size) == (2, 2)
+    with pytest.raises(EngineArgsError, match=r"\(6\) differs from torchrun's WORLD_SIZE 4"):
+        EngineArgs(pipeline_parallel_size=2, tensor_parallel_size=3).parallel_for(torchrun)
 
 
 def _llm(folder, **extra) -> LLM:
