@@ -127,7 +127,7 @@ def runner_config(args: EngineArgs) -> RunnerConfig:
 
 
 def default_executor_class(args: EngineArgs) -> Callable[[RunnerConfig], Executor]:
-    """In-process for one rank; the multi-rank executor (rank 0 here) for tensor_parallel_size > 1."""
+    """In-process for one rank; the multi-rank executor (rank 0 here) for tensor or pipeline parallelism."""
     parallel = args.parallel
     if parallel.world_size == 1:
         return UniProcExecutor
@@ -208,7 +208,7 @@ class Request:
 class LLMEngine:
     def __init__(self, args: EngineArgs, executor_class: Optional[Callable[[RunnerConfig], Executor]] = None):
         """`executor_class` builds the executor from the runner's configuration (vLLM's seam for
-        other executors; default: in-process, or `MultiprocExecutor` with tensor_parallel_size > 1)."""
+        other executors; default: in-process, or `MultiprocExecutor` with several ranks)."""
         args.validate()
         device = resolve_device(args.device)
         self.args = args = args.with_device_defaults(device.type)  # what the engine runs with, as reported

@@ -1,4 +1,5 @@
-"""Tensor parallelism: which rank this process is, and the collectives the sharded model calls.
+"""Tensor parallelism: which rank this process is, and the collectives the sharded model calls; pipeline
+parallelism: which stage (its decoder layers, `pipeline_layer_ranges`) and its sends between stages.
 
 A `TensorParallel` is passed down at construction (runner -> model -> layers); nothing reads a
 global. `TensorParallel.single()` (size 1) makes every collective the identity, so the one-device

@@ -1,4 +1,4 @@
-"""`MultiprocExecutor`: the `Executor` over several ranks (tensor parallelism), on torch.distributed.
+"""`MultiprocExecutor`: the `Executor` over several ranks (tensor and pipeline parallelism), on torch.distributed.
 
 Rank 0 lives in the engine's process: the scheduler, block manager and sampler stay there, and so do
 the `SamplingRow`s (generators, logits-processor closures never cross a process boundary). The other
@@ -11,15 +11,21 @@ the rows' lengths and block tables, and the kept-state truncations queued since 
 every rank runs `ModelRunner.forward` on it; the sharded model's collectives run between ranks on
 the model group; the driver samples from its (gathered) logits.
 
-Three process groups, because their waits differ:
+With pipeline stages (global rank = stage x T + tensor-parallel rank) stage 0 runs on the driver, each later
+stage receives its input from the one before, and the last stage's first rank sends the logits to the
+driver; the engine keeps one micro-batch per stage in flight (`submit`, then `collect` in order).
+
+The process groups, because their waits differ:
 - the default group (gloo): start-up only (agreeing on the KV pool size), waiting up to
   `LOAD_TIMEOUT_S` for the slowest rank's weights;
 - the control group (gloo, CPU tensors on every device): the step messages. The timeout is local to
   each process: on the driver it is the collective timeout (a rank that stopped reading fails the
   step), on a worker it is `IDLE_TIMEOUT_S`, because a worker waits there for as long as the server
   sits idle;
-- the model group (gloo on CPU, NCCL on CUDA): the model's all-reduces and gathers, with the
-  collective timeout on every rank.
+- the model groups (gloo on CPU, NCCL on CUDA), one per pipeline stage: the model's all-reduces and
+  gathers, with the collective timeout on every rank;
+- the pipe group (every rank, same backend, the collective timeout; with pipeline stages only): the
+  hidden states between stages and the last stage's logits.
 
 Faults: a rank that exits closes its connections, so the driver's next (or current) collective fails
 at once; a rank that hangs fails it after the collective timeout (30 s by default). Either way the
@@ -290,7 +296,7 @@ class PendingStep:
 
 
 class MultiprocExecutor:
-    """The `Executor` of a tensor-parallel engine; rank 0 runs here."""
+    """The `Executor` of a tensor- or pipeline-parallel engine; rank 0 runs here."""
 
     def __init__(self, config: RunnerConfig, parallel: ParallelConfig, num_threads: Optional[int] = None):
         if not parallel.runs_engine:
