@@ -6,6 +6,7 @@ text, and a rank killed mid-stream ends the stream in an engine_dead error and t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -107,13 +108,24 @@ def test_serve_tp2_answers_the_openai_client_and_sigterm_stops_every_rank():
     assert not [pid for pid in ranks if _alive(pid)]
 
 
-def test_a_killed_rank_makes_the_server_unhealthy_then_exit_non_zero():
+@contextlib.contextmanager
+def _healthy_server_of_two_ranks(*args: str):
+    """A server of two ranks once healthy: (the server process, its base URL, the pid of rank 1); killed on
+    the way out if still running."""
     port = free_port()
-    proc = _serve("-tp", "2", port=port)
+    proc = _serve(*args, port=port)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, base)
         (rank,) = _rank_pids(proc.pid)
+        yield proc, base, rank
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_killed_rank_makes_the_server_unhealthy_then_exit_non_zero():
+    with _healthy_server_of_two_ranks("-tp", "2") as (proc, base, rank):
         os.kill(rank, signal.SIGKILL)
         killed = time.monotonic()
         statuses = []
@@ -125,9 +137,6 @@ def test_a_killed_rank_makes_the_server_unhealthy_then_exit_non_zero():
             time.sleep(0.2)
         assert proc.wait(5) == 1
         assert time.monotonic() - killed < 60
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert 503 in statuses
     assert "rank 1" in proc.stderr.read()
 
@@ -180,12 +189,7 @@ def test_serve_pp2_a_rank_killed_mid_request_fails_the_client_and_the_server_exi
     """Two pipeline stages: the embedded model's greedy completion, then rank 1 (the last stage) is killed
     while a streamed completion runs: the stream ends in an engine_dead error naming the rank, and the server
     exits 1 with no rank left, within the collective timeout."""
-    port = free_port()
-    proc = _serve("--pipeline-parallel-size", "2", port=port)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, base)
-        (rank,) = _rank_pids(proc.pid)
+    with _healthy_server_of_two_ranks("--pipeline-parallel-size", "2") as (proc, base, rank):
         assert _complete(base) == " my lord,\nAnd, by my"  # TP=1's greedy text
         body = {"model": "llmctl-default", "prompt": "To be", "max_tokens": 120, "temperature": 0.0,
                 "ignore_eos": True, "stream": True}
@@ -201,7 +205,4 @@ def test_serve_pp2_a_rank_killed_mid_request_fails_the_client_and_the_server_exi
         assert not [e for e in events if '"finish_reason": "length"' in e]  # the completion never finished
         assert proc.wait(60) == 1
         assert time.monotonic() - killed < 60
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert not _alive(rank)
