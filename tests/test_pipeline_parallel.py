@@ -40,6 +40,12 @@ def test_pipeline_flags_place_the_ranks():
         EngineArgs(pipeline_parallel_size=2, tensor_parallel_size=3).parallel_for(torchrun)
 
 
+def test_speculative_decoding_with_pipeline_stages_is_refused_by_name(tiny_models):
+    with pytest.raises(EngineArgsError, match="speculative decoding .* with pipeline_parallel_size > 1"):
+        _llm(tiny_models["llama"], pipeline_parallel_size=2,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
 def _llm(folder, **extra) -> LLM:
     return LLM(model=str(folder), device="cpu", dtype="float32", max_model_len=128, block_size=16,
                skip_tokenizer_init=True, **extra)
