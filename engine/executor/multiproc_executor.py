@@ -376,14 +376,14 @@ class MultiprocExecutor:
     def _raise_for_dead_process(self, when: str) -> None:
         dead = self._dead_processes()
         if dead:
-            raise RankFailedError(f"tensor-parallel {when} failed: {'; '.join(dead)} (its log says why)")
+            raise RankFailedError(f"multi-rank {when} failed: {'; '.join(dead)} (its log says why)")
 
     def _failure(self, when: str, exc: BaseException) -> RankFailedError:
         for process in self._processes.values():
             process.join(0.2)  # a rank that closed its connections is about to be reaped: name it
         dead = self._dead_processes()
         cause = "; ".join(dead) if dead else f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        return RankFailedError(f"tensor-parallel {when} failed: {cause}; the ranks are out of step, the engine "
+        return RankFailedError(f"multi-rank {when} failed: {cause}; the ranks are out of step, the engine "
                                "stops")
 
     def _watch(self) -> None:
@@ -396,7 +396,7 @@ class MultiprocExecutor:
         process = self._processes[rank]
         process.join(1.0)  # the sentinel closes as the process exits, a moment before its exit code is known
         if not self._closed and self.fault is None:
-            self.fault = RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+            self.fault = RankFailedError(f"rank {rank} (pid {process.pid}) exited with code "
                                          f"{process.exitcode}")
             logger.critical("%s", self.fault)
 
