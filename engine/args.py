@@ -92,6 +92,10 @@ class EngineArgs:
     # rendezvous (see ParallelConfig.resolve); the flags are for launching without it.
     tensor_parallel_size: int = _arg(1, "Ranks the model is sharded over (one process each; 1: in-process).",
                                      short="-tp")
+    pipeline_parallel_size: int = _arg(1, "Pipeline stages the decoder layers are split over (ranks = pipeline x "
+                                          "tensor-parallel size).", short="-pp")
+    pp_layer_partition: Optional[str] = _arg(None, "Decoder layers per pipeline stage, comma-separated (\"12,16\"; "
+                                                   "default: an even split, like vLLM's VLLM_PP_LAYER_PARTITION).")
     nnodes: int = _arg(1, "Machines the ranks span; each runs the same command with its --node-rank.")
     node_rank: int = _arg(0, "This machine's index among --nnodes (0 runs the engine; others run model ranks "
                              "only and exit when rank 0 stops).")
@@ -297,6 +301,12 @@ class ParallelConfig:
     collective_timeout_s: float = 30.0
     torchrun: bool = False
     rank: Optional[int] = None  # under torchrun: this process's global rank
+    pipeline_parallel_size: int = 1  # stages; global rank = stage x tensor_parallel_size + tensor-parallel rank
+    layer_partition: Optional[tuple[int, ...]] = None  # decoder layers per stage (None: an even split)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.world_size // self.pipeline_parallel_size
 
     @property
     def ranks_per_node(self) -> int:
@@ -315,25 +325,29 @@ class ParallelConfig:
     @classmethod
     def resolve(cls, args: "EngineArgs", environ: Mapping[str, str]) -> "ParallelConfig":
         _positive("tensor_parallel_size", args.tensor_parallel_size)
+        _positive("pipeline_parallel_size", args.pipeline_parallel_size)
         _positive("nnodes", args.nnodes)
+        stages = args.pipeline_parallel_size
+        partition = _layer_partition(args.pp_layer_partition, stages)
         port = args.master_port if args.master_port is not None else 0 if args.nnodes == 1 else DEFAULT_MASTER_PORT
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise EngineArgsError(f"master_port must be in 0..65535, got {port!r}")
         if not args.collective_timeout_s > 0:
             raise EngineArgsError("collective_timeout_s must be > 0")
         if all(key in environ for key in TORCHRUN_KEYS):
-            return cls._from_torchrun(args, environ)
+            return replace(cls._from_torchrun(args, environ), pipeline_parallel_size=stages, layer_partition=partition)
         if not 0 <= args.node_rank < args.nnodes:
             raise EngineArgsError(f"node_rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), "
                                   f"got {args.node_rank}")
-        if args.tensor_parallel_size % args.nnodes:
-            raise EngineArgsError(f"tensor_parallel_size ({args.tensor_parallel_size}) must be a multiple of nnodes "
-                                  f"({args.nnodes}): every node holds the same number of ranks")
+        world = args.tensor_parallel_size * stages
+        if world % args.nnodes:
+            raise EngineArgsError(f"tensor_parallel_size x pipeline_parallel_size ({world}) must be a multiple of "
+                                  f"nnodes ({args.nnodes}): every node holds the same number of ranks")
         if port == 0 and args.nnodes > 1:
             raise EngineArgsError("master_port 0 (a free port) works on one node only: the other nodes must be "
                                   "told the port; give --master-port")
-        return cls(args.tensor_parallel_size, args.nnodes, args.node_rank, args.master_addr, port,
-                   args.collective_timeout_s)
+        return cls(world, args.nnodes, args.node_rank, args.master_addr, port, args.collective_timeout_s,
+                   pipeline_parallel_size=stages, layer_partition=partition)
 
     @classmethod
     def _from_torchrun(cls, args: "EngineArgs", environ: Mapping[str, str]) -> "ParallelConfig":
@@ -342,13 +356,29 @@ class ParallelConfig:
                 "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"))
         except ValueError as exc:
             raise EngineArgsError(f"torchrun's environment is not numeric: {exc}") from None
-        if args.tensor_parallel_size not in (1, world):
-            raise EngineArgsError(f"tensor_parallel_size {args.tensor_parallel_size} differs from torchrun's "
+        asked = args.tensor_parallel_size * args.pipeline_parallel_size
+        if asked != world and (args.tensor_parallel_size, world % args.pipeline_parallel_size) != (1, 0):
+            raise EngineArgsError(f"tensor_parallel_size x pipeline_parallel_size ({asked}) differs from torchrun's "
                                   f"WORLD_SIZE {world}: one rank per torchrun process")
         if world % local_world:
             raise EngineArgsError(f"torchrun's WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}")
         return cls(world, world // local_world, group_rank, environ["MASTER_ADDR"], port, args.collective_timeout_s,
                    torchrun=True, rank=rank)
+
+
+def _layer_partition(spec: Optional[str], stages: int) -> Optional[tuple[int, ...]]:
+    """--pp-layer-partition "a,b,...": one positive layer count per pipeline stage (their sum is checked
+    against the model's layers when it loads)."""
+    if spec is None:
+        return None
+    try:
+        counts = tuple(int(part) for part in spec.split(","))
+    except ValueError:
+        raise EngineArgsError(f"pp_layer_partition must be comma-separated layer counts, got {spec!r}") from None
+    if len(counts) != stages or min(counts) < 1:
+        raise EngineArgsError(f"pp_layer_partition {spec!r} must give one positive layer count for each of the "
+                              f"{stages} pipeline stage(s)")
+    return counts
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

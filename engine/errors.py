@@ -65,8 +65,9 @@ class EngineDeadError(EngineError):
 
 
 class RankFailedError(EngineDeadError):
-    """A tensor-parallel rank died, hung past the collective timeout, or failed inside a step: the
-    ranks are out of step, so the engine stops (the server reports unhealthy and exits non-zero)."""
+    """A rank of a multi-rank (tensor- or pipeline-parallel) engine died, hung past the collective timeout, or
+    failed inside a step: the ranks are out of step, so the engine stops (the server reports unhealthy and
+    exits non-zero)."""
 
 
 # What torch raises when an allocation fails: `torch.OutOfMemoryError` (CUDA, and other devices'

@@ -30,6 +30,17 @@ class LLM:
         llm._ids = itertools.count()
         return llm
 
+    def shutdown(self) -> None:
+        """Stop the engine's other ranks and leave the process group (idempotent), so this process can build
+        another parallel engine; the LLM runs no more requests."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

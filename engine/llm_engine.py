@@ -9,6 +9,7 @@ tokens, token stops, finishing); the engine then detokenizes what was appended.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import os
 import time
@@ -128,7 +129,7 @@ def runner_config(args: EngineArgs) -> RunnerConfig:
 
 
 def default_executor_class(args: EngineArgs) -> Callable[[RunnerConfig], Executor]:
-    """In-process for one rank; the multi-rank executor (rank 0 here) for tensor_parallel_size > 1."""
+    """In-process for one rank; the multi-rank executor (rank 0 here) for tensor or pipeline parallelism."""
     parallel = args.parallel
     if parallel.world_size == 1:
         return UniProcExecutor
@@ -209,7 +210,7 @@ class Request:
 class LLMEngine:
     def __init__(self, args: EngineArgs, executor_class: Optional[Callable[[RunnerConfig], Executor]] = None):
         """`executor_class` builds the executor from the runner's configuration (vLLM's seam for
-        other executors; default: in-process, or `MultiprocExecutor` with tensor_parallel_size > 1)."""
+        other executors; default: in-process, or `MultiprocExecutor` with several ranks)."""
         args.validate()
         if args.data_parallel_size > 1:
             raise EngineArgsError(f"data_parallel_size {args.data_parallel_size}: an LLMEngine is one replica; "
@@ -235,11 +236,14 @@ class LLMEngine:
         speculative = args.speculative
         draft = None
         if speculative is not None and speculative.model is not None:
-            if args.tensor_parallel_size > 1:
-                raise EngineArgsError("a draft model (speculative_config \"model\") with tensor_parallel_size > 1 is "
-                                      "not supported yet; the ngram method is")
+            if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+                raise EngineArgsError("a draft model (speculative_config \"model\") with tensor_parallel_size or "
+                                      "pipeline_parallel_size > 1 is not supported yet; the ngram method is")
             draft = DraftModel.load(speculative.model, self.model_config, Path(args.tokenizer or folder),
                                     self.max_model_len)
+        if speculative is not None and args.pipeline_parallel_size > 1:
+            raise EngineArgsError("speculative decoding (speculative_config) with pipeline_parallel_size > 1 is not "
+                                  "supported yet")
         dtype = resolve_dtype(args.dtype, self.model_config, device)
         config = build_runner_config(args, folder, self.model_config, device,
                              extra_kv_bytes_per_token=draft.kv_bytes_per_token(dtype) if draft else 0,
@@ -262,6 +266,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         self.step_clock = time.perf_counter  # what the proposer's cost gate measures steps with (tests inject one)
         self.requests: dict[str, Request] = {}
+        self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()  # pipeline micro-batches, oldest first
         self.last_step = StepInfo((), 0, self.scheduler.config.max_num_batched_tokens)
         self._seq_ids = itertools.count()
         self.num_oom_retries = 0  # steps retried smaller after running out of memory
@@ -396,6 +401,8 @@ class LLMEngine:
 
     def _run_step(self) -> tuple[StepInfo, Optional[list]]:
         """`step`'s schedule, execute and apply; with the rows that ran (None: none, or a failed step)."""
+        if self.executor.max_concurrent_batches > 1:
+            return self._run_pipelined_step()
         while True:
             out = self.scheduler.schedule()
             if out.is_empty:
@@ -415,6 +422,27 @@ class LLMEngine:
             failed = self._after_out_of_memory(out, cause)
             if failed is not None:
                 return replace(self.last_step, outputs=[failed]), None
+
+    def _run_pipelined_step(self) -> tuple[StepInfo, Optional[list]]:
+        """Pipeline parallelism (vLLM's way): fill the pipeline with up to max_concurrent_batches micro-batches,
+        each scheduled from the sequences not in flight and holding about an equal share of them, then apply
+        the oldest one's results. An out-of-memory in a multi-rank step is a rank fault, not retried."""
+        busy = frozenset(s.seq.seq_id for out, _ in self._in_flight for s in out.scheduled)
+        batches = self.executor.max_concurrent_batches
+        while len(self._in_flight) < batches:
+            unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+            out = self.scheduler.schedule(busy, max_seqs=max(1, -(-unfinished // batches)))
+            if out.is_empty:
+                break
+            rows = [self._sampling_row(s.seq) if s.samples else None for s in out.scheduled]
+            self._in_flight.append((out, self.executor.submit(out.scheduled, rows)))
+            busy |= {s.seq.seq_id for s in out.scheduled}
+        if not self._in_flight:
+            return StepInfo((), 0, self.scheduler.token_budget), None
+        out, pending = self._in_flight.popleft()
+        self.last_step = StepInfo(tuple(dict.fromkeys(s.seq.request_id for s in out.scheduled)),
+                                  out.num_batched_tokens, self.scheduler.token_budget)
+        return self._apply(out, self.executor.collect(pending)), out.scheduled
 
     def _apply(self, out: SchedulerOutput, result: ModelRunnerOutput) -> StepInfo:
         now = time.monotonic()

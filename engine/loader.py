@@ -25,7 +25,7 @@ from llmctl.engine.layers.linear import LinearBase, LinearMethod, WeightShapeErr
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.models.llama import LlamaForCausalLM, RMSNorm
 from llmctl.engine.models.registry import model_class
-from llmctl.engine.parallel import TensorParallel
+from llmctl.engine.parallel import PipelineParallel, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,8 @@ class WeightLoader:
 def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int, dtype: torch.dtype,
                 device: torch.device, load_format: str, seed: int, linear_method: LinearMethod,
                 ops: LayerOps | None = None, verify: bool = False, lm_head_method: LinearMethod | None = None,
-                tp: TensorParallel = TensorParallel.single()) -> LlamaForCausalLM:
+                tp: TensorParallel = TensorParallel.single(),
+                pp: PipelineParallel = PipelineParallel()) -> LlamaForCausalLM:
     """Build the model on `device` with its linear method(s) and layer ops (this rank's shard of it with
     several tensor-parallel ranks: every rank reads the whole checkpoint and keeps its part), fill it
     (checkpoint or dummy) and let each linear prepare its weights (packing); frees it on failure."""
@@ -199,7 +200,7 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
     try:
         with torch.device(device):
             model = model_class(config)(config, max_positions, dtype=dtype, linear_method=linear_method,
-                                     ops=ops, lm_head_method=lm_head_method, tp=tp)
+                                     ops=ops, lm_head_method=lm_head_method, tp=tp, pp=pp)
         if load_format == "dummy":
             _fill_dummy(model, seed)
         else:

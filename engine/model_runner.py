@@ -28,7 +28,7 @@ from llmctl.engine.layers.quantization import linear_methods_for, on_the_fly_qua
 from llmctl.engine.layers.quantization.grouped import add_batch_weights
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.parallel import TensorParallel
+from llmctl.engine.parallel import PipelineParallel, TensorParallel
 from llmctl.engine.sampler import Sampler, SamplingRow
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan
@@ -131,11 +131,14 @@ def _unmeasured(work) -> int:
     return 0
 
 
-def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype, num_kv_heads: Optional[int] = None) -> int:
-    """K and V of one token in every layer, for `num_kv_heads` (a tensor-parallel rank's; default all of them)."""
+def kv_bytes_per_token(model_config: ModelConfig, dtype: torch.dtype, num_kv_heads: Optional[int] = None,
+                       num_layers: Optional[int] = None) -> int:
+    """K and V of one token in `num_layers` layers (a pipeline stage's; default every layer), for `num_kv_heads`
+    (a tensor-parallel rank's; default all of them)."""
     element = torch.empty((), dtype=dtype).element_size()
     heads = model_config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * model_config.num_layers * heads * model_config.head_dim * element
+    layers = model_config.num_layers if num_layers is None else num_layers
+    return 2 * layers * heads * model_config.head_dim * element
 
 
 @dataclass
@@ -160,6 +163,8 @@ class RunnerConfig:
     quantization_batch_cache: bool = False  # EngineArgs': quantised CPU linears keep a bf16 copy for batches
     # This process's rank: the model, the attention heads and the KV pool are this rank's shard.
     tensor_parallel: TensorParallel = TensorParallel.single()
+    # This rank's pipeline stage: the model and the KV pool hold its decoder layers only.
+    pipeline_parallel: PipelineParallel = PipelineParallel()
     # KV bytes per token of a second pool on the same block ids (a draft model's): the pools are sized
     # together, so a block costs both.
     extra_kv_bytes_per_token: int = 0
@@ -201,6 +206,9 @@ class ModelRunner:
         self._on_cpu = self.device.type == "cpu"
         mc = config.model_config
         tp = config.tensor_parallel
+        self.pp = pp = config.pipeline_parallel
+        self._sends: list = []  # the last step's sends to the next pipeline stage, until they complete
+        self.stage_layers = pp.layer_range(mc.num_layers)
         kernels = cpu_kernels_for(self.device, config.dtype)
         backend_cls = select_backend(self.device, config.dtype, mc.head_dim, config.attention_backend)
         # This rank's heads: the KV pool holds its KV heads only (a replicated one where they are fewer than ranks).
@@ -218,7 +226,7 @@ class ModelRunner:
         self.model = build_model(mc, config.model_folder, max_positions=config.max_model_len, dtype=config.dtype,
                                  device=self.device, load_format=config.load_format, seed=config.seed,
                                  linear_method=linear_method, ops=select_layer_ops(self.device, kernels),
-                                 verify=config.verify, lm_head_method=lm_head_method, tp=tp)
+                                 verify=config.verify, lm_head_method=lm_head_method, tp=tp, pp=pp)
         if config.quantization_batch_cache and not add_batch_weights(self.model, kernels):
             raise EngineArgsError("--quantization-batch-cache needs quantised linears on the CPU with bfloat16 "
                                   "activations (--quantization or a pre-quantised checkpoint, --dtype bfloat16)")
@@ -237,7 +245,7 @@ class ModelRunner:
         peak = self._profile_peak() if self.memory is not None else 0
         # Decode graphs capture no collectives yet: with several ranks every step runs eagerly.
         self.graphs = maybe_decode_graphs(self.model, self.attention, self.device, config.dtype, config.max_num_seqs,
-                                          config.enforce_eager or not tp.is_single)
+                                          config.enforce_eager or not tp.is_single or not pp.is_single)
         if self.graphs is not None:
             self._capture_graphs(self.graphs, peak)
         self.num_blocks = self._plan_num_blocks(peak)
@@ -262,7 +270,8 @@ class ModelRunner:
     # ---- KV pool ------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * kv_bytes_per_token(self.config.model_config, self.config.dtype, self.num_kv_heads)
+        return self.block_size * kv_bytes_per_token(self.config.model_config, self.config.dtype, self.num_kv_heads,
+                                                    len(self.stage_layers))
 
     @property
     def _planned_bytes_per_block(self) -> int:
@@ -333,7 +342,7 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 inputs, _ = self._prepare([ScheduledSeq(seq, tokens)])
-                return self.memory.growth(lambda: self._run(inputs, scratch, None))
+                return self.memory.growth(lambda: self._run(inputs, scratch, None, self._stage_input(inputs, False)))
         except torch.cuda.OutOfMemoryError as exc:
             raise EngineArgsError(
                 f"out of memory in the profile step ({tokens} new tokens of a {cfg.max_model_len}-token context) "
@@ -344,7 +353,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, *self.attention.kv_cache_shape(num_blocks, self.block_size))
-        layers = self.config.model_config.num_layers
+        layers = len(self.stage_layers)
         if self.device.type == "cpu":  # the attention's scattered block reads: fewer TLB misses in 2 MiB pages
             pools = [huge_page_zeros(shape, self.config.dtype) for _ in range(layers)]
             if all(pool is not None for pool in pools):
@@ -375,9 +384,27 @@ class ModelRunner:
         return PreparedStep(scheduled, order, inputs, prompt_rows)
 
     @torch.inference_mode()
-    def forward(self, inputs: "StepInputs") -> StepLogits:
-        """The logits of the step's sampled (and prompt-scored) positions; every rank runs this."""
-        return self._run(inputs, self.kv_caches, self.graphs)
+    def forward(self, inputs: "StepInputs") -> Optional[StepLogits]:
+        """The logits of the step's sampled (and prompt-scored) positions; every rank runs this. A pipeline
+        stage after the first receives its input from the stage before, one before the last sends its output
+        on and returns None."""
+        out = self._run(inputs, self.kv_caches, self.graphs, self._stage_input(inputs, True))
+        if self.pp.is_last:
+            return out
+        for work in self._sends:  # the previous micro-batch's: by now the next stage is taking it
+            work.wait()
+        self._sends = self.pp.send(*out)
+        return None
+
+    def _stage_input(self, inputs: "StepInputs", receive: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """A later pipeline stage's (hidden, residual) for the step's tokens: received from the stage before,
+        or zeros where nothing is sent (the memory profile); None on the first stage."""
+        if self.pp.is_first:
+            return None
+        shape = (inputs.input_ids.numel(), self.config.model_config.hidden_size)
+        if receive:
+            return tuple(self.pp.receive(2, shape, self.config.dtype, self.device))
+        return (torch.zeros(shape, dtype=self.config.dtype, device=self.device),) * 2
 
     @torch.inference_mode()
     def sample(self, step: "PreparedStep", out: StepLogits, rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
@@ -441,7 +468,14 @@ class ModelRunner:
         return StepLogits(*self.native_decode(host.input_ids, host.positions, host.slot_mapping, inputs.block_tables,
                                               inputs.context_lens, inputs.query_lens, host.logits_indices))
 
-    def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs]) -> StepLogits:
+    def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs],
+             intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """The step's logits; a pipeline stage before the last: its (hidden, residual)."""
+        if not self.pp.is_single:
+            meta = self.attention.build_metadata(inputs.attention_batch(self.block_size))
+            out = self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention,
+                             inputs.logits_indices, intermediate)
+            return StepLogits(out) if self.pp.is_last else out
         if self._runs_natively(inputs, kv_caches):
             return self._native_step(inputs)
         batch = inputs.attention_batch(self.block_size)

@@ -1,4 +1,5 @@
-"""Tensor parallelism: which rank this process is, and the collectives the sharded model calls.
+"""Tensor parallelism: which rank this process is, and the collectives the sharded model calls; pipeline
+parallelism: which stage (its decoder layers, `pipeline_layer_ranges`) and its sends between stages.
 
 A `TensorParallel` is passed down at construction (runner -> model -> layers); nothing reads a
 global. `TensorParallel.single()` (size 1) makes every collective the identity, so the one-device
@@ -127,3 +128,65 @@ class TensorParallel:
         import torch.distributed as dist
 
         return dist.get_global_rank(self.group, group_rank)
+
+
+def pipeline_layer_ranges(num_layers: int, stages: int, counts: Optional[tuple[int, ...]] = None) -> list[range]:
+    """Each pipeline stage's decoder layers: `counts` (--pp-layer-partition), else an even split whose
+    remainder goes one layer each to the first stages."""
+    if counts is None:
+        if num_layers < stages:
+            raise TensorParallelError(f"the model's {num_layers} decoder layers cannot fill {stages} pipeline stages")
+        share, extra = divmod(num_layers, stages)
+        counts = tuple(share + (stage < extra) for stage in range(stages))
+    if sum(counts) != num_layers:
+        raise TensorParallelError(f"pp_layer_partition {','.join(map(str, counts))} sums to {sum(counts)}, but the "
+                                  f"model has {num_layers} decoder layers")
+    starts = [sum(counts[:stage]) for stage in range(stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+@dataclass(frozen=True)
+class PipelineParallel:
+    """This rank's pipeline stage: its decoder layers (None: all of them, one stage), and the global ranks it
+    receives hidden states from and sends them to (the same tensor-parallel rank of the stages around it),
+    over `group` (all ranks: gloo on CPU, NCCL on CUDA)."""
+
+    stage: int = 0
+    size: int = 1
+    layers: Optional[range] = None
+    group: Optional[Any] = None
+    previous_rank: Optional[int] = None
+    next_rank: Optional[int] = None
+
+    @property
+    def is_single(self) -> bool:
+        return self.size == 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def layer_range(self, num_layers: int) -> range:
+        return range(num_layers) if self.layers is None else self.layers
+
+    def send(self, *tensors: torch.Tensor) -> list:
+        """To the next stage (the hidden states and the residual stream of every token of the step), without
+        waiting: returns the sends' works (the caller waits on them before its next send), so a stage goes on
+        to the next micro-batch while the next stage takes this one."""
+        import torch.distributed as dist
+
+        return [dist.isend(tensor.contiguous(), self.next_rank, group=self.group) for tensor in tensors]
+
+    def receive(self, count: int, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> list[torch.Tensor]:
+        """`count` tensors of `shape` from the previous stage, in the order it sent them."""
+        import torch.distributed as dist
+
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
+        for tensor in tensors:
+            dist.recv(tensor, self.previous_rank, group=self.group)
+        return tensors

@@ -102,13 +102,17 @@ class Scheduler:
         return self.config.max_num_seqs if self._seq_cap is None else self._seq_cap
 
     # ---- one step -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: Optional[int] = None) -> SchedulerOutput:
+        """The next batch. With pipeline parallelism several batches are in flight: the sequences in `busy`
+        (seq ids) are in one already, so they are neither scheduled nor preempted, and `max_seqs` caps this
+        batch's rows so the running sequences spread over the batches in flight."""
         out = SchedulerOutput()
         if self._token_cap is not None or self._seq_cap is not None:
             self._relax_budgets(out)
-        budget = self._schedule_running(out, self.token_budget)
+        limit = self.max_num_seqs if max_seqs is None else max_seqs
+        budget = self._schedule_running(out, self.token_budget, busy, limit)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, limit)
         return out
 
     # ---- after the step ran ---------------------------------------------------------------
@@ -123,6 +127,8 @@ class Scheduler:
         for item, sampled, logprobs, prompt in zip(out.scheduled, result.sampled_token_ids, result.logprobs,
                                                    result.prompt_logprobs):
             seq = item.seq
+            if seq.is_finished:  # aborted while its batch was in flight (pipeline parallelism)
+                continue
             for position, entry in prompt:
                 seq.prompt_logprobs[position] = entry
             drafts = item.spec_token_ids
@@ -219,10 +225,13 @@ class Scheduler:
         while len(self.running) > self.max_num_seqs:
             self._preempt(self._pick_victim(), out)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, busy: frozenset[int], limit: int) -> int:
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(out.scheduled) < limit:
             seq = self.running[index]
+            if seq.seq_id in busy:
+                index += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             drafts = self._drafts_to_verify(seq, budget)
             if drafts:
@@ -234,7 +243,10 @@ class Scheduler:
                     continue
                 self._drop_drafts(seq)  # no room for the lookahead: decode one token, never preempt for drafts
             while not self.blocks.allocate(seq, num_new):
-                victim = self._pick_victim()
+                victim = self._pick_victim(busy)
+                if victim is None:  # only sequences in flight hold blocks: this one waits for them
+                    index += 1
+                    break
                 if self.running.index(victim) < index:
                     index -= 1
                 budget += self._preempt(victim, out)
@@ -266,11 +278,11 @@ class Scheduler:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return seq.spec_token_ids[: max(room, 0)]
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, limit: int) -> None:
         if self._should_wait_for_more():
             return
         for seq in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or len(out.scheduled) >= limit:
                 break
             if seq.parent is not None and not (seq.parent.prompt_computed or seq.parent.is_finished):
                 continue
@@ -309,10 +321,14 @@ class Scheduler:
 
         return sorted(self.waiting, key=key)
 
-    def _pick_victim(self) -> Sequence:
+    def _pick_victim(self, busy: frozenset[int] = frozenset()) -> Optional[Sequence]:
+        """The running sequence to preempt (None: every one is in a batch in flight)."""
+        candidates = [seq for seq in self.running if seq.seq_id not in busy]
+        if not candidates:
+            return None
         if self.config.policy == "priority":
-            return max(self.running, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
-        return self.running[-1]
+            return max(candidates, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+        return candidates[-1]
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Preempt by recompute; returns the tokens it had been given this step (budget to refund)."""

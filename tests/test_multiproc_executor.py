@@ -114,7 +114,7 @@ def test_a_hung_rank_fails_the_step_within_the_collective_timeout(tiny_models):
         assert tp.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
         os.kill(worker.pid, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(RankFailedError, match="tensor-parallel step failed"):
+        with pytest.raises(RankFailedError, match="multi-rank step failed"):
             tp.generate([[4, 5, 6]], params)
         assert time.monotonic() - start < 30
         with pytest.raises(RankFailedError):  # failed for good: the ranks are out of step

@@ -1,10 +1,12 @@
 """`llmctl serve --tensor-parallel-size 2` as users run it (issue 17): real processes on this machine,
 gloo ranks, the embedded model, the real openai client. SIGTERM drains and leaves no rank behind; a
 killed rank makes the server unhealthy and exit non-zero; a two-node launch simulated with two
-commands on 127.0.0.1 serves a completion."""
+commands on 127.0.0.1 serves a completion. `--pipeline-parallel-size 2` (issue 43) serves TP=1's greedy
+text, and a rank killed mid-stream ends the stream in an engine_dead error and the server with exit 1."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -106,13 +108,24 @@ def test_serve_tp2_answers_the_openai_client_and_sigterm_stops_every_rank():
     assert not [pid for pid in ranks if _alive(pid)]
 
 
-def test_a_killed_rank_makes_the_server_unhealthy_then_exit_non_zero():
+@contextlib.contextmanager
+def _healthy_server_of_two_ranks(*args: str):
+    """A server of two ranks once healthy: (the server process, its base URL, the pid of rank 1); killed on
+    the way out if still running."""
     port = free_port()
-    proc = _serve("-tp", "2", port=port)
+    proc = _serve(*args, port=port)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, base)
         (rank,) = _rank_pids(proc.pid)
+        yield proc, base, rank
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_killed_rank_makes_the_server_unhealthy_then_exit_non_zero():
+    with _healthy_server_of_two_ranks("-tp", "2") as (proc, base, rank):
         os.kill(rank, signal.SIGKILL)
         killed = time.monotonic()
         statuses = []
@@ -124,9 +137,6 @@ def test_a_killed_rank_makes_the_server_unhealthy_then_exit_non_zero():
             time.sleep(0.2)
         assert proc.wait(5) == 1
         assert time.monotonic() - killed < 60
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert 503 in statuses
     assert "rank 1" in proc.stderr.read()
 
@@ -173,3 +183,26 @@ def test_under_torchrun_each_process_is_one_rank_and_rank_0_serves():
             agent.kill()
     assert not [pid for pid in ranks if _alive(pid)]
     assert "node 0 of 1: rank 1 (torchrun) joining 127.0.0.1" in agent.stderr.read()
+
+
+def test_serve_pp2_a_rank_killed_mid_request_fails_the_client_and_the_server_exits_non_zero():
+    """Two pipeline stages: the embedded model's greedy completion, then rank 1 (the last stage) is killed
+    while a streamed completion runs: the stream ends in an engine_dead error naming the rank, and the server
+    exits 1 with no rank left, within the collective timeout."""
+    with _healthy_server_of_two_ranks("--pipeline-parallel-size", "2") as (proc, base, rank):
+        assert _complete(base) == " my lord,\nAnd, by my"  # TP=1's greedy text
+        body = {"model": "llmctl-default", "prompt": "To be", "max_tokens": 120, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                events.append(line)
+                if len(events) == 1:
+                    os.kill(rank, signal.SIGKILL)
+                    killed = time.monotonic()
+        errors = [e for e in events if e.startswith('data: {"error"')]
+        assert len(errors) == 1 and "rank 1" in errors[0] and '"code": "engine_dead"' in errors[0]
+        assert not [e for e in events if '"finish_reason": "length"' in e]  # the completion never finished
+        assert proc.wait(60) == 1
+        assert time.monotonic() - killed < 60
+    assert not _alive(rank)

@@ -174,7 +174,7 @@ class ProtocolOnly:
     def __init__(self, config):
         inner = UniProcExecutor(config)
         self.calls: list[str] = []
-        for name in ("num_blocks", "block_size", "device", "dtype", "weight_bytes"):
+        for name in ("num_blocks", "block_size", "device", "dtype", "weight_bytes", "max_concurrent_batches"):
             setattr(self, name, getattr(inner, name))
         self.kv_cache_bytes = inner.kv_cache_bytes
         for name in ("execute", "make_generator", "truncate_kept_state", "release_kept_state",

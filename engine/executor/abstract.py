@@ -30,6 +30,9 @@ class Executor(Protocol):
     device: torch.device
     dtype: torch.dtype
     weight_bytes: int  # what the model's tensors occupy (rank 0's share with tensor parallelism)
+    # Batches the engine keeps in flight (the pipeline's stages). Above 1 the executor also has
+    # `submit(scheduled, rows) -> pending` and `collect(pending) -> ModelRunnerOutput`, collected in order.
+    max_concurrent_batches: int
 
     @property
     def kv_cache_bytes(self) -> int: ...

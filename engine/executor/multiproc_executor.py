@@ -1,4 +1,4 @@
-"""`MultiprocExecutor`: the `Executor` over several ranks (tensor parallelism), on torch.distributed.
+"""`MultiprocExecutor`: the `Executor` over several ranks (tensor and pipeline parallelism), on torch.distributed.
 
 Rank 0 lives in the engine's process: the scheduler, block manager and sampler stay there, and so do
 the `SamplingRow`s (generators, logits-processor closures never cross a process boundary). The other
@@ -11,15 +11,21 @@ the rows' lengths and block tables, and the kept-state truncations queued since 
 every rank runs `ModelRunner.forward` on it; the sharded model's collectives run between ranks on
 the model group; the driver samples from its (gathered) logits.
 
-Three process groups, because their waits differ:
+With pipeline stages (global rank = stage x T + tensor-parallel rank) stage 0 runs on the driver, each later
+stage receives its input from the one before, and the last stage's first rank sends the logits to the
+driver; the engine keeps one micro-batch per stage in flight (`submit`, then `collect` in order).
+
+The process groups, because their waits differ:
 - the default group (gloo): start-up only (agreeing on the KV pool size), waiting up to
   `LOAD_TIMEOUT_S` for the slowest rank's weights;
 - the control group (gloo, CPU tensors on every device): the step messages. The timeout is local to
   each process: on the driver it is the collective timeout (a rank that stopped reading fails the
   step), on a worker it is `IDLE_TIMEOUT_S`, because a worker waits there for as long as the server
   sits idle;
-- the model group (gloo on CPU, NCCL on CUDA): the model's all-reduces and gathers, with the
-  collective timeout on every rank.
+- the model groups (gloo on CPU, NCCL on CUDA), one per pipeline stage: the model's all-reduces and
+  gathers, with the collective timeout on every rank;
+- the pipe group (every rank, same backend, the collective timeout; with pipeline stages only): the
+  hidden states between stages and the last stage's logits.
 
 Faults: a rank that exits closes its connections, so the driver's next (or current) collective fails
 at once; a rank that hangs fails it after the collective timeout (30 s by default). Either way the
@@ -50,8 +56,8 @@ import torch
 
 from llmctl.engine.args import ParallelConfig
 from llmctl.engine.errors import EngineError, RankFailedError
-from llmctl.engine.model_runner import ModelRunner, RunnerConfig, StepInputs
-from llmctl.engine.parallel import TensorParallel
+from llmctl.engine.model_runner import ModelRunner, PreparedStep, RunnerConfig, StepInputs, StepLogits
+from llmctl.engine.parallel import PipelineParallel, TensorParallel, pipeline_layer_ranges
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
 
@@ -74,7 +80,8 @@ def _joined_key(rank: int) -> str:
 @dataclass(frozen=True)
 class _Groups:
     control: object
-    model: object
+    model: object  # this rank's pipeline stage's tensor-parallel ranks
+    pipe: object  # every rank: the pipeline's point-to-point sends (hidden states, the last stage's logits)
 
 
 # ---- the step message -----------------------------------------------------------------------------
@@ -151,9 +158,14 @@ def _connect(parallel: ParallelConfig, rank: int, device: torch.device, store, c
                                 timeout=timedelta(seconds=LOAD_TIMEOUT_S))
     ranks = list(range(world))
     control = dist.new_group(ranks, timeout=timedelta(seconds=control_timeout_s), backend="gloo")
-    model = dist.new_group(ranks, timeout=timedelta(seconds=parallel.collective_timeout_s),
-                           backend="nccl" if device.type == "cuda" else "gloo")
-    return _Groups(control, model)
+    model_backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=parallel.collective_timeout_s)
+    tp = parallel.tensor_parallel_size
+    # every rank creates every stage's group, in the same order (new_group is collective over the default group)
+    stage_groups = [dist.new_group(ranks[stage * tp:(stage + 1) * tp], timeout=timeout, backend=model_backend)
+                    for stage in range(parallel.pipeline_parallel_size)]
+    pipe = dist.new_group(ranks, timeout=timeout, backend=model_backend) if parallel.pipeline_parallel_size > 1 else None
+    return _Groups(control, stage_groups[rank // tp], pipe)
 
 
 def _agree_num_blocks(num_blocks: int) -> int:
@@ -167,22 +179,36 @@ def _agree_num_blocks(num_blocks: int) -> int:
 
 
 def _rank_config(config: RunnerConfig, parallel: ParallelConfig, rank: int, groups: _Groups) -> RunnerConfig:
+    """Global rank = stage x tensor_parallel_size + tensor-parallel rank (vLLM's layout): a stage's
+    tensor-parallel ranks are neighbours, and each sends to the same tensor-parallel rank of the next stage."""
+    tp, stages = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    stage = rank // tp
+    layers = pipeline_layer_ranges(config.model_config.num_layers, stages, parallel.layer_partition)[stage]
+    pipeline = PipelineParallel(stage, stages, layers, groups.pipe, rank - tp if stage > 0 else None,
+                                rank + tp if stage < stages - 1 else None)
     return replace(config, device=_rank_device(config.device, parallel, rank),
-                   tensor_parallel=TensorParallel(rank, parallel.world_size, groups.model))
+                   tensor_parallel=TensorParallel(rank % tp, tp, groups.model), pipeline_parallel=pipeline)
+
+
+def _sends_logits(parallel: ParallelConfig, rank: int) -> bool:
+    """The last stage's first tensor-parallel rank hands the step's logits to the driver (rank 0)."""
+    return parallel.pipeline_parallel_size > 1 and rank == parallel.world_size - parallel.tensor_parallel_size
 
 
 # ---- a rank that only runs the model ----------------------------------------------------------------
 class _Worker:
-    def __init__(self, rank: int, runner: ModelRunner, groups: _Groups):
+    def __init__(self, rank: int, runner: ModelRunner, groups: _Groups, sends_logits: bool):
         self.rank = rank
         self.runner = runner
         self.groups = groups
+        self.sends_logits = sends_logits
 
     def serve(self) -> None:
         """Run steps until the driver says stop (returns) or goes away (raises)."""
         import torch.distributed as dist
 
         header = torch.empty(HEADER_LEN, dtype=torch.long)
+        logits_sent = None  # the last stage's previous send to the driver, until it completes
         while True:
             dist.broadcast(header, 0, group=self.groups.control)
             if header[0].item() == STOP:
@@ -194,7 +220,11 @@ class _Worker:
                 self.runner.release_kept_state()
             for seq_id, num_tokens in truncations:
                 self.runner.truncate_kept_state(seq_id, num_tokens)
-            self.runner.forward(inputs)
+            out = self.runner.forward(inputs)
+            if self.sends_logits and inputs.logits_indices.numel():
+                if logits_sent is not None:
+                    logits_sent.wait()
+                logits_sent = dist.isend(out.logits.contiguous(), 0, group=self.groups.pipe)
 
 
 def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_threads: int) -> None:
@@ -212,7 +242,7 @@ def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_
         groups = _connect(parallel, rank, config.device, store, IDLE_TIMEOUT_S)
         runner = ModelRunner(_rank_config(config, parallel, rank, groups))
         _agree_num_blocks(runner.num_blocks)
-        _Worker(rank, runner, groups).serve()
+        _Worker(rank, runner, groups, _sends_logits(parallel, rank)).serve()
     except BaseException as exc:  # noqa: BLE001 - a worker's failure is its exit code and its log line
         logger.error("rank %d stops: %s: %s", rank, type(exc).__name__, " ".join(str(exc).split())[:500])
         os._exit(1)
@@ -256,8 +286,17 @@ def _stop(processes: dict[int, object], timeout_s: float) -> None:
 
 
 # ---- the driver (rank 0, in the engine's process) -----------------------------------------------------
+@dataclass
+class PendingStep:
+    """A micro-batch in the pipeline: its prepared step, sampling rows and step-message broadcasts."""
+
+    step: PreparedStep
+    rows: list[Optional[SamplingRow]]
+    messages: list
+
+
 class MultiprocExecutor:
-    """The `Executor` of a tensor-parallel engine; rank 0 runs here."""
+    """The `Executor` of a tensor- or pipeline-parallel engine; rank 0 runs here."""
 
     def __init__(self, config: RunnerConfig, parallel: ParallelConfig, num_threads: Optional[int] = None):
         if not parallel.runs_engine:
@@ -265,7 +304,8 @@ class MultiprocExecutor:
         import torch.distributed as dist
 
         if dist.is_initialized():  # the default process group is per process
-            raise EngineError("a tensor-parallel engine already runs in this process (one per process)")
+            raise EngineError("a parallel engine already runs in this process (one per process): call "
+                              "shutdown() on the first LLM (or build it in a `with LLM(...) as llm:` block)")
         self.parallel = parallel
         self.fault: Optional[RankFailedError] = None
         self._closed = False
@@ -336,14 +376,14 @@ class MultiprocExecutor:
     def _raise_for_dead_process(self, when: str) -> None:
         dead = self._dead_processes()
         if dead:
-            raise RankFailedError(f"tensor-parallel {when} failed: {'; '.join(dead)} (its log says why)")
+            raise RankFailedError(f"multi-rank {when} failed: {'; '.join(dead)} (its log says why)")
 
     def _failure(self, when: str, exc: BaseException) -> RankFailedError:
         for process in self._processes.values():
             process.join(0.2)  # a rank that closed its connections is about to be reaped: name it
         dead = self._dead_processes()
         cause = "; ".join(dead) if dead else f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        return RankFailedError(f"tensor-parallel {when} failed: {cause}; the ranks are out of step, the engine "
+        return RankFailedError(f"multi-rank {when} failed: {cause}; the ranks are out of step, the engine "
                                "stops")
 
     def _watch(self) -> None:
@@ -356,7 +396,7 @@ class MultiprocExecutor:
         process = self._processes[rank]
         process.join(1.0)  # the sentinel closes as the process exits, a moment before its exit code is known
         if not self._closed and self.fault is None:
-            self.fault = RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+            self.fault = RankFailedError(f"rank {rank} (pid {process.pid}) exited with code "
                                          f"{process.exitcode}")
             logger.critical("%s", self.fault)
 
@@ -371,24 +411,67 @@ class MultiprocExecutor:
         """Rank 0's pool (every rank holds one of the same size, its KV heads' share)."""
         return self.num_blocks * self.runner.bytes_per_block
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Micro-batches the engine keeps in flight: one per pipeline stage."""
+        return self.parallel.pipeline_parallel_size
+
     def execute(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
+        if self.parallel.pipeline_parallel_size > 1:
+            return self.collect(self.submit(scheduled, rows))
         self.check_health()
         step = self.runner.prepare(scheduled)
         try:
-            self._send(step.inputs)
+            for work in self._send(step.inputs):
+                work.wait()
             out = self.runner.forward(step.inputs)
         except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
             self.fault = self._failure("step", exc)
             raise self.fault from None
         return self.runner.sample(step, out, rows)
 
-    def _send(self, inputs: StepInputs) -> None:
+    def submit(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> PendingStep:
+        """Pipeline parallelism: start a micro-batch (its step message and the first stage, here) and return
+        while the later stages run it; `collect` samples it. Micro-batches are collected in submission order."""
+        self.check_health()
+        step = self.runner.prepare(scheduled)
+        try:
+            messages = self._send(step.inputs)
+            self.runner.forward(step.inputs)  # stage 0: hands its output to stage 1 and returns
+        except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
+            self.fault = self._failure("step", exc)
+            raise self.fault from None
+        return PendingStep(step, rows, messages)
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        self.check_health()
+        try:
+            for work in pending.messages:
+                work.wait()
+            out = self._receive_logits(pending.step.inputs)
+        except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
+            self.fault = self._failure("step", exc)
+            raise self.fault from None
+        return self.runner.sample(pending.step, out, pending.rows)
+
+    def _receive_logits(self, inputs: StepInputs) -> StepLogits:
+        """The last pipeline stage's logits of the step's sampled and prompt-scored rows."""
+        import torch.distributed as dist
+
+        logits = torch.empty((inputs.logits_indices.numel(), self.runner.config.model_config.vocab_size),
+                             dtype=torch.float32, device=self.device)
+        if logits.numel():
+            dist.recv(logits, self.parallel.world_size - self.parallel.tensor_parallel_size, group=self.groups.pipe)
+        return StepLogits(logits)
+
+    def _send(self, inputs: StepInputs) -> list:
+        """Start broadcasting the step message; returns the broadcasts' works (the caller waits on them)."""
         import torch.distributed as dist
 
         header, payload = pack_step(inputs, self._truncations, self._release)
-        dist.broadcast(header, 0, group=self.groups.control)
-        dist.broadcast(payload, 0, group=self.groups.control)
+        works = [dist.broadcast(tensor, 0, group=self.groups.control, async_op=True) for tensor in (header, payload)]
         self._truncations, self._release = [], False
+        return works
 
     def make_generator(self, seed: int) -> torch.Generator:
         return self.runner.make_generator(seed)

@@ -22,6 +22,8 @@ class UniProcExecutor:
         self.dtype = config.dtype
         self.weight_bytes = self.runner.weight_bytes
 
+    max_concurrent_batches = 1  # one batch at a time: the engine calls execute
+
     @property
     def kv_cache_bytes(self) -> int:
         return self.runner.kv_cache_bytes

@@ -23,7 +23,7 @@ from llmctl.engine.layers.fused_ops import LayerOps, TorchLayerOps
 from llmctl.engine.layers.linear import LinearFactory, LinearMethod
 from llmctl.engine.layers.rotary import RotaryEmbedding
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.parallel import TensorParallel
+from llmctl.engine.parallel import PipelineParallel, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -132,13 +132,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, ops: LayerOps, build_mlp):
-        """`build_mlp(index, config, linears, ops)`: layer `index`'s MLP module."""
+    """With pipeline stages, this stage's part: its decoder layers (the others are placeholders, so parameter
+    names keep the checkpoint's layer numbers), the embedding on the first stage (and on the last when the
+    lm_head is tied to it), the final norm on the last. `build_mlp(index, config, linears, ops)`: a layer's MLP."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, ops: LayerOps, build_mlp,
+                 pp: PipelineParallel = PipelineParallel()):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, linears.dtype, linears.tp)
+        has_embedding = pp.is_first or (pp.is_last and config.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, linears.dtype,
+                                                   linears.tp) if has_embedding else None
+        stage_layers = pp.layer_range(config.num_layers)
         self.layers = nn.ModuleList(DecoderLayer(config, linears, ops, build_mlp(i, config, linears, ops))
-                                    for i in range(config.num_layers))
-        self.norm = model_norm(config, config.hidden_size, linears.dtype, ops)
+                                    if i in stage_layers else nn.Identity() for i in range(config.num_layers))
+        self.stage_layers = [self.layers[i] for i in stage_layers]
+        self.norm = model_norm(config, config.hidden_size, linears.dtype, ops) if pp.is_last else None
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
 
@@ -157,17 +165,20 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int, *, dtype: torch.dtype, linear_method: LinearMethod,
                  ops: Optional[LayerOps] = None, lm_head_method: Optional[LinearMethod] = None,
-                 tp: TensorParallel = TensorParallel.single()):
+                 tp: TensorParallel = TensorParallel.single(), pp: PipelineParallel = PipelineParallel()):
         """`ops`: the layers' elementwise ops (`select_layer_ops`; None: torch's). `lm_head_method`: the output
         projection's own method (a checkpoint that quantised only the decoder layers); None: `linear_method`."""
         super().__init__()
         self.config = config
         self.tp = tp
+        self.pp = pp
         self.ops = ops or TorchLayerOps()
         linears = LinearFactory(linear_method, dtype, tp)
-        self.model = LlamaModel(config, max_positions, linears, self.ops, self.build_mlp)
+        self.model = LlamaModel(config, max_positions, linears, self.ops, self.build_mlp, pp)
         heads = LinearFactory(lm_head_method or linear_method, dtype, tp)
-        if config.tie_word_embeddings:
+        if not pp.is_last:
+            self.lm_head = None
+        elif config.tie_word_embeddings:
             self.lm_head = heads.tied(self.model.embed_tokens.weight)
         else:
             self.lm_head = heads.vocab_column(config.hidden_size, config.vocab_size)
@@ -202,8 +213,9 @@ class LlamaForCausalLM(nn.Module):
         (the bf16 GEMV, the AMX kernel or the quantised GEMV, mixed as the layers have them), the native decode
         attention, no q/k norm (Qwen3). None elsewhere (`forward` runs)."""
         config, layers = self.config, self.model.layers
-        if kernels is None or self.ops.kernels is not kernels or not self.tp.is_single or config.qk_norm \
-                or config.hidden_act == "gelu_pytorch_tanh" or config.embedding_multiplier is not None \
+        if kernels is None or self.ops.kernels is not kernels or not self.tp.is_single or not self.pp.is_single \
+                or config.qk_norm or config.hidden_act == "gelu_pytorch_tanh" \
+                or config.embedding_multiplier is not None \
                 or self.model.embed_tokens.weight.dtype != torch.bfloat16 \
                 or not kernels.supports_decode(torch.bfloat16, config.num_heads, config.num_kv_heads, config.head_dim):
             return None
@@ -237,11 +249,21 @@ class LlamaForCausalLM(nn.Module):
                                     window=config.sliding_window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta, backend: AttentionBackend, logits_indices: torch.Tensor) -> torch.Tensor:
-        hidden, rope = self.embed(input_ids, positions)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+                meta, backend: AttentionBackend, logits_indices: torch.Tensor,
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """The logits of `logits_indices`' rows; a pipeline stage before the last returns its (hidden, residual)
+        instead, and a stage after the first starts from the `intermediate` (hidden, residual) it received.
+        `kv_caches`: this stage's layers' pools."""
+        if intermediate is None:
+            hidden, rope = self.embed(input_ids, positions)
+            residual = None
+        else:
+            hidden, residual = intermediate
+            rope = self.model.rotary.tables(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.model.stage_layers, kv_caches):
             q, k, v, residual = layer.pre_attention(rope, hidden, residual)
             attended = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
             hidden, residual = layer.post_attention(attended, residual)
+        if not self.pp.is_last:
+            return hidden, residual
         return self.logits(hidden[logits_indices], residual[logits_indices])
