@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
 StepListener = Callable[[StepInfo, dict[str, float]], None]
+SubmissionListener = Callable[[], None]
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 # An idle engine thread wakes this often to ask the model side whether it can still step (a
 # tensor-parallel rank that died between requests turns the server unhealthy within this much).
@@ -150,12 +151,13 @@ class AsyncLLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout_s = request_timeout_s
         self._step_listeners: list[StepListener] = [step_listener] if step_listener else []
+        self._submission_listeners: list[SubmissionListener] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: deque = deque()
         self._streams: dict[str, RequestStream] = {}
         self._deadlines: dict[str, float] = {}
-        self._pending = 0
+        self._pending = 0  # submitted, and in no published snapshot yet (queued in the inbox or just added)
         self._num_waiting = 0
         self._stopping = False
         self._ready = threading.Event()
@@ -278,6 +280,8 @@ class AsyncLLMEngine:
             self._pending += 1
             self._inbox.append(("add", submission))
             self._wakeup.notify()
+        for listener in self._submission_listeners:
+            listener()
         try:
             await submission.accepted
         except asyncio.CancelledError:
@@ -324,6 +328,11 @@ class AsyncLLMEngine:
             self._wakeup.notify()
         return await future
 
+    def add_submission_listener(self, listener: SubmissionListener) -> None:
+        """Call `listener()` on the submitting task right after a request is queued for the engine
+        (from then on `get_stats()` counts it: in `num_pending` until a snapshot shows it)."""
+        self._submission_listeners.append(listener)
+
     def add_step_listener(self, listener: StepListener) -> None:
         """Call `listener(step_info, stats)` on the engine thread after every step that ran (e.g. metrics)."""
         self._step_listeners.append(listener)
@@ -353,6 +362,7 @@ class AsyncLLMEngine:
             stopping = self._stopping
         for kind, payload in commands:
             self._apply(kind, payload)
+        added = sum(kind == "add" for kind, _ in commands)
         if stopping:
             return False
         self.engine.check_health()
@@ -361,6 +371,7 @@ class AsyncLLMEngine:
         stats = self.engine.get_stats()  # one snapshot per iteration, for readers and listeners alike
         with self._lock:
             self._stats = stats
+            self._pending -= added  # the snapshot shows them now (as waiting or running, or gone)
             self._num_waiting = int(stats.get("num_waiting", 0))
         for listener in self._step_listeners if step is not None else ():
             listener(step, stats)
@@ -387,9 +398,8 @@ class AsyncLLMEngine:
                                     priority=sub.priority)
         except Exception as exc:  # noqa: BLE001 - invalid requests go back to their caller
             error = exc
-        with self._lock:
-            self._pending -= 1
-            if error is not None:
+        if error is not None:
+            with self._lock:
                 self._streams.pop(sub.request_id, None)
         if error is None and sub.deadline is not None:
             self._deadlines[sub.request_id] = sub.deadline

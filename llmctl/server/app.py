@@ -33,7 +33,7 @@ from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, DrainCuto
 from llmctl.server.openapi import install_openapi
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
-from llmctl.server.routing import DEFAULT_FALLBACK_AT, DEFAULT_HYSTERESIS, FallbackPolicy, ModelRouter, load_signal
+from llmctl.server.routing import DEFAULT_FALLBACK_AT, DEFAULT_HYSTERESIS, FallbackPolicy, ModelRouter, Route, load_signal
 from llmctl.server.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing
 from llmctl.server.policy_files import PolicyFileError
 from llmctl.server.text_filter import FilterCounters, OutputFilter, RuleSet, load_rules
@@ -132,7 +132,7 @@ KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/he
 
 
 def _load_of(engine: AsyncLLMEngine):
-    return lambda stats: load_signal(stats, engine.max_waiting_requests)
+    return lambda stats, unseen=0: load_signal(stats, engine.max_waiting_requests, unseen)
 
 
 @dataclass
@@ -166,8 +166,10 @@ def _models(engine: AsyncLLMEngine, fallback_engine: Optional[AsyncLLMEngine], s
                                   lambda: fallback_engine.is_healthy, _load_of(fallback_engine))
         served.append(_served(fallback_engine, view, settings, counters))
     fallback = (served[1].view.model_name, served[1]) if len(served) > 1 else None
-    router = ModelRouter((settings.served_model_name, served[0]), lambda: _load_of(engine)(engine.get_stats()),
+    router = ModelRouter((settings.served_model_name, served[0]),
+                         lambda unseen: _load_of(engine)(engine.get_stats(), unseen),
                          fallback, FallbackPolicy(settings.fallback_at, settings.fallback_hysteresis))
+    engine.add_submission_listener(router.handed_over)
     return served, router
 
 
@@ -258,26 +260,32 @@ def _limiter(settings: Optional[ConcurrencySettings], metrics: ServerMetrics,
 
 def _add_routes(app: FastAPI, engines: list[AsyncLLMEngine], router: ModelRouter[_Served], degraded,
                 metrics: ServerMetrics, settings: ServerSettings) -> None:
-    async def routed(body, request: Request) -> tuple[OpenAIServing, Any]:
+    async def routed(body, request: Request) -> Route[_Served]:
         """Admit `body` by the policy of the model it names (an API key's permission is for that model),
-        then route it once, before tokenising: the serving that answers and the body addressed to it.
-        Token-id prompts stay on the model they name: ids mean something in one vocabulary only."""
+        then route it once, before tokenising. Token-id prompts stay on the model they name: ids mean
+        something in one vocabulary only."""
         named = router.fallback if body.model is not None and body.model == router.fallback_name else router.primary
         await named.policy.admit(body, request)
         route = router.route(body.model, may_degrade=not _has_token_prompt(body))
         if route.degraded:
             degraded.inc()
-        return route.target.serving, body.model_copy(update={"model": route.model})
+        return route
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        serving, body = await routed(body, request)
-        return await serving.completions(body, request)
+        route = await routed(body, request)
+        try:
+            return await route.target.serving.completions(body.model_copy(update={"model": route.model}), request)
+        finally:
+            route.release()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        serving, body = await routed(body, request)
-        return await serving.chat(body, request)
+        route = await routed(body, request)
+        try:
+            return await route.target.serving.chat(body.model_copy(update={"model": route.model}), request)
+        finally:
+            route.release()
 
     created = int(time.time())
     servings = [router.primary.serving] + ([router.fallback.serving] if router.fallback is not None else [])
