@@ -49,6 +49,10 @@ class StreamStalledError(Exception):
     """A stream's reader stopped reading: a write to it waited past `--timeout-stream-write`."""
 
 
+class ClientDisconnectedError(Exception):
+    """The client closed its connection before its answer was ready: its requests were aborted."""
+
+
 def from_exception(exc: BaseException) -> APIError:
     """The API error for an exception raised while serving a request."""
     if isinstance(exc, APIError):

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from llmctl.engine.async_engine import AsyncLLMEngine, RequestStream
 from llmctl.engine.errors import EngineError
 from llmctl.engine.outputs import RequestOutput
-from llmctl.server.errors import APIError, StreamStalledError, from_exception
+from llmctl.server.errors import APIError, ClientDisconnectedError, StreamStalledError, from_exception
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
 from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, EngineParams, Prompt, ServerLimits,
@@ -59,6 +59,10 @@ class _Job:
     def cut_off_tokens(self) -> int:
         """Tokens sent for prompts whose request never finished (the client left)."""
         return sum(n for (p_index, _), n in self.sent_tokens.items() if p_index not in self.finals)
+
+    def unfinished_choices(self) -> int:
+        """Choices of the prompts whose request never finished (aborted: the client left, or it failed)."""
+        return self.params.n * sum(i not in self.finals for i in range(len(self.streams)))
 
     def completion_tokens(self) -> int:
         return sum(self.sent_tokens.values())
@@ -268,12 +272,13 @@ class OpenAIServing:
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnectedError()
             work.result()
         finally:
             watch.cancel()
             work.cancel()
             job.cancel()
+            self.metrics.observe_aborted(job.unfinished_choices())
 
     # ---- streaming --------------------------------------------------------------------------------
     async def _sse(self, job: _Job, audit: dict[str, Any]) -> AsyncIterator[str]:
@@ -296,6 +301,7 @@ class OpenAIServing:
             # Count what reached the client, also when it went away mid-stream.
             audit["completion_tokens"] = job.completion_tokens()
             self.metrics.observe_cut_off(job.cut_off_tokens())
+            self.metrics.observe_aborted(job.unfinished_choices())
         yield SSE_DONE
 
 
