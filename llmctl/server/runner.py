@@ -27,7 +27,7 @@ from llmctl.engine.args import EngineArgs
 from llmctl.engine.errors import EngineError, RankFailedError
 from llmctl.errors import UserError
 from llmctl.output import format_bytes
-from llmctl.engine.async_engine import AsyncLLMEngine, ModelInfo
+from llmctl.engine.async_engine import DEFAULT_MAX_STREAM_BACKLOG_TOKENS, AsyncLLMEngine, ModelInfo
 from llmctl.server.app import ServerSettings, build_app
 from llmctl.server.connections import ConnectionLimits, guarded_protocol
 
@@ -182,7 +182,8 @@ def _stop_after_rank_failure(server: uvicorn.Server, engines: list[AsyncLLMEngin
 
 
 def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting_requests: int | None,
-               request_timeout_s: float | None, fallback: Optional[FallbackModel] = None) -> int:
+               request_timeout_s: float | None, fallback: Optional[FallbackModel] = None,
+               max_stream_backlog_tokens: Optional[int] = DEFAULT_MAX_STREAM_BACKLOG_TOKENS) -> int:
     settings.validate()
     parallel = engine_args.parallel
     if not parallel.runs_engine:
@@ -192,7 +193,8 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting
                         "engine per server)")
     check_bindable(settings.host, settings.port)
     engine, fallback_engine = load_engines(engine_args, fallback, max_waiting_requests=max_waiting_requests,
-                                           request_timeout_s=request_timeout_s)
+                                           request_timeout_s=request_timeout_s,
+                                           max_stream_backlog_tokens=max_stream_backlog_tokens)
     for loaded in (fallback_engine, engine):
         if loaded is not None:
             sys.stderr.write(memory_line(loaded.model_info) + "\n")

@@ -212,15 +212,15 @@ class OpenAIServing:
             async for output in job.streams[0]:
                 yield 0, self._note(job, 0, output)
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1)  # a stalled reader's backlog stays in the streams (bounded)
 
         async def pump(index: int, stream: RequestStream) -> None:
             try:
                 async for output in stream:
-                    queue.put_nowait((index, output, None))
+                    await queue.put((index, output, None))
             except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
-                queue.put_nowait((index, None, exc))
-            queue.put_nowait((index, None, None))
+                await queue.put((index, None, exc))
+            await queue.put((index, None, None))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(job.streams)]
         try:
