@@ -30,7 +30,7 @@ from llmctl.server.json_body import ARRAY_LIMIT_KEY, StrictJSONRoute
 from llmctl.server.metrics import ModelMetrics, ServerMetrics, endpoint_label
 from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, DrainCutoff, InternalErrors, RateLimit, RateLimiter, RequestContext,
                                       audit_line, is_protected)
-from llmctl.server.openapi import install_openapi
+from llmctl.server.openapi import METRICS_CONTENT_TYPE, install_openapi
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmctl.server.routing import DEFAULT_FALLBACK_AT, DEFAULT_HYSTERESIS, FallbackPolicy, ModelRouter, Route, load_signal
@@ -210,7 +210,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings, *, start_engine:
     limits = [MAX_PROMPTS_PER_REQUEST] + [n for e in engines for n in (e.model_info.max_model_len, e.model_info.vocab_size)]
     setattr(app.state, ARRAY_LIMIT_KEY, max(limits))
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, settings.max_output_tokens)
     _add_routes(app, engines, router, degraded, metrics, settings)
 
     def on_finished(record: dict[str, Any]) -> None:
@@ -317,9 +317,7 @@ def _add_routes(app: FastAPI, engines: list[AsyncLLMEngine], router: ModelRouter
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")
     async def version():
