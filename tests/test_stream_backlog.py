@@ -5,12 +5,16 @@ reader gets the reason."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import socket
 
 import pytest
 
 from llmctl.engine.async_engine import RequestStream
 from llmctl.engine.errors import StreamBacklogError
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
+from server_helpers import rss_mib, running_server, shrink_server_send_buffer, wait_for
 
 
 def _delta(step: int, finished: bool = False) -> RequestOutput:
@@ -37,3 +41,32 @@ def test_a_stream_nobody_reads_is_aborted_past_its_backlog_and_drops_its_output(
             await stream.__anext__()
 
     asyncio.run(scenario())
+
+
+def test_two_stalled_sse_readers_are_aborted_and_their_memory_given_back(caplog):
+    # Long streams (n=16, 20 logprobs: 336 tokens of backlog a step) whose readers never read; the
+    # write timeout (60 s) is far off: only the backlog bound can free them within the test.
+    body = json.dumps({"prompt": "A long tale", "max_tokens": 400, "n": 16, "logprobs": 20, "ignore_eos": True,
+                       "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    with running_server() as srv:
+        srv.engine.max_stream_backlog_tokens = 2000  # what --max-stream-backlog-tokens sets
+        before = rss_mib()
+        readers = []
+        try:
+            for _ in range(2):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect(("127.0.0.1", srv.port))
+                shrink_server_send_buffer(srv, sock.getsockname())
+                sock.sendall(request)
+                readers.append(sock)
+            wait_for(lambda: srv.engine.get_stats()["num_requests"] > 0, timeout_s=30, what="the requests run")
+            srv.wait_idle(timeout=90)  # aborted by the bound: without it they run all 400 steps
+            srv.assert_recovered(before, rss_bound_mib=50)  # every KV block free, RSS back within 50 MiB
+            aborted = [r for r in caplog.records if "--max-stream-backlog-tokens" in r.getMessage()]
+            assert len(aborted) == 2 and all(r.levelno == logging.WARNING for r in aborted)
+        finally:
+            for sock in readers:
+                sock.close()
