@@ -18,6 +18,7 @@ from typing import Any, Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from llmctl.engine.sampling_params import MAX_LOGPROBS
 from llmctl.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, unsupported_fields
 
 ERROR_SCHEMA: dict[str, Any] = {
@@ -135,6 +136,9 @@ def _caps(schema: dict[str, Any], max_output_tokens: Optional[int]) -> None:
     _bound(properties["n"], "integer", minimum=1, maximum=MAX_N)
     cap = {"maximum": max_output_tokens} if max_output_tokens is not None else {}
     _token_ids_only(properties)
+    _sampling_ranges(properties)
+    schema.setdefault("allOf", []).append(  # stream_options only with stream: true
+        {"if": _given("stream_options", {"type": "object"}), "then": _given("stream", {"const": True})})
     tokens = properties["max_tokens"]
     if "max_completion_tokens" in properties:  # chat: max_tokens counts only without max_completion_tokens
         _bound(properties["max_completion_tokens"], "integer", minimum=1, **cap)
@@ -157,10 +161,32 @@ def _caps(schema: dict[str, Any], max_output_tokens: Optional[int]) -> None:
                                  "description": "Not supported by this server (best-of ranking); n's own value passes."}
 
 
+# SamplingParams' ranges (engine/sampling_params.py), as JSON Schema bounds.
+_SAMPLING_RANGES: dict[str, dict[str, float]] = {
+    "temperature": {"minimum": 0.0}, "top_p": {"exclusiveMinimum": 0.0, "maximum": 1.0}, "top_k": {"minimum": -1},
+    "min_p": {"minimum": 0.0, "maximum": 1.0}, "repetition_penalty": {"exclusiveMinimum": 0.0},
+    "presence_penalty": {"minimum": -2.0, "maximum": 2.0}, "frequency_penalty": {"minimum": -2.0, "maximum": 2.0},
+    "min_tokens": {"minimum": 0}, "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS}, "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+}
+
+
+def _sampling_ranges(properties: dict[str, Any]) -> None:
+    for name, limits in _SAMPLING_RANGES.items():
+        for option in _options(properties.get(name, {})):
+            if option.get("type") in ("number", "integer"):
+                option.update(limits)
+    for option in _options(properties.get("logit_bias", {})):
+        if option.get("type") == "object":  # keys are token ids, written as decimal strings
+            option["propertyNames"] = {"pattern": "^(0|[1-9][0-9]*)$"}
+
+
 def _token_ids_only(properties: dict[str, Any]) -> None:
     """Token ids are >= 0, and a prompt (or one prompt of a list) is not empty."""
     for name in ("prompt", "stop_token_ids"):
         for option in _options(properties.get(name, {})):
+            if option.get("type") == "string" and name == "prompt":
+                option["minLength"] = 1
             if option.get("type") != "array":
                 continue
             if name == "prompt":
@@ -168,6 +194,8 @@ def _token_ids_only(properties: dict[str, Any]) -> None:
             for item in _options(option.get("items", {})):
                 if item.get("type") == "integer":
                     item["minimum"] = 0
+                elif item.get("type") == "string":
+                    item["minLength"] = 1
                 elif item.get("type") == "array":
                     item["minItems"] = 1
                     item.setdefault("items", {})["minimum"] = 0
@@ -196,7 +224,7 @@ def _content_types(path: str, responses: dict[str, Any]) -> None:
         ok["content"] = {METRICS_CONTENT_TYPE: {"schema": {"type": "string"}}}
     elif path in ("/v1/completions", "/v1/chat/completions"):
         ok["description"] = "The answer; with `stream: true`, Server-Sent Events ending in `data: [DONE]`"
-        ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+        ok.setdefault("content", {})["text/event-stream"] = {}  # events of JSON chunks, then `[DONE]`
 
 
 def _errors_for(path: str, method: str) -> list[int]:
