@@ -42,6 +42,7 @@ def serve(
     timeout_headers: Annotated[float, _o("--timeout-headers", help="Seconds a client has to send a request's headers.", panel=SECURITY)] = 10.0,
     timeout_body: Annotated[float, _o("--timeout-body", help="Seconds a client has to send a request's body (then 408).", panel=SECURITY)] = 60.0,
     timeout_stream_write: Annotated[float, _o("--timeout-stream-write", help="Seconds a stream may wait for its client to read; then it is cancelled and its request aborted.", panel=SECURITY)] = 60.0,
+    max_stream_backlog_tokens: Annotated[int, _o("--max-stream-backlog-tokens", help="Streamed output (tokens, each logprob alternative counting as one) a request may hold that its client has not read; past it the request is aborted and its output dropped.", panel=SECURITY)] = 65536,
     timeout_keep_alive: Annotated[float, _o("--timeout-keep-alive", help="Seconds an idle keep-alive connection stays open.", panel=SECURITY)] = 5.0,
     max_output_tokens: Annotated[int, _o("--max-output-tokens", help="Largest max_tokens a request may ask for.", panel=SECURITY)] = 1024,
     rate_limit: Annotated[Optional[str], _o("--rate-limit", help="Per-client request rate, e.g. 100/minute (default: off).", panel=SECURITY)] = None,
@@ -92,6 +93,8 @@ def serve(
         raise UserError("--max-waiting-requests must be >= 0")
     if request_timeout is not None and request_timeout <= 0:
         raise UserError("--request-timeout must be > 0")
+    if max_stream_backlog_tokens < 1:
+        raise UserError("--max-stream-backlog-tokens must be >= 1")
     if api_key_file is not None:
         if api_key is not None:
             raise UserError("pass --api-key (or LLMCTL_API_KEY) or --api-key-file, not both")
@@ -121,7 +124,8 @@ def serve(
     if fallback is not None and (folder := eo.missing_tokenizer(fallback)) is not None:
         raise UserError(f"no tokenizer.json in {folder}: pass --fallback-tokenizer FOLDER")
     raise typer.Exit(run_server(engine_args, settings, max_waiting_requests=max_waiting_requests,
-                                request_timeout_s=request_timeout, fallback=fallback))
+                                request_timeout_s=request_timeout, fallback=fallback,
+                                max_stream_backlog_tokens=max_stream_backlog_tokens))
 
 
 def _policy_settings(options: dict) -> dict:

@@ -178,6 +178,7 @@ complete -c llmctl -n '__llmctl_serve' -l max-seqs-per-request -r -d 'Most seque
 complete -c llmctl -n '__llmctl_serve' -l timeout-headers -r -d 'Seconds a client has to send a requests headers.'
 complete -c llmctl -n '__llmctl_serve' -l timeout-body -r -d 'Seconds a client has to send a requests body (then 408).'
 complete -c llmctl -n '__llmctl_serve' -l timeout-stream-write -r -d 'Seconds a stream may wait for its client to read; then it is cancelled and its r'
+complete -c llmctl -n '__llmctl_serve' -l max-stream-backlog-tokens -r -d 'Streamed output (tokens, each logprob alternative counting as one) a request may'
 complete -c llmctl -n '__llmctl_serve' -l timeout-keep-alive -r -d 'Seconds an idle keep-alive connection stays open.'
 complete -c llmctl -n '__llmctl_serve' -l max-output-tokens -r -d 'Largest max_tokens a request may ask for.'
 complete -c llmctl -n '__llmctl_serve' -l rate-limit -r -d 'Per-client request rate, e.g. 100/minute (default - off).'

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError,
-                                  RequestTimeoutError, StepFailedError, is_out_of_memory)
+                                  RequestTimeoutError, StepFailedError, StreamBacklogError, is_out_of_memory)
 from llmctl.engine.llm_engine import LLMEngine, ModelInfo, StepInfo
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -30,10 +30,14 @@ logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
 StepListener = Callable[[StepInfo, dict[str, float]], None]
+SubmissionListener = Callable[[], None]
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 # An idle engine thread wakes this often to ask the model side whether it can still step (a
 # tensor-parallel rank that died between requests turns the server unhealthy within this much).
 HEALTH_CHECK_INTERVAL_S = 1.0
+# Unread streamed output per request (tokens plus logprob alternatives): a few MiB, far past what
+# a reader that keeps reading ever leaves behind.
+DEFAULT_MAX_STREAM_BACKLOG_TOKENS = 65536
 _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "NCCL error")
 
 
@@ -63,16 +67,22 @@ class RequestStream:
     A reader that stops reading (a stalled SSE client) holds one output, not one per step (it used
     to be one per step: n=16 with logprobs grew the server by 241 MiB for one such reader): a newer
     cumulative output replaces the one not taken yet, and a newer delta (`aggregate`, for
-    `RequestOutputKind.DELTA`) is appended to it, so the reader still gets every token once.
+    `RequestOutputKind.DELTA`) is appended to it, so the reader still gets every token once. The
+    appended deltas are bounded too: past `max_backlog` unread tokens (each logprob alternative
+    counts as one) the request is aborted, its unread output dropped, and the reader gets
+    `StreamBacklogError`.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[str], None],
-                 aggregate: bool = False):
+                 aggregate: bool = False, max_backlog: Optional[int] = None):
         self.request_id = request_id
         self.finished = False
         self._aggregate = aggregate
+        self._max_backlog = max_backlog if aggregate else None
         self._loop = loop
         self._pending: deque[Union[RequestOutput, BaseException]] = deque()
+        self._unread: deque[int] = deque()  # the size of each pending item (tokens and logprob alternatives)
+        self._overflowed = False
         self._arrived = asyncio.Event()
         self._on_cancel = on_cancel
 
@@ -89,18 +99,46 @@ class RequestStream:
         """Called from the engine thread."""
         _call_soon(self._loop, self.put_now, item)
 
+    @property
+    def unread_tokens(self) -> int:
+        """Tokens (and logprob alternatives) delivered and not yet taken by the reader."""
+        return sum(self._unread)
+
     def put_now(self, item: Union[RequestOutput, BaseException]) -> None:
         """Called on the stream's event loop."""
+        if self._overflowed:
+            return  # aborted for its backlog: the reader gets that error, nothing after it
         last = self._pending[-1] if self._pending else None
+        size = _output_size(item) if isinstance(item, RequestOutput) else 0
         if isinstance(last, RequestOutput) and not last.finished:
             if not self._aggregate:
                 self._pending.pop()
+                self._unread.pop()
             elif isinstance(item, RequestOutput):
                 last.add(item, aggregate=True)  # the pending output is the stream's own: the engine made it
+                self._unread[-1] += size
                 self._arrived.set()
+                self._bound_backlog()
                 return
         self._pending.append(item)
+        self._unread.append(size)
         self._arrived.set()
+        self._bound_backlog()
+
+    def _bound_backlog(self) -> None:
+        unread = self.unread_tokens
+        if self._max_backlog is None or unread <= self._max_backlog:
+            return
+        self._overflowed = True
+        self._pending.clear()  # the memory goes now, not when the stalled reader's connection is cut
+        self._unread.clear()
+        logger.warning("request %s aborted: its reader left %d tokens of output unread (limit %d, "
+                       "--max-stream-backlog-tokens)", self.request_id, unread, self._max_backlog)
+        self._pending.append(StreamBacklogError(
+            f"the client read too slowly: {unread} tokens of output were waiting to be sent "
+            f"(limit {self._max_backlog}); the request was aborted"))
+        self._unread.append(0)
+        self._on_cancel(self.request_id)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -112,6 +150,7 @@ class RequestStream:
             self._arrived.clear()
             await self._arrived.wait()
         item = self._pending.popleft()
+        self._unread.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -123,6 +162,12 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._on_cancel(self.request_id)
+
+
+def _output_size(output: RequestOutput) -> int:
+    """What an output holds, in tokens: each generated token and each of its logprob alternatives."""
+    return sum(len(c.token_ids) + sum(len(alternatives) for alternatives in c.logprobs or ())
+               for c in output.outputs)
 
 
 @dataclass
@@ -141,21 +186,26 @@ class AsyncLLMEngine:
     """`AsyncLLMEngine.from_engine_args(args)`, then `start()`; `async for out in engine.generate(...)`."""
 
     def __init__(self, engine: Optional[LLMEngine], *, max_waiting_requests: Optional[int] = None,
-                 request_timeout_s: Optional[float] = None, step_listener: Optional[StepListener] = None):
+                 request_timeout_s: Optional[float] = None, step_listener: Optional[StepListener] = None,
+                 max_stream_backlog_tokens: Optional[int] = DEFAULT_MAX_STREAM_BACKLOG_TOKENS):
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
         if request_timeout_s is not None and request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be > 0")
+        if max_stream_backlog_tokens is not None and max_stream_backlog_tokens < 1:
+            raise ValueError("max_stream_backlog_tokens must be >= 1")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_stream_backlog_tokens = max_stream_backlog_tokens
         self.request_timeout_s = request_timeout_s
         self._step_listeners: list[StepListener] = [step_listener] if step_listener else []
+        self._submission_listeners: list[SubmissionListener] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: deque = deque()
         self._streams: dict[str, RequestStream] = {}
         self._deadlines: dict[str, float] = {}
-        self._pending = 0
+        self._pending = 0  # submitted, and in no published snapshot yet (queued in the inbox or just added)
         self._num_waiting = 0
         self._stopping = False
         self._ready = threading.Event()
@@ -268,8 +318,8 @@ class AsyncLLMEngine:
                           priority: int = 0, timeout_s: Optional[float] = None) -> RequestStream:
         """Submit a request; returns once the engine accepted it (validation errors raise here)."""
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, self.abort,
-                               aggregate=params.output_kind is RequestOutputKind.DELTA)
+        stream = RequestStream(request_id, loop, self.abort, aggregate=params.output_kind is RequestOutputKind.DELTA,
+                               max_backlog=self.max_stream_backlog_tokens)
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         submission = _Submission(request_id, prompt, params, priority,
                                  time.monotonic() + timeout_s if timeout_s else None, stream, loop.create_future())
@@ -279,6 +329,8 @@ class AsyncLLMEngine:
             self._pending += 1
             self._inbox.append(("add", submission))
             self._wakeup.notify()
+        for listener in self._submission_listeners:
+            listener()
         try:
             await submission.accepted
         except asyncio.CancelledError:
@@ -325,6 +377,11 @@ class AsyncLLMEngine:
             self._wakeup.notify()
         return await future
 
+    def add_submission_listener(self, listener: SubmissionListener) -> None:
+        """Call `listener()` on the submitting task right after a request is queued for the engine
+        (from then on `get_stats()` counts it: in `num_pending` until a snapshot shows it)."""
+        self._submission_listeners.append(listener)
+
     def add_step_listener(self, listener: StepListener) -> None:
         """Call `listener(step_info, stats)` on the engine thread after every step that ran (e.g. metrics)."""
         self._step_listeners.append(listener)
@@ -361,6 +418,7 @@ class AsyncLLMEngine:
             stopping = self._stopping
         for kind, payload in commands:
             self._apply(kind, payload)
+        added = sum(kind == "add" for kind, _ in commands)
         if stopping:
             return False
         self.engine.check_health()
@@ -370,6 +428,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._stats = stats
             self._stats_version += 1
+            self._pending -= added  # the snapshot shows them now (as waiting or running, or gone)
             self._num_waiting = int(stats.get("num_waiting", 0))
         for listener in self._step_listeners if step is not None else ():
             listener(step, stats)
@@ -396,9 +455,8 @@ class AsyncLLMEngine:
                                     priority=sub.priority)
         except Exception as exc:  # noqa: BLE001 - invalid requests go back to their caller
             error = exc
-        with self._lock:
-            self._pending -= 1
-            if error is not None:
+        if error is not None:
+            with self._lock:
                 self._streams.pop(sub.request_id, None)
         if error is None and sub.deadline is not None:
             self._deadlines[sub.request_id] = sub.deadline

@@ -46,6 +46,10 @@ class RequestTimeoutError(EngineError):
     """The request ran past its deadline and was aborted (its KV blocks are free)."""
 
 
+class StreamBacklogError(EngineError):
+    """A stream's reader left more output unread than `max_stream_backlog_tokens`: its request was aborted."""
+
+
 class CapacityError(EngineError):
     """The request does not fit in device memory even alone at the smallest prefill chunk; it was
     finished (its KV blocks are free) and the engine serves on. Retrying may succeed once memory

@@ -203,3 +203,17 @@ def kill_engine(server: RunningServer) -> None:
         raise AssertionError("the engine survived a fatal step failure")
 
     asyncio.run(run_one())
+
+
+def shrink_server_send_buffer(srv: "RunningServer", client: tuple) -> None:
+    """Loopback autotunes the server's send buffer to ~1 MB, which would hold a whole small stream;
+    a 4 KiB one (on the real accepted socket of `client`) makes the server's writes wait as soon as
+    the client stops reading."""
+    deadline = time.monotonic() + 10
+    while True:
+        mine = [c for c in list(srv.server.server_state.connections) if c.client == client[:2]]
+        if mine:
+            break
+        assert time.monotonic() < deadline, "the server never accepted the connection"
+        time.sleep(0.01)
+    mine[0].transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)

@@ -74,3 +74,27 @@ def test_fuzzing_the_request_schemas_finds_no_5xx(server, document, path):
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         fuzz()
     server.assert_recovered(before)
+
+
+def test_the_document_declares_what_the_server_accepts_and_sends(server, document):
+    schemas = document["components"]["schemas"]
+    chat, completion = schemas["ChatCompletionRequest"], schemas["CompletionRequest"]
+    # null means the default in any optional field: documented nullable
+    assert {"type": "null"} in chat["properties"]["add_generation_prompt"]["anyOf"]
+    answered = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": None, "max_tokens": 2})
+    assert answered.status_code == 200, answered.text
+    # a refused field is advertised only with the values that pass
+    assert chat["properties"]["moderation"]["enum"] == [None]
+    assert completion["properties"]["use_beam_search"]["enum"] == [None, False]
+    assert chat["properties"]["tools"]["enum"] == [None, []]
+    # the server's caps: n <= 16, max_tokens <= --max-output-tokens (3 here, below the default 16: required)
+    assert {"type": "integer", "minimum": 1, "maximum": 16} == {k: v for k, v in
+                                                              completion["properties"]["n"]["anyOf"][0].items()}
+    assert "max_tokens" in completion["required"]
+    # content types: Prometheus text for /metrics, Server-Sent Events for streamed answers
+    metrics_ok = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics_ok) == ["text/plain; version=0.0.4; charset=utf-8"]
+    assert httpx.get(server.base_url + "/metrics").headers["content-type"] == list(metrics_ok)[0]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert "text/event-stream" in document["paths"][path]["post"]["responses"]["200"]["content"]

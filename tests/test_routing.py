@@ -37,7 +37,7 @@ def test_policy_refuses_settings_outside_their_range(threshold, hysteresis):
 
 def test_router_sends_the_primary_name_by_load_and_the_fallback_name_always_to_the_fallback():
     load = [0.0]
-    router = ModelRouter(("big", "B"), lambda: load[0], ("small", "S"), FallbackPolicy(0.8, 0.1))
+    router = ModelRouter(("big", "B"), lambda unseen: load[0], ("small", "S"), FallbackPolicy(0.8, 0.1))
     assert router.model_names == ["big", "small"]
     assert (router.route("big").target, router.route(None).target, router.route("small").target) == ("B", "B", "S")
     load[0] = 0.9
@@ -55,8 +55,43 @@ def test_router_sends_the_primary_name_by_load_and_the_fallback_name_always_to_t
 
 
 def test_router_without_a_fallback_never_degrades():
-    router = ModelRouter(("big", "B"), lambda: 1.0)
+    router = ModelRouter(("big", "B"), lambda unseen: 1.0)
     assert router.route("big").target == "B" and not router.route(None).degraded
     assert router.model_names == ["big"] and not router.degraded
     with pytest.raises(APIError):
         router.route("small")
+
+
+def test_a_burst_is_counted_as_it_is_routed_not_at_the_next_snapshot():
+    """24 requests arrive before the engine publishes a snapshot (it still shows an idle primary with
+    max_num_seqs 4): those routed to the primary count until its engine has them, so the burst degrades."""
+    router = ModelRouter(("big", "B"), lambda unseen: load_signal(_stats(max_num_seqs=4), unseen=unseen),
+                         ("small", "S"), FallbackPolicy(0.8, 0.1))
+    routes = [router.route(None) for _ in range(24)]
+    to_primary = [route for route in routes if route.target == "B"]
+    assert len(to_primary) == 4 and router.num_degraded == 20 and router.degraded  # 4 of 4 seats, then 1.0 >= 0.8
+    assert router.num_unseen == 4
+    for route in to_primary:  # e.g. refused while tokenising: they never reach the engine
+        route.release()
+        route.release()  # counted once
+    assert router.num_unseen == 0
+    # The load fell (nothing in flight): the gauge's answer follows it without a new request.
+    assert not router.degraded
+
+
+def test_the_engines_submission_listener_hands_over_the_request_of_its_own_task():
+    import asyncio
+
+    router = ModelRouter(("big", "B"), lambda unseen: unseen / 10, ("small", "S"))
+
+    async def handler() -> int:
+        router.route("big")
+        await asyncio.sleep(0)
+        router.handed_over()  # what the primary engine's listener calls on submission
+        return router.num_unseen
+
+    async def burst() -> list[int]:
+        return await asyncio.gather(*(handler() for _ in range(3)))
+
+    asyncio.run(burst())
+    assert router.num_unseen == 0

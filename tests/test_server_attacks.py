@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import json_body_of, raw_exchange, responses_in, rss_mib, running_server
+from server_helpers import json_body_of, raw_exchange, responses_in, rss_mib, running_server, shrink_server_send_buffer
 
 KEY = "sk-attack"
 BODY = b'{"prompt": "x", "max_tokens": 2}'
@@ -332,7 +332,7 @@ def test_a_stream_whose_reader_stopped_reading_is_cut_off(tmp_path):
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", srv.port))
-            _shrink_server_send_buffer(srv, sock.getsockname())
+            shrink_server_send_buffer(srv, sock.getsockname())
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             while srv.engine.get_stats().get("num_requests", 0) == 0:
@@ -350,22 +350,6 @@ def test_a_stream_whose_reader_stopped_reading_is_cut_off(tmp_path):
         srv.assert_recovered(before)
     [line] = [json.loads(x) for x in log.read_text().splitlines()]
     assert line["completion_tokens"] < 2 * 200
-
-
-def _shrink_server_send_buffer(srv, client: tuple) -> None:
-    """Loopback autotunes the server's send buffer to ~1 MB, which would hold a whole small stream;
-    a 4 KiB one (on the real accepted socket of `client`) makes the server's writes wait as soon as
-    the client stops reading."""
-    import socket
-
-    deadline = time.monotonic() + 10
-    while True:
-        mine = [c for c in list(srv.server.server_state.connections) if c.client == client[:2]]
-        if mine:
-            break
-        assert time.monotonic() < deadline, "the server never accepted the connection"
-        time.sleep(0.01)
-    mine[0].transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
 
 
 def test_a_maximal_token_id_prompt_is_refused_without_stalling_the_server():

@@ -100,3 +100,27 @@ def test_models_lists_both_and_the_fallback_name_goes_to_the_fallback(fallback_s
         client.completions.create(model="other", prompt="x", max_tokens=2)
     assert missing.value.body["code"] == "model_not_found" and "'small'" in missing.value.body["message"]
     srv.wait_idle()
+
+
+def test_a_burst_over_the_threshold_is_partly_answered_by_the_fallback(tiny_chat_model):
+    """24 requests at once against a primary of 4 seats: the router counts those it sent before the
+    engine's next snapshot shows them, so the burst spills to the fallback (it all went to the primary)."""
+    import asyncio
+
+    with running_server(engine_options={"max_num_seqs": 4}, served_model_name=PRIMARY,
+                        fallback_served_model_name=FALLBACK,
+                        fallback=FallbackModel(str(tiny_chat_model), num_kv_blocks=64)) as srv:
+        async def burst() -> list[str]:
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60,
+                                         limits=httpx.Limits(max_connections=32)) as http:
+                answers = await asyncio.gather(*(http.post("/v1/completions", json={
+                    "model": PRIMARY, "prompt": "ROMEO:", "max_tokens": 4}) for _ in range(24)))
+            return [answer.json()["model"] for answer in answers]
+
+        with injected_step_latency(srv.engine, 0.02):
+            models = asyncio.run(burst())
+        assert models.count(FALLBACK) >= 12 and models.count(PRIMARY) >= 4, models
+        assert _series(srv.base_url, "llmctl:num_requests_degraded")[FALLBACK] == models.count(FALLBACK)
+        wait_for(lambda: _series(srv.base_url, "llmctl:fallback_active")[PRIMARY] == 0,
+                 timeout_s=10, what="fallback_active back to 0 once the load fell, with no new request")
+        srv.wait_idle()

@@ -30,12 +30,12 @@ from llmctl.server.json_body import ARRAY_LIMIT_KEY, StrictJSONRoute
 from llmctl.server.metrics import ModelMetrics, ServerMetrics, endpoint_label
 from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, DrainCutoff, InternalErrors, RateLimit, RateLimiter, RequestContext,
                                       audit_line, is_protected)
-from llmctl.server.openapi import install_openapi
+from llmctl.server.openapi import METRICS_CONTENT_TYPE, install_openapi
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                     TokenizeCompletionRequest)
 from llmctl.server.replicas import ReplicaBalancer, replica_failure
-from llmctl.server.routing import DEFAULT_FALLBACK_AT, DEFAULT_HYSTERESIS, FallbackPolicy, ModelRouter, load_signal
+from llmctl.server.routing import DEFAULT_FALLBACK_AT, DEFAULT_HYSTERESIS, FallbackPolicy, ModelRouter, Route, load_signal
 from llmctl.server.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing
 from llmctl.server.policy_files import PolicyFileError
 from llmctl.server.text_filter import FilterCounters, OutputFilter, RuleSet, load_rules
@@ -146,7 +146,7 @@ KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/he
 
 
 def _load_of(engine: AsyncLLMEngine):
-    return lambda stats: load_signal(stats, engine.max_waiting_requests)
+    return lambda stats, unseen=0: load_signal(stats, engine.max_waiting_requests, unseen)
 
 
 @dataclass
@@ -193,6 +193,8 @@ def _models(replicas: list[AsyncLLMEngine], fallback_engine: Optional[AsyncLLMEn
         fallback = (view.model_name, ReplicaBalancer([fallback_engine], served[-1:]))
     router = ModelRouter((settings.served_model_name, primary), primary.lowest_load,
                          fallback, FallbackPolicy(settings.fallback_at, settings.fallback_hysteresis))
+    for replica in replicas:  # a request the primary's engine took stops counting as unseen load
+        replica.add_submission_listener(router.handed_over)
     return served, router
 
 
@@ -238,7 +240,7 @@ def build_app(engine: Union[AsyncLLMEngine, Sequence[AsyncLLMEngine]], settings:
     limits = [MAX_PROMPTS_PER_REQUEST] + [n for e in engines for n in (e.model_info.max_model_len, e.model_info.vocab_size)]
     setattr(app.state, ARRAY_LIMIT_KEY, max(limits))
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, settings.max_output_tokens)
     _add_routes(app, replicas, engines, router, degraded, metrics, settings)
 
     def on_finished(record: dict[str, Any]) -> None:
@@ -289,26 +291,32 @@ def _limiter(settings: Optional[ConcurrencySettings], metrics: ServerMetrics,
 def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[AsyncLLMEngine],
                 router: ModelRouter[ReplicaBalancer[_Served]], degraded, metrics: ServerMetrics,
                 settings: ServerSettings) -> None:
-    async def routed(body, request: Request) -> tuple[OpenAIServing, Any]:
+    async def routed(body, request: Request) -> Route[ReplicaBalancer[_Served]]:
         """Admit `body` by the policy of the model it names (an API key's permission is for that model),
-        then route it once, before tokenising: the serving that answers and the body addressed to it.
-        Token-id prompts stay on the model they name: ids mean something in one vocabulary only."""
+        then route it once, before tokenising. Token-id prompts stay on the model they name: ids mean
+        something in one vocabulary only."""
         named = router.fallback if body.model is not None and body.model == router.fallback_name else router.primary
         await named.targets[0].policy.admit(body, request)
         route = router.route(body.model, may_degrade=not _has_token_prompt(body))
         if route.degraded:
             degraded.inc()
-        return route.target.pick().serving, body.model_copy(update={"model": route.model})
+        return route
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        serving, body = await routed(body, request)
-        return await serving.completions(body, request)
+        route = await routed(body, request)
+        try:
+            return await route.target.pick().serving.completions(body.model_copy(update={"model": route.model}), request)
+        finally:
+            route.release()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        serving, body = await routed(body, request)
-        return await serving.chat(body, request)
+        route = await routed(body, request)
+        try:
+            return await route.target.pick().serving.chat(body.model_copy(update={"model": route.model}), request)
+        finally:
+            route.release()
 
     def tokenizing(model: Optional[str], request: Request) -> OpenAIServing:
         """The serving whose tokenizer a /tokenize or /detokenize body names (ids mean something in one vocabulary)."""
@@ -359,9 +367,7 @@ def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[Asyn
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")
     async def version():

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmctl.engine.errors import (CapacityError, EngineDeadError, EngineError, EngineOverloadedError,
-                                  InvalidRequestError, RequestTimeoutError, StepFailedError)
+                                  InvalidRequestError, RequestTimeoutError, StepFailedError, StreamBacklogError)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ class StreamStalledError(Exception):
     """A stream's reader stopped reading: a write to it waited past `--timeout-stream-write`."""
 
 
+class ClientDisconnectedError(Exception):
+    """The client closed its connection before its answer was ready: its requests were aborted."""
+
+
 def from_exception(exc: BaseException) -> APIError:
     """The API error for an exception raised while serving a request."""
     if isinstance(exc, APIError):
@@ -65,6 +69,8 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(504, str(exc), code="request_timeout", headers={"x-should-retry": "false"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not serving: {exc}", code="engine_dead", headers={"Retry-After": "30"})
+    if isinstance(exc, StreamBacklogError):
+        return APIError(408, str(exc), code="stream_backlog_exceeded")
     if isinstance(exc, StepFailedError):
         return APIError(500, str(exc), code="engine_step_failed")
     logger.exception("unexpected error while serving a request", exc_info=exc)

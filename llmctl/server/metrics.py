@@ -244,6 +244,12 @@ class ServerMetrics:
         if delivered_tokens > 0:
             self.generation_tokens.labels(*(labels or self._labels(self.model_name, 0))).inc(delivered_tokens)
 
+    def observe_aborted(self, choices: int, model: Optional[str] = None) -> None:
+        """Choices whose request was aborted before it finished (the client left, or it failed):
+        `request_success` with finished_reason "abort", as vLLM counts them."""
+        if choices > 0:
+            self.request_success.labels(model or self.model_name, "abort").inc(choices)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -269,6 +275,9 @@ class ModelMetrics:
 
     def observe_cut_off(self, delivered_tokens: int) -> None:
         self.metrics.observe_cut_off(delivered_tokens, self.labels)
+
+    def observe_aborted(self, choices: int) -> None:
+        self.metrics.observe_aborted(choices, self.model_name)
 
 
 def endpoint_label(path: str, known: Optional[set[str]] = None) -> str:

@@ -25,11 +25,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from llmctl.server.errors import APIError, StreamStalledError, from_exception
+from llmctl.server.errors import APIError, ClientDisconnectedError, StreamStalledError, from_exception
 
 ASGIApp = Callable[..., Any]
 PROTECTED_PREFIXES = ("/v1/", "/start_profile", "/stop_profile", "/tokenize", "/detokenize")
 AUDIT_KEY = "llmctl.audit"
+# The status recorded (metrics, audit log; never sent) for a request whose client left first: nginx's 499.
+CLIENT_CLOSED_REQUEST = 499
 logger = logging.getLogger(__name__)
 
 
@@ -200,6 +202,10 @@ class InternalErrors:
         except StreamStalledError as exc:  # not a bug: a reader that stopped reading was cut off
             logger.warning("%s %s: stream cancelled and its request aborted: %s (--timeout-stream-write)",
                            scope["method"], scope["path"], exc)
+        except ClientDisconnectedError:  # not a server error: nobody is left to answer
+            scope.get(AUDIT_KEY, {})["status"] = CLIENT_CLOSED_REQUEST
+            logger.info("%s %s: the client disconnected before its answer; its request was aborted",
+                        scope["method"], scope["path"])
         except Exception as exc:  # noqa: BLE001 - this is the last place to turn it into an answer
             error = from_exception(exc)  # logs the traceback once
             if not started:

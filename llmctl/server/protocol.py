@@ -134,6 +134,13 @@ _UNSUPPORTED_CHAT = {
 _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "documents"}
 
 
+
+def unsupported_fields(request: type) -> dict[str, tuple[str, tuple]]:
+    """For /openapi.json: the fields of a request body class this server refuses, each with what it
+    is and the values that still pass (besides null)."""
+    return dict(_UNSUPPORTED_COMPLETION if request is CompletionRequest else _UNSUPPORTED_CHAT)
+
+
 class _SamplingFields(_Body):
     model: Optional[str] = None
     n: int = 1

@@ -93,10 +93,10 @@ class ReplicaBalancer(Generic[Target]):
         batch = max(float(stats.get("max_num_seqs", 0) or 0), 1.0)
         return load_signal(stats, engine.max_waiting_requests) + self._sent_since_snapshot[index] / batch
 
-    def lowest_load(self) -> float:
+    def lowest_load(self, unseen: int = 0) -> float:
         """The least-loaded replica's snapshot load signal (what --fallback-at compares: every replica is
-        at least this busy)."""
-        return min(load_signal(e.get_stats(), e.max_waiting_requests) for e in self.engines)
+        at least this busy), with `unseen` requests routed here that no engine has yet counted on each."""
+        return min(load_signal(e.get_stats(), e.max_waiting_requests, unseen) for e in self.engines)
 
     def pick(self) -> Target:
         """The target for a new request; with replicas, raises `EngineDeadError` once any of them failed

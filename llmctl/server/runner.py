@@ -27,7 +27,7 @@ from llmctl.engine.args import EngineArgs
 from llmctl.engine.errors import EngineError, RankFailedError
 from llmctl.errors import UserError
 from llmctl.output import format_bytes
-from llmctl.engine.async_engine import AsyncLLMEngine, ModelInfo
+from llmctl.engine.async_engine import DEFAULT_MAX_STREAM_BACKLOG_TOKENS, AsyncLLMEngine, ModelInfo
 from llmctl.server.app import ServerSettings, build_app
 from llmctl.server.connections import ConnectionLimits, guarded_protocol
 from llmctl.server.replicas import load_replicas, replica_failure
@@ -186,7 +186,8 @@ def _stop_after_rank_failure(server: uvicorn.Server, engines: list[AsyncLLMEngin
 
 
 def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting_requests: int | None,
-               request_timeout_s: float | None, fallback: Optional[FallbackModel] = None) -> int:
+               request_timeout_s: float | None, fallback: Optional[FallbackModel] = None,
+               max_stream_backlog_tokens: Optional[int] = DEFAULT_MAX_STREAM_BACKLOG_TOKENS) -> int:
     settings.validate()
     parallel = engine_args.parallel
     if not parallel.runs_engine:
@@ -197,7 +198,8 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings, *, max_waiting
     if fallback is not None and engine_args.data_parallel_size > 1:
         raise UserError("--fallback-model with --data-parallel-size > 1 is not supported yet")
     check_bindable(settings.host, settings.port)
-    options = dict(max_waiting_requests=max_waiting_requests, request_timeout_s=request_timeout_s)
+    options = dict(max_waiting_requests=max_waiting_requests, request_timeout_s=request_timeout_s,
+                   max_stream_backlog_tokens=max_stream_backlog_tokens)
     if engine_args.data_parallel_size > 1:
         replicas, fallback_engine = load_replicas(engine_args, **options), None
     else:

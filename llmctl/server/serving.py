@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from llmctl.engine.async_engine import AsyncLLMEngine, RequestStream
 from llmctl.engine.errors import EngineError
 from llmctl.engine.outputs import RequestOutput
-from llmctl.server.errors import APIError, StreamStalledError, from_exception
+from llmctl.server.errors import APIError, ClientDisconnectedError, StreamStalledError, from_exception
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
 from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EngineParams,
@@ -61,6 +61,10 @@ class _Job:
     def cut_off_tokens(self) -> int:
         """Tokens sent for prompts whose request never finished (the client left)."""
         return sum(n for (p_index, _), n in self.sent_tokens.items() if p_index not in self.finals)
+
+    def unfinished_choices(self) -> int:
+        """Choices of the prompts whose request never finished (aborted: the client left, or it failed)."""
+        return self.params.n * sum(i not in self.finals for i in range(len(self.streams)))
 
     def completion_tokens(self) -> int:
         return sum(self.sent_tokens.values())
@@ -246,15 +250,15 @@ class OpenAIServing:
             async for output in job.streams[0]:
                 yield 0, self._note(job, 0, output)
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1)  # a stalled reader's backlog stays in the streams (bounded)
 
         async def pump(index: int, stream: RequestStream) -> None:
             try:
                 async for output in stream:
-                    queue.put_nowait((index, output, None))
+                    await queue.put((index, output, None))
             except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
-                queue.put_nowait((index, None, exc))
-            queue.put_nowait((index, None, None))
+                await queue.put((index, None, exc))
+            await queue.put((index, None, None))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(job.streams)]
         try:
@@ -306,12 +310,13 @@ class OpenAIServing:
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnectedError()
             work.result()
         finally:
             watch.cancel()
             work.cancel()
             job.cancel()
+            self.metrics.observe_aborted(job.unfinished_choices())
 
     # ---- streaming --------------------------------------------------------------------------------
     async def _sse(self, job: _Job, audit: dict[str, Any]) -> AsyncIterator[str]:
@@ -334,6 +339,7 @@ class OpenAIServing:
             # Count what reached the client, also when it went away mid-stream.
             audit["completion_tokens"] = job.completion_tokens()
             self.metrics.observe_cut_off(job.cut_off_tokens())
+            self.metrics.observe_aborted(job.unfinished_choices())
         yield SSE_DONE
 
 
