@@ -101,7 +101,7 @@ class StructuredOutputManager:
         try:
             compiled = backend.compile(spec)
         except GrammarCompileError as exc:
-            raise InvalidRequestError(str(exc), param=f"structured_outputs.{spec.kind}") from None
+            raise InvalidRequestError(str(exc), param="structured_outputs") from None
         with self._lock:
             self.compile_seconds.append(time.perf_counter() - start)
             self._compiled[key] = compiled

@@ -20,6 +20,9 @@ from llmctl.engine.tokenizer import Tokenizer
 
 # xgrammar's C++ errors start "[03:14:53] /project/cpp/regex_converter.cc:94: ": the time and source line
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+# what a refused spec is called in the error
+_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+               "grammar": "grammar"}
 # The JSON a json_object request must produce: any object (vLLM's json_object).
 _ANY_OBJECT_SCHEMA = {"type": "object"}
 
@@ -79,7 +82,7 @@ class XgrammarBackend:
                 return self.compiler.compile_grammar(choice_grammar(value))
             return self.compiler.compile_grammar(value)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise GrammarCompileError(f"structured_outputs.{kind}: {clean_error(exc)}") from None
+            raise GrammarCompileError(f"the {_KIND_NAMES[kind]} is not supported: {clean_error(exc)}") from None
 
     def matcher(self, compiled: Any) -> XgrammarMatcher:
         return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))
