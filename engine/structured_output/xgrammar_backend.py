@@ -20,6 +20,10 @@ from llmctl.engine.tokenizer import Tokenizer
 
 # xgrammar's C++ errors start "[03:14:53] /project/cpp/regex_converter.cc:94: ": the time and source line
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+# xgrammar 0.2.9 spells a string with minLength/maxLength as characters of this class, which admits the raw
+# control characters JSON forbids in a string (its unbounded strings exclude them): replaced by the class below.
+_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
 # what a refused spec is called in the error
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
                "grammar": "grammar"}
@@ -70,19 +74,26 @@ class XgrammarBackend:
     def compile(self, spec: StructuredOutputsParams) -> Any:
         kind, value = spec.kind, getattr(spec, spec.kind)
         try:
-            if kind == "json":
-                # compact JSON (no free whitespace): a model cannot pad the output with endless blanks
-                return self.compiler.compile_json_schema(value if isinstance(value, str) else json.dumps(value),
-                                                         any_whitespace=False)
-            if kind == "json_object":
-                return self.compiler.compile_json_schema(json.dumps(_ANY_OBJECT_SCHEMA), any_whitespace=False)
+            if kind in ("json", "json_object"):
+                schema = _ANY_OBJECT_SCHEMA if kind == "json_object" else value
+                return self.compiler.compile_grammar(self._json_grammar(schema))
             if kind == "regex":
                 return self.compiler.compile_regex(value)
             if kind == "choice":
                 return self.compiler.compile_grammar(choice_grammar(value))
             return self.compiler.compile_grammar(value)
-        except (RuntimeError, ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a client's spec makes the compiler raise is a refusal
             raise GrammarCompileError(f"the {_KIND_NAMES[kind]} is not supported: {clean_error(exc)}") from None
+
+    def _json_grammar(self, schema: Any) -> Any:
+        """The schema's grammar: compact JSON (no free whitespace, so a model cannot pad the output with endless
+        blanks), its bounded strings free of control characters."""
+        schema_text = schema if isinstance(schema, str) else json.dumps(schema)
+        grammar = self._xgr.Grammar.from_json_schema(schema_text, any_whitespace=False)
+        text = str(grammar)
+        if _BOUNDED_STRING_CHARACTER not in text:
+            return grammar
+        return text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
     def matcher(self, compiled: Any) -> XgrammarMatcher:
         return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))
