@@ -20,7 +20,7 @@ def _leaf_schemas() -> st.SearchStrategy[dict]:
     return st.one_of(
         st.integers(0, 8).map(lambda n: {"type": "string", "maxLength": n}),
         st.integers(1, 6).map(lambda n: {"type": "string", "pattern": f"^[a-z0-9]{{1,{n}}}$"}),
-        st.sampled_from(["date", "email", "uuid"]).map(lambda f: {"type": "string", "format": f}),
+        st.just({"type": "string", "format": "date"}),
         st.tuples(st.integers(-1000, 1000), st.integers(0, 5000)).map(
             lambda r: {"type": "integer", "minimum": r[0], "maximum": r[0] + r[1]}),
         st.tuples(st.integers(-50, 50), st.integers(1, 100)).map(
@@ -43,7 +43,7 @@ def _object_schema(children: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]
 
 
 def _array_schema(children: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
-    return st.tuples(children, st.integers(0, 2), st.integers(0, 3)).map(
+    return st.tuples(children, st.integers(0, 2), st.integers(0, 2)).map(
         lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]})
 
 
@@ -51,5 +51,5 @@ def json_schemas() -> st.SearchStrategy[dict]:
     """A random schema, an object at the top (what response_format json_schema asks for)."""
     nested = st.recursive(_leaf_schemas(), lambda children: st.one_of(
         _object_schema(children), _array_schema(children),
-        st.lists(children, min_size=2, max_size=3).map(lambda options: {"anyOf": options})), max_leaves=6)
+        st.lists(children, min_size=2, max_size=3).map(lambda options: {"anyOf": options})), max_leaves=5)
     return _object_schema(nested)

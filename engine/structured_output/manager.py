@@ -47,10 +47,10 @@ class SequenceGrammar:
         the drafts before them (their outputs extend this sequence's by those drafts). The matcher is advanced
         through the drafts and rolled back after; a position past a draft the grammar refuses keeps every
         token allowed (its token is dropped with the refused draft)."""
-        advanced = 0
+        accepted, advanced = self.num_tokens, 0
         try:
             for row, output in sorted(rows, key=lambda item: len(item[1])):
-                pending = output[self.num_tokens:]
+                pending = output[accepted:]
                 while advanced < len(pending) and self.accept([pending[advanced]]) == 1:
                     advanced += 1
                 if advanced == len(pending) and not self.matcher.is_terminated():
