@@ -24,8 +24,7 @@ from statistics import median, quantiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the random-schema strategy
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 from json_schemas import json_schemas  # noqa: E402
 from llmctl.engine import LLM, SamplingParams  # noqa: E402
@@ -34,19 +33,19 @@ from llmctl.engine.sampling_params import StructuredOutputsParams  # noqa: E402
 BATCH = 64
 
 
-def random_schemas(count: int, seed: int) -> list[dict]:
-    """`count` distinct random schemas, the same for a given seed (hypothesis draws them once)."""
-    drawn: list[dict] = []
+def random_schemas(count: int) -> list[dict]:
+    """The first `count` distinct schemas of one derandomized hypothesis stream (the same in every run)."""
+    drawn: dict[str, dict] = {}
 
-    @settings(max_examples=1, database=None, derandomize=True, deadline=None,
+    @settings(max_examples=4 * count, database=None, derandomize=True, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(st.lists(json_schemas(), min_size=count, max_size=count,
-                    unique_by=lambda s: json.dumps(s, sort_keys=True)), st.just(seed))
-    def draw(schemas: list[dict], _seed: int) -> None:
-        drawn[:] = schemas
+    @given(json_schemas())
+    def draw(schema: dict) -> None:
+        if len(drawn) < count:
+            drawn.setdefault(json.dumps(schema, sort_keys=True), schema)
 
     draw()
-    return drawn
+    return list(drawn.values())
 
 
 def timed_pass(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> dict:
@@ -68,7 +67,7 @@ def timed_pass(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> di
 
 
 def overhead(llm: LLM, rounds: int, max_tokens: int) -> dict:
-    schemas = random_schemas(BATCH, seed=1)
+    schemas = random_schemas(BATCH)
     prompts = [f"Record {i}: " for i in range(BATCH)]
     plain = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(BATCH)]
     constrained = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
@@ -90,7 +89,7 @@ def overhead(llm: LLM, rounds: int, max_tokens: int) -> dict:
 def compile_times(llm: LLM, count: int) -> dict:
     manager = llm.engine.structured_output
     before = len(manager.compile_seconds)
-    for schema in random_schemas(count, seed=2):
+    for schema in random_schemas(count):
         manager.compile(StructuredOutputsParams(json=schema))
     seconds = manager.compile_seconds[before:]
     cuts = quantiles(seconds, n=100, method="inclusive")
@@ -100,7 +99,7 @@ def compile_times(llm: LLM, count: int) -> dict:
 def validity(llm: LLM, count: int, max_tokens: int) -> dict:
     import jsonschema
 
-    schemas = random_schemas(count, seed=3)
+    schemas = random_schemas(count)
     params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
                              structured_outputs=StructuredOutputsParams(json=s)) for i, s in enumerate(schemas)]
     outputs = llm.generate([f"Answer {i}: " for i in range(count)], params)
