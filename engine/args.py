@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")  # engine/structured_output/
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization/on_the_fly.py, fp8.py).
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 # Pre-quantised checkpoint formats a --quantization value may name (accepted when the checkpoint is one, as in vLLM).
@@ -82,6 +83,9 @@ class EngineArgs:
                                                  "oneDNN-packed), for batches of 16+ rows: no per-call "
                                                  "dequantisation, for 2 more bytes per weight. Default: off "
                                                  "(weights at their quantised size).")
+    structured_outputs_backend: str = _arg("auto", "Grammar engine for structured outputs (response_format, "
+                                                   "structured_outputs): auto (xgrammar) or xgrammar.",
+                                           choices=STRUCTURED_OUTPUTS_BACKENDS)
     # A JSON string (flag, env) or a mapping (Python, YAML); validated into `speculative` below.
     speculative_config: Optional[Any] = _arg(
         None, 'Speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": K, '
@@ -117,6 +121,7 @@ class EngineArgs:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
         if self.quantization is not None:
             _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)
         for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks",

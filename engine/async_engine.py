@@ -318,6 +318,9 @@ class AsyncLLMEngine:
                           priority: int = 0, timeout_s: Optional[float] = None) -> RequestStream:
         """Submit a request; returns once the engine accepted it (validation errors raise here)."""
         loop = asyncio.get_running_loop()
+        if params.structured_outputs is not None and self.engine is not None:
+            # compiled on a worker thread (cached by spec): neither this loop nor the step loop waits on it
+            await asyncio.to_thread(self.engine.structured_output.compile, params.structured_outputs)
         stream = RequestStream(request_id, loop, self.abort, aggregate=params.output_kind is RequestOutputKind.DELTA,
                                max_backlog=self.max_stream_backlog_tokens)
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s

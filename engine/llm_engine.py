@@ -38,6 +38,7 @@ from llmctl.engine.spec_decode.draft_proposer import DraftModel, DraftProposer
 from llmctl.engine.spec_decode.ngram_proposer import NgramProposer, SpecDecodeStats
 from llmctl.engine.step_types import ModelRunnerOutput, SchedulerOutput, SeqUpdate
 from llmctl.engine.hub import resolve_model_folder
+from llmctl.engine.structured_output import StructuredOutputManager
 from llmctl.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -252,6 +253,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
                                           args.enable_prefix_caching)
         self.eos_token_ids = self._eos_ids()
+        # thread-safe: the server compiles a request's grammar on a worker thread before submitting it
+        self.structured_output = StructuredOutputManager(args.structured_outputs_backend, self.tokenizer,
+                                                         self.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, policy=args.scheduling_policy,
@@ -343,6 +347,8 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request_id, index, token_ids, params.clone_for_sample(),
                            arrival_time=arrival, priority=priority, cache_salt=salt,
                            parent=seqs[0] if seqs else None, shares_with_siblings=private)
+            if params.structured_outputs is not None:  # one matcher per sample
+                seq.grammar = self.structured_output.grammar_for(params.structured_outputs)
             if params.seed is not None:
                 seq.draw_seed = hash((params.seed, index)) & (2**63 - 1)
                 seq.generator = self.executor.make_generator(seq.draw_seed)
@@ -451,6 +457,8 @@ class LLMEngine:
         for update in self.scheduler.update_from_output(out, result, now):
             seq = update.seq
             request = self.requests[seq.request_id]
+            if seq.grammar is not None:
+                self._advance_grammar(update, now)
             if update.num_rejected and not seq.is_finished:
                 self.executor.truncate_kept_state(seq.seq_id, seq.num_computed_tokens)
             if update.num_drafts:
@@ -473,6 +481,24 @@ class LLMEngine:
         last = self.last_step  # built directly: dataclasses.replace walks the fields, each step
         self.last_step = StepInfo(last.request_ids, last.num_batched_tokens, last.token_budget, tuple(latencies), outputs)
         return self.last_step
+
+    def _advance_grammar(self, update: SeqUpdate, now: float) -> None:
+        """Feed the row's new tokens to its sequence's matcher; the sequence ends where the grammar does (a stop
+        token accepted at its end, also under ignore_eos), and the tokens after that are taken back."""
+        seq, tokens = update.seq, update.new_token_ids
+        taken = seq.grammar.accept(tokens)
+        if taken == len(tokens) and not seq.grammar.is_terminated:
+            return
+        if taken < len(tokens):
+            if not seq.grammar.is_terminated:  # the bitmask allowed it, so this is a bug: end the output here
+                logger.error("request %r: token %d is not allowed by its grammar; ending the output",
+                             seq.request_id, tokens[taken])
+            seq.drop_last_outputs(len(tokens) - taken)
+            update.new_token_ids = tokens[:taken]
+        if not seq.is_finished:
+            seq.finish_reason, seq.stop_reason = ("stop", None) if seq.grammar.is_terminated else ("abort", None)
+            seq.finished_time = now
+            self.scheduler.finish(seq)
 
     def _after_out_of_memory(self, out: SchedulerOutput, cause: str) -> Optional[RequestOutput]:
         """Undo the failed batch and lower the budgets; when it was one sequence at the smallest
@@ -501,7 +527,7 @@ class LLMEngine:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         stops = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
         return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
-                           stops + tuple(seq.params.stop_token_ids), seq.draw_seed)
+                           stops + tuple(seq.params.stop_token_ids), seq.draw_seed, seq.grammar)
 
     def _detokenize(self, request: Request, update: SeqUpdate, now: float) -> None:
         """Add the row's new tokens to the text, one at a time; the first stop string ends the

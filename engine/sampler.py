@@ -1,7 +1,7 @@
 """The sampler: logits of the rows to sample -> next token ids (and optional top log-probs).
 
 Order: penalties (repetition on prompt+output, presence/frequency on output), min_tokens masking
-of stop tokens, then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. A seeded
+of stop tokens, the structured-output grammar's bitmask (engine/structured_output/bitmask.py), then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. A seeded
 row's draw for output position t comes from its generator re-seeded from (seed, t) (`position_seed`):
 its output depends neither on the rest of the batch nor on how its tokens were grouped into steps, so
 an n-gram verify row (each position drawn as a one-token decode would draw it, drafts kept while they
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ from llmctl.engine.kernels import load_cpu_kernels
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.spec_decode.rejection_sampler import (PLACEHOLDER_TOKEN_ID, TOKEN_STREAM, DraftSpan, position_seed,
                                                          rejection_sample)
+from llmctl.engine.structured_output import apply_grammar_bitmask
 
 
 @dataclass
@@ -40,6 +41,7 @@ class SamplingRow:
     generator: Optional[torch.Generator]
     stop_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
     draw_seed: Optional[int] = None  # with `generator`: re-seed it per output position (position_seed)
+    grammar: Optional[Any] = None  # the sequence's structured_output.SequenceGrammar: masks what it does not allow
 
     def generator_at(self, offset: int = 0, stream: int = TOKEN_STREAM) -> Optional[torch.Generator]:
         """The row's generator, ready for its draws at output position len(output_token_ids) + offset
@@ -58,7 +60,7 @@ class SamplingRow:
         """Greedy with nothing to apply first: no logits processors, penalties, log-probs or min_tokens mask."""
         params = self.params
         return (params.greedy and not params.logits_processors and params.logprobs is None
-                and not params.needs_penalties and not self.masks_stops)
+                and not params.needs_penalties and not self.masks_stops and self.grammar is None)
 
 
 @dataclass
@@ -214,6 +216,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, rows)
         logits = self._mask_early_stops(logits, rows)
+        logits = apply_grammar_bitmask(logits, rows)
         spans = [span for span in drafts if not rows[span.start].params.greedy]
         chosen = self._choose(logits, rows, skip={i for span in spans for i in span.positions})
         if spans:

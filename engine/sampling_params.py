@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -17,6 +18,65 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything so far, every step (the offline API's default)
     DELTA = 1  # only what is new since the previous output: text, token ids, logprobs
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint the output must match (compiled once per distinct
+    spec by engine/structured_output/). `json`: a JSON schema (dict or its text); `regex`; `choice`: one of
+    these strings; `grammar`: EBNF (GBNF); `json_object`: any JSON object."""
+    json: Union[None, str, dict] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(set_fields) != 1:
+            raise InvalidRequestError("structured_outputs needs exactly one of json, regex, choice, grammar or "
+                                      f"json_object (got {', '.join(set_fields) or 'none'})", param="structured_outputs")
+        kind = set_fields[0]
+        value = getattr(self, kind)
+        ok = {"json": isinstance(value, dict) or (isinstance(value, str) and bool(value.strip())),
+              "regex": isinstance(value, str) and bool(value),
+              "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) for c in value),
+              "grammar": isinstance(value, str) and bool(value.strip()),
+              "json_object": value is True}[kind]
+        if not ok:
+            raise InvalidRequestError(f"structured_outputs.{kind} must be {STRUCTURED_KINDS[kind]}",
+                                      param=f"structured_outputs.{kind}")
+        if kind == "json" and isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {exc}",
+                                          param="structured_outputs.json") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object)",
+                                          param="structured_outputs.json")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar: the kind and its spec in one canonical text (a schema's
+        keys sorted, so two spellings of one schema share a compile)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            return "json", json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return "choice", json.dumps(value)
+        return self.kind, str(value)
+
+
+# kind -> what its value must be (the error message's words)
+STRUCTURED_KINDS = {"json": "a JSON schema (an object, or its JSON text)", "regex": "a non-empty regular expression",
+                    "choice": "a non-empty list of strings", "grammar": "a non-empty EBNF grammar",
+                    "json_object": "true"}
 
 
 @dataclass
@@ -42,6 +102,7 @@ class SamplingParams:
     # Callables (output_token_ids, logits_row) -> logits_row, applied to the raw logits first.
     logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None  # the output must match this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +150,12 @@ class SamplingParams:
             ("seed", lambda: self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
             ("output_kind", lambda: isinstance(self.output_kind, RequestOutputKind),
              "output_kind must be a RequestOutputKind"),
+            ("structured_outputs", lambda: self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams"),
+            # the grammar decides where the output ends; masking its end tokens would leave no token to draw
+            ("min_tokens", lambda: self.structured_outputs is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with structured_outputs (the grammar decides where the output ends)"),
         ]
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -56,6 +56,9 @@ class Sequence:
     num_preemptions: int = 0
     generator: Optional[torch.Generator] = None  # a seeded request's, re-seeded per output position
     draw_seed: Optional[int] = None  # what `generator` is re-seeded from (sampler.SamplingRow.generator_at)
+    # structured outputs: a structured_output.SequenceGrammar that has accepted exactly output_token_ids (kept
+    # through preemption, since the outputs are)
+    grammar: Optional[Any] = None
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None  # for the inter-token latency of the next token

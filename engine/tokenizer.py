@@ -210,6 +210,19 @@ class Tokenizer:
         longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
         return longest * (4 if self._tok.normalizer is not None else 1)
 
+    def vocabulary(self) -> list[str]:
+        """Every token's vocabulary entry (its encoded form: byte-level BPE's "Ġthe"), indexed by id; "" for an
+        id the vocabulary skips."""
+        entries = [""] * self.vocab_size
+        for token, token_id in self._tok.get_vocab(with_added_tokens=True).items():
+            if token_id < len(entries):
+                entries[token_id] = token
+        return entries
+
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json's text (what grammar engines read its vocabulary's encoding from)."""
+        return self._tok.to_str()
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

@@ -105,19 +105,13 @@ def test_null_does_not_hide_a_required_field(server):
 
 # ---- point 4: unsupported and unknown fields are refused, naming them -----------------------------
 UNSUPPORTED = [
-    ("/v1/completions", "guided_json", {"type": "object"}),
-    ("/v1/completions", "guided_regex", "[a-z]+"),
-    ("/v1/completions", "guided_choice", ["yes", "no"]),
-    ("/v1/completions", "guided_grammar", "root ::= 'a'"),
+    ("/v1/completions", "guided_decoding_backend", "outlines"),
+    ("/v1/chat/completions", "structural_tag", {"type": "structural_tag"}),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "allowed_token_ids", [1, 2]),
     ("/v1/completions", "bad_words", ["x"]),
     ("/v1/completions", "truncate_prompt_tokens", 4),
-    ("/v1/completions", "structured_outputs", {"json": {}}),
     ("/v1/completions", "prompt_embeds", "AAAA"),
-    ("/v1/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("/v1/chat/completions", "tool_choice", "auto"),  # without tools
     ("/v1/chat/completions", "parallel_tool_calls", False),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),

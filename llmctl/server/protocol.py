@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from llmctl.engine.errors import InvalidRequestError
-from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
+from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from llmctl.server.chat_output import ChatOutputSpec, needs_special_tokens
 from llmctl.server.errors import APIError
 
@@ -71,9 +71,31 @@ class StreamOptions(_Body):
     include_obfuscation: Optional[bool] = None
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema (what `client.chat.completions.parse` sends for a pydantic model)."""
+    name: str = Field(max_length=64)
+    description: Optional[str] = None
+    schema_: Union[dict[str, Any], bool, None] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None  # the schema is enforced either way
+
+
 class ResponseFormat(_Body):
     type: str
-    json_schema: Optional[Any] = None
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs`: one of these constraints (engine's StructuredOutputsParams checks that)."""
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# vLLM's older spellings of structured_outputs' fields
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 # Defined by OpenAI or vLLM, not implemented here: null or the value that means "off" passes
@@ -85,14 +107,9 @@ _UNSUPPORTED_COMMON = {
     "bad_words": ("vLLM's bad_words", ([],)),
     "truncate_prompt_tokens": ("vLLM's prompt truncation", ()),
     "spaces_between_special_tokens": ("vLLM's detokenizer option", (True,)),
-    "guided_json": ("vLLM's guided decoding (structured output)", ()),
-    "guided_regex": ("vLLM's guided decoding (structured output)", ()),
-    "guided_choice": ("vLLM's guided decoding (structured output)", ()),
-    "guided_grammar": ("vLLM's guided decoding (structured output)", ()),
     "guided_decoding_backend": ("vLLM's guided decoding (structured output)", ()),
     "guided_whitespace_pattern": ("vLLM's guided decoding (structured output)", ()),
     "structural_tag": ("vLLM's guided decoding (structured output)", ()),
-    "structured_outputs": ("vLLM's structured outputs", ()),
     "logits_processors": ("vLLM's custom logits processors", ([],)),
     "return_tokens_as_token_ids": ("vLLM's token-id logprobs", (False,)),
     "return_token_ids": ("vLLM's token ids in responses", (False,)),
@@ -168,7 +185,13 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # vLLM's: lower is scheduled earlier (needs --scheduling-policy priority unless 0)
+    # Structured outputs: at most one of response_format (json_object, json_schema), structured_outputs, guided_*.
     response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsBody] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     # Declared so null passes; any other value is refused (see _UNSUPPORTED_*).
     use_beam_search: Optional[Any] = None
     length_penalty: Optional[Any] = None
@@ -176,14 +199,9 @@ class _SamplingFields(_Body):
     bad_words: Optional[Any] = None
     truncate_prompt_tokens: Optional[Any] = None
     spaces_between_special_tokens: Optional[Any] = None
-    guided_json: Optional[Any] = None
-    guided_regex: Optional[Any] = None
-    guided_choice: Optional[Any] = None
-    guided_grammar: Optional[Any] = None
     guided_decoding_backend: Optional[Any] = None
     guided_whitespace_pattern: Optional[Any] = None
     structural_tag: Optional[Any] = None
-    structured_outputs: Optional[Any] = None
     logits_processors: Optional[Any] = None
     return_tokens_as_token_ids: Optional[Any] = None
     return_token_ids: Optional[Any] = None
@@ -346,9 +364,9 @@ def check_unsupported(body: Union[CompletionRequest, ChatCompletionRequest]) -> 
     if refused:
         what = "; ".join(f"{name} ({table[name][0]})" for name in refused)
         raise APIError(400, f"not supported by this server: {what}", param=refused[0], code="unsupported_parameter")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, f"response_format {body.response_format.type!r} is not supported (only 'text')",
-                       param="response_format")
+    if body.response_format is not None and body.response_format.type not in RESPONSE_FORMATS:
+        raise APIError(400, f"response_format {body.response_format.type!r} is not supported "
+                            f"({', '.join(RESPONSE_FORMATS)})", param="response_format")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise APIError(400, "suffix (insertion) is not supported by this server", param="suffix")
@@ -523,7 +541,46 @@ def _checked_sampling_params(body: Union[CompletionRequest, ChatCompletionReques
         logits_processors=[_logit_bias(body.logit_bias, vocab_size)] if body.logit_bias else [],
         # A stream sends what is new each step; a body needs only the end.
         output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=structured_outputs(body),
     )
+
+
+def structured_outputs(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:
+    """The request's output constraint: response_format json_object / json_schema, structured_outputs, or the
+    guided_* fields (at most one of these ways); errors name the field the request used."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    response_format = body.response_format
+    if response_format is not None and response_format.type != "text":
+        given.append(("response_format", _response_format_spec(response_format)))
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", body.structured_outputs.model_dump(exclude_none=True, by_alias=True)))
+    given.extend((name, {kind: getattr(body, name)}) for name, kind in GUIDED_FIELDS.items()
+                 if getattr(body, name) is not None)
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise APIError(400, f"give one output constraint, not several: {names}", param=given[1][0])
+    if not given:
+        return None
+    param, spec = given[0]
+    try:
+        return StructuredOutputsParams(**spec)
+    except InvalidRequestError as exc:
+        message = str(exc) if str(exc).startswith(param) else f"{param}: {exc}"
+        raise InvalidRequestError(message, param=param) from None
+
+
+def _response_format_spec(response_format: ResponseFormat) -> dict[str, Any]:
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    schema = response_format.json_schema
+    if schema is None or schema.schema_ is None:
+        raise APIError(400, "response_format json_schema needs json_schema.schema (the JSON schema)",
+                       param="response_format")
+    if isinstance(schema.schema_, bool):  # true: any JSON value; false: nothing can match
+        if not schema.schema_:
+            raise APIError(400, "response_format json_schema.schema false admits no output", param="response_format")
+        return {"json": {}}
+    return {"json": schema.schema_}
 
 
 def _logprobs(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
