@@ -19,6 +19,8 @@ def _interpret_triton_without_a_gpu() -> None:
 
 
 _interpret_triton_without_a_gpu()
+# litellm (a conformance client) otherwise fetches its model price map from the network at import
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 @pytest.fixture(autouse=True)
 def _restore_llmctl_logger():

@@ -13,7 +13,7 @@ from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.server.chat_output import ChatOutputSpec
 from llmctl.server.protocol import ChatCompletionRequest, Prompt, ServerLimits, engine_params
 from llmctl.server.responses import TokenTexts, shapes_for
-from llmctl.server.tool_calling import ChatFeatures, template_tools
+from llmctl.server.tool_calling import ChatFeatures, template_tools, tool_call_schema
 from server_helpers import openai_client, post_json, running_server
 
 MODEL = "tiny-tools"
@@ -105,9 +105,8 @@ def test_tool_choice_none_renders_the_tools_but_calls_nothing(server):
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "enforced by a grammar"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "enforced by a grammar"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "already an output constraint"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not among the tools"),
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
@@ -122,6 +121,29 @@ def test_refusals_name_what_is_missing(server, extra, param, words):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
+
+
+def test_required_and_named_tool_choice_hold_the_output_to_the_tools_schema():
+    """The grammar engine enforces tool_call_schema: an array of calls for "required", the named function's
+    parameters for a named choice."""
+    limits = ServerLimits(max_model_len=512, max_output_tokens=64, vocab_size=2048, max_sequences_per_request=16)
+    for choice, spec in (("required", ChatOutputSpec(required_tool=True)),
+                         ({"type": "function", "function": {"name": "get_weather"}}, ChatOutputSpec(named_tool="get_weather"))):
+        body = ChatCompletionRequest.model_validate({"messages": HISTORY[:1], "tools": TOOLS, "tool_choice": choice})
+        (params,) = engine_params(body, [Prompt(None, [1, 2, 3])], limits, chat_output=spec).sampling
+        assert params.structured_outputs.json == tool_call_schema(TOOLS, spec.named_tool)
+    assert tool_call_schema(TOOLS, "get_weather") == TOOLS[0]["function"]["parameters"]
+    assert tool_call_schema(TOOLS)["minItems"] == 1
+
+
+def test_a_named_tool_choice_is_answered_with_a_call_that_validates(server):
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Oslo"]}}, "required": ["city"], "additionalProperties": False}}}]
+    reply = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": HISTORY[:1], "tools": tools,
+                                                   "tool_choice": {"type": "function", "function": {"name": "pick"}}})
+    assert reply.status_code == 200, reply.text
+    (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "pick" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
 
 
 def test_auto_tool_choice_needs_the_server_flags(tiny_chat_model):

@@ -22,6 +22,7 @@ from llmctl.engine.errors import InvalidRequestError
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from llmctl.server.chat_output import ChatOutputSpec, needs_special_tokens
 from llmctl.server.errors import APIError
+from llmctl.server.tool_calling import tool_call_schema
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 16
@@ -444,6 +445,7 @@ def engine_params(body: Union[CompletionRequest, ChatCompletionRequest], prompts
     _check_fan_out(body.n, len(prompts), limits.max_sequences_per_request)
     sampling = tuple(_sampling_params(body, _resolve_max_tokens(body, len(prompt.token_ids), limits),
                                       limits.vocab_size) for prompt in prompts)
+    sampling = _with_tool_grammar(body, sampling, chat_output)
     if needs_special_tokens(chat_output):  # the tool parser's marker is a special token (mistral's [TOOL_CALLS])
         sampling = tuple(replace(params, skip_special_tokens=False) for params in sampling)
     options = body.stream_options
@@ -543,6 +545,19 @@ def _checked_sampling_params(body: Union[CompletionRequest, ChatCompletionReques
         output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         structured_outputs=structured_outputs(body),
     )
+
+
+def _with_tool_grammar(body: Union[CompletionRequest, ChatCompletionRequest], sampling: tuple[SamplingParams, ...],
+                       chat_output: Optional[ChatOutputSpec]) -> tuple[SamplingParams, ...]:
+    """tool_choice "required" or naming a function: the output held to `tool_call_schema` by the grammar engine."""
+    if chat_output is None or not (chat_output.required_tool or chat_output.named_tool):
+        return sampling
+    if any(params.structured_outputs is not None for params in sampling):
+        raise APIError(400, "tool_choice \"required\" or naming a function is already an output constraint: drop "
+                            "response_format / structured_outputs / guided_*", param="tool_choice")
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    constraint = StructuredOutputsParams(json=tool_call_schema(tools, chat_output.named_tool))
+    return tuple(replace(params, structured_outputs=constraint) for params in sampling)
 
 
 def structured_outputs(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[StructuredOutputsParams]:

@@ -51,12 +51,6 @@ def check_tool_choice(body: Any, features: ChatFeatures) -> None:
         if name not in {tool.function.name for tool in body.tools}:
             raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools",
                            param="tool_choice")
-    if choice in ("required", "named"):
-        # Enforcing them needs structured output (a JSON schema grammar, `tool_call_schema`) in the engine.
-        raise APIError(400, f"tool_choice {'required' if choice == 'required' else 'naming a function'} is not "
-                            "supported by this server: it must be enforced by a grammar, and this engine has no "
-                            "structured output; use tool_choice \"auto\"", param="tool_choice",
-                       code="unsupported_parameter")
     if choice == "auto" and not features.enable_auto_tool_choice:
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                             "set on the server", param="tool_choice")
