@@ -57,10 +57,7 @@ _BODIES = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": Chat
 # The refusals `protocol.check_unsupported` makes outside its table: schema -> field -> (what, values that pass).
 _REFUSED_ELSEWHERE: dict[str, dict[str, tuple[str, tuple]]] = {
     "CompletionRequest": {"suffix": ("insertion", ("",))},
-    "ChatCompletionRequest": {"tools": ("tool calling", ([],))},
-    "ChatMessage": {"tool_calls": ("assistant tool calls", ([],)), "function_call": ("function calling", ()),
-                    "audio": ("audio", ())},
-    "ResponseFormat": {"type": ("response formats other than text", ("text",))},
+    "ChatMessage": {"function_call": ("function calling", ()), "audio": ("audio", ())},
 }
 
 
