@@ -81,51 +81,77 @@ def serve(
     config: Optional[Path] = ConfigOption,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics, /health)."""
-    from llmctl.errors import UserError
-    from llmctl.server.app import ServerSettings
     from llmctl.server.runner import run_server
 
-    if model_tag is not None:
-        if engine_args.model is not None and engine_args.model != model_tag:
-            raise UserError(f"two models given: {model_tag!r} and --model {engine_args.model!r}; pass one")
-        engine_args = dataclasses.replace(engine_args, model=model_tag)
-    if max_waiting_requests is not None and max_waiting_requests < 0:
+    options = locals()
+    engine_args = _with_model_tag(engine_args, model_tag)
+    settings = _server_settings(options, engine_args)
+    fallback = _checked_models(options, engine_args)
+    raise typer.Exit(run_server(engine_args, settings, max_waiting_requests=max_waiting_requests,
+                                request_timeout_s=request_timeout, fallback=fallback,
+                                max_stream_backlog_tokens=max_stream_backlog_tokens))
+
+
+def _with_model_tag(engine_args: "eo.EngineArgs", model_tag: Optional[str]) -> "eo.EngineArgs":
+    """`llmctl serve MODEL` as `vllm serve MODEL`: the positional model, or -m/--model, not two different ones."""
+    from llmctl.errors import UserError
+
+    if model_tag is None:
+        return engine_args
+    if engine_args.model is not None and engine_args.model != model_tag:
+        raise UserError(f"two models given: {model_tag!r} and --model {engine_args.model!r}; pass one")
+    return dataclasses.replace(engine_args, model=model_tag)
+
+
+def _server_settings(o: dict, engine_args: "eo.EngineArgs"):
+    """The validated `ServerSettings` from the parsed flags (every refusal one line)."""
+    from llmctl.errors import UserError
+    from llmctl.server.app import ServerSettings
+
+    if o["max_waiting_requests"] is not None and o["max_waiting_requests"] < 0:
         raise UserError("--max-waiting-requests must be >= 0")
-    if request_timeout is not None and request_timeout <= 0:
+    if o["request_timeout"] is not None and o["request_timeout"] <= 0:
         raise UserError("--request-timeout must be > 0")
-    if max_stream_backlog_tokens < 1:
+    if o["max_stream_backlog_tokens"] < 1:
         raise UserError("--max-stream-backlog-tokens must be >= 1")
-    if api_key_file is not None:
+    api_key = o["api_key"]
+    if o["api_key_file"] is not None:
         if api_key is not None:
             raise UserError("pass --api-key (or LLMCTL_API_KEY) or --api-key-file, not both")
-        api_key = _read_key_file(api_key_file)
+        api_key = _read_key_file(o["api_key_file"])
     settings = ServerSettings(
-        served_model_name=served_model_name or eo.default_model_name(engine_args.model),
-        host=host, port=port, api_key=api_key, max_output_tokens=max_output_tokens, max_body_bytes=max_body_size,
-        rate_limit=rate_limit, allowed_origins=list(allowed_origins or []), audit_log=audit_log,
-        audit_log_prompts=audit_log_prompts, shutdown_timeout_s=shutdown_timeout, profile_dir=profile_dir,
-        auth_failure_limit=auth_failure_limit, forwarded_allow_ips=forwarded_allow_ips,
-        limit_concurrency=limit_concurrency, timeout_headers_s=timeout_headers, timeout_body_s=timeout_body,
-        timeout_keep_alive_s=timeout_keep_alive, max_sequences_per_request=max_seqs_per_request,
-        timeout_stream_write_s=timeout_stream_write, api_keys=api_keys, output_filter=output_filter,
-        input_filter=input_filter, enable_auto_tool_choice=enable_auto_tool_choice,
-        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none, **_policy_settings(locals()),
+        served_model_name=o["served_model_name"] or eo.default_model_name(engine_args.model),
+        host=o["host"], port=o["port"], api_key=api_key, max_output_tokens=o["max_output_tokens"],
+        max_body_bytes=o["max_body_size"], rate_limit=o["rate_limit"], allowed_origins=list(o["allowed_origins"] or []),
+        audit_log=o["audit_log"], audit_log_prompts=o["audit_log_prompts"], shutdown_timeout_s=o["shutdown_timeout"],
+        profile_dir=o["profile_dir"], auth_failure_limit=o["auth_failure_limit"],
+        forwarded_allow_ips=o["forwarded_allow_ips"], limit_concurrency=o["limit_concurrency"],
+        timeout_headers_s=o["timeout_headers"], timeout_body_s=o["timeout_body"],
+        timeout_keep_alive_s=o["timeout_keep_alive"], max_sequences_per_request=o["max_seqs_per_request"],
+        timeout_stream_write_s=o["timeout_stream_write"], api_keys=o["api_keys"], output_filter=o["output_filter"],
+        input_filter=o["input_filter"], enable_auto_tool_choice=o["enable_auto_tool_choice"],
+        tool_call_parser=o["tool_call_parser"], reasoning_parser=o["reasoning_parser"],
+        exclude_tools_when_tool_choice_none=o["exclude_tools_when_tool_choice_none"], **_policy_settings(o),
     )
     try:
         settings.validate()
     except ValueError as exc:
         raise UserError(str(exc)) from None
     _check_key_priorities(settings, engine_args.scheduling_policy)
+    return settings
+
+
+def _checked_models(o: dict, engine_args: "eo.EngineArgs"):
+    """The fallback model (or None), once the primary's and the fallback's tokenizers are known to exist."""
+    from llmctl.errors import UserError
+
     if (folder := eo.missing_tokenizer(engine_args)) is not None:
         raise UserError(f"no tokenizer.json in {folder}: the server turns text into tokens and back; pass --tokenizer "
                         "FOLDER (with --load-format dummy, any tokenizer whose ids fit the config's vocab_size)")
-    fallback = _fallback(locals())
+    fallback = _fallback(o)
     if fallback is not None and (folder := eo.missing_tokenizer(fallback)) is not None:
         raise UserError(f"no tokenizer.json in {folder}: pass --fallback-tokenizer FOLDER")
-    raise typer.Exit(run_server(engine_args, settings, max_waiting_requests=max_waiting_requests,
-                                request_timeout_s=request_timeout, fallback=fallback,
-                                max_stream_backlog_tokens=max_stream_backlog_tokens))
+    return fallback
 
 
 def _policy_settings(options: dict) -> dict:

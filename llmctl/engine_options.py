@@ -119,7 +119,7 @@ def with_engine_flags(**defaults: Any) -> Callable[[Callable[..., Any]], Callabl
 
 def missing_tokenizer(args) -> Optional[str]:
     """The folder a tokenizer.json was expected in when there is none (a `--load-format dummy` folder
-    often holds only config.json), else None."""
+    often holds only config.json), else None. `args`: `EngineArgs`, or a fallback model (no revision)."""
     from pathlib import Path
 
     from llmctl.engine.errors import ModelLoadError
@@ -127,7 +127,7 @@ def missing_tokenizer(args) -> Optional[str]:
 
     name = args.tokenizer or args.model
     try:  # a cached model id's snapshot folder, else the path given
-        folder = None if name is None else resolve_model_folder(name, None if args.tokenizer else args.revision)
+        folder = None if name is None else resolve_model_folder(name, None if args.tokenizer else getattr(args, "revision", None))
     except ModelLoadError:
         return None  # a model id not cached is the loader's error to report
     if folder is None or not folder.is_dir() or (folder / "tokenizer.json").is_file():

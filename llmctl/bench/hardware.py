@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmctl.output import format_bytes
 from llmctl.bench.memory_budget import MemoryBudget
 from llmctl.bench.shapes import BUILTIN, ModelShape
 from llmctl.bench.specs import GpuSpec, lookup
@@ -197,7 +198,7 @@ def cpu_decode_shape(wanted: ModelShape, budget: MemoryBudget) -> tuple[Optional
     room = None if budget.bytes is None else CPU_MEMORY_SHARE * budget.bytes
     if room is None or _fp32_bytes(wanted) <= room:
         return wanted, None
-    why = (f"decode step: {wanted.name}'s float32 weights need {_fp32_bytes(wanted) / GIB:.1f} GiB, more than "
+    why = (f"decode step: {wanted.name}'s float32 weights need {format_bytes(_fp32_bytes(wanted))}, more than "
            f"{CPU_MEMORY_SHARE:.0%} of the {budget.describe()} this process may use")
     fits = sorted((s for s in BUILTIN.values() if _fp32_bytes(s) <= room), key=lambda s: s.linear_params)
     if not fits:

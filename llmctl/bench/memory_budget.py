@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from llmctl.checks.probe import Host
+from llmctl.output import format_bytes
 
 KIB = 1 << 10
 
@@ -23,7 +24,7 @@ class MemoryBudget:
     source: str  # which limit is the tightest, for the note that names it
 
     def describe(self) -> str:
-        return f"{self.bytes / (1 << 30):.1f} GiB ({self.source})" if self.bytes is not None else "unknown"
+        return f"{format_bytes(self.bytes)} ({self.source})" if self.bytes is not None else "unknown"
 
 
 def _status_kib(text: Optional[str], key: str) -> Optional[int]:

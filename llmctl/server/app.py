@@ -291,6 +291,15 @@ def _limiter(settings: Optional[ConcurrencySettings], metrics: ServerMetrics,
 def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[AsyncLLMEngine],
                 router: ModelRouter[ReplicaBalancer[_Served]], degraded, metrics: ServerMetrics,
                 settings: ServerSettings) -> None:
+    _add_completion_routes(app, router, degraded)
+    _add_tokenize_routes(app, router)
+    _add_model_routes(app, router)
+    _add_status_routes(app, replicas, engines, metrics)
+    if settings.profile_dir is not None:
+        _add_profile_routes(app, engines[0], settings.profile_dir)
+
+
+def _add_completion_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Served]], degraded) -> None:
     async def routed(body, request: Request) -> Route[ReplicaBalancer[_Served]]:
         """Admit `body` by the policy of the model it names (an API key's permission is for that model),
         then route it once, before tokenising. Token-id prompts stay on the model they name: ids mean
@@ -306,7 +315,8 @@ def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[Asyn
     async def completions(body: CompletionRequest, request: Request):
         route = await routed(body, request)
         try:
-            return await route.target.pick().serving.completions(body.model_copy(update={"model": route.model}), request)
+            serving = route.target.pick().serving
+            return await serving.completions(body.model_copy(update={"model": route.model}), request)
         finally:
             route.release()
 
@@ -314,10 +324,13 @@ def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[Asyn
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         route = await routed(body, request)
         try:
-            return await route.target.pick().serving.chat(body.model_copy(update={"model": route.model}), request)
+            serving = route.target.pick().serving
+            return await serving.chat(body.model_copy(update={"model": route.model}), request)
         finally:
             route.release()
 
+
+def _add_tokenize_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Served]]) -> None:
     def tokenizing(model: Optional[str], request: Request) -> OpenAIServing:
         """The serving whose tokenizer a /tokenize or /detokenize body names (ids mean something in one vocabulary)."""
         balancer = router.fallback if router.fallback is not None and model == router.fallback_name else router.primary
@@ -334,6 +347,8 @@ def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[Asyn
     async def detokenize(body: DetokenizeRequest, request: Request):
         return await tokenizing(body.model, request).detokenize_endpoint(body)
 
+
+def _add_model_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Served]]) -> None:
     created = int(time.time())
     servings = [balancer.targets[0].serving for balancer in (router.primary, router.fallback) if balancer is not None]
     model_cards = {serving.model_name: {"id": serving.model_name, "object": "model", "created": created,
@@ -352,6 +367,9 @@ def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[Asyn
         check_model_access(key_of(request), model_id)
         return model_cards[model_id]
 
+
+def _add_status_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[AsyncLLMEngine],
+                       metrics: ServerMetrics) -> None:
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         failure = replica_failure(replicas) if len(replicas) > 1 else None
@@ -374,9 +392,6 @@ def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[Asyn
         import torch
 
         return {"version": __version__, "python": platform.python_version(), "torch": torch.__version__}
-
-    if settings.profile_dir is not None:
-        _add_profile_routes(app, engines[0], settings.profile_dir)
 
 
 def _has_token_prompt(body: Any) -> bool:
