@@ -11,19 +11,16 @@ through chunked prefill and prefix-cache hits, and the kernels compile for an sm
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import pytest
+from triton_compile import assert_compiles_for_cuda
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
@@ -252,13 +249,4 @@ def compile_for_cuda(capability: int) -> None:
 def test_kernels_compile_for_a_cuda_gpu(tmp_path):
     """The kernels the interpreter ran also compile to a cubin for Hopper (sm_90), in a process without the
     interpreter: no interpreter-only construct slipped in."""
-    pytest.importorskip("triton")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    script = "import sys; sys.path.insert(0, 'tests'); from test_triton_attention import compile_for_cuda; " \
-             "compile_for_cuda(90)"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode == 3:
-        pytest.skip("this triton has not the compiler entry points (ASTSource, GPUTarget) the check uses")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_compiles_for_cuda("test_triton_attention", tmp_path, TRITON_DEFAULT_FP_FUSION="1")

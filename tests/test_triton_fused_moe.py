@@ -5,19 +5,16 @@ decode-sized and prefill-sized batches (both block sizes); and the alignment's i
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from triton_compile import assert_compiles_for_cuda
 import torch
 import torch.nn.functional as F
 
 from llmctl.engine.layers.fused_moe.router import select_experts
 from llmctl.engine.layers.fused_moe.torch_impl import fused_experts_torch
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
@@ -111,13 +108,4 @@ def compile_for_cuda(capability: int) -> None:
 def test_kernel_compiles_for_a_cuda_gpu(tmp_path):
     """The kernel the interpreter ran also compiles to a cubin for Hopper (sm_90) in a process without the
     interpreter: no interpreter-only construct slipped in."""
-    pytest.importorskip("triton")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path))
-    script = "import sys; sys.path.insert(0, 'tests'); from test_triton_fused_moe import compile_for_cuda; " \
-             "compile_for_cuda(90)"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode == 3:
-        pytest.skip("this triton has not the compiler entry points (ASTSource, GPUTarget) the check uses")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_compiles_for_cuda("test_triton_fused_moe", tmp_path)
