@@ -379,8 +379,11 @@ class MultiprocExecutor:
             raise RankFailedError(f"multi-rank {when} failed: {'; '.join(dead)} (its log says why)")
 
     def _failure(self, when: str, exc: BaseException) -> RankFailedError:
+        # A failed collective almost always means a peer died: give its exit a moment to show, so it is named.
+        ready = multiprocessing.connection.wait([p.sentinel for p in self._processes.values()], timeout=2.0)
         for process in self._processes.values():
-            process.join(0.2)  # a rank that closed its connections is about to be reaped: name it
+            if process.sentinel in ready:
+                process.join(1.0)  # the sentinel closes a moment before the exit code is known
         dead = self._dead_processes()
         cause = "; ".join(dead) if dead else f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         return RankFailedError(f"multi-rank {when} failed: {cause}; the ranks are out of step, the engine "
