@@ -1,5 +1,5 @@
 """`llmctl profile`: cpu (py-spy), mem (memray), torch (torch.profiler), server (a live `llmctl serve`'s
-torch.profiler under a short load) and leak (RSS growth + memray).
+torch.profiler under a short load), leak (RSS growth + memray) and nsys (Nsight Systems).
 
 Thin: parse and cross-check flags, run preflight, call `llmctl.profiling`, render the manifest.
 Every run writes its files and a manifest.json into one folder; `--json` prints only the manifest.
@@ -20,7 +20,7 @@ from llmctl.config import ConfigOption, choice_type
 profile_app = typer.Typer(
     cls=help_format.Group,
     name="profile",
-    help="Profile a workload or a running process: CPU (py-spy), memory (memray), torch ops, a live server, leaks.",
+    help="Profile a workload or a running process: CPU (py-spy), memory (memray), torch ops, a live server, leaks, Nsight Systems.",
     no_args_is_help=True,
 )
 
@@ -93,7 +93,7 @@ def cpu(
                    pyspy.record_argv(plan, plan.target_pid_text(), str(folder / pyspy.OUTPUT_NAMES[plan.fmt])))
         report.print_dry_run(command, workload, json_output)
         return
-    manifest = new_manifest("cpu", "py-spy", preflight.pyspy_version(pyspy_path), output_dir)
+    manifest = new_manifest("cpu", "py-spy", preflight.tool_version(pyspy_path), output_dir)
     if dump:
         text = pyspy.run_dump(plan, manifest)
         if not json_output and manifest.status == "ok":
@@ -269,6 +269,37 @@ def leak(
     report.finish(manifest, json_output, quiet=True)
     if result["verdict"] == "growing":
         raise typer.Exit(1)
+
+
+@profile_app.command("nsys", cls=help_format.Command)
+def nsys(
+    workload: Workload = None,
+    steps: Annotated[str, typer.Option("--steps", envvar="LLMCTL_PROFILE_NSYS_STEPS", help="Engine steps START:STOP to record (the workload's llmctl engine brackets them with cudaProfilerStart/Stop).")] = "10:20",
+    whole_run: Annotated[bool, typer.Option("--whole-run", help="Record the whole run instead (any CUDA program, start-up included).")] = False,
+    trace: Annotated[str, typer.Option("--trace", envvar="LLMCTL_PROFILE_NSYS_TRACE", help="APIs nsys traces (its --trace).")] = "cuda,nvtx,osrt,cublas",
+    sample_cpu: Annotated[bool, typer.Option("--sample-cpu/--no-sample-cpu", help="Also sample CPU stacks of the process tree.")] = False,
+    output_dir: OutputDir = None,
+    json_output: JsonOut = False,
+    dry_run: DryRun = False,
+    config: Optional[Path] = ConfigOption,
+) -> None:
+    """Record an Nsight Systems timeline of a workload's warm engine steps (llmctl profile nsys -- llmctl serve ...)."""
+    import shutil
+
+    from llmctl.profiling import nsys as ns
+    from llmctl.profiling import preflight, report
+    from llmctl.profiling.artifacts import new_manifest
+
+    plan = ns.NsysPlan(shutil.which("nsys") or "nsys", workload or [], None if whole_run else steps, trace, sample_cpu)
+    plan.validate()
+    if dry_run:
+        report.print_dry_run(ns.record_argv(plan, output_dir or Path("<output-dir>")), None, json_output)
+        return
+    plan.nsys = ns.require_nsys()
+    preflight.require_command(plan.workload)
+    manifest = new_manifest("nsys", "nsys", preflight.tool_version(plan.nsys, timeout_s=30.0), output_dir)
+    ns.run_record(plan, manifest)
+    report.finish(manifest, json_output)
 
 
 LOAD_PANEL = "Load"

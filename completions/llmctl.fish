@@ -8,10 +8,11 @@ function __llmctl_bench_throughput; __fish_seen_subcommand_from bench; and __fis
 function __llmctl_completion; __fish_seen_subcommand_from completion; end
 function __llmctl_doctor; __fish_seen_subcommand_from doctor; end
 function __llmctl_generate; __fish_seen_subcommand_from generate; end
-function __llmctl_profile; __fish_seen_subcommand_from profile; and not __fish_seen_subcommand_from cpu leak mem server torch; end
+function __llmctl_profile; __fish_seen_subcommand_from profile; and not __fish_seen_subcommand_from cpu leak mem nsys server torch; end
 function __llmctl_profile_cpu; __fish_seen_subcommand_from profile; and __fish_seen_subcommand_from cpu; end
 function __llmctl_profile_leak; __fish_seen_subcommand_from profile; and __fish_seen_subcommand_from leak; end
 function __llmctl_profile_mem; __fish_seen_subcommand_from profile; and __fish_seen_subcommand_from mem; end
+function __llmctl_profile_nsys; __fish_seen_subcommand_from profile; and __fish_seen_subcommand_from nsys; end
 function __llmctl_profile_server; __fish_seen_subcommand_from profile; and __fish_seen_subcommand_from server; end
 function __llmctl_profile_torch; __fish_seen_subcommand_from profile; and __fish_seen_subcommand_from torch; end
 function __llmctl_serve; __fish_seen_subcommand_from serve; and not __fish_seen_subcommand_from bench; end
@@ -118,6 +119,7 @@ complete -c llmctl -n '__llmctl_generate' -l sampling-seed -r -d 'Per-request se
 complete -c llmctl -n '__llmctl_profile' -a cpu -d 'Sample Python stacks with py-spy - attach (--pid/--port) or run a workload (llmc'
 complete -c llmctl -n '__llmctl_profile' -a leak -d 'Run a workload repeatedly in this process and report memory growth per iteration'
 complete -c llmctl -n '__llmctl_profile' -a mem -d 'Track allocations with memray - run a Python workload (-- work.py ARGS, -- -m mo'
+complete -c llmctl -n '__llmctl_profile' -a nsys -d 'Record an Nsight Systems timeline of a workloads warm engine steps (llmctl profi'
 complete -c llmctl -n '__llmctl_profile' -a server -d 'Profile a running llmctl serve --profile-dir DIR - start torch.profiler, send a '
 complete -c llmctl -n '__llmctl_profile' -a torch -d 'Run engine steps under torch.profiler - Chrome/Perfetto trace (.json.gz) and the'
 complete -c llmctl -n '__llmctl_profile_cpu' -l duration -s d -r -d 'Seconds to sample (default - until the target exits or Ctrl-C); a workload still'
@@ -141,6 +143,10 @@ complete -c llmctl -n '__llmctl_profile_mem' -l leaks -d 'flamegraph/table - sho
 complete -c llmctl -n '__llmctl_profile_mem' -l native -d 'Record native (C/C++) frames too.'
 complete -c llmctl -n '__llmctl_profile_mem' -l follow-fork -d 'Also track processes the workload forks.'
 complete -c llmctl -n '__llmctl_profile_mem' -l trace-python-allocators -d 'Record each pymalloc allocation (finer, slower; best with --leaks).'
+complete -c llmctl -n '__llmctl_profile_nsys' -l steps -r -d 'Engine steps START -STOP to record (the workloads llmctl engine brackets them wi'
+complete -c llmctl -n '__llmctl_profile_nsys' -l whole-run -d 'Record the whole run instead (any CUDA program, start-up included).'
+complete -c llmctl -n '__llmctl_profile_nsys' -l trace -r -d 'APIs nsys traces (its --trace).'
+complete -c llmctl -n '__llmctl_profile_nsys' -l sample-cpu -l no-sample-cpu -d 'Also sample CPU stacks of the process tree.'
 complete -c llmctl -n '__llmctl_profile_server' -l base-url -r -d 'The server, e.g. http -//127.0.0.1 -8000 (default when neither this nor --port i'
 complete -c llmctl -n '__llmctl_profile_server' -l port -r -d 'Shorthand for --base-url http -//127.0.0.1 -PORT.'
 complete -c llmctl -n '__llmctl_profile_server' -l num-prompts -r -d 'Requests sent while recording.'
@@ -211,10 +217,10 @@ complete -c llmctl -n '__llmctl_serve' -l enable-auto-tool-choice -d 'Let the mo
 complete -c llmctl -n '__llmctl_serve' -l tool-call-parser -r -d 'How the model writes tool calls - hermes (Qwen2.5/3, Hermes), llama3_json, mistr'
 complete -c llmctl -n '__llmctl_serve' -l reasoning-parser -r -d 'Split <think>...</think> into reasoning_content - deepseek_r1, qwen3.'
 complete -c llmctl -n '__llmctl_serve' -l exclude-tools-when-tool-choice-none -d 'With tool_choice none, leave the tools out of the prompt (default - rendered, no'
-complete -c llmctl -n '__llmctl; or __llmctl_bench; or __llmctl_bench_latency; or __llmctl_bench_serve; or __llmctl_bench_throughput; or __llmctl_completion; or __llmctl_doctor; or __llmctl_generate; or __llmctl_profile; or __llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_server; or __llmctl_profile_torch; or __llmctl_serve' -l help -s h -d 'Show help and exit.'
+complete -c llmctl -n '__llmctl; or __llmctl_bench; or __llmctl_bench_latency; or __llmctl_bench_serve; or __llmctl_bench_throughput; or __llmctl_completion; or __llmctl_doctor; or __llmctl_generate; or __llmctl_profile; or __llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_nsys; or __llmctl_profile_server; or __llmctl_profile_torch; or __llmctl_serve' -l help -s h -d 'Show help and exit.'
 complete -c llmctl -n '__llmctl_bench; or __llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l num-threads -r -d 'CPU threads for torch.'
 complete -c llmctl -n '__llmctl_bench; or __llmctl_bench_latency; or __llmctl_bench_throughput' -l json -d 'Print one JSON document on stdout (nothing else).'
-complete -c llmctl -n '__llmctl_bench; or __llmctl_bench_latency; or __llmctl_bench_serve; or __llmctl_bench_throughput; or __llmctl_doctor; or __llmctl_generate; or __llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_server; or __llmctl_profile_torch; or __llmctl_serve' -l config -r -F -d 'YAML file of option values (keys are the long flag names). Flags and LLMCTL_* en'
+complete -c llmctl -n '__llmctl_bench; or __llmctl_bench_latency; or __llmctl_bench_serve; or __llmctl_bench_throughput; or __llmctl_doctor; or __llmctl_generate; or __llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_nsys; or __llmctl_profile_server; or __llmctl_profile_torch; or __llmctl_serve' -l config -r -F -d 'YAML file of option values (keys are the long flag names). Flags and LLMCTL_* en'
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput' -l output-len -r -d 'Output tokens per request (exact - ignore_eos).'
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput' -l workload-seed -r -d 'Seed of the random prompts.'
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l model -s m -r -d 'Hugging Face model folder, .gguf file, or model id ORG/NAME found in the local H'
@@ -237,6 +243,7 @@ complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or 
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l scheduling-policy -r -a 'fcfs priority' -d 'fcfs - arrival order; priority - lower request priority values run first (ties b'
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l verify -d 'Check weight files against the folders SHA256SUMS first.'
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l enforce-eager -d 'Never capture CUDA graphs for decode steps (CUDA).'
+complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l cuda-profiler-steps -r -d 'START -STOP - call cudaProfilerStart before engine step START and cudaProfilerSt'
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l attention-backend -r -a 'auto torch triton flash-attn' -d 'Paged attention kernels - auto (flash-attn where it imports and runs the model, '
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l quantization -r -d 'Quantise the linear weights on load - int8 (weight-only, per output channel), in'
 complete -c llmctl -n '__llmctl_bench_latency; or __llmctl_bench_throughput; or __llmctl_generate; or __llmctl_profile_leak; or __llmctl_profile_torch; or __llmctl_serve' -l quantization-batch-cache -d 'CPU, quantised linears with bfloat16 activations - also keep each weight dequant'
@@ -256,9 +263,9 @@ complete -c llmctl -n '__llmctl_bench_serve; or __llmctl_bench_throughput' -l pr
 complete -c llmctl -n '__llmctl_bench_serve; or __llmctl_bench_throughput' -l monthly-request-rate -r -d 'Request rate the monthly cost is for (default - the measured one).'
 complete -c llmctl -n '__llmctl_profile_cpu; or __llmctl_profile_mem' -l pid -s p -r -d 'Attach to this process.'
 complete -c llmctl -n '__llmctl_profile_cpu; or __llmctl_profile_mem' -l port -r -d 'Attach to the process listening on this TCP port (e.g. llmctl serve).'
-complete -c llmctl -n '__llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_server; or __llmctl_profile_torch' -l output-dir -s o -r -F -d 'Artifact folder (default - ./llmctl-profiles/<kind>-<YYYYmmdd-HHMMSS>).'
-complete -c llmctl -n '__llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_server; or __llmctl_profile_torch' -l json -d 'Print only the manifest (JSON) on stdout.'
-complete -c llmctl -n '__llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_torch' -l dry-run -d 'Print the underlying command and exit.'
+complete -c llmctl -n '__llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_nsys; or __llmctl_profile_server; or __llmctl_profile_torch' -l output-dir -s o -r -F -d 'Artifact folder (default - ./llmctl-profiles/<kind>-<YYYYmmdd-HHMMSS>).'
+complete -c llmctl -n '__llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_nsys; or __llmctl_profile_server; or __llmctl_profile_torch' -l json -d 'Print only the manifest (JSON) on stdout.'
+complete -c llmctl -n '__llmctl_profile_cpu; or __llmctl_profile_leak; or __llmctl_profile_mem; or __llmctl_profile_nsys; or __llmctl_profile_torch' -l dry-run -d 'Print the underlying command and exit.'
 complete -c llmctl -n '__llmctl_profile_leak; or __llmctl_profile_torch' -l batch-size -r -d 'Requests in flight.'
 complete -c llmctl -n '__llmctl_profile_leak; or __llmctl_profile_torch' -l input-len -r -d 'Prompt tokens per request (random ids).'
 complete -c llmctl -n '__llmctl_profile_leak; or __llmctl_profile_torch' -l output-len -r -d 'Generated tokens per request.'

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from llmctl.engine.cuda_profiler import StepRange
 from llmctl.engine.errors import EngineArgsError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -69,6 +70,10 @@ class EngineArgs:
     verify: bool = _arg(False, "Check weight files against the folder's SHA256SUMS first.")
     num_threads: Optional[int] = _arg(None, "CPU threads for torch.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs for decode steps (CUDA).")
+    cuda_profiler_steps: Optional[str] = _arg(None, "START:STOP: call cudaProfilerStart before engine step START and "
+                                                    "cudaProfilerStop after step STOP-1, an NVTX range per step, for "
+                                                    "nsys --capture-range=cudaProfilerApi (CUDA; `llmctl profile nsys` "
+                                                    "sets it).")
     attention_backend: str = _arg("auto", "Paged attention kernels: auto (flash-attn where it imports and runs the "
                                           "model, else triton on CUDA where triton imports, else torch), torch, "
                                           "triton (CUDA), flash-attn (CUDA).", choices=ATTENTION_BACKENDS)
@@ -122,6 +127,8 @@ class EngineArgs:
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
+        if self.cuda_profiler_steps is not None:
+            StepRange.parse(self.cuda_profiler_steps)
         if self.quantization is not None:
             _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)
         for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks",

@@ -21,6 +21,7 @@ import torch
 
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.cuda_profiler import ProfilerSteps, step_bracket
 from llmctl.engine.errors import (CapacityError, EngineArgsError, InvalidRequestError, ModelLoadError,
                                   is_out_of_memory)
 from llmctl.engine.executor.abstract import Executor
@@ -115,6 +116,7 @@ def build_runner_config(args: EngineArgs, folder: Path, model_config: ModelConfi
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
+        cuda_profiler_steps=args.cuda_profiler_steps,
         quantization=args.quantization, quantization_batch_cache=args.quantization_batch_cache,
         extra_kv_bytes_per_token=extra_kv_bytes_per_token,
         extra_reserved_bytes=extra_reserved_bytes,
@@ -218,6 +220,7 @@ class LLMEngine:
                                   "data-parallel replicas are run by `llmctl serve --data-parallel-size`")
         device = resolve_device(args.device)
         self.args = args = args.with_device_defaults(device.type)  # what the engine runs with, as reported
+        self.cuda_profiler = ProfilerSteps.for_device(args.cuda_profiler_steps, device)
         folder = model_path(args)
         if is_gguf(folder):
             gguf = GGUFFile(folder)
@@ -398,9 +401,11 @@ class LLMEngine:
         does not fit even alone is finished with a `CapacityError` (its output's `error`) and the
         others run on."""
         start = self.step_clock()
-        if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
-        info, scheduled = self._run_step()
+        with step_bracket(self.cuda_profiler) as ran_a_batch:
+            if self.proposer is not None:
+                self.proposer.propose(self.scheduler.running)
+            info, scheduled = self._run_step()
+            ran_a_batch(bool(scheduled))
         if self.proposer is not None:  # the measured cost of this step, with or without drafts
             self.proposer.end_step(scheduled, self.step_clock() - start)
         return info

@@ -159,6 +159,7 @@ class RunnerConfig:
     verify: bool
     enforce_eager: bool = False
     attention_backend: str = "auto"  # EngineArgs.attention_backend
+    cuda_profiler_steps: Optional[str] = None  # EngineArgs': the worker ranks bracket the same steps
     quantization: Optional[str] = None  # EngineArgs.quantization: weight-only linears quantised on load
     quantization_batch_cache: bool = False  # EngineArgs': quantised CPU linears keep a bf16 copy for batches
     # This process's rank: the model, the attention heads and the KV pool are this rank's shard.

@@ -55,6 +55,7 @@ from typing import Optional
 import torch
 
 from llmctl.engine.args import ParallelConfig
+from llmctl.engine.cuda_profiler import ProfilerSteps, step_bracket
 from llmctl.engine.errors import EngineError, RankFailedError
 from llmctl.engine.model_runner import ModelRunner, PreparedStep, RunnerConfig, StepInputs, StepLogits
 from llmctl.engine.parallel import PipelineParallel, TensorParallel, pipeline_layer_ranges
@@ -202,6 +203,7 @@ class _Worker:
         self.runner = runner
         self.groups = groups
         self.sends_logits = sends_logits
+        self.profiler = ProfilerSteps.for_device(runner.config.cuda_profiler_steps, runner.device)
 
     def serve(self) -> None:
         """Run steps until the driver says stop (returns) or goes away (raises)."""
@@ -220,7 +222,9 @@ class _Worker:
                 self.runner.release_kept_state()
             for seq_id, num_tokens in truncations:
                 self.runner.truncate_kept_state(seq_id, num_tokens)
-            out = self.runner.forward(inputs)
+            with step_bracket(self.profiler) as ran_a_batch:
+                out = self.runner.forward(inputs)
+                ran_a_batch(True)
             if self.sends_logits and inputs.logits_indices.numel():
                 if logits_sent is not None:
                     logits_sent.wait()

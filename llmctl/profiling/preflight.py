@@ -40,9 +40,10 @@ def require_pyspy() -> str:
     return path
 
 
-def pyspy_version(path: str) -> Optional[str]:
+def tool_version(path: str, timeout_s: float = 10.0) -> Optional[str]:
+    """The last word `path --version` prints (py-spy's, nsys's version number), or None."""
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=timeout_s).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return out.split()[-1] if out.split() else None
