@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+CUDAGRAPH_MODES = ("none", "piecewise", "full_decode_only", "full_and_piecewise")  # vLLM's, lower-case
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")  # engine/structured_output/
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization/on_the_fly.py, fp8.py).
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -69,6 +70,11 @@ class EngineArgs:
     verify: bool = _arg(False, "Check weight files against the folder's SHA256SUMS first.")
     num_threads: Optional[int] = _arg(None, "CPU threads for torch.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs for decode steps (CUDA).")
+    cudagraph_mode: str = _arg("piecewise", "CUDA graphs of decode steps (CUDA, one rank): piecewise (around eager "
+                                            "attention), full_decode_only (the whole step, attention included: "
+                                            "the triton backend; others none), full_and_piecewise (full graphs, "
+                                            "piecewise where a full one is not captured; others piecewise) or "
+                                            "none. --enforce-eager: none.", choices=CUDAGRAPH_MODES)
     attention_backend: str = _arg("auto", "Paged attention kernels: auto (flash-attn where it imports and runs the "
                                           "model, else triton on CUDA where triton imports, else torch), torch, "
                                           "triton (CUDA), flash-attn (CUDA).", choices=ATTENTION_BACKENDS)
@@ -121,6 +127,7 @@ class EngineArgs:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES)
         _choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
         if self.quantization is not None:
             _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)

@@ -4,10 +4,12 @@ on CUDA, test_cuda.py replays real graphs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmctl.engine import LLM, EngineArgs, SamplingParams
-from llmctl.engine.cuda_graphs import DecodeGraphs, batch_buckets, maybe_decode_graphs
+from llmctl.engine.cuda_graphs import DecodeGraphs, batch_buckets, maybe_decode_graphs, resolve_cudagraph_mode
+from llmctl.engine.errors import EngineArgsError
 
 
 class ReplayByCalling:
@@ -62,10 +64,23 @@ def test_buckets_cover_every_batch_size_up_to_the_largest():
     assert all(any(b >= n for b in batch_buckets(100)) for n in range(1, 101))
 
 
-def test_graphs_only_on_cuda_and_not_with_enforce_eager():
-    assert maybe_decode_graphs(None, None, torch.device("cpu"), torch.float32, 8, False) is None
-    assert maybe_decode_graphs(None, None, torch.device("cuda"), torch.float32, 8, True) is None
-    assert EngineArgs(enforce_eager=True).enforce_eager
+def test_graphs_only_on_cuda_one_rank_and_not_with_enforce_eager():
+    from llmctl.engine.layers.attention import TorchAttention, TritonAttention
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for mode in ("piecewise", "full_decode_only", "full_and_piecewise"):
+        assert resolve_cudagraph_mode(mode, cpu, TritonAttention, False, True) == "none"
+        assert resolve_cudagraph_mode(mode, cuda, TritonAttention, True, True) == "none"
+        assert resolve_cudagraph_mode(mode, cuda, TritonAttention, False, False) == "none"
+        assert resolve_cudagraph_mode(mode, cuda, TritonAttention, False, True) == mode
+    # a backend whose decode metadata follows each step keeps a full mode's mixed part, as vLLM does
+    assert resolve_cudagraph_mode("full_and_piecewise", cuda, TorchAttention, False, True) == "piecewise"
+    assert resolve_cudagraph_mode("full_decode_only", cuda, TorchAttention, False, True) == "none"
+    assert maybe_decode_graphs(None, None, cuda, torch.float32, 8, "none") is None
+    assert maybe_decode_graphs(None, None, cuda, torch.float32, 8, "full_decode_only") is None
+    assert EngineArgs(enforce_eager=True).enforce_eager and EngineArgs().cudagraph_mode == "piecewise"
+    with pytest.raises(EngineArgsError, match="cudagraph_mode"):
+        EngineArgs(cudagraph_mode="full")
 
 
 def test_piecewise_replay_gives_the_eager_logits(tiny_models):
