@@ -312,17 +312,18 @@ def resolve_cudagraph_mode(mode: str, device: torch.device, backend, enforce_eag
 
 
 def maybe_decode_graphs(model: torch.nn.Module, backend, device: torch.device, dtype: torch.dtype,
-                        max_num_seqs: int, mode: str) -> Optional[DecodeGraphs]:
+                        max_num_seqs: int, mode: str, capturer: Any = None) -> Optional[DecodeGraphs]:
     """Piecewise decode graphs (nothing captured yet) where the resolved `mode` has them; None elsewhere."""
     if mode not in ("piecewise", "full_and_piecewise"):
         return None
-    return DecodeGraphs(model, backend, min(max_num_seqs, 256), device, dtype)
+    return DecodeGraphs(model, backend, min(max_num_seqs, 256), device, dtype, capturer)
 
 
 def maybe_full_decode_graphs(model: torch.nn.Module, backend, kv_caches: list[torch.Tensor], device: torch.device,
                              max_num_seqs: int, max_model_len: int, block_size: int,
-                             mode: str) -> Optional[FullDecodeGraphs]:
+                             mode: str, capturer: Any = None) -> Optional[FullDecodeGraphs]:
     """Full decode graphs (nothing captured yet) on the allocated pool where the resolved `mode` has them."""
     if not has_full_graphs(mode):
         return None
-    return FullDecodeGraphs(model, backend, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, device)
+    return FullDecodeGraphs(model, backend, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, device,
+                            capturer)
