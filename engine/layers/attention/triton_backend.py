@@ -94,7 +94,8 @@ class TritonAttention(TokenMajorStateless):
 
     def fill_decode_metadata(self, meta: TritonAttentionMetadata, batch: CommonAttentionMetadata) -> None:
         """Write a decode-only batch into `static_decode_metadata`'s tensors in place (one int32 host-to-device
-        copy and the slot mapping's): rows past the batch become pad rows, tables past a context zeros."""
+        copy, from pinned memory on CUDA so the host does not wait for it, and the slot mapping's): rows past the
+        batch become pad rows, tables past a context zeros."""
         rows, width = meta.block_tables.shape
         real = batch.num_rows
         packed = list(batch.context_lens) + [0] * (rows - real)
@@ -103,7 +104,10 @@ class TritonAttention(TokenMajorStateless):
             packed += table[:used]
             packed += [0] * (width - used)
         packed += [0] * ((rows - real) * width)
-        meta.rows_region.copy_(torch.tensor(packed, dtype=torch.int32))
+        # torch's pinned-memory cache keeps the staging block until the copy that reads it has run
+        on_cuda = meta.rows_region.is_cuda
+        staged = torch.tensor(packed, dtype=torch.int32, pin_memory=on_cuda)
+        meta.rows_region.copy_(staged, non_blocking=on_cuda)
         meta.slot_mapping[:real].copy_(batch.slot_mapping)
         meta.slot_mapping[real:].fill_(-1)
 
