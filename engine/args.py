@@ -70,11 +70,12 @@ class EngineArgs:
     verify: bool = _arg(False, "Check weight files against the folder's SHA256SUMS first.")
     num_threads: Optional[int] = _arg(None, "CPU threads for torch.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs for decode steps (CUDA).")
-    cudagraph_mode: str = _arg("piecewise", "CUDA graphs of decode steps (CUDA, one rank): piecewise (around eager "
-                                            "attention), full_decode_only (the whole step, attention included: "
-                                            "the triton backend; others none), full_and_piecewise (full graphs, "
-                                            "piecewise where a full one is not captured; others piecewise) or "
-                                            "none. --enforce-eager: none.", choices=CUDAGRAPH_MODES)
+    cudagraph_mode: str = _arg("piecewise", "CUDA graphs of decode steps (CUDA): piecewise (around eager attention; "
+                                            "one rank), full_decode_only (the whole step, attention and tensor-"
+                                            "parallel collectives included: the triton backend; others none), "
+                                            "full_and_piecewise (full graphs, piecewise where no full one is "
+                                            "captured; others piecewise) or none. Pipeline stages, "
+                                            "--enforce-eager: none.", choices=CUDAGRAPH_MODES)
     attention_backend: str = _arg("auto", "Paged attention kernels: auto (flash-attn where it imports and runs the "
                                           "model, else triton on CUDA where triton imports, else torch), torch, "
                                           "triton (CUDA), flash-attn (CUDA).", choices=ATTENTION_BACKENDS)

@@ -13,7 +13,9 @@ Full decode graphs (`FullDecodeGraphs`, vLLM's FULL cudagraph mode) capture a de
 KV writes included, on a backend whose decode metadata can live in static tensors (`supports_full_graphs`: the
 Triton backend, block tables padded to max_model_len's blocks, a key-split plan fixed per bucket). They need the
 KV pool, so they are captured after it is allocated. `cudagraph_mode` (EngineArgs) picks which sets exist; a
-step replays the first set that takes it (`GraphDispatch`), else runs eagerly.
+step replays the first set that takes it (`GraphDispatch`), else runs eagerly. With tensor parallelism only full
+graphs are captured, NCCL collectives inside, every capture decision agreed by all ranks (their warm-ups run the
+collectives together; every rank then replays the same buckets).
 
 `capturer` is injectable so the bookkeeping runs (and is tested) without CUDA; on CUDA it is
 `CudaCapturer`: `torch.cuda.graph` capture on a stream of the engine's device.
@@ -96,34 +98,42 @@ class _GraphBuckets:
     def _capture_bucket(self, size: int) -> None:
         raise NotImplementedError
 
-    def capture_all(self, allowance: Optional[int], measure: Callable[[Callable[[], object]], int]) -> int:
+    def capture_all(self, allowance: Optional[int], measure: Callable[[Callable[[], object]], int],
+                    agree: Optional[Callable[[bool], bool]] = None) -> int:
         """Capture every bucket, smallest first, while the next one is expected to fit in `allowance`
         bytes (None: no limit); `measure(work)` returns the bytes `work` took. A bucket whose capture
         fails runs eagerly; out of memory, or a capture that took more than was left, stops capturing
-        (that bucket is dropped). Returns the bytes the kept graphs took."""
+        (that bucket is dropped). Returns the bytes the kept graphs took. With `agree(flag)` (tensor-parallel
+        ranks: whether the flag holds on every rank) each memory decision is the same on every rank, whose
+        warm-ups run collectives together, and a failed capture fails start-up instead."""
+        together = agree is not None
+        agree = agree or (lambda flag: flag)
         started, spent, last = time.monotonic(), 0, None  # last: (size, bytes) of the last capture
         for size in self.buckets:
             # A bucket's graphs hold its rows' static outputs, so their memory grows with the batch size.
             expected = last[1] * size // last[0] if last else 0
-            if allowance is not None and (allowance <= 0 or spent + expected > allowance):
-                logger.info("%s: batch sizes from %d run eagerly (%.0f MiB of %.0f MiB allowed for "
-                            "graphs already used)", self.kind, size, spent / 2**20, max(allowance, 0) / 2**20)
+            if not agree(allowance is None or (allowance > 0 and spent + expected <= allowance)):
+                logger.info("%s: batch sizes from %d run eagerly (%.0f MiB of %.0f MiB allowed for graphs "
+                            "already used)", self.kind, size, spent / 2**20, max(allowance or 0, 0) / 2**20)
                 break
             try:
                 cost = measure(lambda: self._capture_bucket(size))
-            except torch.cuda.OutOfMemoryError as exc:
+            except RuntimeError as exc:  # torch.cuda.OutOfMemoryError included
                 self._captured.pop(size, None)
-                logger.warning("%s: out of memory capturing batch size %d; it and larger ones run "
-                               "eagerly (%s)", self.kind, size, exc)
-                break
-            except RuntimeError as exc:
-                self._captured.pop(size, None)
+                if together:
+                    raise RuntimeError(f"{self.kind}: capturing batch size {size} failed on this tensor-parallel "
+                                       f"rank, whose ranks capture alike (--cudagraph-mode none runs eagerly): "
+                                       f"{exc}") from exc
+                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                    logger.warning("%s: out of memory capturing batch size %d; it and larger ones run "
+                                   "eagerly (%s)", self.kind, size, exc)
+                    break
                 logger.warning("%s: capturing batch size %d failed, it runs eagerly: %s", self.kind, size, exc)
                 continue
-            if allowance is not None and spent + cost > allowance:  # the first capture's cost is not known before
+            if not agree(allowance is None or spent + cost <= allowance):  # the first capture's cost is unknown before
                 del self._captured[size]
                 logger.info("%s: batch size %d took %.0f MiB, over the %.0f MiB allowed; batch sizes from "
-                            "%d run eagerly", self.kind, size, cost / 2**20, allowance / 2**20, size)
+                            "%d run eagerly", self.kind, size, cost / 2**20, (allowance or 0) / 2**20, size)
                 break
             spent, last = spent + cost, (size, cost)
         logger.info("captured %s for %d batch sizes (%s) in %.1f s, %.0f MiB", self.kind, len(self._captured),
@@ -297,18 +307,34 @@ def has_full_graphs(mode: str) -> bool:
     return mode in ("full_decode_only", "full_and_piecewise")
 
 
-def resolve_cudagraph_mode(mode: str, device: torch.device, backend, enforce_eager: bool, single_rank: bool) -> str:
-    """The graphs a runner captures for `--cudagraph-mode`: none off CUDA, with --enforce-eager or several ranks
-    (collectives are not captured); a full mode on a backend without static decode metadata keeps its mixed
-    part (full_and_piecewise: piecewise; full_decode_only: none), as vLLM does."""
-    if device.type != "cuda" or enforce_eager or not single_rank:
+def resolve_cudagraph_mode(mode: str, device: torch.device, backend, enforce_eager: bool,
+                           tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> str:
+    """The graphs a runner captures for `--cudagraph-mode`: none off CUDA, with --enforce-eager or pipeline stages
+    (their sends run between forwards); with tensor parallelism the full graphs only (NCCL collectives captured
+    inside them; the piecewise pieces' collectives never were). A full mode on a backend without static decode
+    metadata keeps its mixed part (full_and_piecewise: piecewise; full_decode_only: none), as vLLM does."""
+    if device.type != "cuda" or enforce_eager or pipeline_parallel_size > 1:
         return "none"
     if has_full_graphs(mode) and not backend.supports_full_graphs:
         fallback = "piecewise" if mode == "full_and_piecewise" else "none"
         logger.warning("--cudagraph-mode %s: the %s attention backend cannot run inside a full graph (its decode "
                        "metadata follows each step); using %s", mode, backend.name, fallback)
-        return fallback
+        mode = fallback
+    if tensor_parallel_size > 1:
+        return "full_decode_only" if has_full_graphs(mode) else "none"
     return mode
+
+
+def ranks_agree(tp, device: torch.device) -> Optional[Callable[[bool], bool]]:
+    """With several tensor-parallel ranks: `agree(flag)`, whether `flag` holds on every rank (one all-reduce);
+    None on one rank."""
+    if tp.is_single:
+        return None
+
+    def agree(flag: bool) -> bool:
+        return int(tp.all_reduce(torch.tensor([0 if flag else 1], device=device)).item()) == 0
+
+    return agree
 
 
 def maybe_decode_graphs(model: torch.nn.Module, backend, device: torch.device, dtype: torch.dtype,

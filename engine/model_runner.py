@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from llmctl.engine.cuda_graphs import (DecodeGraphs, GraphDispatch, has_full_graphs, maybe_decode_graphs,
-                                       maybe_full_decode_graphs, resolve_cudagraph_mode)
+                                       maybe_full_decode_graphs, ranks_agree, resolve_cudagraph_mode)
 from llmctl.engine.device_memory import device_memory
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.gguf_loader import is_gguf
@@ -245,9 +245,8 @@ class ModelRunner:
         self.native_decode = None  # set once the KV pool exists
         self.memory = device_memory(self.device) if config.num_kv_blocks is None else None
         peak = self._profile_peak() if self.memory is not None else 0
-        # Decode graphs capture no collectives yet: with several ranks every step runs eagerly.
         mode = resolve_cudagraph_mode(config.cudagraph_mode, self.device, self.attention, config.enforce_eager,
-                                      tp.is_single and pp.is_single)
+                                      tp.size, pp.size)
         self.graphs = maybe_decode_graphs(self.model, self.attention, self.device, config.dtype, config.max_num_seqs,
                                           mode)
         if self.graphs is not None:
@@ -345,7 +344,8 @@ class ModelRunner:
         full = maybe_full_decode_graphs(self.model, self.attention, self.kv_caches, self.device, cfg.max_num_seqs,
                                         cfg.max_model_len, self.block_size, mode)
         with torch.inference_mode():
-            full.capture_all(allowance, self.memory.growth if self.memory else _unmeasured)
+            full.capture_all(allowance, self.memory.growth if self.memory else _unmeasured,
+                             ranks_agree(cfg.tensor_parallel, self.device))
         self.graphs = GraphDispatch(full, self.graphs)
 
     def _profile_peak(self) -> int:
