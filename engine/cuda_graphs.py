@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for decode steps.
+"""CUDA graphs for decode steps: piecewise around eager attention, or the whole step (full decode graphs).
 
 A decode step launches a few hundred small kernels whose launch cost exceeds their work at small
 batches. Attention is the one op whose shapes follow each sequence's context length, so it stays
