@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+CUDAGRAPH_MODES = ("none", "piecewise", "full_decode_only", "full_and_piecewise")  # vLLM's, lower-case
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")  # engine/structured_output/
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization/on_the_fly.py, fp8.py).
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -74,6 +75,12 @@ class EngineArgs:
                                                     "cudaProfilerStop after step STOP-1, an NVTX range per step, for "
                                                     "nsys --capture-range=cudaProfilerApi (CUDA; `llmctl profile nsys` "
                                                     "sets it).")
+    cudagraph_mode: str = _arg("piecewise", "CUDA graphs of decode steps (CUDA): piecewise (around eager attention; "
+                                            "one rank), full_decode_only (the whole step, attention and tensor-"
+                                            "parallel collectives included: the triton backend; others none), "
+                                            "full_and_piecewise (full graphs, piecewise where no full one is "
+                                            "captured; others piecewise) or none. Pipeline stages, "
+                                            "--enforce-eager: none.", choices=CUDAGRAPH_MODES)
     attention_backend: str = _arg("auto", "Paged attention kernels: auto (flash-attn where it imports and runs the "
                                           "model, else triton on CUDA where triton imports, else torch), torch, "
                                           "triton (CUDA), flash-attn (CUDA).", choices=ATTENTION_BACKENDS)
@@ -126,6 +133,7 @@ class EngineArgs:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES)
         _choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
         if self.cuda_profiler_steps is not None:
             StepRange.parse(self.cuda_profiler_steps)

@@ -115,6 +115,7 @@ def build_runner_config(args: EngineArgs, folder: Path, model_config: ModelConfi
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         load_format=args.load_format, seed=args.seed, verify=args.verify, enforce_eager=args.enforce_eager,
+        cudagraph_mode=args.cudagraph_mode,
         attention_backend=args.attention_backend,
         cuda_profiler_steps=args.cuda_profiler_steps,
         quantization=args.quantization, quantization_batch_cache=args.quantization_batch_cache,

@@ -15,7 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from llmctl.engine.cuda_graphs import DecodeGraphs, maybe_decode_graphs
+from llmctl.engine.cuda_graphs import (DecodeGraphs, GraphDispatch, has_full_graphs, maybe_decode_graphs,
+                                       maybe_full_decode_graphs, ranks_agree, resolve_cudagraph_mode)
 from llmctl.engine.device_memory import device_memory
 from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.gguf_loader import is_gguf
@@ -158,6 +159,7 @@ class RunnerConfig:
     seed: int
     verify: bool
     enforce_eager: bool = False
+    cudagraph_mode: str = "piecewise"  # EngineArgs.cudagraph_mode
     attention_backend: str = "auto"  # EngineArgs.attention_backend
     cuda_profiler_steps: Optional[str] = None  # EngineArgs': the worker ranks bracket the same steps
     quantization: Optional[str] = None  # EngineArgs.quantization: weight-only linears quantised on load
@@ -244,13 +246,18 @@ class ModelRunner:
         self.native_decode = None  # set once the KV pool exists
         self.memory = device_memory(self.device) if config.num_kv_blocks is None else None
         peak = self._profile_peak() if self.memory is not None else 0
-        # Decode graphs capture no collectives yet: with several ranks every step runs eagerly.
+        mode = resolve_cudagraph_mode(config.cudagraph_mode, self.device, self.attention, config.enforce_eager,
+                                      tp.size, pp.size)
         self.graphs = maybe_decode_graphs(self.model, self.attention, self.device, config.dtype, config.max_num_seqs,
-                                          config.enforce_eager or not tp.is_single or not pp.is_single)
+                                          mode)
         if self.graphs is not None:
             self._capture_graphs(self.graphs, peak)
-        self.num_blocks = self._plan_num_blocks(peak)
+        # Full decode graphs hold the pool's addresses, so they are captured after it, in memory held back from it.
+        full_allowance = self._graph_allowance(peak) if has_full_graphs(mode) else None
+        self.num_blocks = self._plan_num_blocks(peak + (full_allowance or 0))
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        if has_full_graphs(mode):
+            self._capture_full_graphs(mode, full_allowance)
         # CPU steps of a few tokens (batch-1 decode; verify rows and small decode batches where the linears' kernel
         # takes several rows): the whole forward in one native call where the model's kernels allow it and the
         # attention backend's short rows are the same native kernel on its head-major pool (the Python between
@@ -318,15 +325,29 @@ class ModelRunner:
                 - self.config.extra_reserved_bytes)
 
     def _capture_graphs(self, graphs: DecodeGraphs, peak: int) -> None:
-        """Capture every decode-graph bucket now, within GRAPH_SHARE of the budget and leaving room for one
-        max_model_len sequence's blocks (no budget, e.g. with --num-kv-blocks: every bucket)."""
+        """Capture every decode-graph bucket now, within `_graph_allowance`."""
         with torch.inference_mode():
-            if self.memory is None:
-                graphs.capture_all(None, _unmeasured)
-                return
-            budget = self._budget_bytes(peak)
-            one_sequence = -(-self.config.max_model_len // self.block_size) * self._reserved_bytes_per_block
-            graphs.capture_all(max(min(budget - one_sequence, int(budget * GRAPH_SHARE)), 0), self.memory.growth)
+            graphs.capture_all(self._graph_allowance(peak), self.memory.growth if self.memory else _unmeasured)
+
+    def _graph_allowance(self, peak: int) -> Optional[int]:
+        """Bytes one set of graphs may take: GRAPH_SHARE of the budget, leaving room for one max_model_len
+        sequence's blocks (None where no budget applies, e.g. with --num-kv-blocks: every bucket)."""
+        if self.memory is None:
+            return None
+        budget = self._budget_bytes(peak)
+        one_sequence = -(-self.config.max_model_len // self.block_size) * self._reserved_bytes_per_block
+        return max(min(budget - one_sequence, int(budget * GRAPH_SHARE)), 0)
+
+    def _capture_full_graphs(self, mode: str, allowance: Optional[int]) -> None:
+        """Capture the full decode graphs on the allocated pool within `allowance`; they replay before the
+        piecewise ones."""
+        cfg = self.config
+        full = maybe_full_decode_graphs(self.model, self.attention, self.kv_caches, self.device, cfg.max_num_seqs,
+                                        cfg.max_model_len, self.block_size, mode)
+        with torch.inference_mode():
+            full.capture_all(allowance, self.memory.growth if self.memory else _unmeasured,
+                             ranks_agree(cfg.tensor_parallel, self.device))
+        self.graphs = GraphDispatch(full, self.graphs)
 
     def _profile_peak(self) -> int:
         """Peak extra device memory of the worst step: the largest prefill chunk (max_num_batched_tokens, at
@@ -469,7 +490,7 @@ class ModelRunner:
         return StepLogits(*self.native_decode(host.input_ids, host.positions, host.slot_mapping, inputs.block_tables,
                                               inputs.context_lens, inputs.query_lens, host.logits_indices))
 
-    def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: Optional[DecodeGraphs],
+    def _run(self, inputs: "StepInputs", kv_caches: list[torch.Tensor], graphs: "DecodeGraphs | GraphDispatch | None",
              intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         """The step's logits; a pipeline stage before the last: its (hidden, residual)."""
         if not self.pp.is_single:
@@ -480,9 +501,9 @@ class ModelRunner:
         if self._runs_natively(inputs, kv_caches):
             return self._native_step(inputs)
         batch = inputs.attention_batch(self.block_size)
+        if graphs is not None and graphs.can_run(batch, kv_caches):
+            return StepLogits(graphs.run(inputs.input_ids, inputs.positions, kv_caches, batch, inputs.logits_indices))
         meta = self.attention.build_metadata(batch)
-        if graphs is not None and graphs.can_run(batch):
-            return StepLogits(graphs.run(inputs.input_ids, inputs.positions, kv_caches, meta, inputs.logits_indices))
         return StepLogits(self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention,
                                      inputs.logits_indices))
 

@@ -1,8 +1,9 @@
 """The CUDA engine as users start it (scripts/gpu_check.sh's `engine` step runs this file with
 `-W error::UserWarning`, so torch's "The CUDA Graph is empty" fails it; skipped without CUDA): default start-up on
 cuda:0 (profile, every decode-graph bucket captured up front within --gpu-memory-utilization, then the KV pool),
-graph against eager logits, prefill with a cached prefix and with a sliding window against the CPU float32
-reference with SDPA's math kernel switched off, and an engine on a second GPU against the same reference."""
+graph against eager logits (piecewise graphs, and full decode graphs on the Triton backend), prefill with a cached
+prefix and with a sliding window against the CPU float32 reference with SDPA's math kernel switched off, and an
+engine on a second GPU against the same reference."""
 
 from __future__ import annotations
 
@@ -147,6 +148,35 @@ def test_decode_graphs_replay_the_eager_logits(tiny_models, dtype):
         assert torch.allclose(ours, expected, atol=tolerance, rtol=tolerance)
     if dtype == "float32":
         assert graph_tokens == eager_tokens
+
+
+@pytest.mark.parametrize("mode", ["full_decode_only", "full_and_piecewise"])
+def test_full_decode_graphs_on_triton_replay_the_eager_logits(tiny_models, mode):
+    """Whole decode steps (Triton attention and KV writes inside the graph, metadata in static buffers) captured
+    after the pool, on it, for every bucket: the eager Triton engine's tokens and logits."""
+    pytest.importorskip("triton")
+    from llmctl.engine.cuda_graphs import GraphDispatch
+
+    prompts = make_prompts(512)[:5]
+    results = []
+    for cudagraph_mode in ("none", mode):
+        llm = LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype="float32", device="cuda:0",
+                  attention_backend="triton", max_model_len=400, max_num_seqs=8, cudagraph_mode=cudagraph_mode)
+        runner = llm.engine.executor.runner
+        if cudagraph_mode == "none":
+            assert runner.graphs is None
+        else:
+            assert isinstance(runner.graphs, GraphDispatch)
+            full = runner.graphs.graph_sets[0]
+            assert full.kind == "full decode graphs" and full.kv_caches is runner.kv_caches
+            assert full.captured_sizes == [1, 2, 4, 8]
+            assert len(runner.graphs.graph_sets) == (2 if mode == "full_and_piecewise" else 1)
+        results.append(_generate_recording(llm, prompts, max_tokens=10))
+        del llm
+    (eager_tokens, eager_logits), (graph_tokens, graph_logits) = results
+    assert graph_tokens == eager_tokens
+    for ours, expected in zip(graph_logits, eager_logits):
+        assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

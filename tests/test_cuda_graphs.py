@@ -4,10 +4,12 @@ on CUDA, test_cuda.py replays real graphs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmctl.engine import LLM, EngineArgs, SamplingParams
-from llmctl.engine.cuda_graphs import DecodeGraphs, batch_buckets, maybe_decode_graphs
+from llmctl.engine.cuda_graphs import DecodeGraphs, batch_buckets, maybe_decode_graphs, resolve_cudagraph_mode
+from llmctl.engine.errors import EngineArgsError
 
 
 class ReplayByCalling:
@@ -62,10 +64,27 @@ def test_buckets_cover_every_batch_size_up_to_the_largest():
     assert all(any(b >= n for b in batch_buckets(100)) for n in range(1, 101))
 
 
-def test_graphs_only_on_cuda_and_not_with_enforce_eager():
-    assert maybe_decode_graphs(None, None, torch.device("cpu"), torch.float32, 8, False) is None
-    assert maybe_decode_graphs(None, None, torch.device("cuda"), torch.float32, 8, True) is None
-    assert EngineArgs(enforce_eager=True).enforce_eager
+def test_graph_modes_resolve_by_device_ranks_backend_and_enforce_eager():
+    from llmctl.engine.layers.attention import TorchAttention, TritonAttention
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for mode in ("piecewise", "full_decode_only", "full_and_piecewise"):
+        assert resolve_cudagraph_mode(mode, cpu, TritonAttention, False) == "none"
+        assert resolve_cudagraph_mode(mode, cuda, TritonAttention, True) == "none"
+        assert resolve_cudagraph_mode(mode, cuda, TritonAttention, False, 1, 2) == "none"  # pipeline stages
+        assert resolve_cudagraph_mode(mode, cuda, TritonAttention, False) == mode
+    # tensor parallelism: full graphs only (NCCL collectives inside them)
+    assert resolve_cudagraph_mode("full_and_piecewise", cuda, TritonAttention, False, 2) == "full_decode_only"
+    assert resolve_cudagraph_mode("piecewise", cuda, TritonAttention, False, 2) == "none"
+    # a backend whose decode metadata follows each step keeps a full mode's mixed part, as vLLM does
+    assert resolve_cudagraph_mode("full_and_piecewise", cuda, TorchAttention, False) == "piecewise"
+    assert resolve_cudagraph_mode("full_decode_only", cuda, TorchAttention, False) == "none"
+    assert resolve_cudagraph_mode("full_and_piecewise", cuda, TorchAttention, False, 2) == "none"
+    assert maybe_decode_graphs(None, None, cuda, torch.float32, 8, "none") is None
+    assert maybe_decode_graphs(None, None, cuda, torch.float32, 8, "full_decode_only") is None
+    assert EngineArgs(enforce_eager=True).enforce_eager and EngineArgs().cudagraph_mode == "piecewise"
+    with pytest.raises(EngineArgsError, match="cudagraph_mode"):
+        EngineArgs(cudagraph_mode="full")
 
 
 def test_piecewise_replay_gives_the_eager_logits(tiny_models):
@@ -153,6 +172,27 @@ def test_capture_all_stops_before_the_allowance_and_failed_buckets_run_eagerly(t
     replays = capturer.counter["replays"]
     recorded_logits(llm, [[1, 2, 3]] * 9, max_tokens=3)  # 9 rows: no captured bucket holds them, eager
     assert capturer.counter["replays"] == replays
+
+
+def test_tensor_parallel_ranks_take_every_capture_decision_together(tiny_models):
+    """`agree` stands in for the ranks' all-reduce: a peer over its allowance at the third bucket stops every rank
+    there, and a failed capture fails start-up rather than leave the ranks capturing different buckets."""
+    llm = LLM(str(tiny_models["qwen2"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=256,
+              max_num_seqs=64)
+    runner = llm.engine.executor.runner
+    votes = []
+
+    def peer_stops_at_third(flag):
+        votes.append(flag)
+        return flag and len(votes) != 5  # votes per bucket: fits, then kept; the third bucket's first vote is 5th
+
+    graphs = DecodeGraphs(runner.model, runner.attention, 64, runner.device, torch.float32, capturer=CallingCapturer())
+    graphs.capture_all(10 << 20, per_row_measure(1, graphs), peer_stops_at_third)
+    assert graphs.captured_sizes == [1, 2] and votes == [True] * 5
+    failing = CallingCapturer(fail={1: RuntimeError("operation not permitted when stream is capturing")})
+    graphs = DecodeGraphs(runner.model, runner.attention, 64, runner.device, torch.float32, capturer=failing)
+    with pytest.raises(RuntimeError, match="batch size 2 failed on this tensor-parallel rank"):
+        graphs.capture_all(None, unmeasured, lambda flag: flag)
 
 
 def test_a_batch_with_a_verify_row_runs_eagerly_and_decode_rows_replay(tiny_models):

@@ -230,8 +230,8 @@ def cpu_runner_with_device_memory(monkeypatch, folder, total, used, peak, per_ro
     graphs, capturer = [], CallingCapturer()
     memory = FakeMemory(total, used, peak, per_row, graphs)
 
-    def decode_graphs(model, backend, device, dtype, max_num_seqs, enforce_eager):
-        if enforce_eager:
+    def decode_graphs(model, backend, device, dtype, max_num_seqs, mode):
+        if engine.get("enforce_eager"):
             return None
         graphs.append(DecodeGraphs(model, backend, min(max_num_seqs, 256), device, dtype, capturer=capturer))
         return graphs[0]

@@ -1,6 +1,7 @@
 """Tensor parallelism on CUDA with NCCL, one GPU per rank (scripts/gpu_check.sh's `tp_nccl` step; skipped
 with fewer than two GPUs): TP=2 greedy tokens equal TP=1's on cuda:0 and logits agree, for a GQA model and
-one with a single KV head (replicated on both ranks), under chunked prefill, preemption and prefix caching."""
+one with a single KV head (replicated on both ranks), under chunked prefill, preemption and prefix caching; with the
+default graphs, and full decode graphs on the Triton backend (the collectives captured inside them)."""
 
 from __future__ import annotations
 
@@ -22,16 +23,19 @@ ENGINE = dict(skip_tokenizer_init=True, dtype="float32", max_num_batched_tokens=
               max_num_seqs=8, max_model_len=400)
 
 
-def _on_this_ranks_gpu(tp: TensorParallel, folders: dict[str, str]):
-    return {name: greedy_run(folder, tp, make_prompts(512), NEW_TOKENS, device=f"cuda:{tp.rank}", **ENGINE)
+def _on_this_ranks_gpu(tp: TensorParallel, folders: dict[str, str], graphs: dict):
+    return {name: greedy_run(folder, tp, make_prompts(512), NEW_TOKENS, device=f"cuda:{tp.rank}", **ENGINE, **graphs)
             for name, folder in folders.items()}
 
 
+# Full decode graphs capture the NCCL all-reduces and all-gather inside them on each rank.
+@pytest.mark.parametrize("graphs", [{}, {"attention_backend": "triton", "cudagraph_mode": "full_decode_only"}],
+                         ids=["default", "full-graphs"])
 @pytest.mark.parametrize("kv_heads", [2, 1])
-def test_tp2_over_nccl_matches_tp1(tmp_path, kv_heads):
+def test_tp2_over_nccl_matches_tp1(tmp_path, kv_heads, graphs):
     folder = str(make_tiny_model(tmp_path / "llama", "llama", num_key_value_heads=kv_heads))
-    single = _on_this_ranks_gpu(TensorParallel.single(), {"llama": folder})["llama"]
-    rank0, rank1 = (result["llama"] for result in run_ranks(_on_this_ranks_gpu, 2, {"llama": folder},
+    single = _on_this_ranks_gpu(TensorParallel.single(), {"llama": folder}, graphs)["llama"]
+    rank0, rank1 = (result["llama"] for result in run_ranks(_on_this_ranks_gpu, 2, {"llama": folder}, graphs,
                                                             timeout=300, backend="nccl"))
     assert rank0["preemptions"] > 0 and rank0["prefix_hits"] > 0
     assert rank0["heads"] == rank1["heads"] == (2, max(kv_heads // 2, 1))

@@ -52,6 +52,12 @@ def test_gates_name_every_miss_and_gate_throughput_by_card():
     assert len(perf.failed_gates(bad, "NVIDIA A10")) == 3  # throughput reported, not gated
 
 
+def test_each_backends_entry_names_a_backend_and_its_cudagraph_mode():
+    assert perf.parse_runs("triton:full_and_piecewise, triton,torch:none") == [
+        ("triton", "full_and_piecewise"), ("triton", "piecewise"), ("torch", "none")]
+    assert perf.parse_args([]).backends.split(",")[0] == "triton:full_and_piecewise"  # the gated run: full graphs
+
+
 @pytest.mark.timeout(300)
 def test_tiny_run_on_cpu_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "perf.json"
@@ -60,7 +66,7 @@ def test_tiny_run_on_cpu_writes_every_figure(tmp_path, capsys):
     assert code == 0
     doc = json.loads(out.read_text())
     (result,) = doc["results"]
-    assert result["backend"] == "torch" and result["full_batch_steps"] >= 5
+    assert result["backend"] == "torch" and result["cudagraph_mode"] == "piecewise" and result["full_batch_steps"] >= 5
     assert result["batch1_tok_s"] > 0 and result["output_tok_s"] > 0
     assert result["median_step_kv_tokens"] >= 4 * 16  # four rows past their 16-token prompts
     assert result["roofline_step_ms"] > 0 and result["syncs_per_step"] >= 0

@@ -9,7 +9,9 @@ K/V tile read from the pool feeds every query head of its group (GQA). Query i o
 window`); the softmax runs online in float32 over tiles of TILE_N keys found through the row's block
 table. Rows of a single query tile (decodes, short verify rows) may split their keys over NUM_SPLITS
 programs (flash-decoding) whose partial results a second kernel merges: few rows on long contexts
-would otherwise leave most of the GPU idle.
+would otherwise leave most of the GPU idle. A full decode CUDA graph launches with a plan fixed per batch size
+(splits sized for max_model_len): each row divides its own keys over the splits, a split left without keys
+runs no tile, and a pad row of no keys comes out as zeros, so the grid never depends on the step's data.
 
 The pool layout is [num_blocks, block_size, kv_heads, head_dim] (head_dim contiguous).
 """
@@ -203,12 +205,13 @@ def _merge_splits_kernel(
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     maxima = tl.load(partial_max_ptr + part)
-    overall = tl.max(maxima, axis=0)  # finite: the split holding the query's own key saw it
+    overall = tl.max(maxima, axis=0)  # finite unless the row has no keys (a decode graph's pad row)
+    overall = tl.where(overall == float("-inf"), 0.0, overall)
     weight = tl.exp2(maxima - overall)  # 0 for a split that saw no key of this query
     total = tl.sum(tl.load(partial_sum_ptr + part) * weight, axis=0)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     acc = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM_PADDED + offs_d[None, :])
-    out = tl.sum(acc * weight[:, None], axis=0) / total
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)  # a keyless row: zeros
     tl.store(out_ptr + token * out_stride_token + head * out_stride_head + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 

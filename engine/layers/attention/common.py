@@ -68,6 +68,9 @@ class AttentionBackend(Protocol):
 
     name: str
     preferred_block_size: int
+    # Whether a whole decode step, attention included, may be captured as one CUDA graph: the backend then has
+    # `static_decode_metadata(rows, max_context_len, block_size, device)` and `fill_decode_metadata(meta, batch)`.
+    supports_full_graphs: bool
     # Kept decode K/V the backend may hold between steps, as a share of the pool's bytes (reserved
     # next to the pool when a device memory budget applies).
     workspace_share: float

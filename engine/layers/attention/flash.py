@@ -31,6 +31,7 @@ class FlashAttention(TokenMajorStateless):
 
     name = "flash-attn"
     preferred_block_size = 256
+    supports_full_graphs = False  # its decode metadata follows each step's contexts
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
                  dtype: torch.dtype, kernels=None):

@@ -66,6 +66,7 @@ class TorchAttention:
 
     name = "torch"
     preferred_block_size = 16
+    supports_full_graphs = False  # its decode metadata follows each step's contexts
     workspace_share = WORKSPACE_SHARE
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],

@@ -28,6 +28,8 @@ class TritonAttentionMetadata:
     block_tables: torch.Tensor  # [rows, blocks of the longest context] int32 (padded with 0)
     plan: Any  # the kernels' LaunchPlan: tile sizes and key splits
     partials: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # the key splits' buffers, or None
+    # Full decode graphs' static metadata: context_lens then block_tables as one int32 region, refilled per replay
+    rows_region: Optional[torch.Tensor] = None
 
 
 class TritonAttention(TokenMajorStateless):
@@ -35,6 +37,7 @@ class TritonAttention(TokenMajorStateless):
 
     name = "triton"
     preferred_block_size = 16
+    supports_full_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
                  dtype: torch.dtype, kernels=None):
@@ -72,6 +75,41 @@ class TritonAttention(TokenMajorStateless):
             slot_mapping=batch.slot_mapping, query_starts=ints[:rows + 1], context_lens=ints[rows + 1:2 * rows + 1],
             block_tables=ints[2 * rows + 1:].view(rows, width), plan=plan,
             partials=self._attention.split_buffers(plan, num_tokens, self.num_heads, self.head_dim, device))
+
+    def static_decode_metadata(self, rows: int, max_context_len: int, block_size: int,
+                               device: torch.device) -> TritonAttentionMetadata:
+        """Metadata for `rows` one-token rows whose tensors stay put (a full decode graph reads them at replay):
+        block tables `max_context_len` wide, a launch plan sized for `max_context_len`; every row a pad row
+        (no keys, K/V not written) until `fill_decode_metadata`."""
+        width = -(-max_context_len // block_size)
+        ints = torch.zeros(rows + 1 + rows * (1 + width), dtype=torch.int32, device=device)
+        ints[:rows + 1] = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        plan = self._attention.launch_plan(self.group, self.num_kv_heads, rows, 1, max_context_len,
+                                           self._programs_target(device))
+        return TritonAttentionMetadata(
+            slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=device), query_starts=ints[:rows + 1],
+            context_lens=ints[rows + 1:2 * rows + 1], block_tables=ints[2 * rows + 1:].view(rows, width), plan=plan,
+            partials=self._attention.split_buffers(plan, rows, self.num_heads, self.head_dim, device),
+            rows_region=ints[rows + 1:])
+
+    def fill_decode_metadata(self, meta: TritonAttentionMetadata, batch: CommonAttentionMetadata) -> None:
+        """Write a decode-only batch into `static_decode_metadata`'s tensors in place (one int32 host-to-device
+        copy, from pinned memory on CUDA so the host does not wait for it, and the slot mapping's): rows past the
+        batch become pad rows, tables past a context zeros."""
+        rows, width = meta.block_tables.shape
+        real = batch.num_rows
+        packed = list(batch.context_lens) + [0] * (rows - real)
+        for table, context in zip(batch.block_tables, batch.context_lens):
+            used = -(-context // batch.block_size)
+            packed += table[:used]
+            packed += [0] * (width - used)
+        packed += [0] * ((rows - real) * width)
+        # torch's pinned-memory cache keeps the staging block until the copy that reads it has run
+        on_cuda = meta.rows_region.is_cuda
+        staged = torch.tensor(packed, dtype=torch.int32, pin_memory=on_cuda)
+        meta.rows_region.copy_(staged, non_blocking=on_cuda)
+        meta.slot_mapping[:real].copy_(batch.slot_mapping)
+        meta.slot_mapping[real:].fill_(-1)
 
     def _programs_target(self, device: torch.device) -> int:
         """Programs a step should launch before it pays to split keys: two per multiprocessor on CUDA."""
