@@ -179,6 +179,7 @@ class ModelInfo:
     quantization: Optional[str]  # --quantization or the checkpoint's scheme (GPTQ, AWQ, ...); None: full precision
     weight_bytes: int  # what the parameters occupy (quantised linears at their quantised size)
     kv_cache_bytes: int  # the paged KV pool
+    scheduling_policy: str = "fcfs"  # "priority": a request's priority orders it (else only 0 is accepted)
 
 
 @dataclass
@@ -284,7 +285,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids, bos_token_id=self.tokenizer.bos_token_id if self.tokenizer else None,
             dtype=str(self.executor.dtype).replace("torch.", ""),
             quantization=quantization_label(args.quantization, self.model_config),
-            weight_bytes=self.executor.weight_bytes, kv_cache_bytes=self.executor.kv_cache_bytes)
+            weight_bytes=self.executor.weight_bytes, kv_cache_bytes=self.executor.kv_cache_bytes,
+            scheduling_policy=self.scheduler.config.policy)
 
     # ---- configuration ------------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:

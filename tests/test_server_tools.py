@@ -1,12 +1,15 @@
 """Tool calling, reasoning and /tokenize on a real `llmctl serve` (the tiny chat model with a
-Qwen2.5-style tools-aware template): the openai SDK and litellm round trips, the refusals, and the
-shapes of tool calls and reasoning in bodies and streams (engine outputs in, OpenAI JSON out)."""
+Qwen2.5-style tools-aware template): the openai SDK, litellm, a langchain-openai agent loop and
+instructor, unmodified; the refusals, and the shapes of tool calls and reasoning in bodies and streams (engine outputs in, OpenAI JSON out)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from typing import Literal
 
+import jsonschema
+import pydantic
 import pytest
 
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
@@ -244,3 +247,56 @@ def test_streamed_tool_call_deltas_accumulate_as_the_openai_sdk_does():
         ("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Oslo"}')]
     reasoning = "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events)
     assert reasoning == "\nThe user wants the weather.\n"
+
+
+# ---- real clients, unmodified: an agent loop (langchain-openai), litellm and instructor with tools ----
+CITY = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+def test_langchain_agent_loop_tool_call_then_tool_message_then_answer(server):
+    """The first turn names the tool (the grammar forces a call), the tool's result goes back as a tool
+    message, and the second turn (tool_choice none) answers in text."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: Literal["Oslo", "Paris"]) -> str:
+        """The weather in a city."""
+        return f"18 C, sunny in {city}"
+
+    chat = langchain_openai.ChatOpenAI(base_url=server.base_url + "/v1", api_key="none", model=MODEL, max_tokens=16,
+                                       temperature=0, max_retries=0)
+    messages = [HumanMessage("Weather in Paris?")]
+    call = chat.bind_tools([get_weather], tool_choice="get_weather").invoke(messages)
+    (request,) = call.tool_calls
+    assert request["name"] == "get_weather" and request["args"]["city"] in ("Oslo", "Paris")
+    result = get_weather.invoke(request)  # a ToolMessage answering the call's id
+    assert isinstance(result, ToolMessage) and result.tool_call_id == request["id"]
+    answer = chat.bind_tools([get_weather], tool_choice="none").invoke(messages + [call, result])
+    assert isinstance(answer, AIMessage) and not answer.tool_calls and isinstance(answer.content, str)
+    assert answer.response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_litellm_with_a_named_tool_gets_a_call_whose_arguments_validate(server):
+    litellm = pytest.importorskip("litellm")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+    out = litellm.completion(model=f"openai/{MODEL}", api_base=server.base_url + "/v1", api_key="unused",
+                             messages=HISTORY[:1], tools=tools, max_tokens=16, num_retries=0,
+                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), CITY)
+
+
+def test_instructor_tools_mode_returns_the_pydantic_model(server):
+    instructor = pytest.importorskip("instructor", reason="instructor is in the test extra; not installed here")
+
+    class Weather(pydantic.BaseModel):
+        city: Literal["Oslo", "Paris"]
+
+    client = instructor.from_openai(openai_client(server), mode=instructor.Mode.TOOLS)
+    weather = client.chat.completions.create(model=MODEL, messages=HISTORY[:1], response_model=Weather,
+                                             max_tokens=16, max_retries=0)
+    assert isinstance(weather, Weather) and weather.city in ("Oslo", "Paris")

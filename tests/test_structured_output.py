@@ -311,3 +311,18 @@ def test_response_format_json_object(server):
     for text, finish in _chat_texts(server, body).values():
         # any object: a random model closes an unbounded string only by chance, so some run into max_tokens
         assert text.startswith("{") and (finish == "length" or isinstance(json.loads(text), dict)), text
+
+
+def test_langchain_with_structured_output_returns_the_pydantic_model(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(base_url=server.base_url + "/v1", api_key="none", model="m", max_tokens=300,
+                                       seed=3, max_retries=0)
+    person = chat.with_structured_output(Person, method="json_schema", strict=True).invoke("Who are you?")
+    assert isinstance(person, Person)
+
+
+def test_instructor_json_schema_mode_returns_the_pydantic_model(client):
+    instructor = pytest.importorskip("instructor", reason="instructor is in the test extra; not installed here")
+    person = instructor.from_openai(client, mode=instructor.Mode.JSON_SCHEMA).chat.completions.create(
+        model="m", messages=USER, response_model=Person, max_tokens=300, seed=3, max_retries=0)
+    assert isinstance(person, Person)

@@ -30,7 +30,7 @@ from llmctl.server.json_body import ARRAY_LIMIT_KEY, StrictJSONRoute
 from llmctl.server.metrics import ModelMetrics, ServerMetrics, endpoint_label
 from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, DrainCutoff, InternalErrors, RateLimit, RateLimiter, RequestContext,
                                       audit_line, is_protected)
-from llmctl.server.openapi import METRICS_CONTENT_TYPE, install_openapi
+from llmctl.server.openapi import METRICS_CONTENT_TYPE, ServedFacts, install_openapi
 from llmctl.server.profiler import TorchProfilerSession
 from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                     TokenizeCompletionRequest)
@@ -240,7 +240,10 @@ def build_app(engine: Union[AsyncLLMEngine, Sequence[AsyncLLMEngine]], settings:
     limits = [MAX_PROMPTS_PER_REQUEST] + [n for e in engines for n in (e.model_info.max_model_len, e.model_info.vocab_size)]
     setattr(app.state, ARRAY_LIMIT_KEY, max(limits))
     install_error_handlers(app)
-    install_openapi(app, settings.max_output_tokens)
+    primary = engines[0].model_info
+    install_openapi(app, ServedFacts(
+        settings.max_output_tokens, primary.vocab_size, primary.scheduling_policy == "priority",
+        primary.tokenizer.chat_template_variables if primary.tokenizer is not None else None))
     _add_routes(app, replicas, engines, router, degraded, metrics, settings)
 
     def on_finished(record: dict[str, Any]) -> None:

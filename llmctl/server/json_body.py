@@ -6,6 +6,8 @@ took it ~0.3 s, and pydantic's validation of the result another ~0.2 s, with eve
 in a worker thread by the pure-Python scanner instead, which lets the event loop run between
 values, and any array or object longer than any valid request could hold is refused there,
 before validation. Python's JSON extensions `NaN`, `Infinity` and `-Infinity` are refused always.
+A whole number written with a fraction or exponent (`2.0`, `1e3`) is the integer JSON Schema says it
+is: parsed as an int, so the strict request models take it wherever they take an integer.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class _StrictJSONRequest(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             if body.count(b",") <= C_PARSER_MAX_VALUES:
-                self._json = json.loads(body, parse_constant=_refuse_constant)
+                self._json = json.loads(body, parse_constant=_refuse_constant, parse_float=_number)
             else:
                 limit = getattr(self.app.state, ARRAY_LIMIT_KEY, None)
                 self._json = await asyncio.to_thread(_parse_in_python, body, limit)
@@ -50,8 +52,13 @@ def _refuse_constant(name: str) -> Any:
     raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
 
 
+def _number(literal: str) -> float | int:
+    value = float(literal)
+    return int(value) if value.is_integer() else value
+
+
 def _parse_in_python(body: bytes, array_limit: int | None) -> Any:
-    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+    decoder = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_number)
     if array_limit is not None:
         # Counted while parsing, so an oversized array is refused at its (limit+1)-th item, never built whole.
         decoder.parse_array = _limited(json.decoder.JSONArray, array_limit, "array")

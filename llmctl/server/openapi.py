@@ -11,15 +11,19 @@ their real content types (Prometheus text, Server-Sent Events).
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from llmctl.engine.sampling_params import MAX_LOGPROBS
-from llmctl.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, unsupported_fields
+from llmctl.server.middleware import is_protected
+from llmctl.server.protocol import (GUIDED_FIELDS, MAX_N, RESPONSE_FORMATS, ChatCompletionRequest, CompletionRequest,
+                                    TokenizeChatRequest, unsupported_fields)
 
 ERROR_SCHEMA: dict[str, Any] = {
     "title": "ErrorResponse",
@@ -45,6 +49,7 @@ _ERRORS = {
     408: "The request body did not arrive within --timeout-body",
     413: "Request body over --max-body-size",
     429: "Over --rate-limit or --auth-failure-limit for this client, or over the API key's rate limits",
+    409: "A profile is (or is not) being recorded already (--profile-dir)",
     500: "A server bug, or a failed engine step",
     503: "Warming up, over capacity, too many connections, or the engine is not serving",
     504: "The request ran past --request-timeout",
@@ -53,7 +58,9 @@ _ERRORS = {
 
 # What /metrics answers (`app.py` sends it): Prometheus' classic text format, which every scraper reads.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_BODIES = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest}
+_BODIES = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
+           "TokenizeChatRequest": TokenizeChatRequest}
+_GENERATION_BODIES = ("CompletionRequest", "ChatCompletionRequest")
 # The refusals `protocol.check_unsupported` makes outside its table: schema -> field -> (what, values that pass).
 _REFUSED_ELSEWHERE: dict[str, dict[str, tuple[str, tuple]]] = {
     "CompletionRequest": {"suffix": ("insertion", ("",))},
@@ -61,21 +68,29 @@ _REFUSED_ELSEWHERE: dict[str, dict[str, tuple[str, tuple]]] = {
 }
 
 
-def install_openapi(app: FastAPI, max_output_tokens: Optional[int] = None) -> None:
-    """Serve the corrected document (built once, on first request) at /openapi.json; `max_output_tokens`
-    is the server's cap on `max_tokens` (--max-output-tokens)."""
+@dataclass(frozen=True)
+class ServedFacts:
+    """What the request schemas depend on beyond the request models: the served model and flags."""
+    max_output_tokens: Optional[int] = None  # --max-output-tokens: the cap on max_tokens
+    vocab_size: Optional[int] = None  # token ids are below it
+    priority_scheduling: bool = True  # False: only priority 0 is accepted
+    template_variables: Optional[frozenset[str]] = None  # what the chat template reads (None: not known)
+
+
+def install_openapi(app: FastAPI, facts: ServedFacts = ServedFacts()) -> None:
+    """Serve the corrected document (built once, on first request) at /openapi.json."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             with warnings.catch_warnings():  # GET+HEAD /health share an operation id: made unique below
                 warnings.filterwarnings("ignore", message="Duplicate Operation ID")
                 document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            app.openapi_schema = _truthful(document, max_output_tokens)
+            app.openapi_schema = _truthful(document, facts)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _truthful(document: dict[str, Any], max_output_tokens: Optional[int]) -> dict[str, Any]:
+def _truthful(document: dict[str, Any], facts: ServedFacts) -> dict[str, Any]:
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
@@ -84,7 +99,11 @@ def _truthful(document: dict[str, Any], max_output_tokens: Optional[int]) -> dic
         _refused_fields(schema, _REFUSED_ELSEWHERE.get(name, {}))
         if name in _BODIES:
             _refused_fields(schema, unsupported_fields(_BODIES[name]))
-            _caps(schema, max_output_tokens)
+        if name in _GENERATION_BODIES:
+            _caps(schema, facts.max_output_tokens)
+    _text_parts_only(schemas)
+    _token_ids_in(schemas, facts.vocab_size)
+    _served_features(schemas, facts)
     schemas["ErrorResponse"] = ERROR_SCHEMA
     for path, operations in document.get("paths", {}).items():
         for method, operation in operations.items():
@@ -198,6 +217,120 @@ def _token_ids_only(properties: dict[str, Any]) -> None:
                     item.setdefault("items", {})["minimum"] = 0
 
 
+def _served_features(schemas: dict[str, Any], facts: ServedFacts) -> None:
+    """Fields whose use depends on the model and flags: refused ones listed with the values that pass."""
+    template = facts.template_variables
+    for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
+        refused = {}
+        if template is not None and "tools" not in template:
+            refused["tools"] = ("tools: this model's chat template does not render them", ())
+        if template is not None and "reasoning_effort" not in template:
+            refused["reasoning_effort"] = ("reasoning_effort: this model's chat template does not read it", ())
+        _refused_fields(schemas[name], refused)
+    for name in _GENERATION_BODIES:
+        if not facts.priority_scheduling:
+            _refused_fields(schemas[name], {"priority": ("priorities other than 0: --scheduling-policy fcfs", (0,))})
+        schemas[name].setdefault("allOf", []).append(  # prompt_logprobs are not streamed (as in vLLM)
+            {"if": _given("prompt_logprobs", {"type": "integer"}), "then": {"not": _given("stream", {"const": True})}})
+        _constraint_kinds(schemas[name]["properties"], "guided_json", "guided_regex")
+        _one_output_constraint(schemas[name])
+    structured = schemas["StructuredOutputsBody"]
+    _constraint_kinds(structured["properties"], "json", "regex")
+    _exactly_one_field(structured)
+    _response_format(schemas["ResponseFormat"], schemas["JsonSchemaFormat"])
+
+
+def _constraint_kinds(properties: dict[str, Any], json_field: str, regex_field: str) -> None:
+    """A JSON schema is advertised as an object (its string spelling, JSON text, is accepted too but no
+    schema can say "a string holding a JSON schema"); a regex field holds a regular expression."""
+    field = properties[json_field]
+    field["anyOf"] = [option for option in field["anyOf"] if option.get("type") != "string"]
+    for option in _options(properties[regex_field]):
+        if option.get("type") == "string":
+            option["format"] = "regex"
+
+
+_OUTPUT_CONSTRAINTS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
+_NOT_NULL = {"not": {"type": "null"}}
+
+
+def _one_output_constraint(schema: dict[str, Any]) -> None:
+    """At most one of response_format, structured_outputs and guided_* in a request (`protocol.structured_outputs`)."""
+    for first, second in itertools.combinations(_OUTPUT_CONSTRAINTS, 2):
+        schema.setdefault("allOf", []).append({"not": {"required": [first, second],
+                                                       "properties": {first: _NOT_NULL, second: _NOT_NULL}}})
+    choice = schema["properties"]["guided_choice"]
+    for option in _options(choice):
+        if option.get("type") == "array":
+            option["minItems"] = 1
+
+
+def _exactly_one_field(structured: dict[str, Any]) -> None:
+    """vLLM's structured_outputs holds exactly one constraint, given (not null, json_object only true)."""
+    for name, field in structured["properties"].items():
+        options = [option for option in _options(field)[1:] or [field] if option.get("type") != "null"]
+        structured["properties"][name] = options[0] if len(options) == 1 else {"anyOf": options}
+    structured["properties"]["json_object"] = {"const": True}
+    structured["properties"]["choice"]["minItems"] = 1
+    structured.update(minProperties=1, maxProperties=1)
+
+
+def _response_format(response_format: dict[str, Any], json_schema: dict[str, Any]) -> None:
+    """Its type is one of RESPONSE_FORMATS; json_schema needs the schema (an object, or true)."""
+    response_format["properties"]["type"] = {"enum": list(RESPONSE_FORMATS), "title": "Type"}
+    response_format.setdefault("allOf", []).append({
+        "if": _given("type", {"const": "json_schema"}),
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"required": ["schema"]}}}})
+    json_schema["properties"]["schema"] = {"anyOf": [{"type": "object"}, {"const": True}], "title": "Schema"}
+
+
+_MEDIA_PART_REF = "#/components/schemas/MediaPart"
+
+
+def _text_parts_only(schemas: dict[str, Any]) -> None:
+    """Image, audio and file parts are declared only to be refused by name (the models take text): not advertised."""
+    if schemas.pop("MediaPart", None) is None:
+        return
+    for option in _options(schemas["ChatMessage"]["properties"]["content"]):
+        items = option.get("items", {})
+        if "anyOf" in items:
+            kept = [part for part in items["anyOf"] if part.get("$ref") != _MEDIA_PART_REF]
+            option["items"] = kept[0] if len(kept) == 1 else {**items, "anyOf": kept}
+
+
+def _token_ids_in(schemas: dict[str, Any], vocab_size: Optional[int]) -> None:
+    """Token ids (prompts, stop_token_ids, /detokenize, logit_bias keys) are in [0, vocab_size)."""
+    if vocab_size is None:
+        return
+    id_fields = [(schemas[body]["properties"], "prompt") for body in ("CompletionRequest",)]
+    id_fields += [(schemas[body]["properties"], "stop_token_ids") for body in _GENERATION_BODIES]
+    id_fields.append((schemas["DetokenizeRequest"]["properties"], "tokens"))
+    for properties, name in id_fields:
+        for option in _options(properties.get(name, {})):
+            for item in _options(option.get("items", {})):
+                for token in [item, *_options(item.get("items", {}))]:
+                    if token.get("type") == "integer":
+                        token.update(minimum=0, maximum=vocab_size - 1)
+    for body in _GENERATION_BODIES:
+        for option in _options(schemas[body]["properties"].get("logit_bias", {})):
+            if option.get("type") == "object":
+                option["propertyNames"] = {"pattern": f"^({_below(vocab_size)})$"}
+                option["additionalProperties"] = {"type": "number", "minimum": -100, "maximum": 100}
+
+
+def _below(bound: int) -> str:
+    """A regex alternation matching exactly the decimal integers in [0, bound), without leading zeros."""
+    top = str(bound - 1)
+    alternatives = ["0"] + [f"[1-9][0-9]{{{length - 1}}}" for length in range(1, len(top))]
+    for i, digit in enumerate(top):  # same prefix as `top`, a smaller digit here, anything after
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            smaller = f"[{low}-{int(digit) - 1}]" if int(digit) - 1 > low else str(low)
+            alternatives.append(f"{top[:i]}{smaller}[0-9]{{{len(top) - i - 1}}}")
+    alternatives.append(top)
+    return "|".join(alternatives)
+
+
 def _options(field: dict[str, Any]) -> list[dict[str, Any]]:
     return [field, *field.get("anyOf", [])]
 
@@ -225,9 +358,18 @@ def _content_types(path: str, responses: dict[str, Any]) -> None:
 
 
 def _errors_for(path: str, method: str) -> list[int]:
-    if not path.startswith("/v1/"):
-        return [500, 503] if path == "/health" else [500]
-    statuses = [401, 403, 404, 429, 500, 503]
+    """Every route may answer 500, and 503 (too many connections, shutting down); a protected route
+    (API keys, rate limits: `middleware.is_protected`) 401/403/429; a body 400/408/413; a route naming
+    a model 404; generation 504 (--request-timeout); the profiler 409."""
+    statuses = {500, 503}
+    if is_protected(path):
+        statuses |= {401, 403, 429}
     if method == "post":
-        statuses += [400, 408, 413, 504]
+        statuses |= {400, 408, 413}
+    if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+        statuses.add(404)
+    if path in ("/v1/completions", "/v1/chat/completions"):
+        statuses.add(504)
+    if path in ("/start_profile", "/stop_profile"):
+        statuses.add(409)
     return sorted(statuses)

@@ -156,7 +156,9 @@ _TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "documents"
 def unsupported_fields(request: type) -> dict[str, tuple[str, tuple]]:
     """For /openapi.json: the fields of a request body class this server refuses, each with what it
     is and the values that still pass (besides null)."""
-    return dict(_UNSUPPORTED_COMPLETION if request is CompletionRequest else _UNSUPPORTED_CHAT)
+    tables = {CompletionRequest: _UNSUPPORTED_COMPLETION, ChatCompletionRequest: _UNSUPPORTED_CHAT,
+              TokenizeChatRequest: _UNSUPPORTED_TOKENIZE_CHAT}
+    return dict(tables.get(request, {}))
 
 
 class _SamplingFields(_Body):
@@ -663,13 +665,21 @@ class TokenizeChatRequest(_Body):
 
     def check_unsupported(self) -> None:
         _check_messages(self.messages)
-        for name, value in (("continue_final_message", self.continue_final_message),
-                            ("add_special_tokens", self.add_special_tokens), ("chat_template", self.chat_template),
-                            ("mm_processor_kwargs", self.mm_processor_kwargs)):
-            if value not in (None, False):
+        for name, (_what, accepted) in _UNSUPPORTED_TOKENIZE_CHAT.items():
+            value = getattr(self, name)
+            if value is not None and not _is_accepted(value, accepted):
                 raise APIError(400, f"{name} is not supported by this server", param=name,
                                code="unsupported_parameter")
         check_template_kwargs(self.chat_template_kwargs)
+
+
+# vLLM's /tokenize fields for chat that this server refuses (field -> (what it is, accepted values)).
+_UNSUPPORTED_TOKENIZE_CHAT = {
+    "continue_final_message": ("vLLM's continue_final_message", (False,)),
+    "add_special_tokens": ("vLLM's special tokens on top of the chat template", (False,)),
+    "chat_template": ("a per-request chat template", ()),
+    "mm_processor_kwargs": ("multimodal input", ()),
+}
 
 
 class DetokenizeRequest(_Body):
