@@ -193,7 +193,12 @@ class DecodeGraphs:
 
 def maybe_decode_graphs(model: torch.nn.Module, backend, device: torch.device, dtype: torch.dtype,
                         max_num_seqs: int, enforce_eager: bool) -> Optional[DecodeGraphs]:
-    """Decode graphs (nothing captured yet) on CUDA unless `enforce_eager`; None elsewhere."""
+    """Decode graphs (nothing captured yet) on CUDA unless `enforce_eager` or the model gives an `eager_reason`;
+    None elsewhere."""
     if device.type != "cuda" or enforce_eager:
+        return None
+    reason = getattr(model, "eager_reason", None)
+    if reason:
+        logger.info("decode graphs: off (%s); every step runs eagerly", reason)
         return None
     return DecodeGraphs(model, backend, min(max_num_seqs, 256), device, dtype)
