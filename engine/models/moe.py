@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from llmctl.engine.layers.fused_moe import ExpertNames, FusedMoE, ReplicatedGate
+from llmctl.engine.layers.fused_moe import CHECKPOINT_EXPERT_NAMES, FusedMoE, ReplicatedGate
 from llmctl.engine.layers.fused_ops import LayerOps
 from llmctl.engine.layers.linear import LinearFactory
 from llmctl.engine.model_config import ModelConfig
@@ -44,7 +44,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     each per-expert checkpoint tensor lands (in the fused or the per-expert form, as the experts were built).
     `eager_reason`: why decode steps cannot be captured in CUDA graphs (None: they can)."""
 
-    expert_names = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+    expert_names = CHECKPOINT_EXPERT_NAMES["Qwen2MoeForCausalLM"]
 
     def __init__(self, config: ModelConfig, max_positions: int, **kwargs):
         super().__init__(config, max_positions, **kwargs)
@@ -66,5 +66,5 @@ class MoEForCausalLM(LlamaForCausalLM):
 
 
 class MixtralForCausalLM(MoEForCausalLM):
-    expert_names = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+    expert_names = CHECKPOINT_EXPERT_NAMES["MixtralForCausalLM"]
 

@@ -79,6 +79,12 @@ class ExpertNames:
         return f"{prefix}.{self.module}.experts.{expert}.{projection}.{suffix}"
 
 
+QWEN_EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+# each mixture-of-experts architecture's checkpoint names (the models' and the GGUF loader's one source)
+CHECKPOINT_EXPERT_NAMES = {"MixtralForCausalLM": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
+                           "Qwen2MoeForCausalLM": QWEN_EXPERT_NAMES, "Qwen3MoeForCausalLM": QWEN_EXPERT_NAMES}
+
+
 class ReplicatedGate(nn.Module):
     """A small unquantised [out, in] projection kept whole (the router, Qwen2-MoE's shared-expert gate)."""
 
