@@ -1,7 +1,8 @@
 """Mixture-of-experts models with tensor parallel 2 on CPU (gloo): every expert's intermediate size split over the
 ranks (vLLM's layout without expert parallelism; the router replicated; Qwen2-MoE's shared expert split like a
 dense MLP), each MoE layer's partial sums all-reduced once. Greedy tokens equal TP=1's and transformers', logits
-within float32 noise, for fused experts (Mixtral, Qwen2-MoE) and per-expert int4-g32 ones (Qwen3-MoE)."""
+within float32 noise, for fused experts (Qwen2-MoE) and per-expert ones: int4-g32 on the fly and a Q8_0 GGUF
+file (Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_writer import write_gguf
 from test_moe import MOE_CONFIGS, TINY, moe_models  # noqa: F401 - the tiny checkpoints fixture
 from test_parity import make_prompts
 from tp_helpers import greedy_run, run_ranks
@@ -19,10 +21,10 @@ NEW_TOKENS = 4
 ENGINE = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_batched_tokens=32, max_num_seqs=4,
               max_model_len=256)
 PROMPTS = make_prompts(256)[1:5]  # 7 to 64 tokens: chunked prefill beside decodes
-# name -> (model, extra engine arguments); int4-g32 on a Qwen3-MoE whose experts' 64 intermediate rows split in
-# whole groups of 32, so each rank quantises to TP=1's codes
-RUNS = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}),
-        "qwen3_moe-int4-g32": ("qwen3_moe_wide", {"quantization": "int4-g32"})}
+# name -> (model, extra engine arguments); a Qwen3-MoE whose experts' 64 intermediate rows split in whole groups of
+# 32, so each rank holds TP=1's codes (int4-g32 quantised per rank; Q8_0 blocks narrowed from the file's)
+RUNS = {"qwen2_moe": ("qwen2_moe", {}), "qwen3_moe-int4-g32": ("qwen3_moe_wide", {"quantization": "int4-g32"}),
+        "qwen3_moe-gguf-Q8_0": ("qwen3_moe_wide.gguf", {})}
 
 
 def _generate(tp: TensorParallel, folders: dict[str, str]):
@@ -40,7 +42,9 @@ def tp_runs(moe_models, tmp_path_factory):
     torch.manual_seed(5)
     wide = tmp_path_factory.mktemp("moe-tp") / "qwen3_moe_wide"
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(wide)
-    folders = {**{arch: str(folder) for arch, folder in moe_models.items()}, "qwen3_moe_wide": str(wide)}
+    write_gguf(wide, wide.parent / "qwen3_moe_wide.gguf", {}, default_type="Q8_0")
+    folders = {**{arch: str(folder) for arch, folder in moe_models.items()}, "qwen3_moe_wide": str(wide),
+               "qwen3_moe_wide.gguf": str(wide.parent / "qwen3_moe_wide.gguf")}
     single = _generate(TensorParallel.single(), folders)
     sharded = run_ranks(_generate, 2, folders, timeout=300)
     return folders, single, sharded
