@@ -78,7 +78,8 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported (supported: "
                                  f"{', '.join(ARCHITECTURES)})")
         self.num_experts = int(self.metadata.get(f"{self.arch}.expert_count", 0) or 0)
-        self.architecture = "MixtralForCausalLM" if self.arch == "llama" and self.num_experts else ARCHITECTURES[self.arch]
+        mixtral = self.arch == "llama" and self.num_experts
+        self.architecture = "MixtralForCausalLM" if mixtral else ARCHITECTURES[self.arch]
         self.expert_names: ExpertNames | None = CHECKPOINT_EXPERT_NAMES.get(self.architecture)
 
     def _arch_value(self, key: str, default: Any = None) -> Any:
@@ -129,15 +130,16 @@ class GGUFFile:
         """The routing facts under the architecture's config.json keys (`MoEConfig` reads them)."""
         gating = int(self.metadata.get(f"{self.arch}.expert_gating_func", GATING_SOFTMAX))
         if gating != GATING_SOFTMAX:
-            raise ModelLoadError(f"{self.path.name}: expert_gating_func {gating} is not supported (softmax routing only)")
+            raise ModelLoadError(f"{self.path.name}: expert_gating_func {gating} is not supported (softmax routing "
+                                 "only)")
         used = int(self._arch_value("expert_used_count"))
         if self.arch == "llama":
             return {"num_local_experts": self.num_experts, "num_experts_per_tok": used}
+        shared = int(self.metadata.get(f"{self.arch}.expert_shared_feed_forward_length", 0) or 0)
+        renormalize = bool(self.metadata.get(f"{self.arch}.expert_weights_norm", RENORMALIZE[self.arch]))
         return {"num_experts": self.num_experts, "num_experts_per_tok": used,
                 "moe_intermediate_size": int(self._arch_value("expert_feed_forward_length")),
-                "shared_expert_intermediate_size": int(self.metadata.get(
-                    f"{self.arch}.expert_shared_feed_forward_length", 0) or 0),
-                "norm_topk_prob": bool(self.metadata.get(f"{self.arch}.expert_weights_norm", RENORMALIZE[self.arch]))}
+                "shared_expert_intermediate_size": shared, "norm_topk_prob": renormalize}
 
     def head_from_embedding(self) -> bool:
         """A tied file (no output.weight) whose token_embd is in a grouped type (`GROUPED_DECODERS`): its
@@ -213,7 +215,6 @@ class GGUFFile:
             if gguf_name == "token_embd.weight" and head_from_embedding:
                 yield "lm_head.qweight", torch.from_numpy(raw.copy())
                 yield "lm_head.qweight_type", torch.tensor(int(tensor.tensor_type))
-
 
     def _expert_tensors(self, gguf_name: str, tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """A stacked [experts, rows, inputs] projection as each expert's raw rows (`.qweight`) and ggml type."""

@@ -23,8 +23,8 @@ from torch import nn
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.fused_moe.router import select_experts
 from llmctl.engine.layers.fused_moe.torch_impl import fused_experts_torch, group_by_expert
-from llmctl.engine.layers.linear import CheckpointSlice, LinearFactory, ShardId, WeightShapeError, copy_checked, \
-    new_parameter
+from llmctl.engine.layers.linear import (CheckpointSlice, LinearFactory, ShardId, WeightShapeError, copy_checked,
+                                        new_parameter)
 
 ExpertsImpl = Callable[..., torch.Tensor]
 # the tensor suffixes a per-expert linear loads (GGUF's raw blocks and their type as well as plain weights)
