@@ -337,10 +337,19 @@ def ranks_agree(tp, device: torch.device) -> Optional[Callable[[bool], bool]]:
     return agree
 
 
+def _model_runs_eagerly(model: torch.nn.Module) -> bool:
+    """A model whose step does host work graphs cannot hold (e.g. quantised experts grouped by expert on the
+    host) says why in `eager_reason`."""
+    reason = getattr(model, "eager_reason", None)
+    if reason:
+        logger.info("decode graphs: off (%s); every step runs eagerly", reason)
+    return bool(reason)
+
+
 def maybe_decode_graphs(model: torch.nn.Module, backend, device: torch.device, dtype: torch.dtype,
                         max_num_seqs: int, mode: str, capturer: Any = None) -> Optional[DecodeGraphs]:
     """Piecewise decode graphs (nothing captured yet) where the resolved `mode` has them; None elsewhere."""
-    if mode not in ("piecewise", "full_and_piecewise"):
+    if mode not in ("piecewise", "full_and_piecewise") or _model_runs_eagerly(model):
         return None
     return DecodeGraphs(model, backend, min(max_num_seqs, 256), device, dtype, capturer)
 
@@ -349,7 +358,7 @@ def maybe_full_decode_graphs(model: torch.nn.Module, backend, kv_caches: list[to
                              max_num_seqs: int, max_model_len: int, block_size: int,
                              mode: str, capturer: Any = None) -> Optional[FullDecodeGraphs]:
     """Full decode graphs (nothing captured yet) on the allocated pool where the resolved `mode` has them."""
-    if not has_full_graphs(mode):
+    if not has_full_graphs(mode) or _model_runs_eagerly(model):
         return None
     return FullDecodeGraphs(model, backend, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, device,
                             capturer)

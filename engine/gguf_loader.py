@@ -11,6 +11,12 @@ llama.cpp's converter permutes the rows of a Llama q/k projection so that RoPE r
 (convert_hf_to_gguf.py `LlamaModel.permute`); the engine's RoPE rotates halves, as Hugging Face does, so
 those rows are permuted back here (whole rows of blocks, so quantised tensors too). Qwen2/Qwen3 files are
 written unpermuted (llama.cpp runs them with NeoX RoPE).
+
+Mixture-of-experts files (Mixtral as "llama" with `expert_count`, "qwen2moe", "qwen3moe"): each layer's experts
+are stacked in one 3-D tensor per projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`), yielded here as
+every expert's raw rows under the architecture's per-expert checkpoint names (`CHECKPOINT_EXPERT_NAMES`), so
+each expert runs as a GGUF linear of its own; the router (`ffn_gate_inp`) and Qwen2-MoE's shared-expert gate
+(`ffn_gate_inp_shexp`) are dequantised. Every layer is sparse (llama.cpp's assumption too).
 """
 
 from __future__ import annotations
@@ -25,10 +31,17 @@ import numpy as np
 import torch
 
 from llmctl.engine.errors import ModelLoadError
+from llmctl.engine.layers.fused_moe import CHECKPOINT_EXPERT_NAMES, ExpertNames
 from llmctl.engine.model_config import ModelConfig
 
-# general.architecture -> our architecture (Mistral files are written as "llama")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# general.architecture -> our architecture (Mistral files are written as "llama", Mixtral as "llama" with experts)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# whether the top-k routing weights are renormalised where the file has no expert_weights_norm (llama.cpp's
+# own choice per architecture: Mixtral and Qwen3-MoE renormalise, Qwen2-MoE does not)
+RENORMALIZE = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+EXPERT_PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 PERMUTED_ARCHITECTURES = ("llama",)
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -38,6 +51,8 @@ LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)$")
@@ -62,6 +77,10 @@ class GGUFFile:
         if self.arch not in ARCHITECTURES:
             raise ModelLoadError(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported (supported: "
                                  f"{', '.join(ARCHITECTURES)})")
+        self.num_experts = int(self.metadata.get(f"{self.arch}.expert_count", 0) or 0)
+        mixtral = self.arch == "llama" and self.num_experts
+        self.architecture = "MixtralForCausalLM" if mixtral else ARCHITECTURES[self.arch]
+        self.expert_names: ExpertNames | None = CHECKPOINT_EXPERT_NAMES.get(self.architecture)
 
     def _arch_value(self, key: str, default: Any = None) -> Any:
         value = self.metadata.get(f"{self.arch}.{key}", default)
@@ -77,7 +96,7 @@ class GGUFFile:
     def quantization_label(self) -> str:
         """'gguf' and the linear weights' ggml types, most weights first (e.g. 'gguf Q4_K, Q6_K')."""
         counts = Counter(tensor.tensor_type.name for name, tensor in self.tensors.items()
-                         if name.endswith(".weight") and name != "rope_freqs.weight" and hf_name(name, self.path.name).rsplit(".", 2)[-2] in LINEARS)
+                         if name.endswith(".weight") and name != "rope_freqs.weight" and self._is_linear(name))
         return "gguf " + ", ".join(kind for kind, _ in counts.most_common())
 
     def config_dict(self) -> dict[str, Any]:
@@ -87,10 +106,11 @@ class GGUFFile:
         hidden = int(self._arch_value("embedding_length"))
         embedding = self._tensor("token_embd.weight")
         config = {
-            "architectures": [ARCHITECTURES[self.arch]],
+            "architectures": [self.architecture],
             "vocab_size": int(embedding.shape[1]),  # ggml order: [hidden, vocab]
             "hidden_size": hidden,
-            "intermediate_size": int(self._arch_value("feed_forward_length")),
+            "intermediate_size": int(self._arch_value(  # a MoE file may give its experts' only
+                "feed_forward_length", self.metadata.get(f"{self.arch}.expert_feed_forward_length"))),
             "num_hidden_layers": int(self._arch_value("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._arch_value("attention.head_count_kv", heads)),
@@ -104,7 +124,22 @@ class GGUFFile:
             "torch_dtype": FLOAT_TYPES.get(embedding.tensor_type.name, "bfloat16"),
             "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
         }
-        return config
+        return {**config, **self._experts_config()} if self.num_experts else config
+
+    def _experts_config(self) -> dict[str, Any]:
+        """The routing facts under the architecture's config.json keys (`MoEConfig` reads them)."""
+        gating = int(self.metadata.get(f"{self.arch}.expert_gating_func", GATING_SOFTMAX))
+        if gating != GATING_SOFTMAX:
+            raise ModelLoadError(f"{self.path.name}: expert_gating_func {gating} is not supported (softmax routing "
+                                 "only)")
+        used = int(self._arch_value("expert_used_count"))
+        if self.arch == "llama":
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": used}
+        shared = int(self.metadata.get(f"{self.arch}.expert_shared_feed_forward_length", 0) or 0)
+        renormalize = bool(self.metadata.get(f"{self.arch}.expert_weights_norm", RENORMALIZE[self.arch]))
+        return {"num_experts": self.num_experts, "num_experts_per_tok": used,
+                "moe_intermediate_size": int(self._arch_value("expert_feed_forward_length")),
+                "shared_expert_intermediate_size": shared, "norm_topk_prob": renormalize}
 
     def head_from_embedding(self) -> bool:
         """A tied file (no output.weight) whose token_embd is in a grouped type (`GROUPED_DECODERS`): its
@@ -119,9 +154,8 @@ class GGUFFile:
                 and embedding.tensor_type.name in GROUPED_DECODERS)
 
     def _refuse_unsupported(self) -> None:
-        if int(self.metadata.get(f"{self.arch}.expert_count", 0) or 0):
-            raise ModelLoadError(f"{self.path.name}: mixture-of-experts GGUF models are not supported (load the "
-                                 "Hugging Face folder: Mixtral, Qwen2-MoE and Qwen3-MoE run from safetensors)")
+        if self.num_experts and self.expert_names is None:
+            raise ModelLoadError(f"{self.path.name}: GGUF architecture {self.arch!r} with experts is not supported")
         key, value = (self.metadata.get(f"{self.arch}.attention.{k}") for k in ("key_length", "value_length"))
         if key is not None and value is not None and key != value:
             raise ModelLoadError(f"{self.path.name}: attention key_length {key} != value_length {value}")
@@ -163,9 +197,14 @@ class GGUFFile:
         for gguf_name, tensor in self.tensors.items():
             if gguf_name == "rope_freqs.weight":
                 continue  # read into the config's rope scaling
-            name = hf_name(gguf_name, self.path.name)
-            rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
-            raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1)
+            if _part(gguf_name) in EXPERT_PARTS:
+                yield from self._expert_tensors(gguf_name, tensor)
+                continue
+            name = hf_name(gguf_name, self.path.name, self.expert_names)
+            if name.endswith("shared_expert_gate.weight"):  # llama.cpp holds it as a vector
+                yield name, _dequantized(_raw_rows(tensor, 1), tensor).reshape(1, -1)
+                continue
+            raw = _raw_rows(tensor, int(tensor.shape[1]) if len(tensor.shape) > 1 else 1)
             if self.arch in PERMUTED_ARCHITECTURES and re.search(r"\.(q|k)_proj\.", name):
                 raw = unpermute_rows(raw, heads if ".q_proj." in name else kv_heads)
             if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
@@ -177,13 +216,49 @@ class GGUFFile:
                 yield "lm_head.qweight", torch.from_numpy(raw.copy())
                 yield "lm_head.qweight_type", torch.tensor(int(tensor.tensor_type))
 
+    def _expert_tensors(self, gguf_name: str, tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """A stacked [experts, rows, inputs] projection as each expert's raw rows (`.qweight`) and ggml type."""
+        if self.expert_names is None or len(tensor.shape) != 3 or int(tensor.shape[2]) != self.num_experts:
+            raise ModelLoadError(f"{self.path.name}: GGUF tensor {gguf_name!r} of shape {_torch_shape(tensor)} does "
+                                 f"not hold {self.num_experts} experts (expert_count)")
+        layer, part = TENSOR_NAME.match(gguf_name).group(1, 2)
+        names = self.expert_names
+        projection = {"gate": names.gate, "up": names.up, "down": names.down}[EXPERT_PARTS[part]]
+        rows = int(tensor.shape[1])
+        raw = _raw_rows(tensor, self.num_experts * rows)
+        kind = torch.tensor(int(tensor.tensor_type))
+        for expert in range(self.num_experts):
+            name = f"model.layers.{layer}.{names.module}.experts.{expert}.{projection}."
+            yield name + "qweight", torch.from_numpy(raw[expert * rows:(expert + 1) * rows].copy())
+            yield name + "qweight_type", kind
 
-def hf_name(gguf_name: str, source: str) -> str:
+    def _is_linear(self, gguf_name: str) -> bool:
+        """A weight that runs as a linear (its ggml type is the file's quantisation): the experts' too."""
+        if _part(gguf_name) in EXPERT_PARTS:
+            return True
+        return hf_name(gguf_name, self.path.name, self.expert_names).rsplit(".", 2)[-2] in LINEARS
+
+
+def _part(gguf_name: str) -> str | None:
+    """The tensor's kind in a GGUF name ("ffn_up_exps" in "blk.3.ffn_up_exps.weight")."""
+    match = TENSOR_NAME.match(gguf_name)
+    return match.group(2) if match else None
+
+
+def _raw_rows(tensor, rows: int) -> np.ndarray:
+    """The tensor's bytes as `rows` rows of whole ggml blocks."""
+    return np.ascontiguousarray(tensor.data).view(np.uint8).reshape(rows, -1)
+
+
+def hf_name(gguf_name: str, source: str, expert_names: ExpertNames | None = None) -> str:
+    """The Hugging Face name of a GGUF tensor (a router's under `expert_names`' module)."""
     match = TENSOR_NAME.match(gguf_name)
     base = None
     if match:
         layer, part, kind = match.groups()
         base = GLOBAL_NAMES.get(part) if layer is None else LAYER_NAMES.get(part)
+        if part == "ffn_gate_inp" and expert_names is not None:
+            base = f"{expert_names.module}.gate"
     if base is None:
         raise ModelLoadError(f"{source}: GGUF tensor {gguf_name!r} is not supported")
     prefix = "" if layer is None else f"model.layers.{layer}."

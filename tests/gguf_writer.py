@@ -1,11 +1,14 @@
 """Test-side GGUF conversion of a tiny Hugging Face model, the way llama.cpp's convert_hf_to_gguf.py writes it:
 the gguf package's writer and tensor-name map, its quantisers for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/TQ2_0/BF16 and
 round-to-nearest Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS packers written here from ggml's block layouts (the gguf package
-only dequantises those; its dequantisers check these packers). Llama q/k rows are permuted as the converter does."""
+only dequantises those; its dequantisers check these packers). Llama q/k rows are permuted as the converter does.
+Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) get the converter's expert metadata and each layer's
+experts stacked per projection (`ffn_gate_exps`, ...); routers and the shared-expert gate stay F32 as it keeps them."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +211,53 @@ def write_tokenizer(writer, tokenizer_folder: Path, pre: str = "default") -> Non
         writer.add_chat_template(config["chat_template"])
 
 
+ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+         "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+         "Qwen3MoeForCausalLM": "qwen3moe"}
+EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+EXPERT_PROJECTIONS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # the converter keeps routers in F32
+
+
+def add_moe_metadata(writer, config: dict, arch: str) -> None:
+    """convert_hf_to_gguf.py's expert keys: Mixtral's experts use feed_forward_length, Qwen's their own."""
+    writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])  # transformers 5: local
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, tuple[list[str], np.ndarray]]:
+    """Per-expert tensors taken out of `state`, as {GGUF name: (their HF names by expert, stacked [E, out, in])}."""
+    found: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+    for name in [n for n in state if EXPERT_TENSOR.match(n)]:
+        layer, expert, projection = EXPERT_TENSOR.match(name).groups()
+        gguf_name = f"blk.{layer}.ffn_{EXPERT_PROJECTIONS[projection]}_exps.weight"
+        found.setdefault(gguf_name, {})[int(expert)] = (name, state.pop(name).float().numpy())
+    return {gguf_name: ([experts[e][0] for e in sorted(experts)], np.stack([experts[e][1] for e in sorted(experts)]))
+            for gguf_name, experts in found.items()}
+
+
+def write_tensor(writer, gguf_name: str, values: np.ndarray, kind: str, permute_heads: int = 0) -> np.ndarray:
+    """Add `values` (rows in the last dimension) as `kind`, its rows llama-permuted over `permute_heads` heads
+    (0: not); returns the float32 values the file holds, unpermuted."""
+    rows = values.reshape(-1, values.shape[-1])
+    data = quantize(rows, kind)
+    held = data.astype(np.float32) if kind in ("F32", "F16") else dequantize(data, kind)
+    if permute_heads:
+        data = llama_permute(data, permute_heads)
+    data = data.reshape(*values.shape[:-1], data.shape[-1])
+    if kind in ("F32", "F16"):
+        writer.add_tensor(gguf_name, data)
+    else:
+        import gguf
+
+        writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+    return held.reshape(values.shape)
+
+
 def write_gguf(source: Path, path: Path, types: dict[str, str], tokenizer_folder: Path | None = None,
                default_type: str = "F32") -> dict[str, np.ndarray]:
     """Convert the float32 Hugging Face model in `source` to `path`; `types` maps a GGUF tensor name's suffix
@@ -217,9 +267,7 @@ def write_gguf(source: Path, path: Path, types: dict[str, str], tokenizer_folder
     from safetensors.torch import load_file
 
     config = json.loads((source / "config.json").read_text())
-    arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3"}[
-        config["architectures"][0]]
+    arch = ARCHS[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(path), arch)
@@ -239,24 +287,24 @@ def write_gguf(source: Path, path: Path, types: dict[str, str], tokenizer_folder
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, rope.get("rope_theta", 10000.0), scaling))
     if tokenizer_folder is not None:
         write_tokenizer(writer, tokenizer_folder)
+    if config.get("num_experts_per_tok"):
+        add_moe_metadata(writer, config, arch)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     held: dict[str, np.ndarray] = {}
-    for hf_name, tensor in load_file(str(source / "model.safetensors")).items():
+    state = load_file(str(source / "model.safetensors"))
+    for gguf_name, (hf_names, stacked) in stack_experts(state).items():
+        kind = next((t for suffix, t in types.items() if gguf_name.endswith(suffix)), default_type)
+        held.update(zip(hf_names, write_tensor(writer, gguf_name, stacked, kind)))
+    for hf_name, tensor in state.items():
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         values = tensor.float().numpy()
-        if values.ndim == 1:
+        if values.ndim == 1 or gguf_name.endswith(F32_TENSORS):
             kind = "F32"
         else:
             kind = next((t for suffix, t in types.items() if gguf_name.endswith(suffix)), default_type)
-        data = quantize(values, kind)
-        held[hf_name] = dequantize(data, kind).reshape(values.shape) if kind not in ("F32", "F16") else \
-            data.astype(np.float32)
-        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            data = llama_permute(data, heads if ".q_proj." in hf_name else kv_heads)
-        if kind in ("F32", "F16"):
-            writer.add_tensor(gguf_name, data)
-        else:
-            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+        permuted = arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name)
+        held[hf_name] = write_tensor(writer, gguf_name, values, kind,
+                                     (heads if ".q_proj." in hf_name else kv_heads) if permuted else 0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -273,3 +321,18 @@ def reference_model(source: Path, held: dict[str, np.ndarray]):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(name == "lm_head.weight" for name in missing), (missing, unexpected)
     return model
+
+
+def saved_reference_model(source: Path, held: dict[str, np.ndarray], folder: Path):
+    """transformers' float32 model with the weights the GGUF file holds, saved under their Hugging Face names in
+    `folder` and loaded by transformers (which fuses a mixture-of-experts model's per-expert tensors itself)."""
+    from safetensors.numpy import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text((source / "config.json").read_text())
+    save_file({name: np.ascontiguousarray(values, dtype=np.float32) for name, values in held.items()},
+              str(folder / "model.safetensors"))
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()

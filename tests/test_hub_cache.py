@@ -1,5 +1,6 @@
 """`-m ORG/NAME` resolved offline from a Hugging Face cache laid out as huggingface_hub lays it out (blobs,
-snapshots/<commit>/ links, refs/<branch>), checked with huggingface_hub's own `scan_cache_dir`."""
+snapshots/<commit>/ links, refs/<branch>), checked with huggingface_hub's own `scan_cache_dir`; and from a cache
+that huggingface_hub's own `hf_hub_download` wrote, served by a mock transport (no socket, no network)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,60 @@ def test_missing_model_or_revision_is_one_line_naming_the_cache(hub_cache):
         with pytest.raises(ModelLoadError) as err:
             model_path(args)
         assert named in str(err.value) and str(hub_cache) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.fixture
+def downloaded_cache(tmp_path, monkeypatch):
+    """The embedded model's files fetched into a fresh cache by `hf_hub_download` itself from a mock Hub
+    (`httpx.MockTransport`) at COMMIT_MAIN; afterwards every request fails, so resolving is offline or fails."""
+    import huggingface_hub
+    from huggingface_hub.utils._http import default_client_factory
+
+    files = {p.name: p.read_bytes() for p in default_model_path().iterdir() if p.suffix in (".json", ".safetensors")}
+    requested: list[str] = []
+
+    def hub(request: httpx.Request) -> httpx.Response:
+        requested.append(request.url.path)
+        prefix = f"/{REPO}/resolve/main/"
+        data = files.get(request.url.path[len(prefix):]) if request.url.path.startswith(prefix) else None
+        if data is None:
+            return httpx.Response(404, headers={"X-Error-Code": "EntryNotFound"})
+        headers = {"X-Repo-Commit": COMMIT_MAIN, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                   "Content-Length": str(len(data))}
+        return httpx.Response(200, headers=headers, content=b"" if request.method == "HEAD" else data)
+
+    def offline(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"a request after the download: {request.method} {request.url}")
+
+    cache = tmp_path / "downloaded"
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    huggingface_hub.set_client_factory(lambda: httpx.Client(transport=httpx.MockTransport(hub)))
+    try:
+        for name in files:
+            huggingface_hub.hf_hub_download(REPO, name, cache_dir=cache)
+        assert any(path.endswith("/config.json") for path in requested)  # the mock Hub served them
+        huggingface_hub.set_client_factory(lambda: httpx.Client(transport=httpx.MockTransport(offline)))
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+        yield cache, files
+    finally:
+        huggingface_hub.set_client_factory(default_client_factory)
+
+
+def test_a_cache_written_by_huggingface_hub_resolves_and_loads_offline(downloaded_cache):
+    from llmctl.engine import LLM, SamplingParams
+
+    cache, files = downloaded_cache
+    (repo,) = scan_cache_dir(cache).repos
+    assert repo.repo_id == REPO and [r.commit_hash for r in repo.revisions] == [COMMIT_MAIN]
+    folder = model_path(EngineArgs(model=REPO))
+    assert folder.name == COMMIT_MAIN and all((folder / name).read_bytes() == data for name, data in files.items())
+    assert (folder / "model.safetensors").is_symlink()  # hf_hub_download's layout: snapshot links to blobs
+    llm = LLM(REPO, device="cpu", dtype="float32", max_model_len=64)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(ModelLoadError, match=f"revision 'v2' is neither a local folder nor in the Hugging Face "
+                                             f"cache {cache}"):
+        model_path(EngineArgs(model=REPO, revision="v2"))
 
 
 def test_local_paths_win_over_model_ids(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE with its shared expert and a dense layer, Qwen3-MoE): tiny random
 checkpoints written by transformers give transformers' greedy tokens and logits (float32) through a mixed batch
-with chunked prefill; the router's normalisations, the per-expert checkpoint names, the refusals, and the batch-1
-step staying in Python (the native decode stack has no experts)."""
+with chunked prefill; the router's normalisations, the per-expert checkpoint names (fused and per-expert forms),
+the refusals, and the batch-1 step staying in Python (the native decode stack has no experts). Quantised experts:
+test_moe_quantized.py; tensor parallel: test_moe_parallel.py; GGUF files: test_moe_gguf.py."""
 
 from __future__ import annotations
 
@@ -127,6 +128,15 @@ def test_expert_checkpoint_names_round_trip():
     for name in ("model.layers.0.block_sparse_moe.experts.2.w1.weight", "model.layers.0.block_sparse_moe.gate.weight",
                  "model.layers.0.block_sparse_moe.experts.7.w2.weight"):
         assert mixtral.checkpoint_name(*mixtral.target(name)) == name
+    per_expert = ExpertNames("block_sparse_moe", "w1", "w3", "w2", per_expert=True)  # quantised: a linear each
+    assert per_expert.target("model.layers.3.block_sparse_moe.experts.5.w3.weight") == \
+        ("model.layers.3.mlp.experts.w13.5.weight", 1)
+    assert per_expert.target("model.layers.3.block_sparse_moe.experts.5.w2.qweight_type") == \
+        ("model.layers.3.mlp.experts.w2.5.qweight_type", None)
+    assert mixtral.target("model.layers.3.block_sparse_moe.experts.5.w2.qweight") is None  # fused: weights only
+    for name in ("model.layers.0.block_sparse_moe.experts.2.w1.qweight", "model.layers.0.block_sparse_moe.gate.weight",
+                 "model.layers.0.block_sparse_moe.experts.7.w2.weight"):
+        assert per_expert.checkpoint_name(*per_expert.target(name)) == name
     qwen = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
     assert qwen.target("model.layers.0.mlp.shared_expert.gate_proj.weight") is None
     assert qwen.target("model.layers.0.mlp.shared_expert_gate.weight") is None
@@ -146,10 +156,10 @@ def test_missing_expert_tensor_is_named(moe_models, tmp_path):
         LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=64)
 
 
-def test_quantization_and_tensor_parallel_are_refused(moe_models, tmp_path):
-    with pytest.raises(EngineArgsError, match="--quantization int8 is not supported for mixture-of-experts"):
+def test_unsupported_quantisations_are_refused(moe_models):
+    with pytest.raises(EngineArgsError, match="--quantization fp8 is not supported for mixture-of-experts"):
         LLM(str(moe_models["qwen3_moe"]), skip_tokenizer_init=True, dtype="bfloat16", device="cpu",
-            max_model_len=64, quantization="int8")
+            max_model_len=64, quantization="fp8")
     raw = json.loads((moe_models["qwen3_moe"] / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     from llmctl.engine.model_config import ModelConfig
@@ -158,15 +168,15 @@ def test_quantization_and_tensor_parallel_are_refused(moe_models, tmp_path):
         ModelConfig.from_dict(raw)
 
 
-def test_moe_gguf_is_refused_with_the_folder_hint(tmp_path):
+def test_a_gguf_architecture_without_expert_support_is_refused(tmp_path):
     import gguf
 
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_uint32("llama.expert_count", 8)
-    writer.add_uint32("llama.expert_used_count", 2)
+    path = tmp_path / "qwen2-experts.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_uint32("qwen2.expert_count", 8)
+    writer.add_uint32("qwen2.expert_used_count", 2)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="mixture-of-experts GGUF models are not supported .load the Hugging Face"):
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'qwen2' with experts is not supported"):
         LLM(str(path), device="cpu")

@@ -164,6 +164,9 @@ def register_bias(layer: "LinearBase", bias: bool, dtype: torch.dtype, weight_lo
 class LinearMethod:
     """How one kind of linear stores, loads, prepares and applies its weights (subclass all four)."""
 
+    # Its weights are stored quantised: a mixture-of-experts layer then keeps one linear of this method per expert
+    # (engine/layers/fused_moe/layer.py) instead of its fused full-precision expert tensors.
+    quantized = False
     # It keeps only this rank's part (its loaders take each checkpoint tensor through `rank_part`, or it
     # narrows the whole unpacked weight after loading), so a tensor-parallel layer may use it.
     shards_by_rank = False
@@ -373,15 +376,18 @@ class ColumnLinear(LinearBase):
 
 class RowLinear(LinearBase):
     """Inputs split over the ranks (o_proj, down_proj): each rank's partial product, summed by an
-    all-reduce (hidden x dtype bytes per token)."""
+    all-reduce (hidden x dtype bytes per token). `reduce_results` False: the partial product is returned and
+    the caller reduces once for several such layers (a mixture-of-experts layer's experts)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod, dtype: torch.dtype,
-                 tp: TensorParallel = TensorParallel.single()):
+                 tp: TensorParallel = TensorParallel.single(), reduce_results: bool = True):
         input_part = None if tp.is_single else _column_part(tp, in_features, "a row-parallel linear's inputs")
         super().__init__(in_features, {None: out_features}, bias, method, dtype, tp, input_part)
+        self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.method.apply(self, x))
+        out = self.method.apply(self, x)
+        return self.tp.all_reduce(out) if self.reduce_results else out
 
 
 class MergedColumnLinear(LinearBase):
@@ -429,8 +435,8 @@ class LinearFactory:
         """The output projection (lm_head): split by vocabulary in padded equal parts."""
         return ColumnLinear(in_features, vocab_size, False, self.method, self.dtype, self.tp, padded=True)
 
-    def row(self, in_features: int, out_features: int, bias: bool) -> RowLinear:
-        return RowLinear(in_features, out_features, bias, self.method, self.dtype, self.tp)
+    def row(self, in_features: int, out_features: int, bias: bool, reduce_results: bool = True) -> RowLinear:
+        return RowLinear(in_features, out_features, bias, self.method, self.dtype, self.tp, reduce_results)
 
     def merged(self, in_features: int, sizes: list[int], bias: bool) -> MergedColumnLinear:
         return MergedColumnLinear(in_features, sizes, bias, self.method, self.dtype, self.tp)

@@ -1,23 +1,23 @@
 """Mixture-of-experts members of the Llama family (Mixtral, Qwen2-MoE, Qwen3-MoE): llama.py's attention and
 decoder structure with the MLP of each sparse layer (`MoEConfig.sparse_layers`) a `SparseMoeBlock`: the router,
 the fused experts (engine/layers/fused_moe/) and Qwen2-MoE's shared expert scaled by its sigmoid gate.
-Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep llama.py's MLP. One rank only; the native
+Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep llama.py's MLP. With tensor parallelism the
+experts and the shared expert split their intermediate size over the ranks; the router stays whole. The native
 CPU decode step does not cover experts, so every step runs `forward`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import nn
 
-from llmctl.engine.errors import ModelLoadError
-from llmctl.engine.layers.fused_moe import ExpertNames, FusedMoE, ReplicatedGate
+from llmctl.engine.layers.fused_moe import CHECKPOINT_EXPERT_NAMES, FusedMoE, ReplicatedGate
 from llmctl.engine.layers.fused_ops import LayerOps
 from llmctl.engine.layers.linear import LinearFactory
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.models.llama import MLP, LlamaForCausalLM
-from llmctl.engine.parallel import TensorParallel
 
 
 class SparseMoeBlock(nn.Module):
@@ -26,7 +26,7 @@ class SparseMoeBlock(nn.Module):
         moe = config.moe
         self.gate = ReplicatedGate(config.hidden_size, moe.num_experts, linears.dtype)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
-                                moe.renormalize, linears.dtype, ops.silu_and_mul)
+                                moe.renormalize, linears, ops.silu_and_mul)
         self.shared_expert: Optional[MLP] = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, linears, ops, size=moe.shared_expert_intermediate_size)
@@ -41,16 +41,18 @@ class SparseMoeBlock(nn.Module):
 
 class MoEForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` whose sparse layers' MLP is a `SparseMoeBlock`; `expert_names` tells the loader where
-    each per-expert checkpoint tensor lands."""
+    each per-expert checkpoint tensor lands (in the fused or the per-expert form, as the experts were built).
+    `eager_reason`: why decode steps cannot be captured in CUDA graphs (None: they can)."""
 
-    expert_names = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+    expert_names = CHECKPOINT_EXPERT_NAMES["Qwen2MoeForCausalLM"]
 
-    def __init__(self, config: ModelConfig, max_positions: int, *, tp: TensorParallel = TensorParallel.single(),
-                 **kwargs):
-        if not tp.is_single:
-            raise ModelLoadError(f"{config.architecture}: tensor parallelism is not supported for "
-                                 "mixture-of-experts models (use --tensor-parallel-size 1)")
-        super().__init__(config, max_positions, tp=tp, **kwargs)
+    def __init__(self, config: ModelConfig, max_positions: int, **kwargs):
+        super().__init__(config, max_positions, **kwargs)
+        per_expert = any(isinstance(m, FusedMoE) and m.per_expert for m in self.modules())
+        self.expert_names = dataclasses.replace(type(self).expert_names, per_expert=per_expert)
+        # grouping tokens by expert on the host syncs with the device, which graph capture forbids
+        self.eager_reason = ("quantised experts group tokens on the host"
+                             if per_expert and next(self.parameters()).device.type == "cuda" else None)
 
     def build_mlp(self, index: int, config: ModelConfig, linears: LinearFactory, ops: LayerOps) -> nn.Module:
         if index in config.moe.sparse_layers:
@@ -64,5 +66,5 @@ class MoEForCausalLM(LlamaForCausalLM):
 
 
 class MixtralForCausalLM(MoEForCausalLM):
-    expert_names = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+    expert_names = CHECKPOINT_EXPERT_NAMES["MixtralForCausalLM"]
 

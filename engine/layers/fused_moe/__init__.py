@@ -3,6 +3,6 @@
 (engine/kernels/triton/fused_moe.py); `config.py` reads the MoE facts of a checkpoint's config.json."""
 
 from llmctl.engine.layers.fused_moe.config import MoEConfig
-from llmctl.engine.layers.fused_moe.layer import ExpertNames, FusedMoE, ReplicatedGate
+from llmctl.engine.layers.fused_moe.layer import CHECKPOINT_EXPERT_NAMES, ExpertNames, FusedMoE, ReplicatedGate
 
-__all__ = ["ExpertNames", "FusedMoE", "MoEConfig", "ReplicatedGate"]
+__all__ = ["CHECKPOINT_EXPERT_NAMES", "ExpertNames", "FusedMoE", "MoEConfig", "ReplicatedGate"]

@@ -1,7 +1,14 @@
-"""`FusedMoE`: every expert's weights as two fused parameters, w13 [E, 2I, H] ([gate | up] rows, as a dense
-MLP's gate_up_proj) and w2 [E, H, I], filled from per-expert checkpoint tensors (`ExpertNames` maps
-`experts.{e}.{projection}.weight` to a parameter and shard), routed with `router.select_experts` and applied
-by the Triton grouped GEMM on CUDA, else by the torch path (engine/layers/fused_moe/torch_impl.py)."""
+"""`FusedMoE`: one layer's routed experts, routed with `router.select_experts`, in one of two forms chosen by the
+model's linear method:
+- full precision: every expert's weights as two fused parameters, w13 [E, 2I, H] ([gate | up] rows, as a dense
+  MLP's gate_up_proj) and w2 [E, H, I], applied by the Triton grouped GEMM on CUDA, else by the torch path
+  (engine/layers/fused_moe/torch_impl.py);
+- quantised (`LinearMethod.quantized`: --quantization int8/int4, GGUF): one merged gate/up linear and one down
+  linear per expert, built, loaded and run by that method like a dense MLP's, so each expert's codes stay packed
+  on their own and a step runs (and reads) only the experts its tokens chose.
+`ExpertNames` maps a checkpoint's `experts.{e}.{projection}` tensors to either form's parameter and shard.
+With tensor parallelism each rank keeps its share of every expert's intermediate size (vLLM's layout without
+expert parallelism) and the layer all-reduces its partial sums once."""
 
 from __future__ import annotations
 
@@ -15,50 +22,67 @@ from torch import nn
 
 from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.layers.fused_moe.router import select_experts
-from llmctl.engine.layers.fused_moe.torch_impl import fused_experts_torch
-from llmctl.engine.layers.linear import ShardId, copy_checked, new_parameter
+from llmctl.engine.layers.fused_moe.torch_impl import fused_experts_torch, group_by_expert
+from llmctl.engine.layers.linear import (CheckpointSlice, LinearFactory, ShardId, WeightShapeError, copy_checked,
+                                        new_parameter)
 
 ExpertsImpl = Callable[..., torch.Tensor]
+# the tensor suffixes a per-expert linear loads (GGUF's raw blocks and their type as well as plain weights)
+PER_EXPERT_SUFFIXES = ("weight", "qweight", "qweight_type")
 
 
 @dataclass(frozen=True)
 class ExpertNames:
     """A checkpoint's names for one MoE block: its module (`mlp`, Mixtral's `block_sparse_moe`) and each expert's
-    gate, up and down projections. Ours are `mlp.experts.w13_weight` (shards (e, 0) gate, (e, 1) up),
-    `mlp.experts.w2_weight` (shard e) and `mlp.gate.weight` (the router)."""
+    gate, up and down projections. Ours: `mlp.gate.weight` (the router) and, fused, `mlp.experts.w13_weight`
+    (shards (e, 0) gate, (e, 1) up) and `mlp.experts.w2_weight` (shard e); per expert (`per_expert`),
+    `mlp.experts.w13.{e}.<suffix>` (shards 0 gate, 1 up) and `mlp.experts.w2.{e}.<suffix>`."""
 
     module: str
     gate: str
     up: str
     down: str
-
-    def _pattern(self) -> re.Pattern:
-        return re.compile(rf"^(.*)\.{re.escape(self.module)}\.(?:experts\.(\d+)\.(\w+)|(gate))\.weight$")
+    per_expert: bool = False
 
     def target(self, name: str) -> Optional[tuple[str, ShardId]]:
         """(our parameter, shard id) for checkpoint tensor `name`, or None when it is no expert or router tensor."""
-        match = self._pattern().match(name)
+        match = re.match(rf"^(.*)\.{re.escape(self.module)}\.(?:experts\.(\d+)\.(\w+)\.(\w+)|gate\.weight)$", name)
         if match is None:
             return None
-        prefix, expert, projection, router = match.groups()
-        if router:
+        prefix, expert, projection, suffix = match.groups()
+        if expert is None:
             return f"{prefix}.mlp.gate.weight", None
-        shards = {self.gate: ("w13_weight", 0), self.up: ("w13_weight", 1), self.down: ("w2_weight", None)}
-        if projection not in shards:
+        shards = {self.gate: ("w13", 0), self.up: ("w13", 1), self.down: ("w2", None)}
+        if projection not in shards or suffix not in (PER_EXPERT_SUFFIXES if self.per_expert else ("weight",)):
             return None
         param, part = shards[projection]
-        return f"{prefix}.mlp.experts.{param}", int(expert) if part is None else (int(expert), part)
+        if self.per_expert:
+            return f"{prefix}.mlp.experts.{param}.{expert}.{suffix}", part
+        return f"{prefix}.mlp.experts.{param}_weight", int(expert) if part is None else (int(expert), part)
 
     def checkpoint_name(self, target: str, shard: ShardId) -> Optional[str]:
         """The checkpoint tensor that fills shard `shard` of our parameter `target` (the inverse of `target`)."""
-        for ours, theirs in ((".mlp.experts.w13_weight", None), (".mlp.experts.w2_weight", self.down)):
-            if target.endswith(ours) and shard is not None:
-                expert, part = shard if isinstance(shard, tuple) else (shard, None)
-                projection = theirs or (self.gate, self.up)[part]
-                return f"{target[:-len(ours)]}.{self.module}.experts.{expert}.{projection}.weight"
-        if target.endswith(".mlp.gate.weight"):
-            return f"{target[:-len('.mlp.gate.weight')]}.{self.module}.gate.weight"
-        return None
+        match = re.match(r"^(.*)\.mlp\.(?:experts\.(w13|w2)(?:_weight|\.(\d+)\.(\w+))|gate\.weight)$", target)
+        if match is None:
+            return None
+        prefix, param, expert, suffix = match.groups()
+        if param is None:
+            return f"{prefix}.{self.module}.gate.weight"
+        if expert is None:  # fused: the shard names the expert
+            if shard is None:
+                return None
+            expert, part = shard if isinstance(shard, tuple) else (shard, None)
+            suffix = "weight"
+        else:
+            part = shard
+        projection = self.down if param == "w2" else (self.gate, self.up)[part]
+        return f"{prefix}.{self.module}.experts.{expert}.{projection}.{suffix}"
+
+
+QWEN_EXPERT_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+# each mixture-of-experts architecture's checkpoint names (the models' and the GGUF loader's one source)
+CHECKPOINT_EXPERT_NAMES = {"MixtralForCausalLM": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
+                           "Qwen2MoeForCausalLM": QWEN_EXPERT_NAMES, "Qwen3MoeForCausalLM": QWEN_EXPERT_NAMES}
 
 
 class ReplicatedGate(nn.Module):
@@ -88,29 +112,59 @@ class FusedMoE(nn.Module):
     """The routed experts of one layer: forward(hidden [tokens, H], router logits [tokens, E]) -> [tokens, H]."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 dtype: torch.dtype, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]):
+                 linears: LinearFactory, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
-        self.top_k, self.renormalize, self.intermediate_size = top_k, renormalize, intermediate_size
-        self.silu_and_mul = silu_and_mul
-        experts = range(num_experts)
-        new_parameter(self, "w13_weight", torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.silu_and_mul, self.tp = hidden_size, silu_and_mul, linears.tp
+        start, local = linears.tp.partition(intermediate_size, "the experts' intermediate size")
+        self.expert_part = CheckpointSlice(intermediate_size, start, local)  # this rank's share of each expert
+        self.per_expert = linears.method.quantized
+        if self.per_expert:
+            self.w13 = nn.ModuleList(linears.merged(hidden_size, [intermediate_size] * 2, False)
+                                     for _ in range(num_experts))
+            self.w2 = nn.ModuleList(linears.row(intermediate_size, hidden_size, False, reduce_results=False)
+                                    for _ in range(num_experts))
+            return
+        experts, dtype = range(num_experts), linears.dtype
+        new_parameter(self, "w13_weight", torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype),
                       self._load_w13, shard_ids=tuple((e, part) for e in experts for part in (0, 1)))
-        new_parameter(self, "w2_weight", torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+        new_parameter(self, "w2_weight", torch.empty(num_experts, hidden_size, local, dtype=dtype),
                       self._load_w2, shard_ids=tuple(experts))
         self.impl = select_experts_impl(self.w13_weight.device)
 
+    def _rank_part(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part of one expert's checkpoint tensor, its intermediate dimension `dim` (checked whole)."""
+        expected = [self.hidden_size, self.hidden_size]
+        expected[dim] = self.expert_part.full
+        if tuple(loaded.shape) != tuple(expected):
+            raise WeightShapeError(tuple(loaded.shape), tuple(expected))
+        return self.expert_part.take(loaded, dim)
+
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
         expert, part = shard_id
-        size = self.intermediate_size
-        copy_checked(param.data[expert, part * size:(part + 1) * size], loaded)
+        size = self.expert_part.size
+        copy_checked(param.data[expert, part * size:(part + 1) * size], self._rank_part(loaded, 0))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
-        copy_checked(param.data[shard_id], loaded)
+        copy_checked(param.data[shard_id], self._rank_part(loaded, 1))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, hidden.dtype)
-        return self.impl(hidden, self.w13_weight, self.w2_weight, weights, ids, self.silu_and_mul)
+        if self.per_expert:
+            out = self._apply_per_expert(hidden, weights, ids)
+        else:
+            out = self.impl(hidden, self.w13_weight, self.w2_weight, weights, ids, self.silu_and_mul)
+        return self.tp.all_reduce(out)
+
+    def _apply_per_expert(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert's linears on its tokens only (the other experts' weights are not read)."""
+        out = torch.zeros_like(hidden)
+        for expert, tokens, token_weights in group_by_expert(weights, ids, self.num_experts):
+            expert_out = self.w2[expert](self.silu_and_mul(self.w13[expert](hidden[tokens])))
+            out.index_add_(0, tokens, expert_out * token_weights[:, None])
+        return out
 
     def extra_repr(self) -> str:
-        experts, inter2, hidden = self.w13_weight.shape
-        return f"experts={experts}, top_k={self.top_k}, hidden={hidden}, intermediate={inter2 // 2}"
+        form = "per-expert linears" if self.per_expert else "fused"
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+                f"intermediate={self.expert_part.size} of {self.expert_part.full}, {form}")

@@ -151,9 +151,9 @@ def linear_methods_for(model_config: "ModelConfig", quantization: Optional[str],
     if (model_config.quant_method is not None or gguf) and quantization:
         named = "GGUF" if gguf else model_config.quant_method
         raise EngineArgsError(f"the checkpoint is already quantised ({named}); drop --quantization {quantization}")
-    if quantization and model_config.moe is not None:  # the fused experts have no quantised form yet
+    if quantization and model_config.moe is not None and quantization not in ON_THE_FLY_SCHEMES:
         raise EngineArgsError(f"--quantization {quantization} is not supported for mixture-of-experts models "
-                              f"({model_config.architecture})")
+                              f"({model_config.architecture}; supported: {', '.join(ON_THE_FLY_SCHEMES)})")
     if quantization:
         config = registry.flag_config(quantization)
     elif gguf:

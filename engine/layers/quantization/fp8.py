@@ -86,6 +86,8 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
     """`--quantization fp8`: loads like an unquantised linear, then keeps the e4m3 weight and its float32
     scales only (1 byte per weight). `quantize_rows`: the per-token activation quantiser (None: torch ops)."""
 
+    quantized = True
+
     def __init__(self, per_channel: bool, quantize_rows: Optional[RowQuantizer] = None):
         self.per_channel = per_channel
         self.quantize_rows = quantize_rows

@@ -249,6 +249,7 @@ class GGUFLinearMethod(LinearMethod):
     weight run by `unquantized` (the fastest unquantised method for the model dtype)."""
 
     shards_by_rank = True  # each rank decodes the whole tensors, then keeps its part
+    quantized = True
 
     def __init__(self, unquantized: LinearMethod):
         self.unquantized = unquantized

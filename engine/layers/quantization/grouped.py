@@ -485,6 +485,8 @@ class GroupedIntLinearMethod(LinearMethod):
     """The forward of every integer-quantised linear. Subclasses say how the weights load
     (`create_weights` and loaders) and build a `GroupedIntWeight` in `process_weights_after_loading`."""
 
+    quantized = True
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return apply_grouped_weight(layer, x)
 
