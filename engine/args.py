@@ -98,6 +98,9 @@ class EngineArgs:
                                      short="-tp")
     pipeline_parallel_size: int = _arg(1, "Pipeline stages the decoder layers are split over (ranks = pipeline x "
                                           "tensor-parallel size).", short="-pp")
+    enable_expert_parallel: bool = _arg(False, "Mixture-of-experts models with --tensor-parallel-size N: each rank "
+                                               "holds num_experts / N whole experts (instead of refusing), "
+                                               "attention stays tensor-parallel.")
     pp_layer_partition: Optional[str] = _arg(None, "Decoder layers per pipeline stage, comma-separated (\"12,16\"; "
                                                    "default: an even split, like vLLM's VLLM_PP_LAYER_PARTITION).")
     nnodes: int = _arg(1, "Machines the ranks span; each runs the same command with its --node-rank.")
@@ -308,6 +311,7 @@ class ParallelConfig:
     rank: Optional[int] = None  # under torchrun: this process's global rank
     pipeline_parallel_size: int = 1  # stages; global rank = stage x tensor_parallel_size + tensor-parallel rank
     layer_partition: Optional[tuple[int, ...]] = None  # decoder layers per stage (None: an even split)
+    enable_expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank (engine/parallel.py)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -340,7 +344,8 @@ class ParallelConfig:
         if not args.collective_timeout_s > 0:
             raise EngineArgsError("collective_timeout_s must be > 0")
         if all(key in environ for key in TORCHRUN_KEYS):
-            return replace(cls._from_torchrun(args, environ), pipeline_parallel_size=stages, layer_partition=partition)
+            return replace(cls._from_torchrun(args, environ), pipeline_parallel_size=stages, layer_partition=partition,
+                           enable_expert_parallel=args.enable_expert_parallel)
         if not 0 <= args.node_rank < args.nnodes:
             raise EngineArgsError(f"node_rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), "
                                   f"got {args.node_rank}")
@@ -352,7 +357,8 @@ class ParallelConfig:
             raise EngineArgsError("master_port 0 (a free port) works on one node only: the other nodes must be "
                                   "told the port; give --master-port")
         return cls(world, args.nnodes, args.node_rank, args.master_addr, port, args.collective_timeout_s,
-                   pipeline_parallel_size=stages, layer_partition=partition)
+                   pipeline_parallel_size=stages, layer_partition=partition,
+                   enable_expert_parallel=args.enable_expert_parallel)
 
     @classmethod
     def _from_torchrun(cls, args: "EngineArgs", environ: Mapping[str, str]) -> "ParallelConfig":

@@ -187,7 +187,8 @@ def _rank_config(config: RunnerConfig, parallel: ParallelConfig, rank: int, grou
     pipeline = PipelineParallel(stage, stages, layers, groups.pipe, rank - tp if stage > 0 else None,
                                 rank + tp if stage < stages - 1 else None)
     return replace(config, device=_rank_device(config.device, parallel, rank),
-                   tensor_parallel=TensorParallel(rank % tp, tp, groups.model), pipeline_parallel=pipeline)
+                   tensor_parallel=TensorParallel(rank % tp, tp, groups.model, parallel.enable_expert_parallel),
+                   pipeline_parallel=pipeline)
 
 
 def _sends_logits(parallel: ParallelConfig, rank: int) -> bool:

@@ -1,8 +1,10 @@
 """Mixture-of-experts members of the Llama family (Mixtral, Qwen2-MoE, Qwen3-MoE): llama.py's attention and
 decoder structure with the MLP of each sparse layer (`MoEConfig.sparse_layers`) a `SparseMoeBlock`: the router,
 the fused experts (engine/layers/fused_moe/) and Qwen2-MoE's shared expert scaled by its sigmoid gate.
-Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep llama.py's MLP. One rank only; the native
-CPU decode step does not cover experts, so every step runs `forward`."""
+Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep llama.py's MLP. Several tensor-parallel
+ranks need expert parallelism (`TensorParallel.expert_parallel`): attention, dense MLPs and the shared expert
+are sharded as in llama.py, each rank holds whole experts (`expert_range`) and the experts' partial sums are
+all-reduced. The native CPU decode step does not cover experts, so every step runs `forward`."""
 
 from __future__ import annotations
 
@@ -24,16 +26,18 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps):
         super().__init__()
         moe = config.moe
+        self.tp = linears.tp
         self.gate = ReplicatedGate(config.hidden_size, moe.num_experts, linears.dtype)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
-                                moe.renormalize, linears.dtype, ops.silu_and_mul)
+                                moe.renormalize, linears.dtype, ops.silu_and_mul,
+                                experts=linears.tp.expert_range(moe.num_experts))
         self.shared_expert: Optional[MLP] = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, linears, ops, size=moe.shared_expert_intermediate_size)
             self.shared_expert_gate = ReplicatedGate(config.hidden_size, 1, linears.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.experts(hidden, self.gate(hidden))
+        out = self.tp.all_reduce(self.experts(hidden, self.gate(hidden)))  # each rank: its experts' pairs
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return out
@@ -47,9 +51,10 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, max_positions: int, *, tp: TensorParallel = TensorParallel.single(),
                  **kwargs):
-        if not tp.is_single:
-            raise ModelLoadError(f"{config.architecture}: tensor parallelism is not supported for "
-                                 "mixture-of-experts models (use --tensor-parallel-size 1)")
+        if not tp.is_single and not tp.expert_parallel:
+            raise ModelLoadError(f"{config.architecture}: a mixture-of-experts model's experts are not sliced over "
+                                 "tensor-parallel ranks: add --enable-expert-parallel (whole experts per rank) or "
+                                 "use --tensor-parallel-size 1")
         super().__init__(config, max_positions, tp=tp, **kwargs)
 
     def build_mlp(self, index: int, config: ModelConfig, linears: LinearFactory, ops: LayerOps) -> nn.Module:

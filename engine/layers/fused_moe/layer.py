@@ -85,32 +85,49 @@ def select_experts_impl(device: torch.device) -> ExpertsImpl:
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer: forward(hidden [tokens, H], router logits [tokens, E]) -> [tokens, H]."""
+    """The routed experts of one layer: forward(hidden [tokens, H], router logits [tokens, E]) -> [tokens, H].
+    With expert parallelism it holds `experts` only (global ids, a contiguous block): the checkpoint's other
+    experts are skipped at loading, and its forward is this rank's partial sum (the caller all-reduces)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 dtype: torch.dtype, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]):
+                 dtype: torch.dtype, silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                 experts: Optional[range] = None):
         super().__init__()
         self.top_k, self.renormalize, self.intermediate_size = top_k, renormalize, intermediate_size
         self.silu_and_mul = silu_and_mul
-        experts = range(num_experts)
-        new_parameter(self, "w13_weight", torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+        self.num_experts = num_experts
+        self.experts = experts = range(num_experts) if experts is None else experts
+        local = len(experts)
+        new_parameter(self, "w13_weight", torch.empty(local, 2 * intermediate_size, hidden_size, dtype=dtype),
                       self._load_w13, shard_ids=tuple((e, part) for e in experts for part in (0, 1)))
-        new_parameter(self, "w2_weight", torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+        new_parameter(self, "w2_weight", torch.empty(local, hidden_size, intermediate_size, dtype=dtype),
                       self._load_w2, shard_ids=tuple(experts))
         self.impl = select_experts_impl(self.w13_weight.device)
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
         expert, part = shard_id
-        size = self.intermediate_size
-        copy_checked(param.data[expert, part * size:(part + 1) * size], loaded)
+        if expert in self.experts:  # another rank's expert otherwise
+            size = self.intermediate_size
+            copy_checked(param.data[expert - self.experts.start, part * size:(part + 1) * size], loaded)
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
-        copy_checked(param.data[shard_id], loaded)
+        if shard_id in self.experts:
+            copy_checked(param.data[shard_id - self.experts.start], loaded)
+
+    def local_expert_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's indices, a pair whose expert another rank holds marked with the
+        number of local experts (which the experts' implementations skip); no host sync (CUDA graphs)."""
+        if len(self.experts) == self.num_experts:
+            return ids
+        local = ids - self.experts.start
+        return torch.where((local >= 0) & (local < len(self.experts)), local, len(self.experts))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, hidden.dtype)
-        return self.impl(hidden, self.w13_weight, self.w2_weight, weights, ids, self.silu_and_mul)
+        return self.impl(hidden, self.w13_weight, self.w2_weight, weights, self.local_expert_ids(ids),
+                         self.silu_and_mul)
 
     def extra_repr(self) -> str:
-        experts, inter2, hidden = self.w13_weight.shape
-        return f"experts={experts}, top_k={self.top_k}, hidden={hidden}, intermediate={inter2 // 2}"
+        _, inter2, hidden = self.w13_weight.shape
+        held = f"{self.experts.start}-{self.experts.stop - 1} of {self.num_experts}"
+        return f"experts={held}, top_k={self.top_k}, hidden={hidden}, intermediate={inter2 // 2}"

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """hidden [tokens, H], w13 [E, 2I, H] ([gate | up] rows), w2 [E, H, I], top-k weights and ids [tokens, k]
-    -> sum over each token's k experts of weight * w2 @ silu_and_mul(w13 @ x), [tokens, H]."""
+    -> sum over each token's k experts of weight * w2 @ silu_and_mul(w13 @ x), [tokens, H]. An id of E (the
+    number of experts here) is a pair whose expert another expert-parallel rank holds: it adds nothing here."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0] + 1).tolist()[:w13.shape[0]]
     out = torch.zeros_like(hidden)
     start = 0
     for expert, count in enumerate(counts):
