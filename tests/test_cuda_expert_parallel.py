@@ -12,17 +12,13 @@ import pytest
 import torch
 
 from llmctl.engine.parallel import TensorParallel
+from test_cuda_tensor_parallel import ENGINE, NEW_TOKENS
 from test_parity import make_prompts
 from tp_helpers import greedy_run, run_ranks
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(torch.cuda.device_count() < 2,
                                  reason=f"EP=2 over NCCL needs two GPUs, this host has {torch.cuda.device_count()}")]
-
-NEW_TOKENS = 8
-ENGINE = dict(skip_tokenizer_init=True, dtype="float32", max_num_batched_tokens=96, num_kv_blocks=40, block_size=16,
-              max_num_seqs=8, max_model_len=400)
-
 
 def _tiny_qwen2_moe(folder) -> str:
     import transformers
