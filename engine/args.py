@@ -111,7 +111,8 @@ class EngineArgs:
                                             f"{DEFAULT_MASTER_PORT} with --nnodes > 1).")
     # Data parallelism (llmctl/server/replicas.py): whole engine replicas behind one `llmctl serve`.
     data_parallel_size: int = _arg(1, "Engine replicas `llmctl serve` runs and balances requests over by load "
-                                      "(CPU: the threads are split between them; CUDA: one device each).",
+                                      "(CPU: the threads are split between them; CUDA: one device each, T with "
+                                      "--tensor-parallel-size T).",
                                    short="-dp")
     # Python-only: how long a rank waits in a step's collective for the others before the engine fails.
     collective_timeout_s: float = 30.0
@@ -146,9 +147,10 @@ class EngineArgs:
         SpeculativeConfig.parse(self.speculative_config)
         self.parallel_for({})
         _positive("data_parallel_size", self.data_parallel_size)
-        if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.nnodes > 1):
-            raise EngineArgsError("data_parallel_size > 1 with tensor_parallel_size > 1 or nnodes > 1 is not "
-                                  "supported yet: each data-parallel replica is one in-process engine")
+        if self.data_parallel_size > 1 and (self.pipeline_parallel_size > 1 or self.nnodes > 1):
+            raise EngineArgsError("data_parallel_size > 1 with pipeline_parallel_size > 1 or nnodes > 1 is not "
+                                  "supported yet: the replicas share the server's process as their rank 0, on one "
+                                  "node (run one `llmctl serve -dp D` per node behind a load balancer)")
 
     @property
     def speculative(self) -> Optional["SpeculativeConfig"]:
@@ -312,10 +314,23 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1  # stages; global rank = stage x tensor_parallel_size + tensor-parallel rank
     layer_partition: Optional[tuple[int, ...]] = None  # decoder layers per stage (None: an even split)
     enable_expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank (engine/parallel.py)
+    # `llmctl serve -dp D -tp T`: this engine is replica `data_parallel_rank` of D, whose rank 0 is the server's
+    # process (shared by every replica) and whose ranks 1.. are its own processes (`global_rank`)
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     @property
     def tensor_parallel_size(self) -> int:
         return self.world_size // self.pipeline_parallel_size
+
+    @property
+    def process_group_size(self) -> int:
+        """The torch.distributed world: one engine's ranks, or with replicas their shared rank 0 and each one's others."""
+        return 1 + self.data_parallel_size * (self.world_size - 1)
+
+    def global_rank(self, rank: int) -> int:
+        """This engine's rank `rank` in the process group (the same number without data-parallel replicas)."""
+        return 0 if rank == 0 else rank + self.data_parallel_rank * (self.world_size - 1)
 
     @property
     def ranks_per_node(self) -> int:

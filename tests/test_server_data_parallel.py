@@ -134,11 +134,43 @@ def test_the_balancer_picks_the_least_loaded_and_spreads_a_burst_between_snapsho
         balancer.pick()
 
 
+def test_two_replicas_of_two_tensor_parallel_ranks_answer_as_one_engine_and_release_every_rank(tiny_chat_model):
+    """-dp 2 -tp 2: three processes, the server's being rank 0 of both replicas (one process group for all),
+    each replica's other rank its own process; the replicas' greedy and seeded answers are one engine's,
+    and stopping the server stops every rank and releases the process group."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    args = EngineArgs(model=str(tiny_chat_model), data_parallel_size=2, tensor_parallel_size=2, **ENGINE)
+    replicas = load_replicas(args)
+    ranks = [p for p in multiprocessing.active_children() if p.name.startswith("llmctl-rank-")]
+    assert sorted(p.name for p in ranks) == ["llmctl-rank-1", "llmctl-rank-2"]
+    assert [e.engine.executor.runner.num_heads for e in replicas] == [2, 2]  # 4 heads over 2 ranks each
+    requests = _requests()[:4]
+    server = RunningServer(replicas, ServerSettings(port=free_port(), served_model_name="m")).start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60) as client, ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda body: client.post("/v1/completions", json=body).json(), requests))
+        per_replica = {engine: v for (_, engine), v in _series(server.base_url, "llmctl:request_success_total").items()}
+    finally:
+        server.stop()
+        for replica in replicas:
+            replica.shutdown()
+    assert not dist.is_initialized() and all(not p.is_alive() for p in ranks)
+    assert set(per_replica) == {"0", "1"} and min(per_replica.values()) >= 1, per_replica
+    llm = LLM(str(tiny_chat_model), **ENGINE)
+    expected = llm.generate([r["prompt"] for r in requests],
+                            [SamplingParams(max_tokens=r["max_tokens"], temperature=r["temperature"],
+                                            seed=r.get("seed"), ignore_eos=True) for r in requests])
+    assert [a["choices"][0]["text"] for a in answers] == [e.outputs[0].text for e in expected]
+
+
 def test_replica_settings_split_the_threads_and_refuse_what_is_not_supported():
     replicas = replica_engine_args(EngineArgs(device="cpu", data_parallel_size=2, num_threads=4, seed=7))
     assert [(r.num_threads, r.data_parallel_size, r.seed) for r in replicas] == [(2, 1, 7), (2, 1, 8)]
-    with pytest.raises(EngineArgsError, match="data_parallel_size > 1 with tensor_parallel_size"):
-        EngineArgs(data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(EngineArgsError, match="data_parallel_size > 1 with pipeline_parallel_size > 1 or nnodes"):
+        EngineArgs(data_parallel_size=2, pipeline_parallel_size=2)
     with pytest.raises(EngineArgsError, match="an LLMEngine is one replica"):
         LLM(device="cpu", data_parallel_size=2)
 
