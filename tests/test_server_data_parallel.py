@@ -1,7 +1,8 @@
 """Data parallelism (`--data-parallel-size`): two replicas of a tiny model behind one server answer a mix
 of greedy and seeded requests token for token as one engine does, the balancer spreads a burst over both
 (seen in the per-replica `engine`-labelled series, whose sum is the total), and a replica that dies turns
-the whole server unhealthy and refuses new requests instead of quietly serving from the other."""
+the whole server unhealthy and refuses new requests instead of quietly serving from the other. With
+`-dp 2 -tp 2` two tensor-parallel replicas share one process group and answer as one engine does."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def test_the_balancer_picks_the_least_loaded_and_spreads_a_burst_between_snapsho
         balancer.pick()
 
 
-def test_two_replicas_of_two_tensor_parallel_ranks_answer_as_one_engine_and_release_every_rank(tiny_chat_model):
+def check_two_tensor_parallel_replicas(folder, engine: dict) -> None:
     """-dp 2 -tp 2: three processes, the server's being rank 0 of both replicas (one process group for all),
     each replica's other rank its own process; the replicas' greedy and seeded answers are one engine's,
     and stopping the server stops every rank and releases the process group."""
@@ -142,8 +143,7 @@ def test_two_replicas_of_two_tensor_parallel_ranks_answer_as_one_engine_and_rele
 
     import torch.distributed as dist
 
-    args = EngineArgs(model=str(tiny_chat_model), data_parallel_size=2, tensor_parallel_size=2, **ENGINE)
-    replicas = load_replicas(args)
+    replicas = load_replicas(EngineArgs(model=str(folder), data_parallel_size=2, tensor_parallel_size=2, **engine))
     ranks = [p for p in multiprocessing.active_children() if p.name.startswith("llmctl-rank-")]
     assert sorted(p.name for p in ranks) == ["llmctl-rank-1", "llmctl-rank-2"]
     assert [e.engine.executor.runner.num_heads for e in replicas] == [2, 2]  # 4 heads over 2 ranks each
@@ -159,11 +159,15 @@ def test_two_replicas_of_two_tensor_parallel_ranks_answer_as_one_engine_and_rele
             replica.shutdown()
     assert not dist.is_initialized() and all(not p.is_alive() for p in ranks)
     assert set(per_replica) == {"0", "1"} and min(per_replica.values()) >= 1, per_replica
-    llm = LLM(str(tiny_chat_model), **ENGINE)
+    llm = LLM(str(folder), **engine)
     expected = llm.generate([r["prompt"] for r in requests],
                             [SamplingParams(max_tokens=r["max_tokens"], temperature=r["temperature"],
                                             seed=r.get("seed"), ignore_eos=True) for r in requests])
     assert [a["choices"][0]["text"] for a in answers] == [e.outputs[0].text for e in expected]
+
+
+def test_two_replicas_of_two_tensor_parallel_ranks_answer_as_one_engine_and_release_every_rank(tiny_chat_model):
+    check_two_tensor_parallel_replicas(tiny_chat_model, ENGINE)
 
 
 def test_replica_settings_split_the_threads_and_refuse_what_is_not_supported():
