@@ -21,7 +21,7 @@ from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError, EngineDeadError
 from llmctl.server.app import ServerSettings
 from llmctl.server import runner
-from llmctl.server.replicas import ReplicaBalancer, load_replicas, replica_engine_args
+from llmctl.server.replicas import ReplicaBalancer, load_replicas, replica_engine_args, replica_failure
 from tests.server_helpers import RunningServer, free_port, wait_for
 
 ENGINE = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "max_num_seqs": 4}
@@ -137,15 +137,19 @@ def test_the_balancer_picks_the_least_loaded_and_spreads_a_burst_between_snapsho
 
 def check_two_tensor_parallel_replicas(folder, engine: dict) -> None:
     """-dp 2 -tp 2: three processes, the server's being rank 0 of both replicas (one process group for all),
-    each replica's other rank its own process; the replicas' greedy and seeded answers are one engine's,
-    and stopping the server stops every rank and releases the process group."""
+    each replica's other rank its own process; the replicas' greedy and seeded answers are one engine's.
+    Killing replica 1's rank fails replica 1 by name (replica 0 stays up; the server would stop), and
+    stopping the server stops every rank and releases the process group."""
     import multiprocessing
+    import os
+    import signal
 
     import torch.distributed as dist
 
     replicas = load_replicas(EngineArgs(model=str(folder), data_parallel_size=2, tensor_parallel_size=2, **engine))
-    ranks = [p for p in multiprocessing.active_children() if p.name.startswith("llmctl-rank-")]
-    assert sorted(p.name for p in ranks) == ["llmctl-rank-1", "llmctl-rank-2"]
+    ranks = sorted((p for p in multiprocessing.active_children() if p.name.startswith("llmctl-rank-")),
+                   key=lambda p: p.name)
+    assert [p.name for p in ranks] == ["llmctl-rank-1", "llmctl-rank-2"]
     assert [e.engine.executor.runner.num_heads for e in replicas] == [2, 2]  # 4 heads over 2 ranks each
     requests = _requests()[:4]
     server = RunningServer(replicas, ServerSettings(port=free_port(), served_model_name="m")).start()
@@ -153,6 +157,10 @@ def check_two_tensor_parallel_replicas(folder, engine: dict) -> None:
         with httpx.Client(base_url=server.base_url, timeout=60) as client, ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda body: client.post("/v1/completions", json=body).json(), requests))
         per_replica = {engine: v for (_, engine), v in _series(server.base_url, "llmctl:request_success_total").items()}
+        os.kill(ranks[1].pid, signal.SIGKILL)  # llmctl-rank-2: replica 1's rank 1
+        wait_for(lambda: replica_failure(replicas) is not None, 15, "replica 1 to fail")
+        assert "data-parallel replica 1 failed: rank 1 (pid" in replica_failure(replicas)
+        assert replicas[0].is_healthy
     finally:
         server.stop()
         for replica in replicas:
@@ -166,7 +174,7 @@ def check_two_tensor_parallel_replicas(folder, engine: dict) -> None:
     assert [a["choices"][0]["text"] for a in answers] == [e.outputs[0].text for e in expected]
 
 
-def test_two_replicas_of_two_tensor_parallel_ranks_answer_as_one_engine_and_release_every_rank(tiny_chat_model):
+def test_two_replicas_of_two_tensor_parallel_ranks_answer_as_one_engine_and_a_killed_rank_fails_its_replica(tiny_chat_model):
     check_two_tensor_parallel_replicas(tiny_chat_model, ENGINE)
 
 
