@@ -325,7 +325,7 @@ class ParallelConfig:
 
     @property
     def process_group_size(self) -> int:
-        """The torch.distributed world: one engine's ranks, or with replicas their shared rank 0 and each one's others."""
+        """The torch.distributed world: one engine's ranks, or the replicas' shared rank 0 and each one's others."""
         return 1 + self.data_parallel_size * (self.world_size - 1)
 
     def global_rank(self, rank: int) -> int:

@@ -174,7 +174,7 @@ def check_two_tensor_parallel_replicas(folder, engine: dict) -> None:
     assert [a["choices"][0]["text"] for a in answers] == [e.outputs[0].text for e in expected]
 
 
-def test_two_replicas_of_two_tensor_parallel_ranks_answer_as_one_engine_and_a_killed_rank_fails_its_replica(tiny_chat_model):
+def test_two_tensor_parallel_replicas_answer_as_one_engine_and_a_killed_rank_fails_its_replica(tiny_chat_model):
     check_two_tensor_parallel_replicas(tiny_chat_model, ENGINE)
 
 
