@@ -105,3 +105,17 @@ def test_ep2_over_gloo_gives_tp1_and_transformers_greedy_tokens(moe_models, capl
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
                                       do_sample=False)[0, len(prompt):]
         assert tokens == expected.tolist(), f"a {len(prompt)}-token prompt diverged from transformers"
+
+
+def test_the_placement_is_in_generate_json_and_serve_start_up_line():
+    from llmctl.engine.llm_engine import ModelInfo
+    from llmctl.generate_runner import _memory
+    from llmctl.server.runner import memory_line
+
+    info = ModelInfo(model="m", max_model_len=64, vocab_size=256, tokenizer=None, eos_token_ids=frozenset(),
+                     bos_token_id=None, dtype="float32", quantization=None, weight_bytes=1, kv_cache_bytes=1,
+                     expert_placement=((0, 1, 2), (3, 4, 5)))
+    assert _memory(info)["expert_placement"] == [[0, 1, 2], [3, 4, 5]]
+    assert memory_line(info).endswith("; experts: rank 0 holds 0-2, rank 1 holds 3-5")
+    one_rank = ModelInfo(**{**info.__dict__, "expert_placement": ()})
+    assert "expert_placement" not in _memory(one_rank) and "experts" not in memory_line(one_rank)
