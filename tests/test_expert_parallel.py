@@ -81,7 +81,8 @@ def _greedy(llm: LLM, prompts, new_tokens: int):
 def test_ep2_over_gloo_gives_tp1_and_transformers_greedy_tokens(moe_models, caplog):
     """Qwen2-MoE (8 experts, a shared expert, a dense layer) on two ranks: 4 experts each, the start-up log
     naming them; a 32-token budget chunks the long prompts beside decodes, 10 blocks force preemptions, the
-    shared 40-token prefix hits the prefix cache. Tokens equal TP=1's and transformers', logits within 1e-4."""
+    shared 40-token prefix hits the prefix cache. Tokens equal TP=1's and transformers', logits within 1e-4;
+    seeded samples equal TP=1's."""
     from transformers import AutoModelForCausalLM
 
     folder = moe_models["qwen2_moe"]
@@ -89,14 +90,18 @@ def test_ep2_over_gloo_gives_tp1_and_transformers_greedy_tokens(moe_models, capl
     prompts = [shared + [1, 2, 3], [9, 8, 7], shared + [4, 5], list(range(60, 110)), [200, 17]]
     settings = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=128, block_size=16,
                     max_num_batched_tokens=32, num_kv_blocks=10, max_num_seqs=5, enable_prefix_caching=True)
+    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)
     with LLM(str(folder), **settings) as one:
         want, want_logits, _ = _greedy(one, prompts, 12)
+        want_seeded = [out.outputs[0].token_ids for out in one.generate(prompts[:2], seeded)]
     with caplog.at_level(logging.INFO, logger="llmctl.engine.llm_engine"):
         with LLM(str(folder), tensor_parallel_size=2, enable_expert_parallel=True, **settings) as ep:
             assert ep.engine.model_info.expert_placement == ((0, 1, 2, 3), (4, 5, 6, 7))
             assert ep.engine.executor.runner.model.model.layers[0].mlp.experts.w13_weight.shape[0] == 4
             got, got_logits, stats = _greedy(ep, prompts, 12)
+            got_seeded = [out.outputs[0].token_ids for out in ep.generate(prompts[:2], seeded)]
     assert "expert parallel: experts: rank 0 holds 0-3, rank 1 holds 4-7" in caplog.text
+    assert got_seeded == want_seeded  # seeded sampling too: rank 0 samples from the same logits
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
     assert got == want
     assert max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits)) < 1e-4
