@@ -110,6 +110,9 @@ class EngineArgs:
                                      short="-tp")
     pipeline_parallel_size: int = _arg(1, "Pipeline stages the decoder layers are split over (ranks = pipeline x "
                                           "tensor-parallel size).", short="-pp")
+    enable_expert_parallel: bool = _arg(False, "Mixture-of-experts models with --tensor-parallel-size N: each rank "
+                                               "holds num_experts / N whole experts (instead of a 1/N slice of "
+                                               "every expert); attention stays tensor-parallel.")
     pp_layer_partition: Optional[str] = _arg(None, "Decoder layers per pipeline stage, comma-separated (\"12,16\"; "
                                                    "default: an even split, like vLLM's VLLM_PP_LAYER_PARTITION).")
     nnodes: int = _arg(1, "Machines the ranks span; each runs the same command with its --node-rank.")
@@ -120,7 +123,8 @@ class EngineArgs:
                                             f"{DEFAULT_MASTER_PORT} with --nnodes > 1).")
     # Data parallelism (llmctl/server/replicas.py): whole engine replicas behind one `llmctl serve`.
     data_parallel_size: int = _arg(1, "Engine replicas `llmctl serve` runs and balances requests over by load "
-                                      "(CPU: the threads are split between them; CUDA: one device each).",
+                                      "(CPU: the threads are split between them; CUDA: one device each, T with "
+                                      "--tensor-parallel-size T).",
                                    short="-dp")
     # Python-only: how long a rank waits in a step's collective for the others before the engine fails.
     collective_timeout_s: float = 30.0
@@ -158,9 +162,10 @@ class EngineArgs:
         SpeculativeConfig.parse(self.speculative_config)
         self.parallel_for({})
         _positive("data_parallel_size", self.data_parallel_size)
-        if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.nnodes > 1):
-            raise EngineArgsError("data_parallel_size > 1 with tensor_parallel_size > 1 or nnodes > 1 is not "
-                                  "supported yet: each data-parallel replica is one in-process engine")
+        if self.data_parallel_size > 1 and (self.pipeline_parallel_size > 1 or self.nnodes > 1):
+            raise EngineArgsError("data_parallel_size > 1 with pipeline_parallel_size > 1 or nnodes > 1 is not "
+                                  "supported yet: the replicas share the server's process as their rank 0, on one "
+                                  "node (run one `llmctl serve -dp D` per node behind a load balancer)")
 
     @property
     def speculative(self) -> Optional["SpeculativeConfig"]:
@@ -323,10 +328,24 @@ class ParallelConfig:
     rank: Optional[int] = None  # under torchrun: this process's global rank
     pipeline_parallel_size: int = 1  # stages; global rank = stage x tensor_parallel_size + tensor-parallel rank
     layer_partition: Optional[tuple[int, ...]] = None  # decoder layers per stage (None: an even split)
+    enable_expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank (engine/parallel.py)
+    # `llmctl serve -dp D -tp T`: this engine is replica `data_parallel_rank` of D, whose rank 0 is the server's
+    # process (shared by every replica) and whose ranks 1.. are its own processes (`global_rank`)
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     @property
     def tensor_parallel_size(self) -> int:
         return self.world_size // self.pipeline_parallel_size
+
+    @property
+    def process_group_size(self) -> int:
+        """The torch.distributed world: one engine's ranks, or the replicas' shared rank 0 and each one's others."""
+        return 1 + self.data_parallel_size * (self.world_size - 1)
+
+    def global_rank(self, rank: int) -> int:
+        """This engine's rank `rank` in the process group (the same number without data-parallel replicas)."""
+        return 0 if rank == 0 else rank + self.data_parallel_rank * (self.world_size - 1)
 
     @property
     def ranks_per_node(self) -> int:
@@ -355,7 +374,8 @@ class ParallelConfig:
         if not args.collective_timeout_s > 0:
             raise EngineArgsError("collective_timeout_s must be > 0")
         if all(key in environ for key in TORCHRUN_KEYS):
-            return replace(cls._from_torchrun(args, environ), pipeline_parallel_size=stages, layer_partition=partition)
+            return replace(cls._from_torchrun(args, environ), pipeline_parallel_size=stages, layer_partition=partition,
+                           enable_expert_parallel=args.enable_expert_parallel)
         if not 0 <= args.node_rank < args.nnodes:
             raise EngineArgsError(f"node_rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), "
                                   f"got {args.node_rank}")
@@ -367,7 +387,8 @@ class ParallelConfig:
             raise EngineArgsError("master_port 0 (a free port) works on one node only: the other nodes must be "
                                   "told the port; give --master-port")
         return cls(world, args.nnodes, args.node_rank, args.master_addr, port, args.collective_timeout_s,
-                   pipeline_parallel_size=stages, layer_partition=partition)
+                   pipeline_parallel_size=stages, layer_partition=partition,
+                   enable_expert_parallel=args.enable_expert_parallel)
 
     @classmethod
     def _from_torchrun(cls, args: "EngineArgs", environ: Mapping[str, str]) -> "ParallelConfig":

@@ -30,6 +30,7 @@ from llmctl.engine.gguf_loader import GGUFFile, is_gguf
 from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import RunnerConfig, quantization_label
+from llmctl.engine.parallel import TensorParallelError, expert_ranges
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeCounts
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -180,6 +181,25 @@ class ModelInfo:
     weight_bytes: int  # what the parameters occupy (quantised linears at their quantised size)
     kv_cache_bytes: int  # the paged KV pool
     scheduling_policy: str = "fcfs"  # "priority": a request's priority orders it (else only 0 is accepted)
+    expert_placement: tuple[tuple[int, ...], ...] = ()  # per tensor-parallel rank, its experts (expert parallel)
+
+    def expert_placement_text(self) -> str:
+        """"experts: rank 0 holds 0-3, rank 1 holds 4-7" ("" without expert parallelism)."""
+        held = [f"rank {rank} holds {ids[0]}" + (f"-{ids[-1]}" if len(ids) > 1 else "")
+                for rank, ids in enumerate(self.expert_placement)]
+        return f"experts: {', '.join(held)}" if held else ""
+
+
+def expert_placement(args: EngineArgs, model_config: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """The experts each tensor-parallel rank holds with --enable-expert-parallel (() without it, with one rank or
+    a dense model); an expert count the ranks do not divide is refused here, before any rank starts."""
+    size = args.parallel.tensor_parallel_size
+    if model_config.moe is None or not args.enable_expert_parallel or size == 1:
+        return ()
+    try:
+        return tuple(tuple(experts) for experts in expert_ranges(model_config.moe.num_experts, size))
+    except TensorParallelError as exc:
+        raise EngineArgsError(str(exc)) from None
 
 
 @dataclass
@@ -250,6 +270,7 @@ class LLMEngine:
         if speculative is not None and args.pipeline_parallel_size > 1:
             raise EngineArgsError("speculative decoding (speculative_config) with pipeline_parallel_size > 1 is not "
                                   "supported yet")
+        placement = expert_placement(args, self.model_config)
         dtype = resolve_dtype(args.dtype, self.model_config, device)
         config = build_runner_config(args, folder, self.model_config, device,
                              extra_kv_bytes_per_token=draft.kv_bytes_per_token(dtype) if draft else 0,
@@ -286,7 +307,9 @@ class LLMEngine:
             dtype=str(self.executor.dtype).replace("torch.", ""),
             quantization=quantization_label(args.quantization, self.model_config),
             weight_bytes=self.executor.weight_bytes, kv_cache_bytes=self.executor.kv_cache_bytes,
-            scheduling_policy=self.scheduler.config.policy)
+            scheduling_policy=self.scheduler.config.policy, expert_placement=placement)
+        if placement:
+            logger.info("expert parallel: %s", self.model_info.expert_placement_text())
 
     # ---- configuration ------------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:

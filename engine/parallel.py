@@ -18,7 +18,11 @@ Sharding rules (vLLM's):
 - the vocabulary split in equal padded parts (`padded_partition`): the last rank's part may run past
   the vocabulary, its extra rows are zero and masked;
 - KV heads fewer than ranks are replicated (`kv_head_range`): size must be a multiple of the KV
-  heads, and each group of size / kv_heads ranks holds one KV head.
+  heads, and each group of size / kv_heads ranks holds one KV head;
+- expert parallelism (`expert_parallel`, --enable-expert-parallel): a mixture-of-experts layer's experts are
+  not sliced but dealt out whole, rank r holding the r-th contiguous num_experts / size of them
+  (`expert_ranges`); every rank routes every token (its hidden states are the same on all ranks), runs
+  the pairs whose expert it holds and the partial sums are all-reduced, as vLLM's naive expert parallelism.
 """
 
 from __future__ import annotations
@@ -33,11 +37,21 @@ class TensorParallelError(ValueError):
     """A model shape that cannot be split over the requested number of ranks."""
 
 
+def expert_ranges(num_experts: int, size: int) -> list[range]:
+    """The experts each of `size` expert-parallel ranks holds, in rank order: equal contiguous blocks."""
+    if num_experts % size:
+        raise TensorParallelError(f"the model's {num_experts} experts are not divisible by the expert-parallel "
+                                  f"size ({size}, the tensor-parallel size): each rank must hold whole experts")
+    share = num_experts // size
+    return [range(rank * share, (rank + 1) * share) for rank in range(size)]
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int
     size: int
     group: Optional[Any] = None  # a torch.distributed ProcessGroup; None: the default group
+    expert_parallel: bool = False  # mixture-of-experts layers: whole experts per rank (`expert_range`), not refused
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -93,6 +107,12 @@ class TensorParallel:
     def attention_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
         """(query heads, KV heads) this rank holds."""
         return self.partition(num_heads, "the number of attention heads")[1], self.kv_head_range(num_kv_heads)[1]
+
+    def expert_range(self, num_experts: int) -> range:
+        """The experts (global ids) this rank holds: all of them without expert parallelism."""
+        if not self.expert_parallel:
+            return range(num_experts)
+        return expert_ranges(num_experts, self.size)[self.rank]
 
     # ---- collectives --------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -185,9 +185,10 @@ def _as_json(index: int, spec: PromptSpec, output) -> dict[str, Any]:
 
 def _memory(info) -> dict[str, Any]:
     """What the engine holds, on every JSON line: the weights (quantised linears at their quantised
-    size) and the KV pool, in bytes."""
+    size) and the KV pool, in bytes; with expert parallelism each tensor-parallel rank's experts."""
+    held = {"expert_placement": [list(ids) for ids in info.expert_placement]} if info.expert_placement else {}
     return {"dtype": info.dtype, "quantization": info.quantization, "weight_bytes": info.weight_bytes,
-            "kv_cache_bytes": info.kv_cache_bytes}
+            "kv_cache_bytes": info.kv_cache_bytes, **held}
 
 
 def _print_summary(err, outputs, memory: dict[str, Any]) -> None:

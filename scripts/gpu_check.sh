@@ -36,6 +36,11 @@
 #            bench's graph, every GPU.
 #   tp_nccl  test_tp2_over_nccl_matches_tp1 (two GPUs only; issue 17): the sharded model's collectives over NCCL,
 #            one GPU per rank, give TP=1's greedy tokens for 2 KV heads and for 1 (replicated on both ranks).
+#   ep_nccl  test_ep2_over_nccl_matches_one_gpu (two GPUs only; issue 43): a MoE model's experts dealt out over
+#            two GPUs (the Triton grouped GEMM skipping the other rank's pairs, the partial sums all-reduced over
+#            NCCL) give one GPU's greedy tokens.
+#   dp_tp_nccl  test_two_replicas_of_two_gpus_each_answer_as_one_gpu (four GPUs only; issue 43): `-dp 2 -tp 2`,
+#            the server's process rank 0 of both replicas (cuda:0, cuda:2), answers as one engine on cuda:0.
 #
 # Files (at most 8, for the device tool) go to ${OUT:-/tmp}/gpu_check: gpu_check.log (everything, the summary
 # table last), engine.log, pytest.log, serve.log, doctor.json, bench_gpu.json, offline.json, bench_serve.json.
@@ -98,6 +103,12 @@ tail -n 15 "$out/engine.log"
 step tp_nccl 120 verdict_pytest_or_skip "$errdir/tp_nccl.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
     tests/test_cuda_tensor_parallel.py
 tail -n 8 "$errdir/tp_nccl.log"
+step ep_nccl 120 verdict_pytest_or_skip "$errdir/ep_nccl.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/test_cuda_expert_parallel.py
+tail -n 8 "$errdir/ep_nccl.log"
+step dp_tp_nccl 120 verdict_pytest_or_skip "$errdir/dp_tp_nccl.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/test_cuda_data_parallel.py
+tail -n 8 "$errdir/dp_tp_nccl.log"
 step bench_gpu 150 verdict_bench_json "$out/bench_gpu.json" "$PY" -m llmctl.cli bench --gpu --json --quick
 # gpu-burn style: 60 s of checked fp32 GEMMs per GPU with NVML telemetry; wrong results or new XIDs/ECC exit 1.
 step stress 100 verdict_bench_json "$errdir/stress.json" "$PY" -m llmctl.cli bench --gpu --stress 60 --json
@@ -122,7 +133,7 @@ step quant_bench 60 verdict_offline_json "$errdir/quant_bench.json" "$PY" -m llm
 step triton 150 verdict_pytest_ran "$errdir/triton.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
     tests/test_triton_attention.py tests/test_triton_layer_ops.py
 tail -n 15 "$errdir/triton.log"
-mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py | grep -v "test_cuda_engine.py\|test_cuda_tensor_parallel.py\|test_quant_cuda.py\|test_triton_")
+mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py | grep -v "test_cuda_engine.py\|test_cuda_tensor_parallel.py\|test_cuda_expert_parallel.py\|test_cuda_data_parallel.py\|test_quant_cuda.py\|test_triton_")
 step pytest 210 verdict_pytest "$out/pytest.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -m cuda \
     --continue-on-collection-errors "${cuda_tests[@]}"
 tail -n 15 "$out/pytest.log"

@@ -1,7 +1,8 @@
 """Data parallelism (`--data-parallel-size`): two replicas of a tiny model behind one server answer a mix
 of greedy and seeded requests token for token as one engine does, the balancer spreads a burst over both
 (seen in the per-replica `engine`-labelled series, whose sum is the total), and a replica that dies turns
-the whole server unhealthy and refuses new requests instead of quietly serving from the other."""
+the whole server unhealthy and refuses new requests instead of quietly serving from the other. With
+`-dp 2 -tp 2` two tensor-parallel replicas share one process group and answer as one engine does."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError, EngineDeadError
 from llmctl.server.app import ServerSettings
 from llmctl.server import runner
-from llmctl.server.replicas import ReplicaBalancer, load_replicas, replica_engine_args
+from llmctl.server.replicas import ReplicaBalancer, load_replicas, replica_engine_args, replica_failure
 from tests.server_helpers import RunningServer, free_port, wait_for
 
 ENGINE = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "max_num_seqs": 4}
@@ -134,11 +135,54 @@ def test_the_balancer_picks_the_least_loaded_and_spreads_a_burst_between_snapsho
         balancer.pick()
 
 
+def check_two_tensor_parallel_replicas(folder, engine: dict) -> None:
+    """-dp 2 -tp 2: three processes, the server's being rank 0 of both replicas (one process group for all),
+    each replica's other rank its own process; the replicas' greedy and seeded answers are one engine's.
+    Killing replica 1's rank fails replica 1 by name (replica 0 stays up; the server would stop), and
+    stopping the server stops every rank and releases the process group."""
+    import multiprocessing
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    replicas = load_replicas(EngineArgs(model=str(folder), data_parallel_size=2, tensor_parallel_size=2, **engine))
+    ranks = sorted((p for p in multiprocessing.active_children() if p.name.startswith("llmctl-rank-")),
+                   key=lambda p: p.name)
+    assert [p.name for p in ranks] == ["llmctl-rank-1", "llmctl-rank-2"]
+    assert [e.engine.executor.runner.num_heads for e in replicas] == [2, 2]  # 4 heads over 2 ranks each
+    requests = _requests()[:4]
+    server = RunningServer(replicas, ServerSettings(port=free_port(), served_model_name="m")).start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60) as client, ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda body: client.post("/v1/completions", json=body).json(), requests))
+        per_replica = {engine: v for (_, engine), v in _series(server.base_url, "llmctl:request_success_total").items()}
+        os.kill(ranks[1].pid, signal.SIGKILL)  # llmctl-rank-2: replica 1's rank 1
+        wait_for(lambda: replica_failure(replicas) is not None, 15, "replica 1 to fail")
+        assert "data-parallel replica 1 failed: rank 1 (pid" in replica_failure(replicas)
+        assert replicas[0].is_healthy
+    finally:
+        server.stop()
+        for replica in replicas:
+            replica.shutdown()
+    assert not dist.is_initialized() and all(not p.is_alive() for p in ranks)
+    assert set(per_replica) == {"0", "1"} and min(per_replica.values()) >= 1, per_replica
+    llm = LLM(str(folder), **engine)
+    expected = llm.generate([r["prompt"] for r in requests],
+                            [SamplingParams(max_tokens=r["max_tokens"], temperature=r["temperature"],
+                                            seed=r.get("seed"), ignore_eos=True) for r in requests])
+    assert [a["choices"][0]["text"] for a in answers] == [e.outputs[0].text for e in expected]
+
+
+def test_two_tensor_parallel_replicas_answer_as_one_engine_and_a_killed_rank_fails_its_replica(tiny_chat_model):
+    check_two_tensor_parallel_replicas(tiny_chat_model, ENGINE)
+
+
 def test_replica_settings_split_the_threads_and_refuse_what_is_not_supported():
     replicas = replica_engine_args(EngineArgs(device="cpu", data_parallel_size=2, num_threads=4, seed=7))
     assert [(r.num_threads, r.data_parallel_size, r.seed) for r in replicas] == [(2, 1, 7), (2, 1, 8)]
-    with pytest.raises(EngineArgsError, match="data_parallel_size > 1 with tensor_parallel_size"):
-        EngineArgs(data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(EngineArgsError, match="data_parallel_size > 1 with pipeline_parallel_size > 1 or nnodes"):
+        EngineArgs(data_parallel_size=2, pipeline_parallel_size=2)
     with pytest.raises(EngineArgsError, match="an LLMEngine is one replica"):
         LLM(device="cpu", data_parallel_size=2)
 

@@ -82,6 +82,23 @@ def test_alignment_groups_every_pair_once_in_its_experts_blocks(fused_moe):
     assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
 
 
+def test_pairs_held_by_another_expert_parallel_rank_add_nothing(fused_moe):
+    """Expert parallelism: each rank's w13/w2 hold its block of experts and the other ranks' pairs carry the id
+    past them; the kernel skips those pairs, and the two ranks' outputs sum to all experts' on one rank."""
+    kernels, device = fused_moe
+    x, w13, w2, weights, ids = problem(21, 6, 2, 48, 40, torch.float32, device, seed=5)
+    halves = []
+    for held in (range(0, 3), range(3, 6)):
+        local = torch.where((ids >= held.start) & (ids < held.stop), ids - held.start, len(held))
+        halves.append(kernels.fused_experts_triton(x, w13[held.start:held.stop], w2[held.start:held.stop],
+                                                   weights, local, silu_and_mul))
+        torch.testing.assert_close(halves[-1], fused_experts_torch(x, w13[held.start:held.stop],
+                                                                   w2[held.start:held.stop], weights, local,
+                                                                   silu_and_mul), atol=1e-4, rtol=1e-4)
+    expected = fused_experts_torch(x, w13, w2, weights, ids, silu_and_mul)
+    torch.testing.assert_close(halves[0] + halves[1], expected, atol=1e-4, rtol=1e-4)
+
+
 def compile_for_cuda(capability: int) -> None:
     """Compile the grouped GEMM (bf16 with the router weight, fp32 IEEE without) for an sm_`capability` GPU: no GPU
     needed, run where TRITON_INTERPRET is unset. Exits 3 where this triton has not the compiler entry points."""

@@ -26,6 +26,8 @@ The process groups, because their waits differ:
   gathers, with the collective timeout on every rank;
 - the pipe group (every rank, same backend, the collective timeout; with pipeline stages only): the
   hidden states between stages and the last stage's logits.
+With `llmctl serve -dp D -tp T` (`DataParallelWorld`) the D replicas share one process group, the server's
+process being rank 0 of each: every replica has its own control, model and start-up groups.
 
 Faults: a rank that exits closes its connections, so the driver's next (or current) collective fails
 at once; a rank that hangs fails it after the collective timeout (30 s by default). Either way the
@@ -50,7 +52,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -83,6 +85,7 @@ class _Groups:
     control: object
     model: object  # this rank's pipeline stage's tensor-parallel ranks
     pipe: object  # every rank: the pipeline's point-to-point sends (hidden states, the last stage's logits)
+    startup: object  # agreeing on the KV pool: the default group, or with data-parallel replicas each one's own
 
 
 # ---- the step message -----------------------------------------------------------------------------
@@ -133,7 +136,7 @@ def _rank_device(device: torch.device, parallel: ParallelConfig, rank: int) -> t
     """CUDA: one GPU per rank, the rank's index on its node; CPU: the CPU."""
     if device.type != "cuda":
         return device
-    local = rank - parallel.node_ranks.start
+    local = rank - parallel.node_ranks.start + parallel.data_parallel_rank * parallel.world_size
     if local >= torch.cuda.device_count():
         raise EngineError(f"rank {rank} needs GPU {local} on its node, which has {torch.cuda.device_count()}")
     torch.cuda.set_device(local)
@@ -143,39 +146,52 @@ def _rank_device(device: torch.device, parallel: ParallelConfig, rank: int) -> t
 def _store(parallel: ParallelConfig, rank: int):
     import torch.distributed as dist
 
-    return dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.world_size, is_master=rank == 0,
+    return dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.process_group_size, is_master=rank == 0,
                          timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
 
 
-def _connect(parallel: ParallelConfig, rank: int, device: torch.device, store, control_timeout_s: float) -> _Groups:
+def _connect(parallel: ParallelConfig, rank: int, device: torch.device, store,
+             control_timeout_s: float) -> list[_Groups]:
+    """Join the process group as `parallel`'s rank `rank`; every replica's groups (one without data parallelism),
+    this process's own for its replica (the server's process is rank 0 of each)."""
     import torch.distributed as dist
 
-    world = parallel.world_size
+    world, global_rank = parallel.process_group_size, parallel.global_rank(rank)
     if store is None:  # torchrun: its agent hosts the store at MASTER_ADDR:MASTER_PORT
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method="env://", rank=global_rank, world_size=world,
                                 timeout=timedelta(seconds=LOAD_TIMEOUT_S))
     else:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+        dist.init_process_group("gloo", store=store, rank=global_rank, world_size=world,
                                 timeout=timedelta(seconds=LOAD_TIMEOUT_S))
-    ranks = list(range(world))
+    # every process creates every group, in the same order (new_group is collective over the default group)
+    return [_replica_groups(replace(parallel, data_parallel_rank=replica),
+                            rank if replica == parallel.data_parallel_rank else 0, device, control_timeout_s)
+            for replica in range(parallel.data_parallel_size)]
+
+
+def _replica_groups(parallel: ParallelConfig, rank: int, device: torch.device, control_timeout_s: float) -> _Groups:
+    import torch.distributed as dist
+
+    ranks = [parallel.global_rank(r) for r in range(parallel.world_size)]
     control = dist.new_group(ranks, timeout=timedelta(seconds=control_timeout_s), backend="gloo")
     model_backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=parallel.collective_timeout_s)
     tp = parallel.tensor_parallel_size
-    # every rank creates every stage's group, in the same order (new_group is collective over the default group)
     stage_groups = [dist.new_group(ranks[stage * tp:(stage + 1) * tp], timeout=timeout, backend=model_backend)
                     for stage in range(parallel.pipeline_parallel_size)]
     pipe = dist.new_group(ranks, timeout=timeout, backend=model_backend) if parallel.pipeline_parallel_size > 1 else None
-    return _Groups(control, stage_groups[rank // tp], pipe)
+    startup = (dist.new_group(ranks, timeout=timedelta(seconds=LOAD_TIMEOUT_S), backend="gloo")
+               if parallel.data_parallel_size > 1 else None)
+    return _Groups(control, stage_groups[rank // tp], pipe, startup)
 
 
-def _agree_num_blocks(num_blocks: int) -> int:
+def _agree_num_blocks(num_blocks: int, group) -> int:
     """Every rank's pool has the same block count on CPU; on CUDA free memory may differ per GPU, so the
     engine uses the smallest (a rank's blocks past it are never addressed)."""
     import torch.distributed as dist
 
     value = torch.tensor([num_blocks], dtype=torch.long)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
     return int(value.item())
 
 
@@ -185,10 +201,12 @@ def _rank_config(config: RunnerConfig, parallel: ParallelConfig, rank: int, grou
     tp, stages = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     stage = rank // tp
     layers = pipeline_layer_ranges(config.model_config.num_layers, stages, parallel.layer_partition)[stage]
-    pipeline = PipelineParallel(stage, stages, layers, groups.pipe, rank - tp if stage > 0 else None,
-                                rank + tp if stage < stages - 1 else None)
+    pipeline = PipelineParallel(stage, stages, layers, groups.pipe,
+                                parallel.global_rank(rank - tp) if stage > 0 else None,
+                                parallel.global_rank(rank + tp) if stage < stages - 1 else None)
     return replace(config, device=_rank_device(config.device, parallel, rank),
-                   tensor_parallel=TensorParallel(rank % tp, tp, groups.model), pipeline_parallel=pipeline)
+                   tensor_parallel=TensorParallel(rank % tp, tp, groups.model, parallel.enable_expert_parallel),
+                   pipeline_parallel=pipeline)
 
 
 def _sends_logits(parallel: ParallelConfig, rank: int) -> bool:
@@ -242,10 +260,10 @@ def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_
     try:
         store = None if parallel.torchrun else _store(parallel, rank)
         if store is not None:
-            store.set(_joined_key(rank), str(os.getpid()))
-        groups = _connect(parallel, rank, config.device, store, IDLE_TIMEOUT_S)
+            store.set(_joined_key(parallel.global_rank(rank)), str(os.getpid()))
+        groups = _connect(parallel, rank, config.device, store, IDLE_TIMEOUT_S)[parallel.data_parallel_rank]
         runner = ModelRunner(_rank_config(config, parallel, rank, groups))
-        _agree_num_blocks(runner.num_blocks)
+        _agree_num_blocks(runner.num_blocks, groups.startup)
         _Worker(rank, runner, groups, _sends_logits(parallel, rank)).serve()
     except BaseException as exc:  # noqa: BLE001 - a worker's failure is its exit code and its log line
         logger.error("rank %d stops: %s: %s", rank, type(exc).__name__, " ".join(str(exc).split())[:500])
@@ -269,7 +287,7 @@ def _spawn(ranks: range, parallel: ParallelConfig, config: RunnerConfig, num_thr
     processes = {}
     for rank in ranks:
         process = context.Process(target=_worker_main, args=(rank, parallel, config, num_threads),
-                                  name=f"llmctl-rank-{rank}", daemon=True)
+                                  name=f"llmctl-rank-{parallel.global_rank(rank)}", daemon=True)
         process.start()
         processes[rank] = process
     return processes
@@ -289,6 +307,26 @@ def _stop(processes: dict[int, object], timeout_s: float) -> None:
             process.join(2.0)
 
 
+def _wait_for_ranks(store, parallel: ParallelConfig, raise_for_dead: Callable[[], None]) -> None:
+    """Until every rank has joined the store: node 0's workers (`raise_for_dead` fails at once for a dead one)
+    and the other nodes' (logged every 30 s while missing, given up after JOIN_TIMEOUT_S)."""
+    missing = set(range(1, parallel.process_group_size))
+    start = last_note = time.monotonic()
+    while missing:
+        raise_for_dead()
+        missing = {r for r in missing if not store.check([_joined_key(r)])}
+        now = time.monotonic()
+        if missing and now - start > JOIN_TIMEOUT_S:
+            raise RankFailedError(f"rank(s) {sorted(missing)} did not join {parallel.master_addr}:"
+                                  f"{parallel.master_port} within {JOIN_TIMEOUT_S:g} s (is every node's "
+                                  "command running with the same --nnodes and --master-addr/--master-port?)")
+        if missing and now - last_note > 30:
+            logger.warning("waiting for rank(s) %s to join at %s:%d", sorted(missing), parallel.master_addr,
+                           parallel.master_port)
+            last_note = now
+        time.sleep(0.05)
+
+
 # ---- the driver (rank 0, in the engine's process) -----------------------------------------------------
 @dataclass
 class PendingStep:
@@ -302,12 +340,16 @@ class PendingStep:
 class MultiprocExecutor:
     """The `Executor` of a tensor- or pipeline-parallel engine; rank 0 runs here."""
 
-    def __init__(self, config: RunnerConfig, parallel: ParallelConfig, num_threads: Optional[int] = None):
+    def __init__(self, config: RunnerConfig, parallel: ParallelConfig, num_threads: Optional[int] = None,
+                 world: Optional["DataParallelWorld"] = None):
+        """`world`: the process group and ranks of `llmctl serve -dp D -tp T`, which this replica
+        (`parallel.data_parallel_rank`) takes instead of starting its own."""
         if not parallel.runs_engine:
             raise EngineError("only rank 0 (node 0) runs the engine; other nodes run run_worker_node")
         import torch.distributed as dist
 
-        if dist.is_initialized():  # the default process group is per process
+        self.world = world
+        if world is None and dist.is_initialized():  # the default process group is per process
             raise EngineError("a parallel engine already runs in this process (one per process): call "
                               "shutdown() on the first LLM (or build it in a `with LLM(...) as llm:` block)")
         self.parallel = parallel
@@ -333,16 +375,19 @@ class MultiprocExecutor:
 
     def _start(self, config: RunnerConfig, threads: int) -> None:
         store = None
-        if not self.parallel.torchrun:
+        if self.world is not None:
+            self._processes = self.world.processes[self.parallel.data_parallel_rank]
+        elif not self.parallel.torchrun:
             store = _store(self.parallel, 0)
             self.parallel = replace(self.parallel, master_port=store.port)  # port 0: the one it picked
             local = range(1, self.parallel.ranks_per_node)
             self._processes = _spawn(local, self.parallel, config, threads)
-            self._wait_for_ranks(store)
+            _wait_for_ranks(store, self.parallel, lambda: self._raise_for_dead_process("start-up"))
         try:
-            self.groups = _connect(self.parallel, 0, config.device, store, self.parallel.collective_timeout_s)
+            self.groups = (self.world.groups[self.parallel.data_parallel_rank] if self.world is not None else
+                           _connect(self.parallel, 0, config.device, store, self.parallel.collective_timeout_s)[0])
             self.runner = ModelRunner(_rank_config(config, self.parallel, 0, self.groups))
-            self.num_blocks = _agree_num_blocks(self.runner.num_blocks)
+            self.num_blocks = _agree_num_blocks(self.runner.num_blocks, self.groups.startup)
             self._serving = True
         except EngineError:
             raise
@@ -352,25 +397,6 @@ class MultiprocExecutor:
         self.device = self.runner.device
         self.dtype = config.dtype
         self.weight_bytes = self.runner.weight_bytes  # rank 0's share, as kv_cache_bytes is its pool
-
-    def _wait_for_ranks(self, store) -> None:
-        """Until every rank has joined the store: node 0's workers (a dead one fails at once) and the other
-        nodes' (logged every 30 s while missing, given up after JOIN_TIMEOUT_S)."""
-        missing = set(range(1, self.parallel.world_size))
-        start = last_note = time.monotonic()
-        while missing:
-            self._raise_for_dead_process("start-up")
-            missing = {r for r in missing if not store.check([_joined_key(r)])}
-            now = time.monotonic()
-            if missing and now - start > JOIN_TIMEOUT_S:
-                raise RankFailedError(f"rank(s) {sorted(missing)} did not join {self.parallel.master_addr}:"
-                                      f"{self.parallel.master_port} within {JOIN_TIMEOUT_S:g} s (is every node's "
-                                      "command running with the same --nnodes and --master-addr/--master-port?)")
-            if missing and now - last_note > 30:
-                logger.warning("waiting for rank(s) %s to join at %s:%d", sorted(missing), self.parallel.master_addr,
-                               self.parallel.master_port)
-                last_note = now
-            time.sleep(0.05)
 
     # ---- faults -------------------------------------------------------------------------------------
     def _raise_for_dead_process(self, when: str) -> None:
@@ -476,7 +502,8 @@ class MultiprocExecutor:
         logits = torch.empty((inputs.logits_indices.numel(), self.runner.config.model_config.vocab_size),
                              dtype=torch.float32, device=self.device)
         if logits.numel():
-            dist.recv(logits, self.parallel.world_size - self.parallel.tensor_parallel_size, group=self.groups.pipe)
+            last_stage = self.parallel.world_size - self.parallel.tensor_parallel_size
+            dist.recv(logits, self.parallel.global_rank(last_stage), group=self.groups.pipe)
         return StepLogits(logits)
 
     def _send(self, inputs: StepInputs) -> list:
@@ -526,7 +553,10 @@ class MultiprocExecutor:
                 told = False
                 logger.warning("could not tell every rank to stop: %s", " ".join(str(exc).split())[:200])
         _stop(self._processes, STOP_TIMEOUT_S if told else 0.0)  # after a fault, nobody waits for a hung rank
-        _destroy_process_group()
+        if self.world is not None:
+            self.world.release()
+        else:
+            _destroy_process_group()
 
 
 def multiproc_executor_for(parallel: ParallelConfig, num_threads: Optional[int]):
@@ -534,6 +564,70 @@ def multiproc_executor_for(parallel: ParallelConfig, num_threads: Optional[int])
     def build(config: RunnerConfig) -> MultiprocExecutor:
         return MultiprocExecutor(config, parallel, num_threads)
     return build
+
+
+# ---- data-parallel replicas of tensor-parallel engines ------------------------------------------------
+class DataParallelWorld:
+    """`llmctl serve -dp D -tp T` on one node: D tensor-parallel engines in the server's process. torch allows
+    one process group per process, so the replicas share it: the server's process is rank 0 of every replica
+    (each replica's driver runs on its own engine thread) and replica d's ranks 1..T-1 are processes of their
+    own, global ranks 1 + d (T - 1) ... All of them are started here at once, every replica's groups are
+    made, and each replica's `MultiprocExecutor` (`executor_class(d)`) takes its groups and processes. The
+    process group is released when the last replica's executor shuts down."""
+
+    def __init__(self, parallels: list[ParallelConfig], configs: list[RunnerConfig], num_threads: Optional[int]):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise EngineError("a parallel engine already runs in this process (one process group per process)")
+        store = _store(parallels[0], 0)
+        self.parallels = [replace(p, master_port=store.port) for p in parallels]
+        self.num_threads = num_threads
+        self.processes: list[dict[int, object]] = []
+        self._open = len(parallels)
+        self._lock = threading.Lock()
+        threads = _threads_per_rank(parallels[0], num_threads)
+        try:
+            for parallel, config in zip(self.parallels, configs):
+                self.processes.append(_spawn(range(1, parallel.world_size), parallel, config, threads))
+            _wait_for_ranks(store, self.parallels[0], self._raise_for_dead_process)
+            self.groups = _connect(self.parallels[0], 0, configs[0].device, store, parallels[0].collective_timeout_s)
+        except BaseException:
+            self._open = 0
+            self._stop_all()
+            raise
+
+    def _raise_for_dead_process(self) -> None:
+        for replica, processes in enumerate(self.processes):
+            for rank, process in processes.items():
+                if process.exitcode is not None:
+                    raise RankFailedError(f"data-parallel replica {replica}'s rank {rank} (pid {process.pid}) "
+                                          f"exited with code {process.exitcode} during start-up (its log says why)")
+
+    def executor_class(self, replica: int) -> Callable[[RunnerConfig], "MultiprocExecutor"]:
+        """The `executor_class` of replica `replica`'s LLMEngine."""
+        def build(config: RunnerConfig) -> MultiprocExecutor:
+            return MultiprocExecutor(config, self.parallels[replica], self.num_threads, world=self)
+        return build
+
+    def release(self) -> None:
+        """A replica's executor shut down; after the last, the process group goes."""
+        with self._lock:
+            self._open -= 1
+            last = self._open == 0
+        if last:
+            _destroy_process_group()
+
+    def shutdown(self) -> None:
+        """Stop every rank and release the process group (a failed load: replicas that never got an executor)."""
+        with self._lock:
+            self._open = 0
+        self._stop_all()
+
+    def _stop_all(self) -> None:
+        for processes in self.processes:
+            _stop(processes, 0.0)
+        _destroy_process_group()
 
 
 # ---- a node k > 0 -----------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Mixture-of-experts members of the Llama family (Mixtral, Qwen2-MoE, Qwen3-MoE): llama.py's attention and
 decoder structure with the MLP of each sparse layer (`MoEConfig.sparse_layers`) a `SparseMoeBlock`: the router,
 the fused experts (engine/layers/fused_moe/) and Qwen2-MoE's shared expert scaled by its sigmoid gate.
-Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep llama.py's MLP. With tensor parallelism the
-experts and the shared expert split their intermediate size over the ranks; the router stays whole. The native
-CPU decode step does not cover experts, so every step runs `forward`."""
+Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep llama.py's MLP. With tensor parallelism
+attention, dense MLPs and the shared expert are sharded as in llama.py; the experts split their intermediate size
+over the ranks, or with expert parallelism (`TensorParallel.expert_parallel`) each rank holds whole experts
+(`expert_range`); the experts' partial sums are all-reduced once. The native CPU decode step does not cover
+experts, so every step runs `forward`."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps):
         super().__init__()
         moe = config.moe
+        self.tp = linears.tp
         self.gate = ReplicatedGate(config.hidden_size, moe.num_experts, linears.dtype)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
                                 moe.renormalize, linears, ops.silu_and_mul)
@@ -33,7 +36,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedGate(config.hidden_size, 1, linears.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.experts(hidden, self.gate(hidden))
+        out = self.tp.all_reduce(self.experts(hidden, self.gate(hidden)))  # each rank: its experts' pairs
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return out

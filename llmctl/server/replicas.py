@@ -1,7 +1,8 @@
 """Data parallelism: `--data-parallel-size D` engine replicas behind one server, balanced by load.
 
 Owns the replicas' engine settings (each a whole engine with `data_parallel_size` 1: on CPU the torch
-threads are split between them, on CUDA each gets a device of its own), their loading, and
+threads are split between them, on CUDA each gets a device of its own, or T with `-tp T`, whose replicas
+share one process group: engine/executor/multiproc_executor.py's `DataParallelWorld`), their loading, and
 `ReplicaBalancer`, which sends each new request to the least-loaded replica. A request is placed once
 and stays there until it finishes: in-flight requests never move. A replica that dies is not routed
 around: the balancer refuses new requests with the failure and the server stops (a half-capacity
@@ -11,6 +12,7 @@ server that looks healthy would hide the loss).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Generic, Optional, Sequence, TypeVar
 
 from llmctl.engine.args import EngineArgs
@@ -23,21 +25,25 @@ Target = TypeVar("Target")
 
 def replica_engine_args(args: EngineArgs) -> list[EngineArgs]:
     """One engine's settings per replica: CPU threads split evenly (replicas stepping at once must not
-    oversubscribe the cores), on CUDA device N + i for replica i (N: the device named, else 0), and
-    engine seed + i (unseeded requests on two replicas must not draw the same random streams)."""
+    oversubscribe the cores), on CUDA device N + i for replica i (N: the device named, else 0; with
+    -tp T the replica's ranks take GPUs i T .. i T + T - 1), and engine seed + i (unseeded requests on two
+    replicas must not draw the same random streams)."""
     import torch
 
     from llmctl.engine.llm_engine import resolve_device
 
-    size = args.data_parallel_size
+    size, ranks = args.data_parallel_size, args.tensor_parallel_size
     device = resolve_device(args.device)
     if device.type == "cuda":
         first = device.index or 0
-        if first + size > torch.cuda.device_count():
-            raise EngineArgsError(f"data_parallel_size {size} needs one CUDA device per replica from cuda:{first}, "
-                                  f"but {torch.cuda.device_count()} are visible")
-        return [dataclasses.replace(args, data_parallel_size=1, seed=args.seed + i, device=f"cuda:{first + i}")
-                for i in range(size)]
+        if first + size * ranks > torch.cuda.device_count():
+            raise EngineArgsError(f"data_parallel_size {size} x tensor_parallel_size {ranks} needs that many CUDA "
+                                  f"devices from cuda:{first}, but {torch.cuda.device_count()} are visible")
+        if ranks > 1 and first:
+            raise EngineArgsError("data_parallel_size with tensor_parallel_size > 1 uses GPUs from cuda:0 "
+                                  f"(got --device cuda:{first})")
+        return [dataclasses.replace(args, data_parallel_size=1, seed=args.seed + i,
+                                    device=f"cuda:{first + i}" if ranks == 1 else args.device) for i in range(size)]
     threads = max(1, (args.num_threads or torch.get_num_threads()) // size)
     return [dataclasses.replace(args, data_parallel_size=1, seed=args.seed + i, num_threads=threads)
             for i in range(size)]
@@ -45,15 +51,64 @@ def replica_engine_args(args: EngineArgs) -> list[EngineArgs]:
 
 def load_replicas(args: EngineArgs, **options: Any) -> list[AsyncLLMEngine]:
     """The replicas' engines, loaded one after another (each on its own engine thread); a failed load
-    shuts down the ones already loaded."""
-    engines: list[AsyncLLMEngine] = []
+    shuts down the ones already loaded. Tensor-parallel replicas share one process group
+    (`DataParallelWorld`), whose ranks all start first; their engines then load at once, as their
+    ranks do (a rank waits in its replica's collectives only for its own driver)."""
+    replicas = replica_engine_args(args)
+    world = _tensor_parallel_world(replicas)
+    if world is None:
+        return _load_each(replicas, [None] * len(replicas), options)
     try:
-        for replica_args in replica_engine_args(args):
-            engines.append(AsyncLLMEngine.from_engine_args(replica_args, **options))
+        return _load_each(replicas, [world.executor_class(i) for i in range(len(replicas))], options,
+                          at_once=True)
     except BaseException:
-        for engine in engines:
-            engine.shutdown()
+        world.shutdown()
         raise
+
+
+def _tensor_parallel_world(replicas: list[EngineArgs]):
+    """The shared process group and ranks of tensor-parallel replicas (None with one rank per replica)."""
+    if replicas[0].tensor_parallel_size == 1:
+        return None
+    from llmctl.engine.executor.multiproc_executor import DataParallelWorld
+    from llmctl.engine.llm_engine import runner_config
+
+    parallels = [replica.parallel for replica in replicas]
+    if parallels[0].torchrun:
+        raise EngineArgsError("data_parallel_size > 1 with tensor_parallel_size > 1 under torchrun is not supported "
+                              "(llmctl starts the replicas' ranks itself)")
+    parallels = [dataclasses.replace(p, data_parallel_size=len(replicas), data_parallel_rank=i)
+                 for i, p in enumerate(parallels)]
+    return DataParallelWorld(parallels, [runner_config(replica) for replica in replicas], replicas[0].num_threads)
+
+
+def _load_each(replicas: list[EngineArgs], executor_classes: list, options: dict[str, Any],
+               at_once: bool = False) -> list[AsyncLLMEngine]:
+    engines: list[Optional[AsyncLLMEngine]] = [None] * len(replicas)
+    failures: list[BaseException] = []
+
+    def load(index: int) -> None:
+        try:
+            engines[index] = AsyncLLMEngine.from_engine_args(replicas[index], executor_classes[index], **options)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others are shut down
+            failures.append(exc)
+
+    if at_once:
+        threads = [threading.Thread(target=load, args=(i,), name=f"llmctl-load-{i}") for i in range(len(replicas))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    else:
+        for index in range(len(replicas)):
+            load(index)
+            if failures:
+                break
+    if failures:
+        for engine in engines:
+            if engine is not None:
+                engine.shutdown()
+        raise failures[0]
     return engines
 
 

@@ -76,7 +76,8 @@ def memory_line(info: ModelInfo) -> str:
     quantised size) and the KV pool."""
     return (f"llmctl serve: {info.model}: weights {format_bytes(info.weight_bytes)} "
             f"({info.quantization or info.dtype}), KV cache {format_bytes(info.kv_cache_bytes)} "
-            f"({info.dtype}, {info.max_model_len} tokens max per sequence)")
+            f"({info.dtype}, {info.max_model_len} tokens max per sequence)"
+            + (f"; {info.expert_placement_text()}" if info.expert_placement else ""))
 
 
 def uvicorn_config(app, settings: ServerSettings, **overrides) -> uvicorn.Config:

@@ -26,22 +26,24 @@ BLOCK_K = 32
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [tokens, k] -> (sorted pair ids [padded] int32: pair = token * k + slot, padding = tokens * k;
-    each block's expert [padded / block_m] int32 (num_experts past the end); the padded length used [1] int32)."""
+    each block's expert [padded / block_m] int32 (num_experts past the end); the padded length used [1] int32).
+    An id of `num_experts` (a pair whose expert another expert-parallel rank holds) sorts past the length used,
+    so no program runs it."""
     flat = topk_ids.flatten()
     num_pairs, device = flat.numel(), flat.device
     # scatter_add, not bincount: CUDA's bincount reads the largest id back to the host
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
     sorted_experts = flat[order]
     rank_in_expert = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
-    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    max_padded = triton.cdiv(num_pairs + (num_experts + 1) * (block_m - 1), block_m) * block_m
     sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids[(padded_end - padded)[sorted_experts] + rank_in_expert] = order.to(torch.int32)
     block_starts = torch.arange(0, max_padded, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
-    return sorted_ids, block_experts, padded_end[-1:].to(torch.int32)
+    block_experts = torch.searchsorted(padded_end[:num_experts], block_starts, right=True).to(torch.int32)
+    return sorted_ids, block_experts, padded_end[num_experts - 1:num_experts].to(torch.int32)
 
 
 @triton.jit
@@ -107,6 +109,7 @@ def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         gate_up = torch.empty(num_pairs, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
         _grouped_gemm(hidden, w13, gate_up, alignment, block_m, top_k, None)
         activated = silu_and_mul(gate_up).contiguous()
-        down = torch.empty(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+        # zeros: the rows of pairs held by another expert-parallel rank are never written
+        down = torch.zeros(num_pairs, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
         _grouped_gemm(activated, w2, down, alignment, block_m, 1, topk_weights.flatten().contiguous())
     return down.view(tokens, top_k, -1).sum(dim=1)

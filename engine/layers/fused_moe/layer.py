@@ -8,7 +8,8 @@ model's linear method:
   on their own and a step runs (and reads) only the experts its tokens chose.
 `ExpertNames` maps a checkpoint's `experts.{e}.{projection}` tensors to either form's parameter and shard.
 With tensor parallelism each rank keeps its share of every expert's intermediate size (vLLM's layout without
-expert parallelism) and the layer all-reduces its partial sums once."""
+expert parallelism); with expert parallelism it keeps whole experts, a contiguous block of them (the checkpoint's
+other experts are skipped at loading). Either way the forward is this rank's partial sum: the caller all-reduces.""
 
 from __future__ import annotations
 
@@ -109,26 +110,32 @@ def select_experts_impl(device: torch.device) -> ExpertsImpl:
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer: forward(hidden [tokens, H], router logits [tokens, E]) -> [tokens, H]."""
+    """The routed experts of one layer: forward(hidden [tokens, H], router logits [tokens, E]) -> [tokens, H],
+    this rank's partial sum."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  linears: LinearFactory, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.hidden_size, self.silu_and_mul, self.tp = hidden_size, silu_and_mul, linears.tp
-        start, local = linears.tp.partition(intermediate_size, "the experts' intermediate size")
+        self.hidden_size, self.silu_and_mul = hidden_size, silu_and_mul
+        self.experts = experts = linears.tp.expert_range(num_experts)  # global ids this rank holds
+        start, local = ((0, intermediate_size) if linears.tp.expert_parallel
+                        else linears.tp.partition(intermediate_size, "the experts' intermediate size"))
         self.expert_part = CheckpointSlice(intermediate_size, start, local)  # this rank's share of each expert
         self.per_expert = linears.method.quantized
         if self.per_expert:
+            if linears.tp.expert_parallel and not linears.tp.is_single:
+                raise ModelLoadError("quantised experts (--quantization or a quantised checkpoint) with "
+                                     "--enable-expert-parallel are not supported yet; drop one of them")
             self.w13 = nn.ModuleList(linears.merged(hidden_size, [intermediate_size] * 2, False)
                                      for _ in range(num_experts))
             self.w2 = nn.ModuleList(linears.row(intermediate_size, hidden_size, False, reduce_results=False)
                                     for _ in range(num_experts))
             return
-        experts, dtype = range(num_experts), linears.dtype
-        new_parameter(self, "w13_weight", torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype),
+        dtype = linears.dtype
+        new_parameter(self, "w13_weight", torch.empty(len(experts), 2 * local, hidden_size, dtype=dtype),
                       self._load_w13, shard_ids=tuple((e, part) for e in experts for part in (0, 1)))
-        new_parameter(self, "w2_weight", torch.empty(num_experts, hidden_size, local, dtype=dtype),
+        new_parameter(self, "w2_weight", torch.empty(len(experts), hidden_size, local, dtype=dtype),
                       self._load_w2, shard_ids=tuple(experts))
         self.impl = select_experts_impl(self.w13_weight.device)
 
@@ -142,19 +149,29 @@ class FusedMoE(nn.Module):
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
         expert, part = shard_id
-        size = self.expert_part.size
-        copy_checked(param.data[expert, part * size:(part + 1) * size], self._rank_part(loaded, 0))
+        if expert in self.experts:  # another expert-parallel rank's expert otherwise
+            size = self.expert_part.size
+            copy_checked(param.data[expert - self.experts.start, part * size:(part + 1) * size],
+                         self._rank_part(loaded, 0))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
-        copy_checked(param.data[shard_id], self._rank_part(loaded, 1))
+        if shard_id in self.experts:
+            copy_checked(param.data[shard_id - self.experts.start], self._rank_part(loaded, 1))
+
+    def local_expert_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's indices, a pair whose expert another rank holds marked with the
+        number of local experts (which the experts' implementations skip); no host sync (CUDA graphs)."""
+        if len(self.experts) == self.num_experts:
+            return ids
+        local = ids - self.experts.start
+        return torch.where((local >= 0) & (local < len(self.experts)), local, len(self.experts))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, hidden.dtype)
         if self.per_expert:
-            out = self._apply_per_expert(hidden, weights, ids)
-        else:
-            out = self.impl(hidden, self.w13_weight, self.w2_weight, weights, ids, self.silu_and_mul)
-        return self.tp.all_reduce(out)
+            return self._apply_per_expert(hidden, weights, ids)
+        return self.impl(hidden, self.w13_weight, self.w2_weight, weights, self.local_expert_ids(ids),
+                         self.silu_and_mul)
 
     def _apply_per_expert(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each chosen expert's linears on its tokens only (the other experts' weights are not read)."""
@@ -166,5 +183,6 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         form = "per-expert linears" if self.per_expert else "fused"
-        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+        held = f"{self.experts.start}-{self.experts.stop - 1} of {self.num_experts}"
+        return (f"experts={held}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.expert_part.size} of {self.expert_part.full}, {form}")

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 
 def group_by_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(expert, its tokens' rows, their routing weights) for every expert that at least one token chose."""
+    """(expert, its tokens' rows, their routing weights) for every expert that at least one token chose. An id
+    of `num_experts` marks a pair whose expert another expert-parallel rank holds: it is skipped (it sorts last)."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
     flat_weights = topk_weights.flatten()
     start = 0
     for expert, count in enumerate(counts):
@@ -30,7 +31,8 @@ def group_by_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """hidden [tokens, H], w13 [E, 2I, H] ([gate | up] rows), w2 [E, H, I], top-k weights and ids [tokens, k]
-    -> sum over each token's k experts of weight * w2 @ silu_and_mul(w13 @ x), [tokens, H]."""
+    -> sum over each token's k experts of weight * w2 @ silu_and_mul(w13 @ x), [tokens, H]. An id of E (the
+    number of experts here) is a pair whose expert another expert-parallel rank holds: it adds nothing here."""
     out = torch.zeros_like(hidden)
     for expert, tokens, weights in group_by_expert(topk_weights, topk_ids, w13.shape[0]):
         expert_out = F.linear(silu_and_mul(F.linear(hidden[tokens], w13[expert])), w2[expert])
