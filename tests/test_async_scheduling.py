@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import pytest
+import torch
 
 from llmctl.engine import EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError
@@ -17,9 +18,18 @@ from llmctl.engine.llm_engine import LLMEngine
 Workload = list[tuple[str, list[int], SamplingParams]]
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """The engines here run on one thread (--num-threads 1 sets torch's process-wide count): put it back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def engine_for(folder, overlap: bool, **args) -> LLMEngine:
     settings = dict(model=str(folder), device="cpu", dtype="float32", skip_tokenizer_init=True, block_size=4,
-                    max_num_batched_tokens=24, max_num_seqs=6, num_kv_blocks=96, max_model_len=64)
+                    max_num_batched_tokens=24, max_num_seqs=6, num_kv_blocks=96, max_model_len=64,
+                    num_threads=1)
     return LLMEngine(EngineArgs(**{**settings, **args, "async_scheduling": overlap}))
 
 
@@ -110,9 +120,9 @@ def test_max_model_len_ends_a_sequence_at_the_same_token(tiny_models):
 
 
 def test_preemption_under_a_small_kv_pool_gives_the_serial_tokens(tiny_models):
-    workload = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-                for i, p in enumerate(prompts(6, 10))]
-    serial, overlap, engine = both(tiny_models["llama"], workload, num_kv_blocks=22, max_num_batched_tokens=32)
+    workload = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+                for i, p in enumerate(prompts(4, 10))]
+    serial, overlap, engine = both(tiny_models["llama"], workload, num_kv_blocks=16, max_num_batched_tokens=32)
     assert engine.scheduler.num_preemptions > 0
     assert_same_outputs(overlap, serial)
 
@@ -172,3 +182,18 @@ def test_the_default_is_on_for_cuda_only_and_blocked_features_are_named():
                           (dict(tensor_parallel_size=2), "tensor parallelism")):
         with pytest.raises(EngineArgsError, match=name):
             EngineArgs(async_scheduling=True, **blocked)
+
+
+def test_a_step_that_runs_out_of_memory_with_a_step_in_flight_is_retried_smaller(tiny_models):
+    from test_oom_recovery import InjectedOOM
+
+    workload = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+                for i, p in enumerate(prompts(4, 9))]
+    arrivals = {"r2": 3, "r3": 4}
+    folder = tiny_models["llama"]
+    serial = run(engine_for(folder, False), workload, arrivals)
+    engine = engine_for(folder, True)
+    oom = InjectedOOM(engine.executor.runner, max_tokens=12)
+    overlap = run(engine, workload, arrivals)
+    assert oom.events and engine.num_oom_retries == len(oom.events)
+    assert_same_outputs(overlap, serial)
