@@ -454,10 +454,8 @@ class ModelRunner:
         plan = self._sampling_plan(step, rows)
         sampled = None
         if plan.positions:
-            # the logits' rows are the sampled positions', then the prompt rows' (no torch call when none: each
-            # costs ~15-50 us of cold caches after a step's weight stream)
-            sampled = self.sampler(out.logits[: len(plan.positions)] if step.prompt_rows else out.logits,
-                                   plan.positions, plan.drafts, None if step.prompt_rows else out.argmax)
+            logits, argmax = self._sampler_inputs(step, out, plan)
+            sampled = self.sampler(logits, plan.positions, plan.drafts, argmax)
         return self._runner_output(step, plan, sampled, self._score_prompts(step, out.logits, len(plan.positions)))
 
     def _sampling_plan(self, step: "PreparedStep", rows: list[Optional[SamplingRow]]) -> SamplingPlan:
@@ -478,6 +476,16 @@ class ModelRunner:
                                   for j in range(1, samples))
             plan.owners.extend([owner] * samples)
         return plan
+
+    @staticmethod
+    def _sampler_inputs(step: "PreparedStep", out: StepLogits,
+                        plan: SamplingPlan) -> tuple[torch.Tensor, Optional[list[int]]]:
+        """The sampled positions' logits, and their argmax where the forward found them. The logits' rows are the
+        sampled positions', then the prompt rows' (no torch call when none: each costs ~15-50 us of cold caches
+        after a step's weight stream)."""
+        if step.prompt_rows:
+            return out.logits[: len(plan.positions)], None
+        return out.logits, out.argmax
 
     @staticmethod
     def _score_prompts(step: "PreparedStep", logits: torch.Tensor, num_sampled: int) -> dict:
@@ -512,8 +520,8 @@ class ModelRunner:
             scored = self._score_prompts(step, out.logits, len(plan.positions))
             sample = None
             if plan.positions:
-                sample = self.sampler.sample(out.logits[: len(plan.positions)] if step.prompt_rows else out.logits,
-                                             plan.positions, plan.drafts, None if step.prompt_rows else out.argmax)
+                logits, argmax = self._sampler_inputs(step, out, plan)
+                sample = self.sampler.sample(logits, plan.positions, plan.drafts, argmax)
                 last = {scheduled[owner].seq.seq_id: i for i, owner in enumerate(plan.owners)}
                 self._last_sampled = LastSampled(sample.token_ids, last)
         return AsyncModelRunnerOutput(sample, lambda sampled: self._runner_output(step, plan, sampled, scored))

@@ -197,3 +197,13 @@ def test_a_step_that_runs_out_of_memory_with_a_step_in_flight_is_retried_smaller
     overlap = run(engine, workload, arrivals)
     assert oom.events and engine.num_oom_retries == len(oom.events)
     assert_same_outputs(overlap, serial)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_overlap_engine_gives_the_serial_engines_tokens(tiny_models):
+    workload = [(f"r{i}", p, SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10,
+                                            ignore_eos=True, logprobs=1))
+                for i, p in enumerate(prompts(4, 9))]
+    serial, overlap, engine = both(tiny_models["llama"], workload, {"r3": 2}, device="cuda")
+    assert engine.async_scheduling
+    assert_same_outputs(overlap, serial)
