@@ -207,3 +207,17 @@ def test_on_cuda_the_overlap_engine_gives_the_serial_engines_tokens(tiny_models)
     serial, overlap, engine = both(tiny_models["llama"], workload, {"r3": 2}, device="cuda")
     assert engine.async_scheduling
     assert_same_outputs(overlap, serial)
+
+
+def test_a_stop_string_ends_the_request_at_the_serial_engines_token(tiny_chat_model):
+    prompt = prompts(1, 6)[0]
+    probe = engine_for(tiny_chat_model, False, skip_tokenizer_init=False)
+    probe.add_request("probe", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    while probe.has_unfinished_requests():
+        text = next((o.outputs[0].text for o in probe.step().outputs if o.finished), None)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    workload = [("stopped", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])),
+                ("bystander", prompts(2, 6)[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
+    serial, overlap, _ = both(tiny_chat_model, workload, skip_tokenizer_init=False)
+    assert_same_outputs(overlap, serial)
+    assert serial["stopped"][0][2] == "stop" and len(serial["stopped"][0][0]) < 12
