@@ -81,6 +81,13 @@ class EngineArgs:
                                             "full_and_piecewise (full graphs, piecewise where no full one is "
                                             "captured; others piecewise) or none. Pipeline stages, "
                                             "--enforce-eager: none.", choices=CUDAGRAPH_MODES)
+    # None: resolved per device by `with_device_defaults` (on for CUDA where nothing blocks it, off on CPU)
+    async_scheduling: Optional[bool] = _arg(
+        None, "Schedule and prepare the next step while the device runs this one (vLLM's async scheduling): "
+              "sampled ids stay on the device as the next step's inputs and reach the host one step late, in one "
+              "copy. Default: on for CUDA, off on CPU (the host runs the forward: nothing to overlap). Not with "
+              "speculative decoding, tensor or pipeline parallelism yet; requests with penalties, logits "
+              "processors or structured outputs wait for the step before.", negatable=True)
     attention_backend: str = _arg("auto", "Paged attention kernels: auto (flash-attn where it imports and runs the "
                                           "model, else triton on CUDA where triton imports, else torch), torch, "
                                           "triton (CUDA), flash-attn (CUDA).", choices=ATTENTION_BACKENDS)
@@ -161,11 +168,27 @@ class EngineArgs:
             raise EngineArgsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         SpeculativeConfig.parse(self.speculative_config)
         self.parallel_for({})
+        if self.async_scheduling not in (None, True, False):
+            raise EngineArgsError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.async_scheduling_blocker:
+            raise EngineArgsError(f"async_scheduling does not combine with {self.async_scheduling_blocker} yet; "
+                                  "turn one of them off")
         _positive("data_parallel_size", self.data_parallel_size)
         if self.data_parallel_size > 1 and (self.pipeline_parallel_size > 1 or self.nnodes > 1):
             raise EngineArgsError("data_parallel_size > 1 with pipeline_parallel_size > 1 or nnodes > 1 is not "
                                   "supported yet: the replicas share the server's process as their rank 0, on one "
                                   "node (run one `llmctl serve -dp D` per node behind a load balancer)")
+
+    @property
+    def async_scheduling_blocker(self) -> Optional[str]:
+        """The setting async scheduling cannot run with yet (None: nothing blocks it)."""
+        if self.speculative_config is not None:
+            return "speculative decoding (speculative_config)"
+        if self.pipeline_parallel_size > 1:
+            return "pipeline parallelism (pipeline_parallel_size > 1)"
+        if self.tensor_parallel_size > 1:
+            return "tensor parallelism (tensor_parallel_size > 1)"
+        return None
 
     @property
     def speculative(self) -> Optional["SpeculativeConfig"]:
@@ -212,9 +235,13 @@ class EngineArgs:
 
     def with_device_defaults(self, device_type: str) -> "EngineArgs":
         """A copy whose unset batch limits take `device_type`'s defaults ("cuda" or "cpu", BATCH_DEFAULTS;
-        the token budget at least one block); a value the user gave stays."""
+        the token budget at least one block), and unset async scheduling on for CUDA where nothing blocks it;
+        a value the user gave stays."""
         seqs, tokens = BATCH_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
-        return replace(self, max_num_seqs=self.max_num_seqs or seqs,
+        overlap = self.async_scheduling
+        if overlap is None:
+            overlap = device_type == "cuda" and self.async_scheduling_blocker is None
+        return replace(self, max_num_seqs=self.max_num_seqs or seqs, async_scheduling=overlap,
                        max_num_batched_tokens=self.max_num_batched_tokens or max(tokens, self.block_size or 16))
 
 

@@ -117,12 +117,13 @@ class BlockManager:
         `find_cached_prefix`) are shared first and count as computed."""
         cached_blocks = cached_blocks or []
         computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
-        needed = (self.blocks_needed(computed + num_new_tokens + num_lookahead_tokens)
-                  - len(seq.block_table) - len(cached_blocks))
+        # async scheduling: the tokens of a step in flight already have their slots
+        ahead = seq.num_in_flight_tokens + num_new_tokens + num_lookahead_tokens
+        needed = self.blocks_needed(computed + ahead) - len(seq.block_table) - len(cached_blocks)
         reusable_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - reusable_free:
             return False
-        if seq.num_computed_tokens == 0 and self._caches(seq):  # a first (or post-preemption) admission
+        if seq.num_computed_tokens == seq.num_in_flight_tokens == 0 and self._caches(seq):  # a first admission
             self.prefix_queries += (seq.num_tokens - 1) // self.block_size
             self.prefix_hits += len(cached_blocks)
         for block_id in cached_blocks:

@@ -146,6 +146,11 @@ def default_executor_class(args: EngineArgs) -> Callable[[RunnerConfig], Executo
     return multiproc_executor_for(parallel, args.num_threads)
 
 
+def _request_ids(*batches: Optional[SchedulerOutput]) -> tuple[str, ...]:
+    """The requests with a row in any of `batches` (None: no batch), each once, in order."""
+    return tuple(dict.fromkeys(s.seq.request_id for out in batches if out is not None for s in out.scheduled))
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """What a step ran (no `request_ids`: nothing was scheduled) and the outputs it produced. The
@@ -237,6 +242,7 @@ class LLMEngine:
         """`executor_class` builds the executor from the runner's configuration (vLLM's seam for
         other executors; default: in-process, or `MultiprocExecutor` with several ranks)."""
         args.validate()
+        asked_async = args.async_scheduling
         if args.data_parallel_size > 1:
             raise EngineArgsError(f"data_parallel_size {args.data_parallel_size}: an LLMEngine is one replica; "
                                   "data-parallel replicas are run by `llmctl serve --data-parallel-size`")
@@ -297,6 +303,8 @@ class LLMEngine:
         self.step_clock = time.perf_counter  # what the proposer's cost gate measures steps with (tests inject one)
         self.requests: dict[str, Request] = {}
         self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()  # pipeline micro-batches, oldest first
+        self.async_scheduling = self._resolve_async_scheduling(asked_async)
+        self._launched: Optional[tuple[SchedulerOutput, object]] = None  # async scheduling: the step in flight
         self.last_step = StepInfo((), 0, self.scheduler.config.max_num_batched_tokens)
         self._seq_ids = itertools.count()
         self.num_oom_retries = 0  # steps retried smaller after running out of memory
@@ -312,6 +320,19 @@ class LLMEngine:
             logger.info("expert parallel: %s", self.model_info.expert_placement_text())
 
     # ---- configuration ------------------------------------------------------------------------
+    def _resolve_async_scheduling(self, asked: Optional[bool]) -> bool:
+        """`args.async_scheduling` as resolved for the device, where the executor can launch a step without
+        waiting for it (asked for explicitly, it must; by default a log line says why it is off)."""
+        if self.args.async_scheduling and not hasattr(self.executor, "execute_async"):
+            reason = f"the executor {type(self.executor).__name__} cannot launch a step without waiting for it"
+            if asked:
+                raise EngineArgsError(f"async_scheduling: {reason}")
+            logger.info("async scheduling off: %s", reason)
+            return False
+        if asked is None and self.executor.device.type == "cuda" and self.args.async_scheduling_blocker:
+            logger.info("async scheduling off: it does not combine with %s yet", self.args.async_scheduling_blocker)
+        return bool(self.args.async_scheduling)
+
     def _eos_ids(self) -> frozenset[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
             return self.tokenizer.eos_token_ids
@@ -406,6 +427,7 @@ class LLMEngine:
         failed = [rid for rid in self.last_step.request_ids if rid in self.requests]
         for request_id in failed:
             self.abort_request(request_id)
+        self._launched = None  # its requests were among those aborted, or finished
         self.executor.release_kept_state()
         return failed
 
@@ -440,25 +462,73 @@ class LLMEngine:
         """`step`'s schedule, execute and apply; with the rows that ran (None: none, or a failed step)."""
         if self.executor.max_concurrent_batches > 1:
             return self._run_pipelined_step()
+        if self.async_scheduling:
+            return self._run_async_step()
+        out, result, failed = self._schedule_and_execute(self.executor.execute)
+        if failed is not None:
+            return replace(self.last_step, outputs=[failed]), None
+        if out is None:
+            return StepInfo((), 0, self.scheduler.token_budget), None
+        return self._apply(out, result), out.scheduled
+
+    def _schedule_and_execute(self, execute: Callable) -> tuple[Optional[SchedulerOutput], object,
+                                                                Optional[RequestOutput]]:
+        """Schedule a batch and `execute` it: (batch, result, None); (None, None, None) when nothing was
+        scheduled. A batch that runs out of memory is undone and retried smaller; a request that does not fit
+        even alone is finished: (None, None, its output)."""
         while True:
             out = self.scheduler.schedule()
             if out.is_empty:
-                return StepInfo((), 0, self.scheduler.token_budget), None
-            self.last_step = StepInfo(tuple(dict.fromkeys(s.seq.request_id for s in out.scheduled)),
-                                      out.num_batched_tokens, self.scheduler.token_budget)
+                return None, None, None
+            self.last_step = StepInfo(_request_ids(out), out.num_batched_tokens, self.scheduler.token_budget)
             rows = [self._sampling_row(s.seq) if s.samples else None for s in out.scheduled]
             try:
-                result = self.executor.execute(out.scheduled, rows)
+                result = execute(out.scheduled, rows)
             except Exception as exc:  # noqa: BLE001 - only allocation failures are handled here
                 if not is_out_of_memory(exc):
                     raise
                 cause = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
             else:
-                return self._apply(out, result), out.scheduled
+                return out, result, None
             # Outside the except block, so the traceback (and the activations its frames hold) is gone.
             failed = self._after_out_of_memory(out, cause)
             if failed is not None:
-                return replace(self.last_step, outputs=[failed]), None
+                return None, None, failed
+
+    def _run_async_step(self) -> tuple[StepInfo, Optional[list]]:
+        """Async scheduling (vLLM's): launch the next batch, then apply the one launched by the call before,
+        whose tokens the device fed into the new batch's inputs; the new batch lands in the next call. Its
+        info names both batches' requests (a failure fails both) and carries the applied one's outputs."""
+        landing, self._launched = self._launched, None
+        if landing is not None and self._needs_host_tokens(landing[0]):  # the next schedule needs its tokens
+            self.last_step = StepInfo(_request_ids(landing[0]), 0, self.scheduler.token_budget)
+            return self._land(landing), None
+        out, pending, failed = self._schedule_and_execute(self.executor.execute_async)
+        launched = self.last_step if out is not None else StepInfo((), 0, self.scheduler.token_budget)
+        if out is not None:
+            self.scheduler.mark_in_flight(out)
+            self._launched = (out, pending)
+        info = launched
+        if landing is not None:
+            self.last_step = replace(launched, request_ids=_request_ids(out, landing[0]))
+            info = self._land(landing)
+        if failed is not None:
+            info = self.last_step = replace(info, outputs=[*info.outputs, failed])
+        if self._launched is not None and not self.scheduler.has_unfinished:
+            self._land(self._launched)  # only finished rows left in it: nothing in flight while idle
+            self._launched, self.last_step = None, info
+        return info, None
+
+    def _land(self, launched: tuple[SchedulerOutput, object]) -> StepInfo:
+        out, pending = launched
+        return self._apply(out, pending.get_output())
+
+    @staticmethod
+    def _needs_host_tokens(out: SchedulerOutput) -> bool:
+        """A sequence sampled by `out` samples its next token from the values of its outputs (penalties, logits
+        processors, a grammar): its next row waits for `out` to land."""
+        return any(s.samples and (s.seq.grammar is not None or s.seq.params.logits_processors
+                                  or s.seq.params.needs_penalties) for s in out.scheduled)
 
     def _run_pipelined_step(self) -> tuple[StepInfo, Optional[list]]:
         """Pipeline parallelism (vLLM's way): fill the pipeline with up to max_concurrent_batches micro-batches,
@@ -477,7 +547,7 @@ class LLMEngine:
         if not self._in_flight:
             return StepInfo((), 0, self.scheduler.token_budget), None
         out, pending = self._in_flight.popleft()
-        self.last_step = StepInfo(tuple(dict.fromkeys(s.seq.request_id for s in out.scheduled)),
+        self.last_step = StepInfo(_request_ids(out),
                                   out.num_batched_tokens, self.scheduler.token_budget)
         return self._apply(out, self.executor.collect(pending)), out.scheduled
 
@@ -558,7 +628,8 @@ class LLMEngine:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         stops = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
         return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
-                           stops + tuple(seq.params.stop_token_ids), seq.draw_seed, seq.grammar)
+                           stops + tuple(seq.params.stop_token_ids), seq.draw_seed, seq.grammar,
+                           seq.num_pending_tokens)
 
     def _detokenize(self, request: Request, update: SeqUpdate, now: float) -> None:
         """Add the row's new tokens to the text, one at a time; the first stop string ends the

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from array import array
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -30,7 +30,7 @@ from llmctl.engine.layers.quantization.grouped import add_batch_weights
 from llmctl.engine.loader import build_model
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.parallel import PipelineParallel, TensorParallel
-from llmctl.engine.sampler import Sampler, SamplingRow
+from llmctl.engine.sampler import DeviceSample, Sampler, SamplerOutput, SamplingRow
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftSpan
 from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
@@ -124,6 +124,44 @@ class PreparedStep:
     order: list[ScheduledSeq]
     inputs: StepInputs
     prompt_rows: list[PromptRow]
+    # async scheduling: (token row, seq id) of inputs that are the step in flight's samples, filled on the device
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class SamplingPlan:
+    """The sampled positions of a step in logits order: each one's sampling row and batch row, and the verify
+    rows whose drafts came with their distribution."""
+
+    positions: list[SamplingRow]
+    owners: list[int]
+    drafts: list[DraftSpan]
+
+
+class LastSampled(NamedTuple):
+    """The previous step's sampled ids on the device, and where each sequence's last one is among them."""
+
+    token_ids: torch.Tensor
+    index: dict[int, int]
+
+
+class AsyncModelRunnerOutput:
+    """A launched step's output (vLLM's name): its sampled ids and log-probs on their way to the host in one
+    non-blocking copy behind an event; `get_output` waits for that copy alone (on CPU the copy is the tensor)."""
+
+    def __init__(self, sample: Optional[DeviceSample],
+                 assemble: Callable[[Optional[SamplerOutput]], ModelRunnerOutput]):
+        self._sample, self._assemble = sample, assemble
+        self._host = None if sample is None else sample.table.to("cpu", non_blocking=True)
+        self._ready = None
+        if sample is not None and sample.table.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._assemble(None if self._sample is None else self._sample.output(self._host.tolist()))
 
 
 def _unmeasured(work) -> int:
@@ -272,6 +310,7 @@ class ModelRunner:
             budget = max(budget, WORKSPACE_FLOOR_BYTES)
         self.attention.set_workspace_budget(budget // bytes_per_token)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self._last_sampled: Optional[LastSampled] = None  # async scheduling: the last launched step's ids
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,
                     self.block_size, self.kv_cache_bytes / 2**20, self.attention.label)
 
@@ -363,7 +402,7 @@ class ModelRunner:
         seq.block_table = [i % scratch_blocks for i in range(-(-cfg.max_model_len // self.block_size))]
         try:
             with torch.inference_mode():
-                inputs, _ = self._prepare([ScheduledSeq(seq, tokens)])
+                inputs, _, _ = self._prepare([ScheduledSeq(seq, tokens)])
                 return self.memory.growth(lambda: self._run(inputs, scratch, None, self._stage_input(inputs, False)))
         except torch.cuda.OutOfMemoryError as exc:
             raise EngineArgsError(
@@ -402,8 +441,8 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSeq]) -> "PreparedStep":
         # 1-token rows first: the decode fast paths take the leading ones (CommonAttentionMetadata.num_single)
         order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
-        inputs, prompt_rows = self._prepare(order)
-        return PreparedStep(scheduled, order, inputs, prompt_rows)
+        inputs, prompt_rows, placeholders = self._prepare(order)
+        return PreparedStep(scheduled, order, inputs, prompt_rows, placeholders)
 
     @torch.inference_mode()
     def forward(self, inputs: "StepInputs") -> Optional[StepLogits]:
@@ -434,11 +473,16 @@ class ModelRunner:
         return self._sample(step, out, rows)
 
     def _sample(self, step: "PreparedStep", out: StepLogits, rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
-        scheduled, logits = step.scheduled, out.logits
-        batch_index = {id(item): i for i, item in enumerate(scheduled)}
-        positions: list[SamplingRow] = []
-        owners: list[int] = []  # the batch row of each sampled position
-        drafts: list[DraftSpan] = []  # verify rows whose drafts came with their distribution
+        plan = self._sampling_plan(step, rows)
+        sampled = None
+        if plan.positions:
+            logits, argmax = self._sampler_inputs(step, out, plan)
+            sampled = self.sampler(logits, plan.positions, plan.drafts, argmax)
+        return self._runner_output(step, plan, sampled, self._score_prompts(step, out.logits, len(plan.positions)))
+
+    def _sampling_plan(self, step: "PreparedStep", rows: list[Optional[SamplingRow]]) -> SamplingPlan:
+        batch_index = {id(item): i for i, item in enumerate(step.scheduled)}
+        plan = SamplingPlan([], [], [])
         for item in step.order:
             samples = item.num_samples
             if not samples:
@@ -446,29 +490,76 @@ class ModelRunner:
             owner = batch_index[id(item)]
             row = rows[owner]
             if item.spec_draft_probs is not None:
-                drafts.append(DraftSpan(len(positions), item.spec_token_ids, item.spec_draft_probs))
+                plan.drafts.append(DraftSpan(len(plan.positions), item.spec_token_ids, item.spec_draft_probs))
             # Each draft position is sampled as if the drafts before it had been decoded (penalties,
             # min_tokens and logits processors see them).
-            positions.append(row)
-            positions.extend(replace(row, output_token_ids=row.output_token_ids + item.spec_token_ids[:j])
-                             for j in range(1, samples))
-            owners.extend([owner] * samples)
+            plan.positions.append(row)
+            plan.positions.extend(replace(row, output_token_ids=row.output_token_ids + item.spec_token_ids[:j])
+                                  for j in range(1, samples))
+            plan.owners.extend([owner] * samples)
+        return plan
+
+    @staticmethod
+    def _sampler_inputs(step: "PreparedStep", out: StepLogits,
+                        plan: SamplingPlan) -> tuple[torch.Tensor, Optional[list[int]]]:
+        """The sampled positions' logits, and their argmax where the forward found them. The logits' rows are the
+        sampled positions', then the prompt rows' (no torch call when none: each costs ~15-50 us of cold caches
+        after a step's weight stream)."""
+        if step.prompt_rows:
+            return out.logits[: len(plan.positions)], None
+        return out.logits, out.argmax
+
+    @staticmethod
+    def _score_prompts(step: "PreparedStep", logits: torch.Tensor, num_sampled: int) -> dict:
+        return _prompt_logprobs(logits[num_sampled:], step.prompt_rows) if step.prompt_rows else {}
+
+    @staticmethod
+    def _runner_output(step: "PreparedStep", plan: SamplingPlan, sampled: Optional[SamplerOutput],
+                       scored: dict) -> ModelRunnerOutput:
+        scheduled = step.scheduled
         result = ModelRunnerOutput([[] for _ in scheduled], [[] for _ in scheduled], [[] for _ in scheduled])
-        if positions:
-            # the logits' rows are the sampled positions', then the prompt rows' (no torch call when none: each
-            # costs ~15-50 us of cold caches after a step's weight stream)
-            sampled = self.sampler(logits[: len(positions)] if step.prompt_rows else logits, positions, drafts,
-                                   None if step.prompt_rows else out.argmax)
-            logprobs = sampled.logprobs or [None] * len(positions)
-            for owner, token, entry in zip(owners, sampled.token_ids, logprobs):
+        if sampled is not None:
+            logprobs = sampled.logprobs or [None] * len(plan.positions)
+            for owner, token, entry in zip(plan.owners, sampled.token_ids, logprobs):
                 if token == PLACEHOLDER_TOKEN_ID:
                     continue  # past a rejected draft
                 result.sampled_token_ids[owner].append(token)
                 result.logprobs[owner].append(entry)
-        scored = _prompt_logprobs(logits[len(positions):], step.prompt_rows) if step.prompt_rows else {}
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = scored.get(item.seq.seq_id, [])
         return result
+
+    # ---- async scheduling ---------------------------------------------------------------------
+    def execute_async(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> AsyncModelRunnerOutput:
+        """`execute` without waiting for it: the step's inputs that the step before samples are taken from that
+        step's ids on the device, and its own ids stay there for the next; the host reads them from the returned
+        output (prompt log-probs, rare, are read now)."""
+        step = self.prepare(scheduled)
+        with torch.inference_mode():
+            self._fill_placeholders(step)
+            out = self._run(step.inputs, self.kv_caches, self.graphs)
+            plan = self._sampling_plan(step, rows)
+            scored = self._score_prompts(step, out.logits, len(plan.positions))
+            sample = None
+            if plan.positions:
+                logits, argmax = self._sampler_inputs(step, out, plan)
+                sample = self.sampler.sample(logits, plan.positions, plan.drafts, argmax)
+                last = {scheduled[owner].seq.seq_id: i for i, owner in enumerate(plan.owners)}
+                self._last_sampled = LastSampled(sample.token_ids, last)
+        return AsyncModelRunnerOutput(sample, lambda sampled: self._runner_output(step, plan, sampled, scored))
+
+    def _fill_placeholders(self, step: "PreparedStep") -> None:
+        """Scatter the previous step's sampled ids into this step's input ids where they are its inputs (on
+        the device: no transfer; on CPU the input tensor is the host array the native step reads)."""
+        if not step.placeholders:
+            return
+        last = self._last_sampled
+        missing = [seq_id for _, seq_id in step.placeholders if last is None or seq_id not in last.index]
+        if missing:
+            raise RuntimeError(f"async scheduling: no sampled token in flight for sequence(s) {missing}")
+        rows = self._tensor([row for row, _ in step.placeholders])
+        sources = self._tensor([last.index[seq_id] for _, seq_id in step.placeholders])
+        step.inputs.input_ids[rows] = last.token_ids.to(self.device)[sources]
 
     @torch.inference_mode()
     def sample_logits(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -507,9 +598,9 @@ class ModelRunner:
         return StepLogits(self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention,
                                      inputs.logits_indices))
 
-    def _prepare(self, order: list[ScheduledSeq]) -> tuple["StepInputs", list[PromptRow]]:
+    def _prepare(self, order: list[ScheduledSeq]) -> tuple["StepInputs", list[PromptRow], list[tuple[int, int]]]:
         """Token ids, positions, slot mapping and logits indices of the batch, its rows (query and context
-        lengths, block tables), and the prompt tokens to score."""
+        lengths, block tables), the prompt tokens to score, and the inputs the step in flight samples."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -518,11 +609,15 @@ class ModelRunner:
         query_lens: list[int] = []
         context_lens: list[int] = []
         prompt_rows: list[PromptRow] = []
+        placeholders: list[tuple[int, int]] = []
         for item in order:
-            seq, start = item.seq, item.seq.num_computed_tokens
+            seq, start = item.seq, item.start
             end = start + item.num_new_tokens
             row = len(ids)
             ids.extend(item.input_token_ids)
+            if len(ids) - row < item.num_new_tokens:  # ends at the token the step in flight samples
+                placeholders.append((len(ids), seq.seq_id))
+                ids.append(0)
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -539,13 +634,17 @@ class ModelRunner:
         host = HostVectors(*(array("q", values) for values in vectors)) if self._on_cpu else None  # device: lists
         inputs = StepInputs(*(self._tensor(values) for values in (host or vectors)), [s.seq.seq_id for s in order],
                             query_lens, context_lens, [s.seq.block_table for s in order], host)
-        return inputs, prompt_rows
+        return inputs, prompt_rows, placeholders
 
     def _tensor(self, values: "array | list[int]") -> torch.Tensor:
-        if self._on_cpu and values:
-            # a view of the array, not torch.tensor's walk over a Python list (cold caches after a weight stream)
-            return torch.frombuffer(values, dtype=torch.long)
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        if self._on_cpu:
+            if isinstance(values, array) and values:
+                # a view of the array, not torch.tensor's walk over a Python list (cold caches after a weight stream)
+                return torch.frombuffer(values, dtype=torch.long)
+            return torch.tensor(values, dtype=torch.long)
+        # staged in pinned memory (the caching host allocator keeps it until the copy ran): no stream sync
+        staged = torch.tensor(values, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        return staged.to(self.device, non_blocking=True)
 
     def truncate_kept_state(self, seq_id: int, num_tokens: int) -> None:
         """Only the sequence's first `num_tokens` K/V still hold (rejected drafts rolled back)."""

@@ -42,18 +42,25 @@ class SamplingRow:
     stop_token_ids: tuple[int, ...]  # masked while fewer than min_tokens were generated
     draw_seed: Optional[int] = None  # with `generator`: re-seed it per output position (position_seed)
     grammar: Optional[Any] = None  # the sequence's structured_output.SequenceGrammar: masks what it does not allow
+    # Async scheduling: outputs sampled by the step in flight, not in output_token_ids yet (their count is known;
+    # rows that need their values - penalties, logits processors, a grammar - are sampled after that step lands).
+    num_pending: int = 0
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
     def generator_at(self, offset: int = 0, stream: int = TOKEN_STREAM) -> Optional[torch.Generator]:
         """The row's generator, ready for its draws at output position len(output_token_ids) + offset
         (`stream` tells apart the draws of one position); None for an unseeded row."""
         if self.generator is not None and self.draw_seed is not None:
-            self.generator.manual_seed(position_seed(self.draw_seed, len(self.output_token_ids) + offset, stream))
+            self.generator.manual_seed(position_seed(self.draw_seed, self.num_outputs + offset, stream))
         return self.generator
 
     @property
     def masks_stops(self) -> bool:
         """Its stop tokens are masked: fewer than min_tokens generated yet."""
-        return bool(self.stop_token_ids) and len(self.output_token_ids) < self.params.min_tokens
+        return bool(self.stop_token_ids) and self.num_outputs < self.params.min_tokens
 
     @property
     def argmax_only(self) -> bool:
@@ -67,6 +74,24 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]  # PLACEHOLDER_TOKEN_ID past a verify row's rejected draft
     logprobs: Optional[list[Optional[dict[int, float]]]]  # per row: {token: logprob} incl. the sampled one
+
+
+@dataclass
+class DeviceSample:
+    """A step's sampled ids still on the logits' device (what async scheduling feeds the next step's inputs
+    from), and `table`, the one tensor the host reads for them (`output` parses it once it is there)."""
+    token_ids: torch.Tensor  # [positions] long
+    table: torch.Tensor  # token_ids, or a float64 [positions, 2 + 2 top_n] table of ids and log-probs
+    logprob_counts: Optional[list[Optional[int]]] = None  # per position, its row's `logprobs`; None: no log-probs
+    top_n: int = 0
+
+    def output(self, host_table: list) -> SamplerOutput:
+        """The SamplerOutput of `table.tolist()`."""
+        if self.logprob_counts is None:
+            return SamplerOutput(host_table, None)
+        return SamplerOutput([int(line[0]) for line in host_table],
+                             [_logprob_entry(line, count, self.top_n)
+                              for line, count in zip(host_table, self.logprob_counts)])
 
 
 ARGMAX_CHUNK = 1024
@@ -210,6 +235,15 @@ class Sampler:
         if all(row.argmax_only for row in rows):  # the passes below would change nothing: after a batch-1
             # step's weight stream each costs cold caches
             return SamplerOutput(argmax if argmax is not None else row_argmax(logits), None)
+        sample = self.sample(logits, rows, drafts)
+        return sample.output(_to_host(sample.table))
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: Sequence[DraftSpan] = (),
+               argmax: Optional[list[int]] = None) -> DeviceSample:
+        """`__call__`'s tokens and log-probs left on the device (no transfer: the caller makes it)."""
+        if all(row.argmax_only for row in rows):
+            chosen = torch.tensor(argmax, dtype=torch.long) if argmax is not None else device_argmax(logits)
+            return DeviceSample(chosen, chosen)
         logits = self._apply_processors(logits, rows)
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
@@ -307,20 +341,18 @@ class Sampler:
 
     # ---- results ------------------------------------------------------------------------------
     @staticmethod
-    def _collect(chosen: torch.Tensor, raw: Optional[torch.Tensor], rows: list[SamplingRow]) -> SamplerOutput:
-        """The ids (and the log-probs rows asked for) to the host in one transfer."""
+    def _collect(chosen: torch.Tensor, raw: Optional[torch.Tensor], rows: list[SamplingRow]) -> DeviceSample:
+        """The ids, and the log-probs rows asked for, as one table for one transfer to the host."""
         if raw is None:
-            return SamplerOutput(_to_host(chosen), None)
+            return DeviceSample(chosen, chosen)
         top_n = max(r.params.logprobs or 0 for r in rows)
         columns = [chosen.unsqueeze(1).to(torch.float64),
                    raw.gather(1, chosen.clamp_min(0).unsqueeze(1)).to(torch.float64)]
         if top_n:
             values, ids = raw.topk(top_n, dim=-1)
             columns += [ids.to(torch.float64), values.to(torch.float64)]
-        table = _to_host(torch.cat(columns, dim=1))  # float64 holds every token id and float32 exactly
-        token_ids = [int(line[0]) for line in table]
-        return SamplerOutput(token_ids, [_logprob_entry(line, row.params.logprobs, top_n)
-                                         for line, row in zip(table, rows)])
+        # float64 holds every token id and float32 exactly
+        return DeviceSample(chosen, torch.cat(columns, dim=1), [row.params.logprobs for row in rows], top_n)
 
 
 def _logprob_entry(line: list[float], count: Optional[int], top_n: int) -> Optional[dict[int, float]]:

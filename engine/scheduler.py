@@ -127,7 +127,13 @@ class Scheduler:
         for item, sampled, logprobs, prompt in zip(out.scheduled, result.sampled_token_ids, result.logprobs,
                                                    result.prompt_logprobs):
             seq = item.seq
-            if seq.is_finished:  # aborted while its batch was in flight (pipeline parallelism)
+            if item.in_flight:
+                seq.num_in_flight_tokens -= item.num_new_tokens
+                seq.num_pending_tokens -= item.num_samples
+            if seq.is_finished:  # aborted, or ended by the step before, while its batch was in flight
+                continue
+            if item.in_flight and seq.status is SequenceStatus.WAITING:  # preempted while in flight
+                updates.extend(self._append_to_preempted(seq, sampled, logprobs, now))
                 continue
             for position, entry in prompt:
                 seq.prompt_logprobs[position] = entry
@@ -153,6 +159,34 @@ class Scheduler:
             updates.append(SeqUpdate(seq, seq.output_token_ids[len(seq.output_token_ids) - kept:],
                                      len(drafts) - (len(accepted) - 1), len(drafts)))
         return updates
+
+    def mark_in_flight(self, out: SchedulerOutput) -> None:
+        """Async scheduling: `out` was launched and lands after the next schedule, which must count its rows'
+        tokens as being computed and its sampled tokens as pending (the next inputs of their sequences)."""
+        for item in out.scheduled:
+            item.in_flight = True
+            item.seq.num_in_flight_tokens += item.num_new_tokens
+            item.seq.num_pending_tokens += item.num_samples
+
+    def _append_to_preempted(self, seq: Sequence, sampled: list[int], logprobs: list,
+                             now: float) -> list[SeqUpdate]:
+        """A row's tokens for a sequence preempted after the row was launched: they are its next outputs (the
+        step read its K/V before the blocks went), and its recompute starts from zero either way."""
+        if not sampled:
+            return []
+        kept, stopped = self._append_until_stop(seq, sampled[:1], logprobs, now)
+        if stopped:
+            self.finish(seq)
+        return [SeqUpdate(seq, seq.output_token_ids[-kept:])]
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """The token the step in flight samples for `seq` ends it by length: no row for it after that one."""
+        if not seq.num_pending_tokens:
+            return False
+        limit = seq.params.max_tokens
+        produced = len(seq.output_token_ids) + seq.num_pending_tokens
+        return (limit is not None and produced >= limit) or \
+            seq.num_tokens + seq.num_pending_tokens >= self.config.max_model_len
 
     def _append_until_stop(self, seq: Sequence, tokens: list[int], logprobs: list,
                            now: float) -> tuple[int, bool]:
@@ -229,7 +263,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0 and len(out.scheduled) < limit:
             seq = self.running[index]
-            if seq.seq_id in busy:
+            if seq.seq_id in busy or not seq.num_uncomputed_tokens or self._ends_with_pending(seq):
                 index += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)

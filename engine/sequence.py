@@ -38,7 +38,10 @@ class Sequence:
     shares_with_siblings: bool = False
     parent: Optional["Sequence"] = None  # n > 1: wait for the first sample's prompt to be cached
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # by the steps applied so far
+    # Async scheduling: tokens scheduled in a step still in flight, and tokens it samples (not appended yet).
+    num_in_flight_tokens: int = 0
+    num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     # Draft tokens proposed for the next step (speculative decoding): the scheduler makes the next decode
@@ -78,7 +81,8 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens no step has computed or is computing (a pending sampled token counts: it is the next input)."""
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens - self.num_in_flight_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -16,17 +16,25 @@ from llmctl.engine.sequence import Sequence
 class ScheduledSeq:
     """One row of a step: `num_new_tokens` tokens from the sequence's first uncomputed one. A verify
     row ends with `spec_token_ids`, draft tokens past the known ones (they count in `num_new_tokens`),
-    and `spec_draft_probs`, the distributions they were drawn from (None: a deterministic draft)."""
+    and `spec_draft_probs`, the distributions they were drawn from (None: a deterministic draft).
+    `start` (the row's first position) and `samples` are fixed when the row is made: with async scheduling
+    the sequence's counters move on (the step before lands) while the row is in flight. `in_flight`: the
+    engine counted the row in its sequence's in-flight and pending tokens (async scheduling)."""
 
     seq: Sequence
     num_new_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Optional[torch.Tensor] = None
+    start: int = field(init=False)
+    # This step computes the sequence's last token (known, or sampled by the step in flight), so a new one is sampled.
+    samples: bool = field(init=False)
+    in_flight: bool = False
 
-    @property
-    def samples(self) -> bool:
-        """This step computes the sequence's last known token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.spec_token_ids)
+    def __post_init__(self) -> None:
+        seq = self.seq
+        self.start = seq.num_computed_tokens + seq.num_in_flight_tokens
+        end = seq.num_tokens + seq.num_pending_tokens + len(self.spec_token_ids)
+        self.samples = self.start + self.num_new_tokens == end
 
     @property
     def num_samples(self) -> int:
@@ -35,8 +43,9 @@ class ScheduledSeq:
 
     @property
     def input_token_ids(self) -> list[int]:
-        """The row's input ids: its known uncomputed tokens, then the drafts to verify."""
-        start = self.seq.num_computed_tokens
+        """The row's input ids: its known uncomputed tokens, then the drafts to verify. With async scheduling a
+        row may end at a token sampled by the step in flight: that one is not known here (the list is shorter)."""
+        start = self.start
         known = self.seq.token_ids[start:start + self.num_new_tokens - len(self.spec_token_ids)]
         return known + self.spec_token_ids if self.spec_token_ids else known
 

@@ -40,11 +40,16 @@ class _Slot:
 FLAGS: Any = _Slot()
 
 
-def _flag_names(field_name: str, default: Any, short: Optional[str]) -> list[str]:
+def _flag_names(field_name: str, default: Any, short: Optional[str], negatable: bool = False) -> list[str]:
     flag = "--" + field_name.replace("_", "-")
-    if default is True:  # on by default: the flag needs its off switch
+    if default is True or negatable:  # on by default (or by a per-device default): the flag needs its off switch
         flag = f"{flag}/--no-{flag[2:]}"
     return [flag, short] if short else [flag]
+
+
+def _field_flags(f: Any) -> list[str]:
+    """An `EngineArgs` field's flag spellings (with its off switch where it has one)."""
+    return _flag_names(f.name, f.default, f.metadata.get("short"), f.metadata.get("negatable", False))
 
 
 def _flag_parameter(f: Any, annotation: Any, default: Any) -> inspect.Parameter:
@@ -55,7 +60,7 @@ def _flag_parameter(f: Any, annotation: Any, default: Any) -> inspect.Parameter:
         annotation = choice_type("".join(part.title() for part in f.name.split("_")), meta["choices"])
         default = annotation(default)
     extra = {"parser": _json_text} if "cli_type" in meta else {}
-    option = typer.Option(*_flag_names(f.name, f.default, meta.get("short")), help=meta["help"],
+    option = typer.Option(*_field_flags(f), help=meta["help"],
                           rich_help_panel=PANEL, **extra)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                              annotation=Annotated[annotation, option])
@@ -73,8 +78,7 @@ def engine_flag(name: str, **option: Any) -> Any:
     if f is None:
         raise TypeError(f"not an engine flag: {name}")
     return Annotated[get_type_hints(EngineArgs)[name],
-                     typer.Option(*_flag_names(f.name, f.default, f.metadata.get("short")), help=f.metadata["help"],
-                                  **option)]
+                     typer.Option(*_field_flags(f), help=f.metadata["help"], **option)]
 
 
 def flag_fields() -> list[Any]:
@@ -156,7 +160,7 @@ def flags_markdown() -> str:
     """The engine flags as the Markdown table in docs/engine.md (`python tools/gen_engine_docs.py` writes it)."""
     rows = ["| flag | default | values | what it sets |", "|---|---|---|---|"]
     for f in flag_fields():
-        spellings = _flag_names(f.name, f.default, f.metadata.get("short"))
+        spellings = _field_flags(f)
         names = " ".join(f"`{name}`" for spelling in spellings for name in spelling.split("/"))
         choices = ", ".join(f"`{c}`" for c in f.metadata.get("choices", ()))
         default = "—" if f.default is None else f"`{str(f.default).lower() if isinstance(f.default, bool) else f.default}`"

@@ -11,7 +11,8 @@ into a temporary folder, runs the engine on it with dummy weights in bf16, and p
 - a torch.profiler capture of 5 full-batch steps: GPU-busy share of wall time, host syncs per step, top kernels;
 - each workload on every `--backends` entry, an attention backend and its CUDA-graph mode (`triton:full_and_piecewise`;
   no mode: piecewise), in the same run: by default Triton with full decode graphs, Triton with piecewise graphs,
-  then torch.
+  then torch; with the engine's async scheduling (`--async-scheduling both`, the default: the first entry runs
+  once more without it, beside, so the table shows what overlapping host and GPU work gains).
 
 Exits 1 when the first backend misses a gate: batch 1 >= 80 % of the roofline, >= 5,000 output tok/s at
 256 x (512 -> 256) on an H100 (6,000 on an H200; other cards are reported, not gated), GPU busy >= 90 % of
@@ -245,19 +246,28 @@ def parse_runs(text: str) -> list[tuple[str, str]]:
     return runs
 
 
-def build_engine(folder: Path, args, backend: str, mode: str):
+def planned_runs(backends: str, async_mode: str) -> list[tuple[str, str, bool]]:
+    """(attention backend, cudagraph mode, async scheduling) of each run, the gated one first: every entry with
+    `async_mode`'s setting; `both`: with it, and the first entry once more without it."""
+    entries = parse_runs(backends)
+    runs = [(backend, mode, async_mode != "off") for backend, mode in entries]
+    return runs[:1] + [(*entries[0], False)] + runs[1:] if async_mode == "both" else runs
+
+
+def build_engine(folder: Path, args, backend: str, mode: str, overlap: bool):
     from llmctl.engine import EngineArgs
     from llmctl.engine.llm_engine import LLMEngine
     return LLMEngine(EngineArgs.from_dict(dict(
         model=str(folder), load_format="dummy", dtype=args.dtype, device=args.device, skip_tokenizer_init=True,
         max_model_len=args.input_len + args.output_len + 256, max_num_seqs=max(args.batch, 1),
-        attention_backend=backend, cudagraph_mode=mode, enable_prefix_caching=False)))
+        attention_backend=backend, cudagraph_mode=mode, enable_prefix_caching=False, async_scheduling=overlap)))
 
 
-def run_backend(folder: Path, shape: dict, args, run: tuple[str, str], bandwidth: float, model: ModelBytes) -> dict:
+def run_backend(folder: Path, shape: dict, args, run: tuple[str, str, bool], bandwidth: float,
+                model: ModelBytes) -> dict:
     import torch
-    backend, mode = run
-    engine = build_engine(folder, args, backend, mode)
+    backend, mode, overlap = run
+    engine = build_engine(folder, args, backend, mode, overlap)
     try:
         tok_s = batch1_decode(engine, shape, args.output_len)
         batch = full_batch(engine, shape, args.batch, args.input_len, args.output_len)
@@ -272,7 +282,8 @@ def run_backend(folder: Path, shape: dict, args, run: tuple[str, str], bandwidth
     roofline_tok_s = bandwidth / (model.weights + mean_context * model.kv_per_token)
     kv = batch["median_step_kv_tokens"]
     roofline_step_ms = (model.weights + kv * model.kv_per_token) / bandwidth * 1e3 if kv else None
-    return {"backend": backend, "cudagraph_mode": mode, "batch1_tok_s": tok_s, "batch1_roofline_tok_s": roofline_tok_s,
+    return {"backend": backend, "cudagraph_mode": mode, "async_scheduling": overlap,
+            "batch1_tok_s": tok_s, "batch1_roofline_tok_s": roofline_tok_s,
             "batch1_share": tok_s / roofline_tok_s, **batch, "roofline_step_ms": roofline_step_ms,
             "gpu_busy": prof.gpu_busy, "syncs_per_step": prof.syncs_per_step, "top_kernels": prof.top_kernels}
 
@@ -304,10 +315,11 @@ def render(card: str, bandwidth: float, results: list[dict]) -> str:
     pct = lambda v: "-" if v is None else f"{v:.0%}"
     num = lambda v, f=",.1f": "-" if v is None else format(v, f)
     lines = [f"card: {card}   copy bandwidth: {bandwidth / 1e9:,.0f} GB/s",
-             f"{'backend/cudagraph mode':28} {'b1 tok/s':>9} {'roofline':>9} {'share':>6} {'out tok/s':>10} "
-             f"{'step ms':>8} {'roof ms':>8} {'busy':>5} {'syncs':>6}"]
+             f"{'backend/cudagraph mode':28} {'async':>5} {'b1 tok/s':>9} {'roofline':>9} {'share':>6} "
+             f"{'out tok/s':>10} {'step ms':>8} {'roof ms':>8} {'busy':>5} {'syncs':>6}"]
     for r in results:
-        lines.append(f"{label(r):28} {r['batch1_tok_s']:>9,.1f} {r['batch1_roofline_tok_s']:>9,.1f} "
+        lines.append(f"{label(r):28} {'on' if r['async_scheduling'] else 'off':>5} {r['batch1_tok_s']:>9,.1f} "
+                     f"{r['batch1_roofline_tok_s']:>9,.1f} "
                      f"{pct(r['batch1_share']):>6} {r['output_tok_s']:>10,.0f} {num(r['median_step_ms']):>8} "
                      f"{num(r['roofline_step_ms']):>8} {pct(r['gpu_busy']):>5} {r['syncs_per_step']:>6.1f}")
     for r in results:
@@ -324,6 +336,8 @@ def parse_args(argv=None):
     parser.add_argument("--backends", default="triton:full_and_piecewise,triton:piecewise,torch",
                         help="attention backends, each with an optional :cudagraph-mode (default piecewise); the "
                              "first one gated")
+    parser.add_argument("--async-scheduling", choices=("on", "off", "both"), default="both",
+                        help="the engine's async scheduling; both: on, and the first entry also without it")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
@@ -348,7 +362,8 @@ def main(argv=None) -> int:
         folder = Path(tmp)
         (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                                         "rms_norm_eps": 1e-5, "torch_dtype": args.dtype, **shape}))
-        results = [run_backend(folder, shape, args, run, bandwidth, model) for run in parse_runs(args.backends)]
+        results = [run_backend(folder, shape, args, run, bandwidth, model)
+                   for run in planned_runs(args.backends, args.async_scheduling)]
     print(render(card, bandwidth, results), flush=True)
     misses = failed_gates(results[0], card) if device.type == "cuda" else []
     if args.json:

@@ -58,6 +58,13 @@ def test_each_backends_entry_names_a_backend_and_its_cudagraph_mode():
     assert perf.parse_args([]).backends.split(",")[0] == "triton:full_and_piecewise"  # the gated run: full graphs
 
 
+def test_runs_put_the_gated_one_first_and_the_serial_engine_beside_it():
+    assert perf.planned_runs("triton,torch", "both") == [
+        ("triton", "piecewise", True), ("triton", "piecewise", False), ("torch", "piecewise", True)]
+    assert perf.planned_runs("triton:none,torch", "off") == [("triton", "none", False), ("torch", "piecewise", False)]
+    assert perf.planned_runs("torch", "on") == [("torch", "piecewise", True)]
+
+
 @pytest.mark.timeout(300)
 def test_tiny_run_on_cpu_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "perf.json"
@@ -65,7 +72,9 @@ def test_tiny_run_on_cpu_writes_every_figure(tmp_path, capsys):
                       "--backends", "torch", "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())
-    (result,) = doc["results"]
+    result, serial = doc["results"]  # --async-scheduling both: the first backend with it, then without it
+    assert (result["async_scheduling"], serial["async_scheduling"]) == (True, False)
+    assert serial["backend"] == "torch" and serial["full_batch_steps"] >= 5
     assert result["backend"] == "torch" and result["cudagraph_mode"] == "piecewise" and result["full_batch_steps"] >= 5
     assert result["batch1_tok_s"] > 0 and result["output_tok_s"] > 0
     assert result["median_step_kv_tokens"] >= 4 * 16  # four rows past their 16-token prompts

@@ -33,6 +33,8 @@ class Executor(Protocol):
     # Batches the engine keeps in flight (the pipeline's stages). Above 1 the executor also has
     # `submit(scheduled, rows) -> pending` and `collect(pending) -> ModelRunnerOutput`, collected in order.
     max_concurrent_batches: int
+    # Async scheduling (--async-scheduling) needs `execute_async(scheduled, rows) -> pending` too, whose
+    # `pending.get_output()` returns the ModelRunnerOutput; UniProcExecutor has it, MultiprocExecutor not yet.
 
     @property
     def kv_cache_bytes(self) -> int: ...

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from llmctl.engine.model_runner import ModelRunner, RunnerConfig
+from llmctl.engine.model_runner import AsyncModelRunnerOutput, ModelRunner, RunnerConfig
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
 
@@ -30,6 +30,10 @@ class UniProcExecutor:
 
     def execute(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> ModelRunnerOutput:
         return self.runner.execute(scheduled, rows)
+
+    def execute_async(self, scheduled: list[ScheduledSeq],
+                      rows: list[Optional[SamplingRow]]) -> AsyncModelRunnerOutput:
+        return self.runner.execute_async(scheduled, rows)
 
     def make_generator(self, seed: int) -> torch.Generator:
         return self.runner.make_generator(seed)

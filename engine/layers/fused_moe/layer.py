@@ -9,7 +9,7 @@ model's linear method:
 `ExpertNames` maps a checkpoint's `experts.{e}.{projection}` tensors to either form's parameter and shard.
 With tensor parallelism each rank keeps its share of every expert's intermediate size (vLLM's layout without
 expert parallelism); with expert parallelism it keeps whole experts, a contiguous block of them (the checkpoint's
-other experts are skipped at loading). Either way the forward is this rank's partial sum: the caller all-reduces.""
+other experts are skipped at loading). Either way the forward is this rank's partial sum: the caller all-reduces."""
 
 from __future__ import annotations
 
