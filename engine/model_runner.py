@@ -53,6 +53,16 @@ class StepLogits(NamedTuple):
 
     logits: torch.Tensor
     argmax: Optional[list[int]] = None
+    hidden: Optional[torch.Tensor] = None  # float32 final hidden states of the step's pooling_indices rows
+
+
+@dataclass
+class PoolRow:
+    """A pooling row's hidden states in the forward's pooled rows: `count` rows from `start`."""
+
+    seq_id: int
+    start: int
+    count: int
 
 
 @dataclass
@@ -107,6 +117,8 @@ class StepInputs:
     context_lens: list[int]
     block_tables: list[list[int]]
     host: Optional[HostVectors] = None  # where the driver built the vectors on the CPU
+    # the token rows whose final hidden states pooling rows read (driver only; None: no row pools)
+    pooling_indices: Optional[torch.Tensor] = None
 
     def attention_batch(self, block_size: int) -> CommonAttentionMetadata:
         return CommonAttentionMetadata(seq_ids=self.seq_ids, query_lens=self.query_lens,
@@ -123,6 +135,7 @@ class PreparedStep:
     order: list[ScheduledSeq]
     inputs: StepInputs
     prompt_rows: list[PromptRow]
+    pool_rows: list[PoolRow]
 
 
 def _unmeasured(work) -> int:
@@ -341,7 +354,7 @@ class ModelRunner:
         seq.block_table = [i % scratch_blocks for i in range(-(-cfg.max_model_len // self.block_size))]
         try:
             with torch.inference_mode():
-                inputs, _ = self._prepare([ScheduledSeq(seq, tokens)])
+                inputs, _, _ = self._prepare([ScheduledSeq(seq, tokens)])
                 return self.memory.growth(lambda: self._run(inputs, scratch, None, self._stage_input(inputs, False)))
         except torch.cuda.OutOfMemoryError as exc:
             raise EngineArgsError(
@@ -380,8 +393,8 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSeq]) -> "PreparedStep":
         # 1-token rows first: the decode fast paths take the leading ones (CommonAttentionMetadata.num_single)
         order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
-        inputs, prompt_rows = self._prepare(order)
-        return PreparedStep(scheduled, order, inputs, prompt_rows)
+        inputs, prompt_rows, pool_rows = self._prepare(order)
+        return PreparedStep(scheduled, order, inputs, prompt_rows, pool_rows)
 
     @torch.inference_mode()
     def forward(self, inputs: "StepInputs") -> Optional[StepLogits]:
@@ -446,6 +459,9 @@ class ModelRunner:
         scored = _prompt_logprobs(logits[len(positions):], step.prompt_rows) if step.prompt_rows else {}
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = scored.get(item.seq.seq_id, [])
+        if step.pool_rows:
+            sums = {r.seq_id: out.hidden[r.start:r.start + r.count].sum(dim=0).cpu() for r in step.pool_rows if r.count}
+            result.pooled_hidden = [sums.get(item.seq.seq_id) for item in scheduled]
         return result
 
     @torch.inference_mode()
@@ -460,7 +476,7 @@ class ModelRunner:
         return logits[[index[id(item)] for item in scheduled if item.num_samples]]
 
     def _runs_natively(self, inputs: "StepInputs", kv_caches: list[torch.Tensor]) -> bool:
-        return (self.native_decode is not None and inputs.host is not None and kv_caches is self.kv_caches
+        return (self.native_decode is not None and inputs.pooling_indices is None and inputs.host is not None and kv_caches is self.kv_caches
                 and self.native_decode.can_run(inputs.query_lens, NATIVE_MAX_QUERY))
 
     def _native_step(self, inputs: "StepInputs") -> StepLogits:
@@ -480,14 +496,18 @@ class ModelRunner:
             return self._native_step(inputs)
         batch = inputs.attention_batch(self.block_size)
         meta = self.attention.build_metadata(batch)
+        if inputs.pooling_indices is not None:  # hidden states come from the eager forward only
+            logits, hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention,
+                                        inputs.logits_indices, pooling_indices=inputs.pooling_indices)
+            return StepLogits(logits, hidden=hidden)
         if graphs is not None and graphs.can_run(batch):
             return StepLogits(graphs.run(inputs.input_ids, inputs.positions, kv_caches, meta, inputs.logits_indices))
         return StepLogits(self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention,
                                      inputs.logits_indices))
 
-    def _prepare(self, order: list[ScheduledSeq]) -> tuple["StepInputs", list[PromptRow]]:
+    def _prepare(self, order: list[ScheduledSeq]) -> tuple["StepInputs", list[PromptRow], list[PoolRow]]:
         """Token ids, positions, slot mapping and logits indices of the batch, its rows (query and context
-        lengths, block tables), and the prompt tokens to score."""
+        lengths, block tables), the prompt tokens to score, and the pooling rows' hidden states to read."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -496,6 +516,8 @@ class ModelRunner:
         query_lens: list[int] = []
         context_lens: list[int] = []
         prompt_rows: list[PromptRow] = []
+        pooling_indices: list[int] = []
+        pool_rows: list[PoolRow] = []
         for item in order:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -512,12 +534,22 @@ class ModelRunner:
                 last = min(end, seq.num_prompt_tokens - 1)
                 prompt_rows.extend(PromptRow(seq.seq_id, row + p - start, p + 1, seq.token_ids[p + 1], wanted)
                                    for p in range(start, last))
+            if seq.pooling is not None:
+                read = seq.pooling.positions(start, end, seq.num_prompt_tokens)
+                pool_rows.append(PoolRow(seq.seq_id, len(pooling_indices), len(read)))
+                pooling_indices.extend(row + p - start for p in read)
         logits_indices.extend(r.row for r in prompt_rows)
         vectors = (ids, positions, slots, logits_indices)
         host = HostVectors(*(array("q", values) for values in vectors)) if self._on_cpu else None  # device: lists
         inputs = StepInputs(*(self._tensor(values) for values in (host or vectors)), [s.seq.seq_id for s in order],
-                            query_lens, context_lens, [s.seq.block_table for s in order], host)
-        return inputs, prompt_rows
+                            query_lens, context_lens, [s.seq.block_table for s in order], host,
+                            self._pooling_tensor(pooling_indices))
+        return inputs, prompt_rows, pool_rows
+
+    def _pooling_tensor(self, rows: list[int]) -> Optional[torch.Tensor]:
+        if not rows:
+            return None
+        return self._tensor(array("q", rows) if self._on_cpu else rows)
 
     def _tensor(self, values: "array | list[int]") -> torch.Tensor:
         if self._on_cpu and values:

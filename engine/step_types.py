@@ -25,8 +25,8 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """This step computes the sequence's last known token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.spec_token_ids)
+        """This step computes the sequence's last known token, so a new token is sampled (never for pooling)."""
+        return self.seq.pooling is None and self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_samples(self) -> int:
@@ -51,6 +51,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[Optional[dict[int, float]]]]  # per row, one entry per sampled token (None: not asked)
     prompt_logprobs: list[list[tuple[int, dict[int, float]]]]  # per row: (position, {token: logprob})
+    # per row: a pooling row's float32 sum of the final hidden states it pools in this chunk (None: nothing
+    # pooled); empty when no row pools
+    pooled_hidden: list[Optional[torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass

@@ -675,3 +675,22 @@ class TokenizeChatRequest(_Body):
 class DetokenizeRequest(_Body):
     model: Optional[str] = None
     tokens: list[int]
+
+
+# ---- OpenAI's /v1/embeddings ------------------------------------------------------------------------------
+class EmbeddingRequest(_Body):
+    """OpenAI's embeddings body, with vLLM's extras `normalize` and `add_special_tokens`."""
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    normalize: Optional[bool] = None
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """One entry per embedding: a text or a list of token ids."""
+        items = self.input
+        if isinstance(items, str) or (items and all(isinstance(t, int) for t in items)):
+            return [items]
+        return list(items)
