@@ -201,3 +201,37 @@ def test_embeddings_are_counted_in_metrics(embedding_server):
     text = httpx.get(embedding_server.base_url + "/metrics").text
     assert 'endpoint="/v1/embeddings"' in text
     assert 'finished_reason="stop"' in text
+
+
+# ---- llmctl generate --embed -------------------------------------------------------------------------------
+def test_generate_embed_writes_one_json_line_per_prompt(qwen3, reference_hidden, tmp_path):
+    from tests.test_generate_cli import run_cli
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"prompt_token_ids": ids}) + "\n" for ids in PROMPTS))
+    proc = run_cli("generate", "--embed", "-f", str(docs), "-m", str(qwen3), "--dtype", "float32",
+                   "--pooling-type", "MEAN", "--json")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2]
+    for line, hidden in zip(lines, reference_hidden):
+        torch.testing.assert_close(torch.tensor(line["embedding"]),
+                                   torch.nn.functional.normalize(hidden.mean(0), dim=0), atol=1e-4, rtol=1e-4)
+    summary = json.loads(proc.stderr.strip().splitlines()[-1])["summary"]
+    assert summary["embeddings"] == 3 and summary["prompt_tokens"] == sum(map(len, PROMPTS))
+    assert summary["pooling_type"] == "MEAN" and summary["dimensions"] == 64
+    assert "\x1b[" not in proc.stderr  # no progress bar off a TTY
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--chat",), "--embed does not take --chat"),
+    (("--dimensions", "8"), "does not declare Matryoshka"),
+])
+def test_generate_embed_refusals(qwen3, tmp_path, extra, message):
+    from tests.test_generate_cli import run_cli
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"prompt_token_ids": PROMPTS[1]}) + "\n")
+    proc = run_cli("generate", "--embed", "-f", str(docs), "-m", str(qwen3), *extra)
+    assert proc.returncode != 0
+    assert message in proc.stderr
