@@ -176,7 +176,7 @@ def test_openai_sdk_embeddings_float_and_base64(embedding_server):
 
 
 @pytest.mark.parametrize("body, status, names", [
-    ({"input": "x" * 5000}, 400, "64"),
+    ({"input": "x" * 5000}, 400, "context of 64 tokens (max_model_len"),
     ({"input": list(range(2, 80))}, 400, "max_model_len"),
     ({"input": "hi", "dimensions": 24}, 400, "dimensions"),
     ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
@@ -201,6 +201,8 @@ def test_embeddings_are_counted_in_metrics(embedding_server):
     text = httpx.get(embedding_server.base_url + "/metrics").text
     assert 'endpoint="/v1/embeddings"' in text
     assert 'finished_reason="stop"' in text
+    document = httpx.get(embedding_server.base_url + "/openapi.json").json()
+    assert "EmbeddingRequest" in document["components"]["schemas"] and "/v1/embeddings" in document["paths"]
 
 
 # ---- llmctl generate --embed -------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ class OpenAIServing:
         longest = max((len(t) for t in texts), default=0)
         if longest > limit:
             raise APIError(400, f"the {'messages have' if param == 'messages' else param + ' has'} {longest} characters, "
-                                f"more than fit this model's context of {self.max_model_len} tokens (at most "
+                                f"more than fit this model's context of {self.max_model_len} tokens (max_model_len; at most "
                                 f"{limit} characters)", param=param, code="context_length_exceeded")
 
     def _completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
