@@ -53,7 +53,7 @@ def test_pooled_hidden_states_match_transformers(qwen3, reference_hidden, poolin
 def test_bf16_embeddings_within_bf16_tolerance(qwen3, reference_hidden):
     llm = LLM(str(qwen3), dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=64, pooling_type="MEAN")
     for vector, hidden in zip(_vectors(llm.embed(PROMPTS, PoolingParams(normalize=False))), reference_hidden):
-        torch.testing.assert_close(vector, hidden.mean(0), atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(vector, hidden.mean(0), atol=5e-2, rtol=5e-2)  # bf16: 8 mantissa bits per op
 
 
 def test_normalize_is_the_default_and_mixed_batches_pool_alike(qwen3, reference_hidden):
@@ -86,6 +86,19 @@ def test_chunked_prefill_mean_pools_every_chunk(qwen3, reference_hidden):
     for vector, hidden in zip(got, reference_hidden):
         torch.testing.assert_close(vector, hidden.mean(0), atol=1e-4, rtol=1e-4)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_prefix_cache_serves_last_pooling_only(qwen3, reference_hidden, pooling_type):
+    """A generation request caches the prompt's first block: LAST pooling reuses it (only the last token's
+    hidden state is read), MEAN recomputes it (a cached block holds no hidden states)."""
+    llm = _llm(qwen3, pooling_type=pooling_type)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1))
+    hits = llm.engine.get_stats()["prefix_cache_hits"]
+    vector = llm.embed([PROMPTS[0]], PoolingParams(normalize=False))[0].outputs.data
+    pick = reference_hidden[0][-1] if pooling_type == "LAST" else reference_hidden[0].mean(0)
+    torch.testing.assert_close(vector, pick, atol=1e-4, rtol=1e-4)
+    assert (llm.engine.get_stats()["prefix_cache_hits"] > hits) == (pooling_type == "LAST")
 
 
 def test_preempted_pooling_request_pools_from_scratch(qwen3, reference_hidden):
