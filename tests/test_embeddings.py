@@ -158,11 +158,11 @@ def embedding_server(tmp_path_factory):
     from tests.conftest import save_tiny_tokenizer
     from tests.server_helpers import running_server
 
-    folder = make_tiny_model(tmp_path_factory.mktemp("embed-server") / "qwen3", "qwen3", bos_token_id=0,
-                             eos_token_id=1, matryoshka_dimensions=[16, 64])
+    root = tmp_path_factory.mktemp("embed-server")
+    folder = make_tiny_model(root / "qwen3", "qwen3", bos_token_id=0, eos_token_id=1, matryoshka_dimensions=[16, 64])
     save_tiny_tokenizer(folder)
     with running_server(folder, engine_options={"dtype": "float32", "max_model_len": 64},
-                        served_model_name="tiny-embed") as server:
+                        served_model_name="tiny-embed", audit_log=root / "audit.jsonl") as server:
         yield server
 
 
@@ -205,17 +205,35 @@ def test_refused_embedding_requests(embedding_server, body, status, names):
     assert names in response.text
 
 
-def test_embeddings_are_counted_in_metrics(embedding_server):
+def test_embeddings_are_counted_in_metrics_and_the_audit_log(embedding_server):
     import httpx
 
     from tests.server_helpers import post_json
 
-    assert post_json(embedding_server, "/v1/embeddings", {"input": ["a", "b", "c"]}).status_code == 200
+    response = post_json(embedding_server, "/v1/embeddings", {"input": ["a", "b", "c"], "user": "u-7"})
+    assert response.status_code == 200
     text = httpx.get(embedding_server.base_url + "/metrics").text
     assert 'endpoint="/v1/embeddings"' in text
     assert 'finished_reason="stop"' in text
+    line = _audit_line(embedding_server.settings.audit_log, user="u-7")
+    assert line["path"] == "/v1/embeddings" and line["status"] == 200
+    assert line["prompt_tokens"] == response.json()["usage"]["prompt_tokens"] and line["completion_tokens"] == 0
     document = httpx.get(embedding_server.base_url + "/openapi.json").json()
     assert "EmbeddingRequest" in document["components"]["schemas"] and "/v1/embeddings" in document["paths"]
+
+
+def _audit_line(path, user: str, timeout_s: float = 10.0) -> dict:
+    """The audit log's line for `user`'s request (written as the response ends: waited for)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = [json.loads(text) for text in path.read_text().splitlines()] if path.exists() else []
+        found = [line for line in lines if line.get("user") == user]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no audit line for user {user!r} in {path}")
 
 
 # ---- llmctl generate --embed -------------------------------------------------------------------------------
