@@ -23,11 +23,11 @@ class EmbedJob:
 
 
 def run_embed(args, job: EmbedJob) -> None:
+    _check_specs(job.specs)  # before importing the engine (torch): a refusal is instant
     from llmctl.engine import LLM, PoolingParams
     from llmctl.engine.errors import InvalidRequestError
     from llmctl.engine_options import missing_tokenizer
 
-    _check_specs(job.specs)
     try:
         params = PoolingParams(dimensions=job.dimensions)
     except InvalidRequestError as exc:

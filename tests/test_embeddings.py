@@ -118,6 +118,17 @@ def test_preempted_pooling_request_pools_from_scratch(qwen3, reference_hidden):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_llama_pooling_matches_transformers(tmp_path):
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "llama", "llama")
+    with torch.no_grad():
+        hidden = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32)(
+            torch.tensor([PROMPTS[0]])).last_hidden_state[0]
+    vector = _llm(folder, pooling_type="MEAN").embed([PROMPTS[0]], PoolingParams(normalize=False))[0].outputs.data
+    torch.testing.assert_close(vector, hidden.mean(0), atol=1e-4, rtol=1e-4)
+
+
 def test_dimensions_need_a_matryoshka_checkpoint(tmp_path, qwen3):
     with pytest.raises(InvalidRequestError, match="dimensions: this model does not declare Matryoshka"):
         _llm(qwen3).embed([PROMPTS[1]], PoolingParams(dimensions=8))
@@ -256,15 +267,17 @@ def test_generate_embed_writes_one_json_line_per_prompt(qwen3, reference_hidden,
     assert "\x1b[" not in proc.stderr  # no progress bar off a TTY
 
 
-@pytest.mark.parametrize("extra, message", [
-    (("--chat",), "--embed does not take --chat"),
-    (("--dimensions", "8"), "does not declare Matryoshka"),
+@pytest.mark.parametrize("line, extra, message", [
+    ({"prompt_token_ids": [1, 2]}, ("--chat",), "--embed does not take --chat/--system"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, (), "--embed takes `prompt` or `prompt_token_ids` lines"),
+    ({"prompt": "hi", "max_tokens": 3}, (), "--embed takes no sampling parameters (max_tokens)"),
 ])
-def test_generate_embed_refusals(qwen3, tmp_path, extra, message):
+def test_generate_embed_refusals(qwen3, tmp_path, line, extra, message):
+    """Refused before the model loads."""
     from tests.test_generate_cli import run_cli
 
     docs = tmp_path / "docs.jsonl"
-    docs.write_text(json.dumps({"prompt_token_ids": PROMPTS[1]}) + "\n")
+    docs.write_text(json.dumps(line) + "\n")
     proc = run_cli("generate", "--embed", "-f", str(docs), "-m", str(qwen3), *extra)
     assert proc.returncode != 0
     assert message in proc.stderr
