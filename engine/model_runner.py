@@ -476,8 +476,8 @@ class ModelRunner:
         return logits[[index[id(item)] for item in scheduled if item.num_samples]]
 
     def _runs_natively(self, inputs: "StepInputs", kv_caches: list[torch.Tensor]) -> bool:
-        return (self.native_decode is not None and inputs.pooling_indices is None and inputs.host is not None and kv_caches is self.kv_caches
-                and self.native_decode.can_run(inputs.query_lens, NATIVE_MAX_QUERY))
+        return (self.native_decode is not None and inputs.pooling_indices is None and inputs.host is not None
+                and kv_caches is self.kv_caches and self.native_decode.can_run(inputs.query_lens, NATIVE_MAX_QUERY))
 
     def _native_step(self, inputs: "StepInputs") -> StepLogits:
         host = inputs.host

@@ -26,7 +26,9 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This step computes the sequence's last known token, so a new token is sampled (never for pooling)."""
-        return self.seq.pooling is None and self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.spec_token_ids)
+        seq = self.seq
+        computes_last = seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens + len(self.spec_token_ids)
+        return computes_last and seq.pooling is None
 
     @property
     def num_samples(self) -> int:

@@ -161,9 +161,10 @@ class OpenAIServing:
             texts, param = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)], "prompt"
         longest = max((len(t) for t in texts), default=0)
         if longest > limit:
-            raise APIError(400, f"the {'messages have' if param == 'messages' else param + ' has'} {longest} characters, "
-                                f"more than fit this model's context of {self.max_model_len} tokens (max_model_len; at most "
-                                f"{limit} characters)", param=param, code="context_length_exceeded")
+            subject = "messages have" if param == "messages" else f"{param} has"
+            raise APIError(400, f"the {subject} {longest} characters, more than fit this model's context of "
+                                f"{self.max_model_len} tokens (max_model_len; at most {limit} characters)",
+                           param=param, code="context_length_exceeded")
 
     def _completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
         prompt = body.prompt
