@@ -206,6 +206,9 @@ def test_openai_sdk_embeddings_float_and_base64(embedding_server):
     ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
     ({"input": "hi", "truncate_prompt_tokens": 4}, 400, "truncate_prompt_tokens"),
     ({"input": []}, 400, "input"),
+    ({"input": [[]]}, 400, "input"),
+    ({"input": ["a"] * 257}, 400, "input"),
+    ({"input": "hi", "dimensions": 0}, 400, "dimensions"),
     ({"input": "hi", "model": "other"}, 404, "other"),
 ])
 def test_refused_embedding_requests(embedding_server, body, status, names):
@@ -230,7 +233,8 @@ def test_embeddings_are_counted_in_metrics_and_the_audit_log(embedding_server):
     assert line["path"] == "/v1/embeddings" and line["status"] == 200
     assert line["prompt_tokens"] == response.json()["usage"]["prompt_tokens"] and line["completion_tokens"] == 0
     document = httpx.get(embedding_server.base_url + "/openapi.json").json()
-    assert "EmbeddingRequest" in document["components"]["schemas"] and "/v1/embeddings" in document["paths"]
+    assert "/v1/embeddings" in document["paths"]  # with the bounds the server enforces
+    assert document["components"]["schemas"]["EmbeddingRequest"]["properties"]["input"]["anyOf"][1]["maxItems"] == 256
 
 
 def _audit_line(path, user: str, timeout_s: float = 10.0) -> dict:

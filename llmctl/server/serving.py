@@ -26,14 +26,14 @@ from llmctl.server.embeddings import embedding_body
 from llmctl.server.errors import APIError, ClientDisconnectedError, StreamStalledError, from_exception
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
-from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                    EngineParams, Prompt, ServerLimits, TokenizeChatRequest, TokenizeCompletionRequest,
-                                    check_unsupported, engine_params, template_messages)
+from llmctl.server.protocol import (MAX_PROMPTS_PER_REQUEST, ChatCompletionRequest, CompletionRequest,
+                                    DetokenizeRequest, EmbeddingRequest, EngineParams, Prompt, ServerLimits,
+                                    TokenizeChatRequest, TokenizeCompletionRequest, check_unsupported, engine_params,
+                                    template_messages)
 from llmctl.server.tool_calling import ChatFeatures, chat_output_spec, check_tool_choice, template_variables
 from llmctl.server.responses import SSE_DONE, Choice, ResponseShapes, TokenTexts, shapes_for, sse, token_usage
 from llmctl.server.text_filter import OutputFilter, RequestFilter
 
-MAX_PROMPTS_PER_REQUEST = 256
 AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 
@@ -239,9 +239,7 @@ class OpenAIServing:
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> JSONResponse:
         """One pooling request per input, batched by the engine with everything else; the body once all are in."""
         self.check_model(body.model)
-        items = body.inputs()
-        if not items or len(items) > MAX_PROMPTS_PER_REQUEST:
-            raise APIError(400, f"input must hold 1 to {MAX_PROMPTS_PER_REQUEST} items", param="input")
+        items = body.inputs()  # 1 to MAX_PROMPTS_PER_REQUEST of them (the body's schema)
         self._check_text_length(body)
         prompts = await asyncio.to_thread(lambda: [self._prompt(item, body.add_special_tokens) for item in items])
         too_long = next((i for i, p in enumerate(prompts) if len(p.token_ids) > self.max_model_len), None)
