@@ -52,28 +52,37 @@ class PoolerConfig:
     hidden_size: int
     is_matryoshka: bool = False
     matryoshka_dimensions: Optional[tuple[int, ...]] = None
+    # the checkpoint's sentence-transformers pooling when the engine does not run it (max, weighted mean, ...):
+    # pooling requests are refused naming it, generation is unaffected
+    unsupported: Optional[str] = None
 
     @classmethod
     def from_checkpoint(cls, folder: Path, hidden_size: int, override: str = "auto") -> "PoolerConfig":
         """From the model folder (a GGUF file has neither sentence-transformers modules nor Matryoshka keys)."""
-        pooling_type, normalize = "LAST", True
+        pooling_type, normalize, unsupported = "LAST", True, None
         modules = _read_json(folder / "modules.json") if folder.is_dir() else None
         raw_config = (_read_json(folder / "config.json") if folder.is_dir() else None) or {}
         if isinstance(modules, list):
             normalize = any(isinstance(m, dict) and m.get("type") == ST_NORMALIZE for m in modules)
             pooling = next((m for m in modules if isinstance(m, dict) and m.get("type") == ST_POOLING), None)
-            modes = _read_json(folder / str(pooling.get("path", "")) / "config.json") if pooling else None
-            chosen = [SENTENCE_TRANSFORMERS_MODES.get(k) for k, v in (modes or {}).items() if v is True]
-            if any(c is None for c in chosen) or len(chosen) > 1:
-                raise ModelLoadError(f"{folder}: sentence-transformers pooling {modes} is not one of "
-                                     f"{', '.join(SENTENCE_TRANSFORMERS_MODES)}")
-            pooling_type = chosen[0] if chosen else pooling_type
+            settings = (_read_json(folder / str(pooling.get("path", "")) / "config.json") if pooling else None) or {}
+            modes = [key for key, on in settings.items() if key.startswith("pooling_mode_") and on is True]
+            if len(modes) == 1 and modes[0] in SENTENCE_TRANSFORMERS_MODES:
+                pooling_type = SENTENCE_TRANSFORMERS_MODES[modes[0]]
+            elif modes:
+                unsupported = " + ".join(modes)
         dims = raw_config.get("matryoshka_dimensions")
-        return cls(pooling_type if override == "auto" else override, normalize, hidden_size,
-                   bool(raw_config.get("is_matryoshka")) or bool(dims), tuple(dims) if dims else None)
+        dims = tuple(dims) if isinstance(dims, list) and dims else None
+        if override != "auto":
+            pooling_type, unsupported = override, None
+        return cls(pooling_type, normalize, hidden_size, bool(raw_config.get("is_matryoshka")) or bool(dims), dims,
+                   unsupported)
 
     def check(self, params: PoolingParams) -> None:
         """Refuse what this model cannot pool as asked (a 400 naming the field)."""
+        if self.unsupported is not None:
+            raise InvalidRequestError(f"this checkpoint pools with sentence-transformers {self.unsupported}, which the "
+                                      "engine does not run (LAST, MEAN or CLS: choose one with --pooling-type)")
         if params.dimensions is None:
             return
         if not self.is_matryoshka:

@@ -155,6 +155,12 @@ def test_sentence_transformers_pooling_config_is_read(tmp_path, reference_hidden
     llm = _llm(folder)
     assert (llm.engine.pooler_config.pooling_type, llm.engine.pooler_config.normalize) == ("MEAN", False)
     torch.testing.assert_close(_vectors(llm.embed([PROMPTS[0]]))[0], reference_hidden[0].mean(0), atol=1e-4, rtol=1e-4)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_max_tokens": True, "include_prompt": True}))
+    llm = _llm(folder)  # generation is unaffected; embeddings name what they cannot run
+    assert len(llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+    with pytest.raises(InvalidRequestError, match="sentence-transformers pooling_mode_max_tokens"):
+        llm.embed([PROMPTS[1]])
 
 
 def test_over_long_prompt_is_refused(qwen3):
