@@ -24,7 +24,9 @@ def generate(
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Prompts file: one per line, or JSON lines with per-prompt params; '-' reads stdin.", allow_dash=True)] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Apply the model's chat template (the prompt is a user message).")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object per prompt.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object per prompt (--embed: a JSON summary on stderr).")] = False,
+    embed: Annotated[bool, typer.Option("--embed", help="Embed the prompts instead (pooled final hidden states, --pooling-type): one JSON line per prompt with its vector.")] = False,
+    dimensions: Annotated[Optional[int], typer.Option("--dimensions", help="--embed: truncate to this many dimensions (Matryoshka models only).")] = None,
     max_tokens: Annotated[int, _s("--max-tokens", help="Most tokens to generate per prompt.")] = 128,
     min_tokens: Annotated[int, _s("--min-tokens", help="Fewest tokens before stop conditions apply.")] = 0,
     temperature: Annotated[float, _s("--temperature", "-t", help="0 is greedy.")] = 0.8,
@@ -55,6 +57,11 @@ def generate(
         specs = parse_prompt_lines(stream, "stdin" if str(file) == "-" else str(file))
     else:
         specs = [PromptSpec(prompt=prompt)]
+    if embed:
+        _embed(engine_args, specs, dimensions, json_output, chat=chat or system is not None, n=n, logprobs=logprobs)
+        return
+    if dimensions is not None:
+        raise UserError("--dimensions is for --embed")
     sampling = dict(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -63,6 +70,18 @@ def generate(
     )
     job = GenerateJob(specs=specs, sampling=sampling, chat=chat, system=system, json_output=json_output)
     run_generate(engine_args, job)
+
+
+def _embed(engine_args, specs, dimensions: Optional[int], json_output: bool, *, chat: bool, n: int,
+           logprobs: Optional[int]) -> None:
+    from llmctl.embed_runner import EmbedJob, run_embed
+    from llmctl.errors import UserError
+
+    refused = [flag for flag, given in (("--chat/--system", chat), ("-n", n != 1), ("--logprobs", logprobs is not None))
+               if given]
+    if refused:
+        raise UserError(f"--embed does not take {', '.join(refused)}")
+    run_embed(engine_args, EmbedJob(specs=specs, dimensions=dimensions, json_output=json_output))
 
 
 def _open(path: Path):

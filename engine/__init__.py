@@ -18,6 +18,8 @@ _EXPORTS = {
     "RequestOutputKind": "llmctl.engine.sampling_params",
     "RequestOutput": "llmctl.engine.outputs",
     "CompletionOutput": "llmctl.engine.outputs",
+    "PoolingParams": "llmctl.engine.pooling",
+    "PoolingRequestOutput": "llmctl.engine.outputs",
     "ModelLoadError": "llmctl.engine.errors",
     "EngineArgsError": "llmctl.engine.errors",
 }

@@ -20,6 +20,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 CUDAGRAPH_MODES = ("none", "piecewise", "full_decode_only", "full_and_piecewise")  # vLLM's, lower-case
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")  # engine/structured_output/
+POOLING_TYPES = ("auto", "LAST", "MEAN", "CLS")  # engine/pooling.py
 # Weight-only methods applied on the fly to a full-precision checkpoint (engine/layers/quantization/on_the_fly.py, fp8.py).
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 # Pre-quantised checkpoint formats a --quantization value may name (accepted when the checkpoint is one, as in vLLM).
@@ -105,6 +106,9 @@ class EngineArgs:
     structured_outputs_backend: str = _arg("auto", "Grammar engine for structured outputs (response_format, "
                                                    "structured_outputs): auto (xgrammar) or xgrammar.",
                                            choices=STRUCTURED_OUTPUTS_BACKENDS)
+    pooling_type: str = _arg("auto", "How embedding requests pool the final hidden states: LAST (last token), "
+                                     "MEAN or CLS (first token); auto: the checkpoint's sentence-transformers "
+                                     "pooling, else LAST (vLLM's pooler_config pooling_type).", choices=POOLING_TYPES)
     # A JSON string (flag, env) or a mapping (Python, YAML); validated into `speculative` below.
     speculative_config: Optional[Any] = _arg(
         None, 'Speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": K, '
@@ -148,6 +152,7 @@ class EngineArgs:
         _choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
         if self.cuda_profiler_steps is not None:
             StepRange.parse(self.cuda_profiler_steps)
+        _choice("pooling_type", self.pooling_type, POOLING_TYPES)
         if self.quantization is not None:
             _choice("quantization", self.quantization, ON_THE_FLY_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)
         for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_kv_blocks",

@@ -26,6 +26,7 @@ from llmctl.engine.executor.abstract import Executor
 from llmctl.engine.llm_engine import LLMEngine, ModelInfo, StepInfo
 from llmctl.engine.model_runner import RunnerConfig
 from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.pooling import PoolingParams
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ def _output_size(output: RequestOutput) -> int:
 class _Submission:
     request_id: str
     prompt: Prompt
-    params: SamplingParams
+    params: Union[SamplingParams, PoolingParams]
     priority: int
     deadline: Optional[float]
     stream: RequestStream
@@ -318,11 +319,12 @@ class AsyncLLMEngine:
             self._thread.join(timeout_s)
 
     # ---- requests (event loop side) -----------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+    async def add_request(self, request_id: str, prompt: Prompt, params: Union[SamplingParams, PoolingParams], *,
                           priority: int = 0, timeout_s: Optional[float] = None) -> RequestStream:
-        """Submit a request; returns once the engine accepted it (validation errors raise here)."""
+        """Submit a request (with `PoolingParams`: an embedding, one output); returns once the engine accepted it
+        (validation errors raise here)."""
         loop = asyncio.get_running_loop()
-        if params.structured_outputs is not None and self.engine is not None:
+        if getattr(params, "structured_outputs", None) is not None and self.engine is not None:
             # compiled on a worker thread (cached by spec): neither this loop nor the step loop waits on it
             await asyncio.to_thread(self.engine.structured_output.compile, params.structured_outputs)
         stream = RequestStream(request_id, loop, self.abort, aggregate=params.output_kind is RequestOutputKind.DELTA,

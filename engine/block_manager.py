@@ -71,8 +71,9 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids already holding this sequence's leading full blocks (never its last token).
-        Sequences that want prompt log-probs compute their whole prompt, so they get none."""
-        if not self._caches(seq) or getattr(seq.params, "prompt_logprobs", None) is not None:
+        Sequences that want prompt log-probs or pool every token compute their whole prompt, so they get none."""
+        if not self._caches(seq) or getattr(seq.params, "prompt_logprobs", None) is not None \
+                or (seq.pooling is not None and seq.pooling.reads_prefix):
             return []
         found: list[int] = []
         parent: Optional[bytes] = None

@@ -10,7 +10,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.errors import InvalidRequestError
 from llmctl.engine.llm_engine import LLMEngine
-from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.outputs import PoolingRequestOutput, RequestOutput
+from llmctl.engine.pooling import PoolingParams
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 
 PromptInput = Union[str, list[int], dict[str, Any]]
@@ -58,6 +59,23 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(prompt_list))
         if on_output is None:  # nobody sees the intermediate outputs: the engine need not build them
             params_list = _final_only(params_list)
+        return self._submit_and_run(prompt_list, params_list, on_output)
+
+    def embed(
+        self,
+        prompts: Union[PromptInput, Sequence[PromptInput]],
+        pooling_params: Union[None, PoolingParams, Sequence[PoolingParams]] = None,
+        *,
+        on_output: Optional[Callable[[int, PoolingRequestOutput], None]] = None,
+    ) -> list[PoolingRequestOutput]:
+        """Embed every prompt (vLLM's `LLM.embed`): one prefill each, batched, pooled as the model pools;
+        `outputs.embedding` is the vector. `on_output(index, output)` sees each as it finishes."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(pooling_params, len(prompt_list), PoolingParams, "pooling")
+        return self._submit_and_run(prompt_list, params_list, on_output)
+
+    def _submit_and_run(self, prompt_list: list[PromptInput], params_list: list, on_output) -> list:
+        """Add every request, then step until all finished; on any failure the ones added are aborted."""
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):
@@ -142,12 +160,13 @@ def _own_copy(output: RequestOutput) -> RequestOutput:
     return replace(output, outputs=completions)
 
 
-def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
+def _as_params_list(params: Any, count: int, kind: type = SamplingParams, name: str = "sampling") -> list:
+    """One `kind` (SamplingParams or PoolingParams) per prompt: the default, the one given, or the list given."""
     if params is None:
-        return [SamplingParams() for _ in range(count)]
-    if isinstance(params, SamplingParams):
+        return [kind() for _ in range(count)]
+    if isinstance(params, kind):
         return [params] * count
     params = list(params)
     if len(params) != count:
-        raise InvalidRequestError(f"got {len(params)} sampling params for {count} prompts")
+        raise InvalidRequestError(f"got {len(params)} {name} params for {count} prompts")
     return params

@@ -32,6 +32,9 @@ from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.model_runner import RunnerConfig, quantization_label
 from llmctl.engine.parallel import TensorParallelError, expert_ranges
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeCounts
+from llmctl.engine.outputs import (CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                                   RequestOutput, SpecDecodeCounts)
+from llmctl.engine.pooling import PoolerConfig, Pooling, PoolingParams
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.sampling_params import RequestOutputKind, SamplingParams
 from llmctl.engine.scheduler import Scheduler, SchedulerConfig
@@ -220,7 +223,7 @@ class Request:
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: Union[SamplingParams, PoolingParams]
     seqs: list[Sequence]
     detokenizers: list[Optional[IncrementalDetokenizer]]
     texts: list[str]
@@ -309,6 +312,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_oom_retries = 0  # steps retried smaller after running out of memory
         self.num_capacity_errors = 0  # requests finished because they did not fit even alone
+        self.pooler_config = PoolerConfig.from_checkpoint(folder, self.model_config.hidden_size, args.pooling_type)
         self.model_info = ModelInfo(
             model=str(folder), max_model_len=self.max_model_len, vocab_size=self.vocab_size, tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids, bos_token_id=self.tokenizer.bos_token_id if self.tokenizer else None,
@@ -343,8 +347,10 @@ class LLMEngine:
         return self.model_config.vocab_size
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Prompt, params: Optional[SamplingParams] = None, *,
-                    arrival_time: Optional[float] = None, priority: int = 0, cache_salt: str = "") -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: Union[None, SamplingParams, PoolingParams] = None,
+                    *, arrival_time: Optional[float] = None, priority: int = 0, cache_salt: str = "") -> None:
+        """A generation request, or with `PoolingParams` a pooling one (a prefill whose hidden states are pooled
+        into an embedding, batched with the rest; its one output is a `PoolingRequestOutput`)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.scheduler.config.policy != "priority":  # as vLLM: never silently ignored
@@ -353,8 +359,11 @@ class LLMEngine:
                                       param="priority")
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
-        self._validate_prompt(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, text, token_ids, params, arrival, priority, cache_salt.encode())
+            return
+        self._validate_prompt(token_ids, params)
         seqs = self._make_sequences(request_id, token_ids, params, arrival, priority, cache_salt.encode())
         detoks = [self._detokenizer(token_ids, params) for _ in seqs]
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -362,6 +371,22 @@ class LLMEngine:
                                             arrival, stop_holdback=holdback)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _add_pooling_request(self, request_id: str, text: Optional[str], token_ids: list[int],
+                             params: PoolingParams, arrival: float, priority: int, salt: bytes) -> None:
+        if self.proposer is not None:
+            raise InvalidRequestError("embeddings with speculative decoding (speculative_config) are not supported")
+        if self.args.pipeline_parallel_size > 1:
+            raise InvalidRequestError("embeddings with pipeline_parallel_size > 1 are not supported yet")
+        self._validate_prompt(token_ids, SamplingParams())
+        self.pooler_config.check(params)
+        normalize = self.pooler_config.normalize if params.normalize is None else params.normalize
+        # never sampled: the neutral SamplingParams are what the scheduler's and runner's reads of a sequence see
+        seq = Sequence(next(self._seq_ids), request_id, 0, token_ids, SamplingParams(max_tokens=1),
+                       arrival_time=arrival, priority=priority, cache_salt=salt,
+                       pooling=Pooling(params, self.pooler_config.pooling_type, normalize))
+        self.requests[request_id] = Request(request_id, text, token_ids, params, [seq], [None], [""], arrival)
+        self.scheduler.add(seq)
 
     def _tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -674,9 +699,11 @@ class LLMEngine:
         request.texts[seq.index] = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
         return stop
 
-    def _output(self, request: Request) -> Optional[RequestOutput]:
+    def _output(self, request: Request) -> Union[None, RequestOutput, PoolingRequestOutput]:
         """The request's output as its `output_kind` asks: everything so far, what is new since the
         previous output (samples with nothing new left out), or None until it finishes."""
+        if isinstance(request.params, PoolingParams):
+            return self._pooling_output(request)
         kind = request.params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not request.finished:
             return None
@@ -696,6 +723,18 @@ class LLMEngine:
             request.emitted_prompt_logprobs = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, metrics, prompt_logprobs)
+
+    def _pooling_output(self, request: Request) -> Optional[PoolingRequestOutput]:
+        """A pooling request's one output, once its prompt is pooled (or it was aborted: no vector)."""
+        if not request.finished:
+            return None
+        seq = request.seqs[0]
+        pooled = seq.pooling.hidden_sum is not None and seq.finish_reason == "stop"
+        data = PoolingOutput(seq.pooling.embedding(seq.num_prompt_tokens)) if pooled else None
+        metrics = RequestMetrics(arrival_time=request.arrival_time, first_scheduled_time=seq.first_scheduled_time,
+                                 first_token_time=seq.first_token_time, finished_time=seq.finished_time,
+                                 num_preemptions=seq.num_preemptions)
+        return PoolingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids, data, True, metrics)
 
     def _completion(self, request: Request, seq: Sequence, delta: bool) -> Optional[CompletionOutput]:
         text = request.texts[seq.index]

@@ -54,6 +54,16 @@ class StepLogits(NamedTuple):
 
     logits: torch.Tensor
     argmax: Optional[list[int]] = None
+    hidden: Optional[torch.Tensor] = None  # float32 final hidden states of the step's pooling_indices rows
+
+
+@dataclass
+class PoolRow:
+    """A pooling row's hidden states in the forward's pooled rows: `count` rows from `start`."""
+
+    seq_id: int
+    start: int
+    count: int
 
 
 @dataclass
@@ -108,6 +118,8 @@ class StepInputs:
     context_lens: list[int]
     block_tables: list[list[int]]
     host: Optional[HostVectors] = None  # where the driver built the vectors on the CPU
+    # the token rows whose final hidden states pooling rows read (driver only; None: no row pools)
+    pooling_indices: Optional[torch.Tensor] = None
 
     def attention_batch(self, block_size: int) -> CommonAttentionMetadata:
         return CommonAttentionMetadata(seq_ids=self.seq_ids, query_lens=self.query_lens,
@@ -124,6 +136,7 @@ class PreparedStep:
     order: list[ScheduledSeq]
     inputs: StepInputs
     prompt_rows: list[PromptRow]
+    pool_rows: list[PoolRow] = field(default_factory=list)
     # async scheduling: (token row, seq id) of inputs that are the step in flight's samples, filled on the device
     placeholders: list[tuple[int, int]] = field(default_factory=list)
 
@@ -441,8 +454,8 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSeq]) -> "PreparedStep":
         # 1-token rows first: the decode fast paths take the leading ones (CommonAttentionMetadata.num_single)
         order = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
-        inputs, prompt_rows, placeholders = self._prepare(order)
-        return PreparedStep(scheduled, order, inputs, prompt_rows, placeholders)
+        inputs, prompt_rows, pool_rows, placeholders = self._prepare(order)
+        return PreparedStep(scheduled, order, inputs, prompt_rows, pool_rows, placeholders)
 
     @torch.inference_mode()
     def forward(self, inputs: "StepInputs") -> Optional[StepLogits]:
@@ -478,7 +491,8 @@ class ModelRunner:
         if plan.positions:
             logits, argmax = self._sampler_inputs(step, out, plan)
             sampled = self.sampler(logits, plan.positions, plan.drafts, argmax)
-        return self._runner_output(step, plan, sampled, self._score_prompts(step, out.logits, len(plan.positions)))
+        return self._runner_output(step, plan, sampled, self._score_prompts(step, out.logits, len(plan.positions)),
+                                   self._pooled_sums(step, out))
 
     def _sampling_plan(self, step: "PreparedStep", rows: list[Optional[SamplingRow]]) -> SamplingPlan:
         batch_index = {id(item): i for i, item in enumerate(step.scheduled)}
@@ -514,8 +528,15 @@ class ModelRunner:
         return _prompt_logprobs(logits[num_sampled:], step.prompt_rows) if step.prompt_rows else {}
 
     @staticmethod
+    def _pooled_sums(step: "PreparedStep", out: StepLogits) -> Optional[dict]:
+        """Each pooling row's sum of this chunk's hidden states, on the host (None: no pooling rows)."""
+        if not step.pool_rows:
+            return None
+        return {r.seq_id: out.hidden[r.start:r.start + r.count].sum(dim=0).cpu() for r in step.pool_rows if r.count}
+
+    @staticmethod
     def _runner_output(step: "PreparedStep", plan: SamplingPlan, sampled: Optional[SamplerOutput],
-                       scored: dict) -> ModelRunnerOutput:
+                       scored: dict, pooled: Optional[dict]) -> ModelRunnerOutput:
         scheduled = step.scheduled
         result = ModelRunnerOutput([[] for _ in scheduled], [[] for _ in scheduled], [[] for _ in scheduled])
         if sampled is not None:
@@ -527,6 +548,8 @@ class ModelRunner:
                 result.logprobs[owner].append(entry)
         for i, item in enumerate(scheduled):
             result.prompt_logprobs[i] = scored.get(item.seq.seq_id, [])
+        if pooled is not None:
+            result.pooled_hidden = [pooled.get(item.seq.seq_id) for item in scheduled]
         return result
 
     # ---- async scheduling ---------------------------------------------------------------------
@@ -546,7 +569,9 @@ class ModelRunner:
                 sample = self.sampler.sample(logits, plan.positions, plan.drafts, argmax)
                 last = {scheduled[owner].seq.seq_id: i for i, owner in enumerate(plan.owners)}
                 self._last_sampled = LastSampled(sample.token_ids, last)
-        return AsyncModelRunnerOutput(sample, lambda sampled: self._runner_output(step, plan, sampled, scored))
+            pooled = self._pooled_sums(step, out)  # rare, as prompt log-probs: read now
+        return AsyncModelRunnerOutput(sample, lambda sampled: self._runner_output(step, plan, sampled, scored,
+                                                                                  pooled))
 
     def _fill_placeholders(self, step: "PreparedStep") -> None:
         """Scatter the previous step's sampled ids into this step's input ids where they are its inputs (on
@@ -573,8 +598,8 @@ class ModelRunner:
         return logits[[index[id(item)] for item in scheduled if item.num_samples]]
 
     def _runs_natively(self, inputs: "StepInputs", kv_caches: list[torch.Tensor]) -> bool:
-        return (self.native_decode is not None and inputs.host is not None and kv_caches is self.kv_caches
-                and self.native_decode.can_run(inputs.query_lens, NATIVE_MAX_QUERY))
+        return (self.native_decode is not None and inputs.pooling_indices is None and inputs.host is not None
+                and kv_caches is self.kv_caches and self.native_decode.can_run(inputs.query_lens, NATIVE_MAX_QUERY))
 
     def _native_step(self, inputs: "StepInputs") -> StepLogits:
         host = inputs.host
@@ -592,15 +617,21 @@ class ModelRunner:
         if self._runs_natively(inputs, kv_caches):
             return self._native_step(inputs)
         batch = inputs.attention_batch(self.block_size)
-        if graphs is not None and graphs.can_run(batch, kv_caches):
+        if inputs.pooling_indices is None and graphs is not None and graphs.can_run(batch, kv_caches):
             return StepLogits(graphs.run(inputs.input_ids, inputs.positions, kv_caches, batch, inputs.logits_indices))
         meta = self.attention.build_metadata(batch)
+        if inputs.pooling_indices is not None:  # hidden states come from the eager forward only
+            logits, hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention,
+                                        inputs.logits_indices, pooling_indices=inputs.pooling_indices)
+            return StepLogits(logits, hidden=hidden)
         return StepLogits(self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention,
                                      inputs.logits_indices))
 
-    def _prepare(self, order: list[ScheduledSeq]) -> tuple["StepInputs", list[PromptRow], list[tuple[int, int]]]:
+    def _prepare(self, order: list[ScheduledSeq]) -> tuple["StepInputs", list[PromptRow], list[PoolRow],
+                                                           list[tuple[int, int]]]:
         """Token ids, positions, slot mapping and logits indices of the batch, its rows (query and context
-        lengths, block tables), the prompt tokens to score, and the inputs the step in flight samples."""
+        lengths, block tables), the prompt tokens to score, the pooling rows' hidden states to read, and the
+        inputs the step in flight samples."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -610,6 +641,8 @@ class ModelRunner:
         context_lens: list[int] = []
         prompt_rows: list[PromptRow] = []
         placeholders: list[tuple[int, int]] = []
+        pooling_indices: list[int] = []
+        pool_rows: list[PoolRow] = []
         for item in order:
             seq, start = item.seq, item.start
             end = start + item.num_new_tokens
@@ -629,12 +662,22 @@ class ModelRunner:
                 last = min(end, seq.num_prompt_tokens - 1)
                 prompt_rows.extend(PromptRow(seq.seq_id, row + p - start, p + 1, seq.token_ids[p + 1], wanted)
                                    for p in range(start, last))
+            if seq.pooling is not None:
+                read = seq.pooling.positions(start, end, seq.num_prompt_tokens)
+                pool_rows.append(PoolRow(seq.seq_id, len(pooling_indices), len(read)))
+                pooling_indices.extend(row + p - start for p in read)
         logits_indices.extend(r.row for r in prompt_rows)
         vectors = (ids, positions, slots, logits_indices)
         host = HostVectors(*(array("q", values) for values in vectors)) if self._on_cpu else None  # device: lists
         inputs = StepInputs(*(self._tensor(values) for values in (host or vectors)), [s.seq.seq_id for s in order],
-                            query_lens, context_lens, [s.seq.block_table for s in order], host)
-        return inputs, prompt_rows, placeholders
+                            query_lens, context_lens, [s.seq.block_table for s in order], host,
+                            self._pooling_tensor(pooling_indices))
+        return inputs, prompt_rows, pool_rows, placeholders
+
+    def _pooling_tensor(self, rows: list[int]) -> Optional[torch.Tensor]:
+        if not rows:
+            return None
+        return self._tensor(array("q", rows) if self._on_cpu else rows)
 
     def _tensor(self, values: "array | list[int]") -> torch.Tensor:
         if self._on_cpu:

@@ -120,5 +120,30 @@ class RequestOutput:
         return asdict(self, dict_factory=_json_safe_dict)
 
 
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (vLLM's name): float32, on the CPU."""
+
+    data: Any  # torch.Tensor [dimensions]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one output (vLLM's shape): its vector, or None when it was aborted (`error` set
+    when the engine failed it)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: Optional[PoolingOutput]
+    finished: bool = True
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    error: Optional[Exception] = None
+
+
 def _json_safe_dict(items: list[tuple[str, Any]]) -> dict[str, Any]:
     return {key: str(value) if isinstance(value, BaseException) else value for key, value in items}

@@ -124,8 +124,8 @@ class Scheduler:
         lookahead blocks a rollback left unused. Returns the rows that produced tokens."""
         now = self.clock() if now is None else now
         updates: list[SeqUpdate] = []
-        for item, sampled, logprobs, prompt in zip(out.scheduled, result.sampled_token_ids, result.logprobs,
-                                                   result.prompt_logprobs):
+        for i, (item, sampled, logprobs, prompt) in enumerate(zip(out.scheduled, result.sampled_token_ids,
+                                                                  result.logprobs, result.prompt_logprobs)):
             seq = item.seq
             if item.in_flight:
                 seq.num_in_flight_tokens -= item.num_new_tokens
@@ -142,6 +142,8 @@ class Scheduler:
             if not item.samples:
                 seq.num_computed_tokens += known
                 self.blocks.register_full_blocks(seq)
+                if seq.pooling is not None and self._pool(seq, result.pooled_hidden[i], now):
+                    updates.append(SeqUpdate(seq, []))
                 continue
             accepted = accepted_tokens(drafts, sampled)
             kept, stopped = self._append_until_stop(seq, accepted, logprobs, now)
@@ -187,6 +189,15 @@ class Scheduler:
         produced = len(seq.output_token_ids) + seq.num_pending_tokens
         return (limit is not None and produced >= limit) or \
             seq.num_tokens + seq.num_pending_tokens >= self.config.max_model_len
+    def _pool(self, seq: Sequence, chunk_sum, now: float) -> bool:
+        """Add a pooling row's chunk to its sum; once the prompt is computed the sequence is finished (its
+        blocks freed: a pooling request never decodes). Returns whether it finished."""
+        seq.pooling.add(chunk_sum)
+        if not seq.prompt_computed:
+            return False
+        seq.finish_reason, seq.finished_time = "stop", now
+        self.finish(seq)
+        return True
 
     def _append_until_stop(self, seq: Sequence, tokens: list[int], logprobs: list,
                            now: float) -> tuple[int, bool]:

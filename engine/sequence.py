@@ -62,6 +62,8 @@ class Sequence:
     # structured outputs: a structured_output.SequenceGrammar that has accepted exactly output_token_ids (kept
     # through preemption, since the outputs are)
     grammar: Optional[Any] = None
+    # a pooling request's (pooling.Pooling): its prompt is prefilled, pooled, and the sequence ends there
+    pooling: Optional[Any] = None
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None  # for the inter-token latency of the next token
@@ -117,5 +119,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.clear_drafts()
+        if self.pooling is not None:
+            self.pooling.reset()
         self.num_preemptions += 1
         self.status = SequenceStatus.WAITING

@@ -34,7 +34,7 @@ class ScheduledSeq:
         seq = self.seq
         self.start = seq.num_computed_tokens + seq.num_in_flight_tokens
         end = seq.num_tokens + seq.num_pending_tokens + len(self.spec_token_ids)
-        self.samples = self.start + self.num_new_tokens == end
+        self.samples = self.start + self.num_new_tokens == end and seq.pooling is None  # pooling: never
 
     @property
     def num_samples(self) -> int:
@@ -60,6 +60,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[Optional[dict[int, float]]]]  # per row, one entry per sampled token (None: not asked)
     prompt_logprobs: list[list[tuple[int, dict[int, float]]]]  # per row: (position, {token: logprob})
+    # per row: a pooling row's float32 sum of the final hidden states it pools in this chunk (None: nothing
+    # pooled); empty when no row pools
+    pooled_hidden: list[Optional[torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from llmctl.errors import UserError
 from llmctl.output import format_bytes, is_interactive, print_json, stderr_console, stdout_console
@@ -27,7 +27,7 @@ def run_generate(args, job: GenerateJob) -> None:
     err = stderr_console()
     params = [_sampling_params({**job.sampling, **spec.params}) for spec in job.specs]  # fail before loading
     _run_without_tokenizer_if_possible(args, job, params)
-    with _status(err, "Loading model"):
+    with status_on_tty(err, "Loading model"):
         llm = LLM.from_engine_args(args)
     prompts = [_prompt_input(llm, spec, job) for spec in job.specs]
     # No tokenizer: no text to stream; the token ids are printed at the end.
@@ -91,7 +91,7 @@ def _sampling_params(values: dict[str, Any]):
 
 
 @contextlib.contextmanager
-def _status(console, message: str):
+def status_on_tty(console, message: str):
     if is_interactive(console):
         with console.status(message):
             yield
@@ -117,19 +117,25 @@ def _run_streaming(llm, prompts, params):
 
 
 def _run_batch(llm, prompts, params, err):
+    return run_with_progress(err, "generating", len(prompts),
+                             lambda on_output: llm.generate(prompts, params, on_output=on_output))
+
+
+def run_with_progress(err, label: str, total: int, run: Callable[[Optional[Callable]], list]) -> list:
+    """`run(on_output)` (an `LLM` batch call) with a progress bar of finished requests on a TTY only."""
     if not is_interactive(err):
-        return llm.generate(prompts, params)
+        return run(None)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as progress:
-        task = progress.add_task("generate", total=len(prompts))
+        task = progress.add_task(label, total=total)
 
         def on_output(_index, output):
             if output.finished:
                 progress.advance(task)
 
-        return llm.generate(prompts, params, on_output=on_output)
+        return run(on_output)
 
 
 def _print_text(index: int, spec: PromptSpec, output, total: int) -> None:

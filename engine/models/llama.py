@@ -199,9 +199,12 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         return hidden, self.model.rotary.tables(positions, hidden.dtype)
 
+    def final_hidden(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output after the final norm (what the lm_head reads, and what embeddings pool)."""
+        return self.model.norm(hidden, residual)[0]
+
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        hidden, _ = self.model.norm(hidden, residual)
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(self.final_hidden(hidden, residual))
         if not self.tp.is_single:  # every rank's vocabulary part, less the padding (vocab / size x dtype per row)
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.config.vocab_size]
         return logits.float()
@@ -250,10 +253,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta, backend: AttentionBackend, logits_indices: torch.Tensor,
-                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                pooling_indices: Optional[torch.Tensor] = None):
         """The logits of `logits_indices`' rows; a pipeline stage before the last returns its (hidden, residual)
         instead, and a stage after the first starts from the `intermediate` (hidden, residual) it received.
-        `kv_caches`: this stage's layers' pools."""
+        `kv_caches`: this stage's layers' pools. With `pooling_indices`: (logits, the float32 final hidden
+        states of those rows)."""
         if intermediate is None:
             hidden, rope = self.embed(input_ids, positions)
             residual = None
@@ -266,4 +271,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer.post_attention(attended, residual)
         if not self.pp.is_last:
             return hidden, residual
-        return self.logits(hidden[logits_indices], residual[logits_indices])
+        logits = self.logits(hidden[logits_indices], residual[logits_indices])
+        if pooling_indices is None:
+            return logits
+        return logits, self.final_hidden(hidden[pooling_indices], residual[pooling_indices]).float()

@@ -32,8 +32,8 @@ from llmctl.server.middleware import (AuditLog, BearerAuth, BodyGuard, DrainCuto
                                       audit_line, is_protected)
 from llmctl.server.openapi import METRICS_CONTENT_TYPE, ServedFacts, install_openapi
 from llmctl.server.profiler import TorchProfilerSession
-from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-                                    TokenizeCompletionRequest)
+from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                    TokenizeChatRequest, TokenizeCompletionRequest)
 from llmctl.server.replicas import ReplicaBalancer, replica_failure
 from llmctl.server.routing import DEFAULT_FALLBACK_AT, DEFAULT_HYSTERESIS, FallbackPolicy, ModelRouter, Route, load_signal
 from llmctl.server.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing
@@ -142,7 +142,7 @@ class ServerSettings:
 
 
 KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version",
-                   "/start_profile", "/stop_profile", "/tokenize", "/detokenize"}
+                   "/start_profile", "/stop_profile", "/tokenize", "/detokenize", "/v1/embeddings"}
 
 
 def _load_of(engine: AsyncLLMEngine):
@@ -296,6 +296,7 @@ def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[Asyn
                 settings: ServerSettings) -> None:
     _add_completion_routes(app, router, degraded)
     _add_tokenize_routes(app, router)
+    _add_embedding_routes(app, router)
     _add_model_routes(app, router)
     _add_status_routes(app, replicas, engines, metrics)
     if settings.profile_dir is not None:
@@ -349,6 +350,18 @@ def _add_tokenize_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Serv
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
         return await tokenizing(body.model, request).detokenize_endpoint(body)
+
+
+def _add_embedding_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Served]]) -> None:
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        check_model_access(key_of(request), body.model or router.primary_name)
+        route = router.route(body.model, may_degrade=False)  # another model's vectors live in another space
+        try:
+            serving = route.target.pick().serving
+            return await serving.embeddings(body.model_copy(update={"model": route.model}), request)
+        finally:
+            route.release()
 
 
 def _add_model_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Served]]) -> None:

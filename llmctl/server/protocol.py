@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -25,6 +25,7 @@ from llmctl.server.errors import APIError
 from llmctl.server.tool_calling import tool_call_schema
 
 MAX_N = 16
+MAX_PROMPTS_PER_REQUEST = 256
 MAX_STOP_SEQUENCES = 16
 
 
@@ -685,3 +686,29 @@ _UNSUPPORTED_TOKENIZE_CHAT = {
 class DetokenizeRequest(_Body):
     model: Optional[str] = None
     tokens: list[int]
+
+
+# ---- OpenAI's /v1/embeddings ------------------------------------------------------------------------------
+_TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's embeddings body, with vLLM's extras `normalize` and `add_special_tokens`; the bounds are in the
+    schema so /openapi.json tells them."""
+    model: Optional[str] = None
+    input: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)],
+                 Annotated[_TokenIds, Field(min_length=1)],
+                 Annotated[list[Annotated[_TokenIds, Field(min_length=1)]], Field(min_length=1,
+                                                                                 max_length=MAX_PROMPTS_PER_REQUEST)]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Annotated[int, Field(ge=1)]] = None
+    user: Optional[str] = None
+    normalize: Optional[bool] = None
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """One entry per embedding: a text or a list of token ids."""
+        items = self.input
+        if isinstance(items, str) or (items and all(isinstance(t, int) for t in items)):
+            return [items]
+        return list(items)

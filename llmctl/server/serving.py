@@ -19,18 +19,21 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmctl.engine.async_engine import AsyncLLMEngine, RequestStream
 from llmctl.engine.errors import EngineError
-from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.outputs import PoolingRequestOutput, RequestOutput
+from llmctl.engine.pooling import PoolingParams
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.server.embeddings import embedding_body
 from llmctl.server.errors import APIError, ClientDisconnectedError, StreamStalledError, from_exception
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
-from llmctl.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EngineParams,
-                                    Prompt, ServerLimits, TokenizeChatRequest, TokenizeCompletionRequest,
-                                    check_unsupported, engine_params, template_messages)
+from llmctl.server.protocol import (MAX_PROMPTS_PER_REQUEST, ChatCompletionRequest, CompletionRequest,
+                                    DetokenizeRequest, EmbeddingRequest, EngineParams, Prompt, ServerLimits,
+                                    TokenizeChatRequest, TokenizeCompletionRequest, check_unsupported, engine_params,
+                                    template_messages)
 from llmctl.server.tool_calling import ChatFeatures, chat_output_spec, check_tool_choice, template_variables
 from llmctl.server.responses import SSE_DONE, Choice, ResponseShapes, TokenTexts, shapes_for, sse, token_usage
 from llmctl.server.text_filter import OutputFilter, RequestFilter
 
-MAX_PROMPTS_PER_REQUEST = 256
 AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
 
 
@@ -114,7 +117,7 @@ class OpenAIServing:
         # The engine id is always ours: a client's X-Request-Id is for logs and may repeat across clients.
         base_id = uuid.uuid4().hex
         shapes = shapes_for(params, self.token_texts, prompts, base_id, self.model_name)
-        job = _Job(params, prompts, await self._submit(params, prompts, base_id), shapes)
+        job = _Job(params, prompts, await self._submit(prompts, params.sampling, base_id, params.priority), shapes)
         if self.output_filter is not None:
             job.text_filter = self.output_filter.for_request(audit, choices=params.n, cumulative=False)  # deltas
         if params.stream:
@@ -143,21 +146,25 @@ class OpenAIServing:
             return [await asyncio.to_thread(self._chat_prompt, body)]
         return await asyncio.to_thread(self._completion_prompts, body)
 
-    def _check_text_length(self, body: Union[AnyRequest, TokenizeChatRequest, TokenizeCompletionRequest]) -> None:
+    def _check_text_length(self, body: Union[AnyRequest, TokenizeChatRequest, TokenizeCompletionRequest,
+                                             EmbeddingRequest]) -> None:
         if self.tokenizer is None:
             return
         limit = self.max_model_len * self.tokenizer.max_chars_per_token
         if isinstance(body, (ChatCompletionRequest, TokenizeChatRequest)):
             texts = ["".join(m["content"] + m.get("name", "") for m in template_messages(body.messages))]
             param = "messages"
+        elif isinstance(body, EmbeddingRequest):
+            texts, param = [item for item in body.inputs() if isinstance(item, str)], "input"
         else:
             prompt = body.prompt
             texts, param = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)], "prompt"
         longest = max((len(t) for t in texts), default=0)
         if longest > limit:
-            raise APIError(400, f"the {'messages have' if param == 'messages' else 'prompt has'} {longest} characters, "
-                                f"more than fit this model's context of {self.max_model_len} tokens (at most "
-                                f"{limit} characters)", param=param, code="context_length_exceeded")
+            subject = "messages have" if param == "messages" else f"{param} has"
+            raise APIError(400, f"the {subject} {longest} characters, more than fit this model's context of "
+                                f"{self.max_model_len} tokens (max_model_len; at most {limit} characters)",
+                           param=param, code="context_length_exceeded")
 
     def _completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
         prompt = body.prompt
@@ -228,15 +235,49 @@ class OpenAIServing:
             raise APIError(400, f"token id {outside} is not in this model's vocabulary [0, {vocab})", param="tokens")
         return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    # ---- OpenAI's /v1/embeddings ----------------------------------------------------------------------
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> JSONResponse:
+        """One pooling request per input, batched by the engine with everything else; the body once all are in."""
+        self.check_model(body.model)
+        items = body.inputs()  # 1 to MAX_PROMPTS_PER_REQUEST of them (the body's schema)
+        self._check_text_length(body)
+        prompts = await asyncio.to_thread(lambda: [self._prompt(item, body.add_special_tokens) for item in items])
+        too_long = next((i for i, p in enumerate(prompts) if len(p.token_ids) > self.max_model_len), None)
+        if too_long is not None:
+            raise APIError(400, f"input {too_long} has {len(prompts[too_long].token_ids)} tokens, but max_model_len "
+                                f"is {self.max_model_len}", param="input", code="context_length_exceeded")
+        audit = request.scope.get(AUDIT_KEY, {})
+        audit.update(model=self.model_name, user=body.user, stream=False, completion_tokens=0,
+                     prompt_tokens=sum(len(p.token_ids) for p in prompts), prompt=[p.text for p in prompts])
+        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
+        streams = await self._submit(prompts, [params] * len(prompts), uuid.uuid4().hex)
+        finals: dict[int, PoolingRequestOutput] = {}
+
+        async def gather() -> None:
+            for index, stream in enumerate(streams):
+                async for output in stream:  # one output each, when pooled
+                    finals[index] = output
+                    self.metrics.observe_finished(output, [0], ["stop"])
+
+        try:
+            await _unless_disconnected(gather(), request)
+        finally:
+            for stream in streams:
+                stream.cancel()
+            self.metrics.observe_aborted(len(streams) - len(finals))
+        return JSONResponse(embedding_body([finals[i] for i in range(len(streams))], self.model_name,
+                                           body.encoding_format))
+
     # ---- submission -------------------------------------------------------------------------------
-    async def _submit(self, params: EngineParams, prompts: list[Prompt], base_id: str) -> list[RequestStream]:
+    async def _submit(self, prompts: list[Prompt], params: list[Union[SamplingParams, PoolingParams]], base_id: str,
+                      priority: int = 0) -> list[RequestStream]:
         """One engine request per prompt; if one cannot be added, those added before are aborted."""
         streams: list[RequestStream] = []
         try:
-            for index, (prompt, sampling) in enumerate(zip(prompts, params.sampling)):
+            for index, (prompt, request_params) in enumerate(zip(prompts, params)):
                 request_id = f"{base_id}-{index}" if len(prompts) > 1 else base_id
-                streams.append(await self.engine.add_request(request_id, prompt.token_ids, sampling,
-                                                             priority=params.priority))
+                streams.append(await self.engine.add_request(request_id, prompt.token_ids, request_params,
+                                                             priority=priority))
         except BaseException:
             for stream in streams:
                 stream.cancel()
@@ -305,16 +346,9 @@ class OpenAIServing:
                 for completion in output.outputs:
                     job.send((index, completion.index), len(completion.token_ids))
 
-        work = asyncio.create_task(drain())
-        watch = asyncio.create_task(_wait_for_disconnect(request))
         try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
-                raise ClientDisconnectedError()
-            work.result()
+            await _unless_disconnected(drain(), request)
         finally:
-            watch.cancel()
-            work.cancel()
             job.cancel()
             self.metrics.observe_aborted(job.unfinished_choices())
 
@@ -372,6 +406,20 @@ class _StallBoundedStream(StreamingResponse):
         except StreamStalledError:
             await self.body_iterator.aclose()  # its cleanup now, not at garbage collection: abort, audit
             raise
+
+
+async def _unless_disconnected(work, request: Request) -> Any:
+    """Await the coroutine `work`, or raise `ClientDisconnectedError` (cancelling it) if the client leaves first."""
+    task = asyncio.create_task(work)
+    watch = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            raise ClientDisconnectedError()
+        return task.result()
+    finally:
+        watch.cancel()
+        task.cancel()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
