@@ -50,6 +50,7 @@ class Case:
     window: Optional[int]
     num_splits: int
     seed: int
+    softcap: Optional[float] = None  # Gemma 2's attention logit cap
 
 
 @st.composite
@@ -68,13 +69,17 @@ def cases(draw) -> Case:
                 num_splits=draw(st.sampled_from([1, 1, 2, 4])), seed=draw(st.integers(0, 2**16)))
 
 
-def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], rows, window) -> torch.Tensor:
-    """Row by row in float32: query i of a row at position context - query_len + i, a causal (windowed) softmax."""
+def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], rows, window,
+              softcap: Optional[float] = None) -> torch.Tensor:
+    """Row by row in float32: query i of a row at position context - query_len + i, a causal (windowed) softmax
+    of the scores (capped as softcap * tanh(scores / softcap) with a cap)."""
     out, start = [], 0
     for (length, context), k, v in zip(rows, keys, values):
         group = q.shape[1] // k.shape[1]
         k, v = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q[start:start + length].float(), k) * q.shape[-1] ** -0.5
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = (context - length + torch.arange(length)).unsqueeze(1)
         k_pos = torch.arange(context).unsqueeze(0)
         seen = k_pos <= q_pos
@@ -138,8 +143,8 @@ def run_case(kernels, case: Case) -> None:
         q, k_cache, v_cache, out, torch.tensor([table + [0] * (width - len(table)) for table in tables], **as_int32),
         torch.tensor([0] + lengths).cumsum(0).to(**as_int32),
         torch.tensor([context for _, context in case.rows], **as_int32), plan, dim ** -0.5, case.window,
-        attention.split_buffers(plan, num_tokens, heads, dim, device))
-    expected = reference(packed_q[:, 1:-1], keys, values, case.rows, case.window)
+        attention.split_buffers(plan, num_tokens, heads, dim, device), case.softcap)
+    expected = reference(packed_q[:, 1:-1], keys, values, case.rows, case.window, case.softcap)
     diff = (out.cpu().float() - expected).abs().max().item()
     assert diff <= TOLERANCE[case.dtype], f"{case}: |diff| {diff}"
 
@@ -149,6 +154,22 @@ def run_case(kernels, case: Case) -> None:
 @given(case=cases())
 def test_unified_kernel_matches_a_float32_reference(kernels, case):
     run_case(kernels, case)
+
+
+@pytest.mark.parametrize("case", [
+    Case([(1, 40), (5, 30), (12, 12)], 2, 4, 64, torch.float32, 16, None, 1, 3, softcap=1.5),
+    Case([(1, 40), (7, 33)], 1, 2, 80, torch.float32, 8, 24, 1, 4, softcap=2.0),
+    Case([(1, 40)], 2, 2, 64, torch.float32, 8, None, 4, 5, softcap=1.0),
+    Case([(3, 20), (20, 20)], 2, 2, 64, torch.bfloat16, 16, 5, 1, 6, softcap=3.0),
+])
+def test_soft_capped_scores_match_the_reference(kernels, case):
+    """Gemma 2's attention logit soft-cap (caps small enough to change the softmax of randn scores) on decode,
+    verify, chunk and prompt rows, with windows and key splits."""
+    run_case(kernels, case)
+    generator = torch.Generator().manual_seed(case.seed)
+    q, k, v = (torch.randn(n, 4, 64, generator=generator) for n in (1, 30, 30))
+    capped, plain = (reference(q, [k], [v], [(1, 30)], None, cap) for cap in (case.softcap, None))
+    assert (capped - plain).abs().max() > 3 * TOLERANCE[torch.bfloat16]  # such a cap changes the outputs
 
 
 def test_long_decode_rows_split_their_keys_and_short_or_many_rows_do_not(kernels):
