@@ -288,9 +288,9 @@ def test_profile_forward_runs_the_worst_prefill_on_the_cpu(tmp_path, monkeypatch
     seen = []
     prefill = TorchAttention._prefill
 
-    def recording(self, q, k, v, k_cache, v_cache, span):
+    def recording(self, q, k, v, k_cache, v_cache, span, window):
         seen.append((span.length, span.context_len))
-        return prefill(self, q, k, v, k_cache, v_cache, span)
+        return prefill(self, q, k, v, k_cache, v_cache, span, window)
 
     monkeypatch.setattr(TorchAttention, "_prefill", recording)
     for arch, overrides in (("qwen3", {}), ("mistral", {"sliding_window": 48})):
