@@ -1,8 +1,8 @@
 """Gemma 2, Gemma 3 (text-only) and Qwen2 with mixed sliding-window and full-attention layers, each against
 transformers on a tiny random checkpoint it wrote (contexts longer than the window): greedy tokens identical and
 float32 logits close in one mixed batch with chunked prefill, preemption and prefix-cache hits (with and
-without the native CPU kernels), with two tensor-parallel ranks (gloo), and with --quantization int8 against
-the dequantised reference; the configs' per-layer windows, scales, soft-caps and RoPE bases as read."""
+without the native CPU kernels), with two tensor-parallel ranks (gloo), and with --quantization int8 (and Gemma's
+GPTQ / AWQ checkpoints) against the dequantised reference; the configs' per-layer windows, scales, soft-caps and RoPE bases as read."""
 
 from __future__ import annotations
 
@@ -124,6 +124,17 @@ def test_int8_matches_the_dequantised_reference(models, name):
     llm = LLM(models[name], **ENGINE | dict(quantization="int8"))
     reference = dequantised_reference(models[name], torch.float32, "int8")
     assert_matches_reference(llm, reference, reference_model(models[name]), prompts()[:3], tolerance=1e-3)
+
+
+@pytest.mark.parametrize("name, method", [("gemma2", "gptq"), ("gemma3", "awq")])
+def test_pre_quantised_checkpoint_matches_its_dequantised_weights(models, tmp_path, name, method):
+    from test_gptq_awq import Scheme, dequantised_model, write_quantised_checkpoint
+    from test_quantization import assert_matches_reference
+
+    folder = tmp_path / method
+    reference = dequantised_model(models[name], write_quantised_checkpoint(models[name], folder, Scheme(method)))
+    llm = LLM(str(folder), **ENGINE)
+    assert_matches_reference(llm, reference, reference_model(models[name]), prompts()[:3], tolerance=1e-2)
 
 
 # ---- configs ---------------------------------------------------------------------------------------------
