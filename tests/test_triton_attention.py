@@ -202,7 +202,13 @@ def test_backend_metadata_is_one_int32_copy_with_tables_trimmed_to_each_context(
     assert (meta.plan.block_m, meta.plan.block_q, meta.partials) == (64, 16, None)  # a 20-token row x 4 heads
 
 
-def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, tmp_path):
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),
+    # a sliding layer then a full one (window 16 < the prompts), a score scale and a soft-cap small enough to matter
+    ("Gemma2Config", dict(head_dim=32, sliding_window=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                          final_logit_softcapping=3.0)),
+])
+def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, tmp_path, arch, overrides):
     """Chunked prefill (a 50-token prompt in chunks of 32), a prefix-cache hit (a later prompt continues a
     cached 48-token prefix: fewer queries than keys), and decodes of several rows in one batch."""
     from conftest import make_tiny_model
@@ -211,7 +217,7 @@ def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, 
 
     from llmctl.engine import LLM, SamplingParams
 
-    folder = make_tiny_model(tmp_path / "llama", "llama")
+    folder = make_tiny_model(tmp_path / "model", arch, **overrides)
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device=str(kernels[2]), attention_backend="triton",
               max_num_batched_tokens=32, num_kv_blocks=32, max_model_len=128, enable_prefix_caching=True)
     runner = llm.engine.executor.runner
