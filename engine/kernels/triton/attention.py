@@ -6,10 +6,10 @@ token-major as q [tokens, heads, head_dim]. A program takes one (query tile of a
 the tile packs BLOCK_Q consecutive query tokens x the GROUP query heads that share the KV head, so one
 K/V tile read from the pool feeds every query head of its group (GQA). Query i of a row sits at position
 `context_len - query_len + i` and sees keys up to it (and, with a sliding window, more than `position -
-window`); with a soft-cap (Gemma 2) each score becomes cap * tanh(score / cap); the softmax runs online in float32 over tiles of TILE_N keys found through the row's block
-table. Rows of a single query tile (decodes, short verify rows) may split their keys over NUM_SPLITS
-programs (flash-decoding) whose partial results a second kernel merges: few rows on long contexts
-would otherwise leave most of the GPU idle.
+window`); with a soft-cap (Gemma 2) each score becomes cap * tanh(score / cap); the softmax runs online
+in float32 over tiles of TILE_N keys found through the row's block table. Rows of a single query tile
+(decodes, short verify rows) may split their keys over NUM_SPLITS programs (flash-decoding) whose partial
+results a second kernel merges: few rows on long contexts would otherwise leave most of the GPU idle.
 
 The pool layout is [num_blocks, block_size, kv_heads, head_dim] (head_dim contiguous).
 """
