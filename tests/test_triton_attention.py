@@ -241,8 +241,8 @@ def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, 
 
 
 def compile_for_cuda(capability: int) -> None:
-    """Compile the kernels (a bf16 attention variant with key splits and a window, a float32 one with a padded
-    head dim and a group of 7, the merge, the KV write) for an sm_`capability` GPU: no GPU needed, run where
+    """Compile the kernels (a bf16 attention variant with key splits, a window and a soft-cap, a float32 one with
+    a padded head dim and a group of 7, the merge, the KV write) for an sm_`capability` GPU: no GPU needed, run where
     TRITON_INTERPRET is unset. Exits 3 where this triton has not the compiler entry points used here."""
     try:
         from triton.backends.compiler import GPUTarget
@@ -256,18 +256,18 @@ def compile_for_cuda(capability: int) -> None:
         signature = {name: "constexpr" if name in constants else
                      ("*i32" if name in ("block_tables_ptr", "query_starts_ptr", "context_lens_ptr") else
                       "*i64" if name == "slot_mapping_ptr" else "*fp32" if name.startswith("partial") else
-                      element if name.endswith("_ptr") else "fp32" if name == "scale_log2" else "i32")
+                      element if name.endswith("_ptr") else "fp32" if name in ("scale_log2", "softcap_log2") else "i32")
                      for name in names}
         source = ASTSource(fn=kernel, signature=signature,
                            constexprs={(names.index(name),): value for name, value in constants.items()})
         assert "cubin" in compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": warps}).asm
 
-    for element, group, head_dim, splits, window, block_m in (("*bf16", 4, 128, 4, 4096, 16),
-                                                              ("*fp32", 7, 80, 1, 0, 64)):
+    for element, group, head_dim, splits, window, block_m, softcap in (("*bf16", 4, 128, 4, 4096, 16, True),
+                                                                       ("*fp32", 7, 80, 1, 0, 64, False)):
         build(attention._paged_attention_kernel, element, dict(
             NUM_HEADS=8 * group, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=128, BLOCK_SIZE=16,
             TILE_N=attention.TILE_N, BLOCK_M=block_m, BLOCK_Q=block_m // group, WINDOW=window, NUM_SPLITS=splits,
-            IEEE=element == "*fp32", UPCAST=False))
+            SOFTCAP=softcap, IEEE=element == "*fp32", UPCAST=False))
     build(attention._merge_splits_kernel, "*bf16", dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PADDED=128, NUM_SPLITS=4))
     build(cache._write_kv_kernel, "*bf16", dict(NUM_KV_HEADS=8, HEADS_PADDED=8, HEAD_DIM=128, HEAD_DIM_PADDED=128,
                                                 BLOCK_SIZE=16))
