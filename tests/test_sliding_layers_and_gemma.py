@@ -117,7 +117,7 @@ def test_two_tensor_parallel_ranks_match_transformers(models):
         assert_transformers_tokens_and_logits(folder, zip(prompts(), ours["tokens"], ours["logits"]))
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["gemma2", "qwen2-mixed"])  # Gemma 3's linears are Gemma 2's (its AWQ run below)
 def test_int8_matches_the_dequantised_reference(models, name):
     from test_quantization import assert_matches_reference, dequantised_reference
 
