@@ -270,21 +270,15 @@ def _rope_lengths(scaling: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any
 def _sliding_windows(raw: dict[str, Any], architecture: str,
                      source: str) -> tuple[Optional[int], tuple[Optional[int], ...]]:
     """(the window every layer slides over, or None; each layer's window where sliding and full layers mix).
-    An explicit layer_types says per layer; else Qwen2/3 slide only with use_sliding_window, and then only layers
-    from max_window_layers on; Gemma 2 alternates sliding and full from layer 0, Gemma 3 puts a full layer every
-    sliding_window_pattern (transformers' rules)."""
+    Qwen models slide only with use_sliding_window; an explicit layer_types says per layer, else
+    `_default_layer_types` (transformers' rules)."""
     window = raw.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
         return None, ()
+    if architecture.startswith(("Qwen2", "Qwen3")) and not raw.get("use_sliding_window", False):
+        return None, ()
     layers = int(raw["num_hidden_layers"])
-    layer_types = raw.get("layer_types")
-    if layer_types is None and architecture.startswith(("Qwen2", "Qwen3")):
-        first = int(raw.get("max_window_layers", 28)) if raw.get("use_sliding_window", False) else layers
-        layer_types = ["full_attention"] * min(first, layers) + ["sliding_attention"] * max(layers - first, 0)
-    elif layer_types is None and architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-        pattern = 2 if architecture == "Gemma2ForCausalLM" else int(raw.get("sliding_window_pattern", 6))
-        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    layer_types = list(layer_types or ["sliding_attention"] * layers)
+    layer_types = list(raw.get("layer_types") or _default_layer_types(raw, architecture, layers))
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}
     if unknown or len(layer_types) != layers:
         raise ModelLoadError(f"{source}: layer_types must name sliding_attention or full_attention for each of the "
@@ -293,6 +287,20 @@ def _sliding_windows(raw: dict[str, Any], architecture: str,
     if len(set(windows)) == 1:
         return windows[0], ()
     return None, windows
+
+
+def _default_layer_types(raw: dict[str, Any], architecture: str, layers: int) -> list[str]:
+    """Qwen2/3: layers from max_window_layers on slide (Qwen2-MoE: the even ones below it); Gemma 2 alternates
+    sliding and full from layer 0; Gemma 3 makes every sliding_window_pattern-th layer full; else all slide."""
+    if architecture.startswith(("Qwen2", "Qwen3")):
+        first = int(raw.get("max_window_layers", 28))
+        if architecture == "Qwen2MoeForCausalLM":
+            return ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(layers)]
+        return ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        pattern = 2 if architecture == "Gemma2ForCausalLM" else int(raw.get("sliding_window_pattern", 6))
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return ["sliding_attention"] * layers
 
 
 def _positive(value: Any) -> Optional[float]:

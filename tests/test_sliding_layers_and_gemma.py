@@ -155,6 +155,10 @@ def test_per_layer_windows_follow_transformers_rules():
     qwen2 = dict(BASE, architectures=["Qwen2ForCausalLM"], use_sliding_window=True, max_window_layers=4)
     assert ModelConfig.from_dict(qwen2).layer_windows == (None,) * 4 + (64,) * 2
     assert ModelConfig.from_dict(qwen2 | dict(layer_types=[SLIDING] * 6)).sliding_window == 64
+    assert ModelConfig.from_dict(qwen2 | dict(use_sliding_window=False, layer_types=[SLIDING] * 6)).sliding_window is None
+    moe = dict(qwen2, architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32)
+    assert ModelConfig.from_dict(moe).layer_windows == (64, None, 64, None, None, None)  # its own rule
     with pytest.raises(ModelLoadError, match="layer_types must name sliding_attention or full_attention"):
         ModelConfig.from_dict(qwen2 | dict(layer_types=["chunked_attention"] * 6))
 
