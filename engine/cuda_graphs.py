@@ -187,7 +187,8 @@ class DecodeGraphs(_GraphBuckets):
             if index < len(layers):  # attention of layer `index`, on the real rows only
                 q, k, v = (bucket.values[f"{name}{index}"][:rows] for name in "qkv")
                 cache = kv_caches[index]
-                bucket.attended[index][:rows].copy_(self.backend.forward(q, k, v, cache[0], cache[1], meta))
+                bucket.attended[index][:rows].copy_(
+                    self.backend.forward(q, k, v, cache[0], cache[1], meta, layers[index].self_attn.window))
         return bucket.values["logits"][:rows][logits_indices]
 
     # ---- capture ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from llmctl.engine.errors import ModelLoadError
 from llmctl.engine.gguf_loader import GGUFFile, is_gguf
 from llmctl.engine.layers.fused_ops import LayerOps
 from llmctl.engine.layers.linear import LinearBase, LinearMethod, WeightShapeError, default_weight_loader
+from llmctl.engine.layers.rotary import RotaryEmbedding
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.models.llama import LlamaForCausalLM, RMSNorm
 from llmctl.engine.models.registry import model_class
@@ -205,9 +206,10 @@ def build_model(config: ModelConfig, folder: Path | None, *, max_positions: int,
             _fill_dummy(model, seed)
         else:
             _fill_from_checkpoint(model, folder, verify)
-        model.model.rotary.build_tables()
         for module in model.modules():
-            if isinstance(module, (LinearBase, RMSNorm)):
+            if isinstance(module, RotaryEmbedding):  # Gemma 3 has a second one, for its sliding layers
+                module.build_tables()
+            elif isinstance(module, (LinearBase, RMSNorm)):
                 module.process_weights_after_loading()
     except BaseException as exc:
         model = None

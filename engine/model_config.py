@@ -22,7 +22,9 @@ from llmctl.engine.layers.rotary import SCALED_ROPE_TYPES
 from llmctl.engine.layers.quantization import QuantizationConfig, QuantizationRegistry, active_registry
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "GemmaForCausalLM", *MOE_ARCHITECTURES)
+                           "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           *MOE_ARCHITECTURES)
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The decoder linears in Hugging Face's names, inside model.layers.N
 DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -47,7 +49,7 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    sliding_window: Optional[int]
+    sliding_window: Optional[int]  # the window every layer slides over; None where none do or layers mix
     hidden_act: str
     checkpoint_dtype: Optional[str]
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -58,6 +60,17 @@ class ModelConfig:
     quant_method: Optional[str] = None
     quantization: Optional[QuantizationConfig] = None  # its quantization_config, parsed by the registry
     moe: Optional[MoEConfig] = None  # a mixture-of-experts architecture's routing facts, else None
+    # Where sliding and full-attention layers mix (Gemma 2/3, Qwen2's max_window_layers): each layer's window
+    # (None: full attention); empty where every layer has `sliding_window`.
+    layer_windows: tuple[Optional[int], ...] = ()
+    attention_scale: Optional[float] = None  # Gemma 2/3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    attn_logit_softcapping: Optional[float] = None  # Gemma 2: scores become cap * tanh(scores / cap)
+    final_logit_softcapping: Optional[float] = None  # Gemma 2: the same on the logits
+    local_rope_theta: Optional[float] = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: the global
+
+    def window_of(self, layer: int) -> Optional[int]:
+        """Layer `layer`'s sliding window, None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     @classmethod
     def from_pretrained(cls, folder: Path, registry: Optional[QuantizationRegistry] = None) -> "ModelConfig":
@@ -91,12 +104,14 @@ class ModelConfig:
             raise ModelLoadError(f"{source} lacks required key {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
             raise ModelLoadError(f"{source} has a non-integer size field: {exc}") from None
-        rope_theta, rope_scaling = _rope(raw)
+        rope_theta, rope_scaling, local_rope_theta = _rope(raw)
         partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
         if partial is not None and float(partial) != 1.0:
             raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (RoPE over whole heads)")
         is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-        is_gemma = architecture == "GemmaForCausalLM"
+        is_gemma = architecture in GEMMA_ARCHITECTURES
+        sliding_window, layer_windows = _sliding_windows(raw, architecture, source)
+        scalar = raw.get("query_pre_attn_scalar") if architecture != "GemmaForCausalLM" else None
         config = cls(
             architecture=architecture,
             **base,
@@ -110,8 +125,14 @@ class ModelConfig:
             qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
             o_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            sliding_window=_sliding_window(raw, architecture, source),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            sliding_window=sliding_window,
+            layer_windows=layer_windows,
+            attention_scale=float(scalar) ** -0.5 if scalar else None,
+            attn_logit_softcapping=_positive(raw.get("attn_logit_softcapping")),
+            final_logit_softcapping=_positive(raw.get("final_logit_softcapping")),
+            local_rope_theta=10000.0 if local_rope_theta is None and architecture == "Gemma3ForCausalLM"
+            else local_rope_theta,
             hidden_act=_activation(raw, is_gemma),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
@@ -167,6 +188,12 @@ class ModelConfig:
 
 def _architecture(raw: dict[str, Any], source: str) -> str:
     archs = raw.get("architectures") or []
+    if "Gemma3ForConditionalGeneration" in archs:
+        raise ModelLoadError(f"{source}: Gemma3ForConditionalGeneration is a vision-language checkpoint (a vision "
+                             "tower and its projector) and vision models are not supported; text-only Gemma 3 "
+                             "checkpoints (Gemma3ForCausalLM) are")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding model) is not supported")
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
@@ -193,8 +220,19 @@ def _quant_method(raw: dict[str, Any]) -> Optional[str]:
     return str(method) if method else "unnamed"
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+def _rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]], Optional[float]]:
+    """(theta, scaling) of the global RoPE, and the sliding layers' own base where the model has one (Gemma 3:
+    rope_parameters per layer type, or the classic rope_local_base_freq)."""
     params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        local = (params.get("sliding_attention") or {}).get("rope_theta", raw.get("rope_local_base_freq"))
+        theta, scaling = _global_rope(raw, params["full_attention"])
+        return theta, scaling, None if local is None else float(local)
+    local = raw.get("rope_local_base_freq")
+    return (*_global_rope(raw, params), None if local is None else float(local))
+
+
+def _global_rope(raw: dict[str, Any], params: Any) -> tuple[float, Optional[dict[str, Any]]]:
     if isinstance(params, dict):
         theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -229,25 +267,45 @@ def _rope_lengths(scaling: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any
     return scaling
 
 
-def _sliding_window(raw: dict[str, Any], architecture: str, source: str) -> Optional[int]:
-    """The one window every layer's attention slides over, or None. Qwen2/3 slide only with use_sliding_window,
-    and then only layers from max_window_layers on (transformers' rule); an explicit layer_types says per layer.
-    A model mixing sliding and full layers is refused: one attention backend serves every layer."""
+def _sliding_windows(raw: dict[str, Any], architecture: str,
+                     source: str) -> tuple[Optional[int], tuple[Optional[int], ...]]:
+    """(the window every layer slides over, or None; each layer's window where sliding and full layers mix).
+    Qwen models slide only with use_sliding_window; an explicit layer_types says per layer, else
+    `_default_layer_types` (transformers' rules)."""
     window = raw.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
-        return None
+        return None, ()
+    if architecture.startswith(("Qwen2", "Qwen3")) and not raw.get("use_sliding_window", False):
+        return None, ()
     layers = int(raw["num_hidden_layers"])
-    layer_types = raw.get("layer_types")
-    if layer_types is None and architecture.startswith(("Qwen2", "Qwen3")):
-        first = int(raw.get("max_window_layers", 28)) if raw.get("use_sliding_window", False) else layers
-        layer_types = ["full_attention"] * min(first, layers) + ["sliding_attention"] * max(layers - first, 0)
-    kinds = set(layer_types or ["sliding_attention"])
-    if kinds == {"full_attention"}:
-        return None
-    if kinds != {"sliding_attention"}:
-        raise ModelLoadError(f"{source}: layer_types mixing {', '.join(sorted(kinds))} (per-layer sliding windows) "
-                             "are not supported")
-    return window
+    layer_types = list(raw.get("layer_types") or _default_layer_types(raw, architecture, layers))
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown or len(layer_types) != layers:
+        raise ModelLoadError(f"{source}: layer_types must name sliding_attention or full_attention for each of the "
+                             f"{layers} layers (got {', '.join(sorted(map(str, unknown))) or len(layer_types)})")
+    windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if len(set(windows)) == 1:
+        return windows[0], ()
+    return None, windows
+
+
+def _default_layer_types(raw: dict[str, Any], architecture: str, layers: int) -> list[str]:
+    """Qwen2/3: layers from max_window_layers on slide (Qwen2-MoE: the even ones below it); Gemma 2 alternates
+    sliding and full from layer 0; Gemma 3 makes every sliding_window_pattern-th layer full; else all slide."""
+    if architecture.startswith(("Qwen2", "Qwen3")):
+        first = int(raw.get("max_window_layers", 28))
+        if architecture == "Qwen2MoeForCausalLM":
+            return ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(layers)]
+        return ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        pattern = 2 if architecture == "Gemma2ForCausalLM" else int(raw.get("sliding_window_pattern", 6))
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return ["sliding_attention"] * layers
+
+
+def _positive(value: Any) -> Optional[float]:
+    """A soft-cap as transformers reads it: None or 0 means none."""
+    return float(value) if value else None
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:

@@ -268,7 +268,8 @@ class ModelRunner:
         # This rank's heads: the KV pool holds its KV heads only (a replicated one where they are fewer than ranks).
         self.num_heads, self.num_kv_heads = tp.attention_heads(mc.num_heads, mc.num_kv_heads)
         self.attention = backend_cls(self.num_heads, self.num_kv_heads, mc.head_dim, mc.sliding_window,
-                                     dtype=config.dtype, kernels=kernels)
+                                     dtype=config.dtype, kernels=kernels, scale=mc.attention_scale,
+                                     softcap=mc.attn_logit_softcapping)
         self.block_size = config.block_size or backend_cls.preferred_block_size
         problem = self.attention.validate_block_size(self.block_size)
         if problem:
@@ -415,7 +416,7 @@ class ModelRunner:
         seq.block_table = [i % scratch_blocks for i in range(-(-cfg.max_model_len // self.block_size))]
         try:
             with torch.inference_mode():
-                inputs, _, _ = self._prepare([ScheduledSeq(seq, tokens)])
+                inputs, *_ = self._prepare([ScheduledSeq(seq, tokens)])
                 return self.memory.growth(lambda: self._run(inputs, scratch, None, self._stage_input(inputs, False)))
         except torch.cuda.OutOfMemoryError as exc:
             raise EngineArgsError(

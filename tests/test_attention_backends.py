@@ -57,7 +57,7 @@ class Driver:
     @torch.inference_mode()
     def step(self, rows: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
         """One forward of `rows` (sequence, query tokens) in this order: per row, [tokens, vocab] logits."""
-        inputs, _ = self.runner._prepare([ScheduledSeq(seq, n) for seq, n in rows])
+        inputs, *_ = self.runner._prepare([ScheduledSeq(seq, n) for seq, n in rows])
         ids = inputs.input_ids
         meta = self.runner.attention.build_metadata(inputs.attention_batch(self.runner.block_size))
         logits = self.runner.model(ids, inputs.positions, self.runner.kv_caches, meta, self.runner.attention,
@@ -153,9 +153,10 @@ class ReferenceAttention:
     preferred_block_size = 8
     workspace_share = 0.0
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window, dtype, kernels=None):
+    def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window, dtype, kernels=None, scale=None,
+                 softcap=None):
         self.num_kv_heads, self.head_dim, self.group = num_kv_heads, head_dim, num_heads // num_kv_heads
-        self.window = sliding_window
+        self.window, self.scale, self.softcap = sliding_window, scale or head_dim ** -0.5, softcap
         self.label = self.name
 
     def validate_block_size(self, block_size):
@@ -183,21 +184,24 @@ class ReferenceAttention:
             start += length
         return batch.slot_mapping, rows
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
+    def forward(self, q, k, v, k_cache, v_cache, meta, window=None):
         from llmctl.engine.layers.attention.paged import write_token_major
 
+        window = self.window if window is None else window
         slot_mapping, rows = meta
         write_token_major(k_cache, v_cache, k, v, slot_mapping)
         out = torch.empty_like(q)
         for start, length, context, table in rows:
             keys, values = (cache[table].reshape(-1, self.num_kv_heads, self.head_dim)[:context]
                             .repeat_interleave(self.group, dim=1).float() for cache in (k_cache, v_cache))
-            scores = torch.einsum("qhd,khd->hqk", q[start:start + length].float(), keys) * self.head_dim ** -0.5
+            scores = torch.einsum("qhd,khd->hqk", q[start:start + length].float(), keys) * self.scale
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
             q_pos = (context - length + torch.arange(length)).unsqueeze(1)
             k_pos = torch.arange(context).unsqueeze(0)
             allowed = k_pos <= q_pos
-            if self.window is not None:
-                allowed &= k_pos > q_pos - self.window
+            if window is not None:
+                allowed &= k_pos > q_pos - window
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
             out[start:start + length] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
         return out

@@ -29,7 +29,7 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     assert block_table is not None and block_table.dtype == torch.int32 and block_table.stride(-1) == 1
     assert k.dim() == 4 and k.shape == v.shape and k.shape[1] % 256 == 0, "paged K/V: [blocks, 256n, hkv, d]"
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    assert causal and softcap == 0.0 and dropout_p == 0.0 and alibi_slopes is None
+    assert causal and softcap >= 0.0 and dropout_p == 0.0 and alibi_slopes is None
     assert block_table.shape[0] == cu_seqlens_q.numel() - 1
     page, heads, kv_heads = k.shape[1], q.shape[1], k.shape[2]
     left = window_size[0]
@@ -45,6 +45,8 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         values = v.reshape(-1, kv_heads, v.shape[-1])[slots].repeat_interleave(heads // kv_heads, dim=1)
         query = q[starts_q[i]:starts_q[i + 1]]
         scores = torch.einsum("qhd,khd->hqk", query.float(), keys.float()) * softmax_scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = (sk - sq + torch.arange(sq)).unsqueeze(1)
         allowed = positions.unsqueeze(0) <= q_pos  # causal: right window 0
         if left >= 0:
@@ -95,7 +97,12 @@ def _run(folder, configure=None, **engine):
     return llm, outputs, rows
 
 
-@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 48})])
+GEMMA2 = dict(head_dim=32, num_hidden_layers=3, sliding_window=48, query_pre_attn_scalar=24,
+              attn_logit_softcapping=2.0)  # per-layer windows, a score scale and soft-cap through flash's arguments
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 48}),
+                                             ("Gemma2Config", GEMMA2)])
 def test_flash_metadata_matches_the_torch_backend(tmp_path, monkeypatch, arch, overrides):
     from conftest import make_tiny_model
 
@@ -117,6 +124,18 @@ def test_flash_metadata_matches_the_torch_backend(tmp_path, monkeypatch, arch, o
             for entry_a, entry_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
                 ((token, lp_a),) = entry_a.items()
                 assert abs(lp_a - entry_b[token]) < 1e-4
+
+
+def test_a_flash_attn_without_softcap_refuses_a_soft_capped_model(tmp_path, monkeypatch):
+    from conftest import make_tiny_model
+
+    from llmctl.engine.errors import EngineArgsError
+
+    folder = make_tiny_model(tmp_path / "gemma2", "Gemma2Config", **GEMMA2)
+    module = install_fake_flash(monkeypatch)
+    module.flash_attn_varlen_func = lambda q, k, v, cu_seqlens_q, cu_seqlens_k, block_table=None: None  # pre-2.6
+    with pytest.raises(EngineArgsError, match="no attention logit soft-capping .softcap"):
+        LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", num_kv_blocks=16)
 
 
 def test_flash_backend_refuses_small_blocks(tiny_models, monkeypatch):
@@ -288,9 +307,9 @@ def test_profile_forward_runs_the_worst_prefill_on_the_cpu(tmp_path, monkeypatch
     seen = []
     prefill = TorchAttention._prefill
 
-    def recording(self, q, k, v, k_cache, v_cache, span):
+    def recording(self, q, k, v, k_cache, v_cache, span, window):
         seen.append((span.length, span.context_len))
-        return prefill(self, q, k, v, k_cache, v_cache, span)
+        return prefill(self, q, k, v, k_cache, v_cache, span, window)
 
     monkeypatch.setattr(TorchAttention, "_prefill", recording)
     for arch, overrides in (("qwen3", {}), ("mistral", {"sliding_window": 48})):

@@ -50,6 +50,7 @@ class Case:
     window: Optional[int]
     num_splits: int
     seed: int
+    softcap: Optional[float] = None  # Gemma 2's attention logit cap
 
 
 @st.composite
@@ -68,13 +69,17 @@ def cases(draw) -> Case:
                 num_splits=draw(st.sampled_from([1, 1, 2, 4])), seed=draw(st.integers(0, 2**16)))
 
 
-def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], rows, window) -> torch.Tensor:
-    """Row by row in float32: query i of a row at position context - query_len + i, a causal (windowed) softmax."""
+def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], rows, window,
+              softcap: Optional[float] = None) -> torch.Tensor:
+    """Row by row in float32: query i of a row at position context - query_len + i, a causal (windowed) softmax
+    of the scores (capped as softcap * tanh(scores / softcap) with a cap)."""
     out, start = [], 0
     for (length, context), k, v in zip(rows, keys, values):
         group = q.shape[1] // k.shape[1]
         k, v = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q[start:start + length].float(), k) * q.shape[-1] ** -0.5
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = (context - length + torch.arange(length)).unsqueeze(1)
         k_pos = torch.arange(context).unsqueeze(0)
         seen = k_pos <= q_pos
@@ -138,8 +143,8 @@ def run_case(kernels, case: Case) -> None:
         q, k_cache, v_cache, out, torch.tensor([table + [0] * (width - len(table)) for table in tables], **as_int32),
         torch.tensor([0] + lengths).cumsum(0).to(**as_int32),
         torch.tensor([context for _, context in case.rows], **as_int32), plan, dim ** -0.5, case.window,
-        attention.split_buffers(plan, num_tokens, heads, dim, device))
-    expected = reference(packed_q[:, 1:-1], keys, values, case.rows, case.window)
+        attention.split_buffers(plan, num_tokens, heads, dim, device), case.softcap)
+    expected = reference(packed_q[:, 1:-1], keys, values, case.rows, case.window, case.softcap)
     diff = (out.cpu().float() - expected).abs().max().item()
     assert diff <= TOLERANCE[case.dtype], f"{case}: |diff| {diff}"
 
@@ -149,6 +154,22 @@ def run_case(kernels, case: Case) -> None:
 @given(case=cases())
 def test_unified_kernel_matches_a_float32_reference(kernels, case):
     run_case(kernels, case)
+
+
+@pytest.mark.parametrize("case", [
+    Case([(1, 40), (5, 30), (12, 12)], 2, 4, 64, torch.float32, 16, None, 1, 3, softcap=1.5),
+    Case([(1, 40), (7, 33)], 1, 2, 80, torch.float32, 8, 24, 1, 4, softcap=2.0),
+    Case([(1, 40)], 2, 2, 64, torch.float32, 8, None, 4, 5, softcap=1.0),
+    Case([(3, 20), (20, 20)], 2, 2, 64, torch.bfloat16, 16, 5, 1, 6, softcap=3.0),
+])
+def test_soft_capped_scores_match_the_reference(kernels, case):
+    """Gemma 2's attention logit soft-cap (caps small enough to change the softmax of randn scores) on decode,
+    verify, chunk and prompt rows, with windows and key splits."""
+    run_case(kernels, case)
+    generator = torch.Generator().manual_seed(case.seed)
+    q, k, v = (torch.randn(n, 4, 64, generator=generator) for n in (1, 30, 30))
+    capped, plain = (reference(q, [k], [v], [(1, 30)], None, cap) for cap in (case.softcap, None))
+    assert (capped - plain).abs().max() > 3 * TOLERANCE[torch.bfloat16]  # such a cap changes the outputs
 
 
 def test_long_decode_rows_split_their_keys_and_short_or_many_rows_do_not(kernels):
@@ -181,7 +202,13 @@ def test_backend_metadata_is_one_int32_copy_with_tables_trimmed_to_each_context(
     assert (meta.plan.block_m, meta.plan.block_q, meta.partials) == (64, 16, None)  # a 20-token row x 4 heads
 
 
-def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, tmp_path):
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),
+    # a sliding layer then a full one (window 16 < the prompts), a score scale and a soft-cap small enough to matter
+    ("Gemma2Config", dict(head_dim=32, sliding_window=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                          final_logit_softcapping=3.0)),
+])
+def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, tmp_path, arch, overrides):
     """Chunked prefill (a 50-token prompt in chunks of 32), a prefix-cache hit (a later prompt continues a
     cached 48-token prefix: fewer queries than keys), and decodes of several rows in one batch."""
     from conftest import make_tiny_model
@@ -190,7 +217,7 @@ def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, 
 
     from llmctl.engine import LLM, SamplingParams
 
-    folder = make_tiny_model(tmp_path / "llama", "llama")
+    folder = make_tiny_model(tmp_path / "model", arch, **overrides)
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device=str(kernels[2]), attention_backend="triton",
               max_num_batched_tokens=32, num_kv_blocks=32, max_model_len=128, enable_prefix_caching=True)
     runner = llm.engine.executor.runner
@@ -214,8 +241,8 @@ def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(kernels, 
 
 
 def compile_for_cuda(capability: int) -> None:
-    """Compile the kernels (a bf16 attention variant with key splits and a window, a float32 one with a padded
-    head dim and a group of 7, the merge, the KV write) for an sm_`capability` GPU: no GPU needed, run where
+    """Compile the kernels (a bf16 attention variant with key splits, a window and a soft-cap, a float32 one with
+    a padded head dim and a group of 7, the merge, the KV write) for an sm_`capability` GPU: no GPU needed, run where
     TRITON_INTERPRET is unset. Exits 3 where this triton has not the compiler entry points used here."""
     try:
         from triton.backends.compiler import GPUTarget
@@ -229,18 +256,18 @@ def compile_for_cuda(capability: int) -> None:
         signature = {name: "constexpr" if name in constants else
                      ("*i32" if name in ("block_tables_ptr", "query_starts_ptr", "context_lens_ptr") else
                       "*i64" if name == "slot_mapping_ptr" else "*fp32" if name.startswith("partial") else
-                      element if name.endswith("_ptr") else "fp32" if name == "scale_log2" else "i32")
+                      element if name.endswith("_ptr") else "fp32" if name in ("scale_log2", "softcap_log2") else "i32")
                      for name in names}
         source = ASTSource(fn=kernel, signature=signature,
                            constexprs={(names.index(name),): value for name, value in constants.items()})
         assert "cubin" in compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": warps}).asm
 
-    for element, group, head_dim, splits, window, block_m in (("*bf16", 4, 128, 4, 4096, 16),
-                                                              ("*fp32", 7, 80, 1, 0, 64)):
+    for element, group, head_dim, splits, window, block_m, softcap in (("*bf16", 4, 128, 4, 4096, 16, True),
+                                                                       ("*fp32", 7, 80, 1, 0, 64, False)):
         build(attention._paged_attention_kernel, element, dict(
             NUM_HEADS=8 * group, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=128, BLOCK_SIZE=16,
             TILE_N=attention.TILE_N, BLOCK_M=block_m, BLOCK_Q=block_m // group, WINDOW=window, NUM_SPLITS=splits,
-            IEEE=element == "*fp32", UPCAST=False))
+            SOFTCAP=softcap, IEEE=element == "*fp32", UPCAST=False))
     build(attention._merge_splits_kernel, "*bf16", dict(NUM_HEADS=32, HEAD_DIM=128, HEAD_DIM_PADDED=128, NUM_SPLITS=4))
     build(cache._write_kv_kernel, "*bf16", dict(NUM_KV_HEADS=8, HEADS_PADDED=8, HEAD_DIM=128, HEAD_DIM_PADDED=128,
                                                 BLOCK_SIZE=16))

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one module tree driven by `ModelConfig` flags.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma 1) as one module tree driven by `ModelConfig` flags.
 
 Parameter names mirror Hugging Face's except for two fused projections: `qkv_proj` (q, k, v)
 and `gate_up_proj` (gate, up); `LlamaForCausalLM.stacked_params` tells the loader which shard of
@@ -56,8 +56,10 @@ def model_norm(config: ModelConfig, size: int, dtype: torch.dtype, ops: LayerOps
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps, window: Optional[int] = None):
+        """`window`: this layer's sliding window (None: full attention)."""
         super().__init__()
+        self.window = window
         # this rank's heads (all of them with one rank)
         self.num_heads, self.num_kv_heads = linears.tp.attention_heads(config.num_heads, config.num_kv_heads)
         self.head_dim = config.head_dim
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # Qwen3: each head normalised, then rotated
+        if self.qk_norm:  # Qwen3, Gemma 3: each head normalised, then rotated
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
@@ -107,10 +109,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps, mlp: nn.Module):
+    def __init__(self, config: ModelConfig, linears: LinearFactory, ops: LayerOps, mlp: nn.Module, index: int):
+        """`index`: the layer's number in the model (its sliding window where the layers' windows differ)."""
         super().__init__()
         self.input_layernorm = model_norm(config, config.hidden_size, linears.dtype, ops)
-        self.self_attn = Attention(config, linears, ops)
+        self.self_attn = Attention(config, linears, ops, config.window_of(index))
         self.post_attention_layernorm = model_norm(config, config.hidden_size, linears.dtype, ops)
         self.mlp = mlp
 
@@ -134,20 +137,23 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """With pipeline stages, this stage's part: its decoder layers (the others are placeholders, so parameter
     names keep the checkpoint's layer numbers), the embedding on the first stage (and on the last when the
-    lm_head is tied to it), the final norm on the last. `build_mlp(index, config, linears, ops)`: a layer's MLP."""
+    lm_head is tied to it), the final norm on the last. `build_layer(index, config, linears, ops)`: a decoder
+    layer. Gemma 3's sliding layers rotate with their own RoPE base (`local_rotary`)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, ops: LayerOps, build_mlp,
+    def __init__(self, config: ModelConfig, max_positions: int, linears: LinearFactory, ops: LayerOps, build_layer,
                  pp: PipelineParallel = PipelineParallel()):
         super().__init__()
         has_embedding = pp.is_first or (pp.is_last and config.tie_word_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, linears.dtype,
                                                    linears.tp) if has_embedding else None
         stage_layers = pp.layer_range(config.num_layers)
-        self.layers = nn.ModuleList(DecoderLayer(config, linears, ops, build_mlp(i, config, linears, ops))
-                                    if i in stage_layers else nn.Identity() for i in range(config.num_layers))
+        self.layers = nn.ModuleList(build_layer(i, config, linears, ops) if i in stage_layers else nn.Identity()
+                                    for i in range(config.num_layers))
         self.stage_layers = [self.layers[i] for i in stage_layers]
         self.norm = model_norm(config, config.hidden_size, linears.dtype, ops) if pp.is_last else None
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.local_rotary = None if config.local_rope_theta is None else \
+            RotaryEmbedding(config.head_dim, max_positions, config.local_rope_theta, None)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         self.pp = pp
         self.ops = ops or TorchLayerOps()
         linears = LinearFactory(linear_method, dtype, tp)
-        self.model = LlamaModel(config, max_positions, linears, self.ops, self.build_mlp, pp)
+        self.model = LlamaModel(config, max_positions, linears, self.ops, self.build_layer, pp)
         heads = LinearFactory(lm_head_method or linear_method, dtype, tp)
         if not pp.is_last:
             self.lm_head = None
@@ -182,6 +188,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = heads.tied(self.model.embed_tokens.weight)
         else:
             self.lm_head = heads.vocab_column(config.hidden_size, config.vocab_size)
+
+    def build_layer(self, index: int, config: ModelConfig, linears: LinearFactory, ops: LayerOps) -> nn.Module:
+        """Decoder layer `index` (Gemma 2/3's subclass returns its layer with more norms)."""
+        return DecoderLayer(config, linears, ops, self.build_mlp(index, config, linears, ops), index)
 
     def build_mlp(self, index: int, config: ModelConfig, linears: LinearFactory, ops: LayerOps) -> nn.Module:
         """Decoder layer `index`'s MLP (a mixture-of-experts model's subclass returns its MoE block)."""
@@ -197,7 +207,11 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier is not None:  # Gemma: the multiplier rounded to the model dtype first
             hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
-        return hidden, self.model.rotary.tables(positions, hidden.dtype)
+        return hidden, self.rope_tables(positions, hidden.dtype)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """This step's RoPE cos/sin rows, as the decoder layers take them."""
+        return self.model.rotary.tables(positions, dtype)
 
     def final_hidden(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output after the final norm (what the lm_head reads, and what embeddings pool)."""
@@ -214,11 +228,12 @@ class LlamaForCausalLM(nn.Module):
         operands (`CpuKernels.decode_stack`; logits bitwise `forward`'s), where every op of that step
         already runs a native CPU kernel here: bfloat16, one rank, every linear's one-row forward a native kernel
         (the bf16 GEMV, the AMX kernel or the quantised GEMV, mixed as the layers have them), the native decode
-        attention, no q/k norm (Qwen3). None elsewhere (`forward` runs)."""
+        attention, no q/k norm (Qwen3), one sliding window (or none) for every layer. None elsewhere (`forward` runs)."""
         config, layers = self.config, self.model.layers
         if kernels is None or self.ops.kernels is not kernels or not self.tp.is_single or not self.pp.is_single \
                 or config.qk_norm or config.hidden_act == "gelu_pytorch_tanh" \
-                or config.embedding_multiplier is not None \
+                or config.embedding_multiplier is not None or config.layer_windows \
+                or config.attention_scale is not None \
                 or self.model.embed_tokens.weight.dtype != torch.bfloat16 \
                 or not kernels.supports_decode(torch.bfloat16, config.num_heads, config.num_kv_heads, config.head_dim):
             return None
@@ -264,10 +279,10 @@ class LlamaForCausalLM(nn.Module):
             residual = None
         else:
             hidden, residual = intermediate
-            rope = self.model.rotary.tables(positions, hidden.dtype)
+            rope = self.rope_tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.stage_layers, kv_caches):
             q, k, v, residual = layer.pre_attention(rope, hidden, residual)
-            attended = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+            attended = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, layer.self_attn.window)
             hidden, residual = layer.post_attention(attended, residual)
         if not self.pp.is_last:
             return hidden, residual

@@ -6,12 +6,13 @@ token-major as q [tokens, heads, head_dim]. A program takes one (query tile of a
 the tile packs BLOCK_Q consecutive query tokens x the GROUP query heads that share the KV head, so one
 K/V tile read from the pool feeds every query head of its group (GQA). Query i of a row sits at position
 `context_len - query_len + i` and sees keys up to it (and, with a sliding window, more than `position -
-window`); the softmax runs online in float32 over tiles of TILE_N keys found through the row's block
-table. Rows of a single query tile (decodes, short verify rows) may split their keys over NUM_SPLITS
-programs (flash-decoding) whose partial results a second kernel merges: few rows on long contexts
-would otherwise leave most of the GPU idle. A full decode CUDA graph launches with a plan fixed per batch size
-(splits sized for max_model_len): each row divides its own keys over the splits, a split left without keys
-runs no tile, and a pad row of no keys comes out as zeros, so the grid never depends on the step's data.
+window`); with a soft-cap (Gemma 2) each score becomes cap * tanh(score / cap); the softmax runs online
+in float32 over tiles of TILE_N keys found through the row's block table. Rows of a single query tile
+(decodes, short verify rows) may split their keys over NUM_SPLITS programs (flash-decoding) whose partial
+results a second kernel merges: few rows on long contexts would otherwise leave most of the GPU idle. A full
+decode CUDA graph launches with a plan fixed per batch size (splits sized for max_model_len): each row divides
+its own keys over the splits, a split left without keys runs no tile, and a pad row of no keys comes out as
+zeros, so the grid never depends on the step's data.
 
 The pool layout is [num_blocks, block_size, kv_heads, head_dim] (head_dim contiguous).
 """
@@ -128,12 +129,13 @@ def _key_tiles(cached, first_query, last_query, split, WINDOW: tl.constexpr, TIL
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_starts_ptr, context_lens_ptr,
     partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    num_rows, scale_log2,
+    num_rows, scale_log2, softcap_log2,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
     cache_stride_block, cache_stride_slot, cache_stride_head, table_stride,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = _row_of_tile(query_starts_ptr, tile, num_rows, BLOCK_Q)
@@ -172,6 +174,8 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=key_valid[:, None] & dim_valid[None, :],
                     other=0.0)
         scores = _dot(q, k, IEEE, UPCAST) * scale_log2
+        if SOFTCAP:  # in the exp2 domain the cap scales by log2(e) too; tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap_log2 * (2.0 * tl.sigmoid(2.0 * scores / softcap_log2) - 1.0)
         seen = query_valid[:, None] & (key[None, :] <= position[:, None])
         if WINDOW > 0:
             seen = seen & (key[None, :] > position[:, None] - WINDOW)
@@ -219,12 +223,14 @@ def _merge_splits_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
                     plan: LaunchPlan, scale: float, window: Optional[int],
-                    partials: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                    partials: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                    softcap: Optional[float] = None) -> torch.Tensor:
     """Causal attention of every row's queries q [tokens, heads, head_dim] over its keys in the pool, into `out`.
 
     `block_tables` [rows, width] int32 (width >= each row's blocks), `query_starts` [rows + 1] int32 (row r's
     tokens are [query_starts[r], query_starts[r+1])), `context_lens` [rows] int32 (keys row r attends to, its
-    own tokens included, already written to the pool); `partials` from `split_buffers` when plan splits.
+    own tokens included, already written to the pool); `partials` from `split_buffers` when plan splits;
+    `softcap`: scores capped as softcap * tanh(scores / softcap) (None: not capped).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -238,11 +244,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     padded = _padded_head_dim(head_dim)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_starts, context_lens, partial_out, partial_max, partial_sum,
-        num_rows, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        num_rows, scale * LOG2E, (softcap or 1.0) * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded,
         BLOCK_SIZE=k_cache.shape[1], TILE_N=TILE_N, BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q,
-        WINDOW=window or 0, NUM_SPLITS=plan.num_splits, IEEE=q.dtype == torch.float32,
+        WINDOW=window or 0, SOFTCAP=softcap is not None, NUM_SPLITS=plan.num_splits, IEEE=q.dtype == torch.float32,
         UPCAST=q.dtype == torch.bfloat16 and interpreter_enabled(),
         num_warps=8 if plan.block_m * padded >= 64 * 128 else 4,
     )

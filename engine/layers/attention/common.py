@@ -62,8 +62,11 @@ class CommonAttentionMetadata:
 class AttentionBackend(Protocol):
     """Paged attention behind one interface; the runner never asks which backend it holds.
 
-    Built with `(num_heads, num_kv_heads, head_dim, sliding_window, dtype=..., kernels=...)`:
-    `kernels` are the native CPU kernels or None; a backend uses what of them fits the model.
+    Built with `(num_heads, num_kv_heads, head_dim, sliding_window, dtype=..., kernels=..., scale=..., softcap=...)`:
+    `kernels` are the native CPU kernels or None; a backend uses what of them fits the model. `sliding_window`
+    is the model-wide window (None where the layers mix: each layer then passes its own to `forward`); `scale`
+    the score scale (None: head_dim ** -0.5); `softcap` Gemma 2's attention logit cap (a backend that cannot
+    apply it refuses the model with an `EngineArgsError`).
     """
 
     name: str
@@ -96,8 +99,9 @@ class AttentionBackend(Protocol):
         """This backend's metadata for the step, shared by every layer."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: Any) -> torch.Tensor:
-        """Write the step's K/V into the pool, then attend: [tokens, heads, head_dim] out."""
+                v_cache: torch.Tensor, meta: Any, window: Optional[int] = None) -> torch.Tensor:
+        """Write the step's K/V into the pool, then attend: [tokens, heads, head_dim] out. `window`: this layer's
+        sliding window (None: the backend's `sliding_window`)."""
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Only the first `num_tokens` of the sequence's K/V still hold (rejected tokens rolled back):

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from llmctl.engine.errors import EngineArgsError
 from llmctl.engine.layers.attention.common import CommonAttentionMetadata, TokenMajorStateless
 from llmctl.engine.layers.attention.paged import write_token_major
 
@@ -34,13 +35,19 @@ class FlashAttention(TokenMajorStateless):
     supports_full_graphs = False  # its decode metadata follows each step's contexts
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
-                 dtype: torch.dtype, kernels=None):
+                 dtype: torch.dtype, kernels=None, scale: Optional[float] = None, softcap: Optional[float] = None):
+        import inspect
+
         from flash_attn import flash_attn_varlen_func
 
+        if softcap is not None and "softcap" not in inspect.signature(flash_attn_varlen_func).parameters:
+            raise EngineArgsError("--attention-backend flash-attn: the installed flash-attn has no attention logit "
+                                  "soft-capping (softcap, 2.6+), which this model needs; use triton or torch")
         self._varlen = flash_attn_varlen_func
+        self._extra = {} if softcap is None else {"softcap": softcap}
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
-        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        self.scale = scale or head_dim ** -0.5
+        self.window = sliding_window
 
     @property
     def label(self) -> str:
@@ -64,11 +71,14 @@ class FlashAttention(TokenMajorStateless):
             max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: FlashAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: FlashAttentionMetadata, window: Optional[int] = None) -> torch.Tensor:
+        """`window`: this layer's sliding window; None: the backend's own (None where the model's layers mix)."""
+        window = self.window if window is None else window
         write_token_major(k_cache, v_cache, k, v, meta.slot_mapping)
         return self._varlen(
             q, k_cache, v_cache,
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-            softmax_scale=self.scale, causal=True, window_size=self.window, block_table=meta.block_tables,
+            softmax_scale=self.scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
+            block_table=meta.block_tables, **self._extra,
         )

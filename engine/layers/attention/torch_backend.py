@@ -14,7 +14,7 @@ through SDPA on its own, its context gathered from the pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -53,10 +53,14 @@ class TorchAttentionMetadata:
     single_context_lens: Optional[torch.Tensor] = None  # [num_single] int64
     single_bias: Optional[torch.Tensor] = None  # [1, num_single, 1, padded context] float32: 0 or -inf
     workspace: Optional[WorkspacePlan] = None
+    # the 1-token rows' bias for the windows of layers whose window is not the backend's own, built once a step
+    window_biases: dict[Optional[int], torch.Tensor] = field(default_factory=dict)
 
 
 class TorchAttention:
-    """Grouped-query attention in plain torch (softmax in float32).
+    """Grouped-query attention in plain torch (softmax in float32). With `softcap` (Gemma 2) the scores are
+    capped as cap * tanh(scores / cap) before the mask: every row then runs the explicit score path (SDPA and
+    the native CPU kernel have no cap).
 
     The pool is head-major, [kv_heads, num_blocks, block_size, head_dim], so gathering a batch's
     blocks with one `index_select` yields [kv_heads, batch, context, head_dim], a layout the batched
@@ -70,14 +74,16 @@ class TorchAttention:
     workspace_share = WORKSPACE_SHARE
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
-                 dtype: torch.dtype, kernels=None):
+                 dtype: torch.dtype, kernels=None, scale: Optional[float] = None, softcap: Optional[float] = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = scale or head_dim ** -0.5
         self.window = sliding_window
+        self.softcap = softcap
         self.workspace = DecodeWorkspace(num_kv_heads, head_dim)
         # The native CPU kernels, where their decode attention serves this model.
-        fits = kernels is not None and kernels.supports_decode(dtype, num_heads, num_kv_heads, head_dim)
+        fits = kernels is not None and softcap is None and kernels.supports_decode(dtype, num_heads, num_kv_heads,
+                                                                                   head_dim)
         self.decode_kernel = kernels if fits else None
         # The longest row the kernel takes; None: every row (the tiled path costs about SDPA's time on a prefill chunk).
         tiled = self.decode_kernel is not None and self.decode_kernel.tiled_attention(dtype)
@@ -137,7 +143,7 @@ class TorchAttention:
         if n:
             meta.workspace = self.workspace.plan(batch.seq_ids[:n], lens, meta.single_context_lens,
                                                  meta.single_block_tables, batch.block_size)
-            meta.single_bias = self._decode_bias(meta.single_context_lens, meta.workspace)
+            meta.single_bias = self._decode_bias(meta.single_context_lens, meta.workspace, self.window)
         return meta
 
     def _native_metadata(self, batch: CommonAttentionMetadata) -> TorchAttentionMetadata:
@@ -171,7 +177,7 @@ class TorchAttention:
             torch.tensor(lens, dtype=torch.long, device=device), batch.block_size, *ranges)
         return meta
 
-    def _decode_bias(self, lens: torch.Tensor, plan: WorkspacePlan) -> torch.Tensor:
+    def _decode_bias(self, lens: torch.Tensor, plan: WorkspacePlan, window: Optional[int]) -> torch.Tensor:
         """0 where a 1-token row may attend, -inf elsewhere (past its context, outside the window)."""
         if plan.mode == "slots":  # rows without a sequence this step see one (masked-in) slot
             row_lens = torch.ones(plan.used_rows, dtype=torch.long, device=lens.device)
@@ -180,8 +186,8 @@ class TorchAttention:
             row_lens = lens
         positions = torch.arange(plan.capacity, device=lens.device)
         hidden = positions >= row_lens.unsqueeze(1)
-        if self.window is not None:
-            hidden |= positions <= row_lens.unsqueeze(1) - 1 - self.window
+        if window is not None:
+            hidden |= positions <= row_lens.unsqueeze(1) - 1 - window
         bias = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
         # an add is several times cheaper than masked_fill here; scores are [rows, Hkv, G, L] in
         # "slots" mode and [Hkv, rows, G, L] in "none" mode
@@ -189,36 +195,45 @@ class TorchAttention:
 
     # ---- per layer --------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: TorchAttentionMetadata, window: Optional[int] = None) -> torch.Tensor:
+        """`window`: this layer's sliding window; None: the backend's own (None where the model's layers mix)."""
+        window = self.window if window is None else window
         if self.decode_kernel is not None:
             self.decode_kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            return self._native(q, k, v, k_cache, v_cache, meta)
+            return self._native(q, k, v, k_cache, v_cache, meta, window)
         write_head_major(k_cache, k, meta.slot_mapping)
         write_head_major(v_cache, v, meta.slot_mapping)
         if not meta.prefills:
-            return self._single(q, k, v, k_cache, v_cache, meta)
+            return self._single(q, k, v, k_cache, v_cache, meta, window)
         out = torch.empty_like(q)
         if meta.num_single:
             single = slice(0, meta.num_single)
-            out[single] = self._single(q[single], k[single], v[single], k_cache, v_cache, meta)
+            out[single] = self._single(q[single], k[single], v[single], k_cache, v_cache, meta, window)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.length)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span, window)
         return out
 
     def _native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: TorchAttentionMetadata, window: Optional[int]) -> torch.Tensor:
         """The native kernel's rows in one call, written in place among the SDPA rows' outputs."""
         out = q.new_empty(q.shape) if meta.prefills or meta.native is None else None
         if meta.native is not None:
-            out = self.decode_kernel.paged_attention(q, k_cache, v_cache, meta.native, self.scale, self.window, out)
+            out = self.decode_kernel.paged_attention(q, k_cache, v_cache, meta.native, self.scale, window, out)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.length)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span, window)
         return out
 
+    def _single_bias(self, meta: TorchAttentionMetadata, window: Optional[int]) -> torch.Tensor:
+        if window == self.window:
+            return meta.single_bias
+        if window not in meta.window_biases:
+            meta.window_biases[window] = self._decode_bias(meta.single_context_lens, meta.workspace, window)
+        return meta.window_biases[window]
+
     def _single(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: TorchAttentionMetadata, window: Optional[int]) -> torch.Tensor:
         batch = q.shape[0]
         plan = meta.workspace
         keys, values = self.workspace.keys_and_values(k, v, k_cache, v_cache, plan)
@@ -228,14 +243,17 @@ class TorchAttention:
             qg = placed.index_copy_(0, plan.rows, qg)
         else:  # [Hkv, rows, G, D], the layout of a gather from the head-major pool
             qg = qg.transpose(0, 1).contiguous()
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) + meta.single_bias  # float32
+        scores = self._capped(torch.matmul(qg, keys.transpose(-1, -2))) + self._single_bias(meta, window)  # float32
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.matmul(probs, values)
         out = out.index_select(0, plan.rows) if plan.mode == "slots" else out.transpose(0, 1)
         return out.reshape(batch, self.num_heads, self.head_dim)
 
+    def _capped(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
+
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+                 v_cache: torch.Tensor, span: PrefillSpan, window: Optional[int]) -> torch.Tensor:
         cached = span.context_len - span.length
         if cached:
             table = span.block_table[: -(-span.context_len // k_cache.shape[2])].unsqueeze(0)
@@ -244,12 +262,14 @@ class TorchAttention:
         else:
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         mask = None
-        if cached or self.window is not None:
+        if cached or window is not None or self.softcap is not None:
             q_pos = torch.arange(cached, span.context_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(span.context_len, device=q.device).unsqueeze(0)
             mask = k_pos <= q_pos
-            if self.window is not None:
-                mask &= k_pos > q_pos - self.window
+            if window is not None:
+                mask &= k_pos > q_pos - window
+        if self.softcap is not None:
+            return self._capped_prefill(q, k, v, mask)
         gqa = self.group > 1
         expand = self.expand_masked_gqa if self.expand_masked_gqa is not None else q.device.type == "cuda"
         if gqa and expand and (mask is not None or q.dtype == torch.float32):
@@ -267,3 +287,11 @@ class TorchAttention:
             scale=self.scale, enable_gqa=gqa,
         )
         return out[0].transpose(0, 1)
+
+    def _capped_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [queries, heads, D] over k, v [Hkv, keys, D] with capped scores in float32 (SDPA has no cap)."""
+        scores = torch.matmul((q * self.scale).transpose(0, 1).unflatten(0, (self.num_kv_heads, self.group)),
+                              k.unsqueeze(1).transpose(-1, -2)).float()  # [Hkv, G, queries, keys]
+        scores = self._capped(scores).masked_fill_(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v.unsqueeze(1))  # [Hkv, G, queries, D]
+        return out.flatten(0, 1).transpose(0, 1)

@@ -40,14 +40,15 @@ class TritonAttention(TokenMajorStateless):
     supports_full_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
-                 dtype: torch.dtype, kernels=None):
+                 dtype: torch.dtype, kernels=None, scale: Optional[float] = None, softcap: Optional[float] = None):
         from llmctl.engine.kernels.triton import attention, cache  # here: triton is optional
 
         self._attention, self._cache = attention, cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = scale or head_dim ** -0.5
         self.window = sliding_window
+        self.softcap = softcap
         self._target_programs: Optional[int] = None  # set on the first step, from the device
 
     @property
@@ -119,8 +120,10 @@ class TritonAttention(TokenMajorStateless):
         return self._target_programs
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: TritonAttentionMetadata, window: Optional[int] = None) -> torch.Tensor:
+        """`window`: this layer's sliding window; None: the backend's own (None where the model's layers mix)."""
         self._cache.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
         return self._attention.paged_attention(q, k_cache, v_cache, out, meta.block_tables, meta.query_starts,
-                                               meta.context_lens, meta.plan, self.scale, self.window, meta.partials)
+                                               meta.context_lens, meta.plan, self.scale,
+                                               self.window if window is None else window, meta.partials, self.softcap)
