@@ -9,8 +9,10 @@ max_tokens, which says nothing about the grammar.
 
 from __future__ import annotations
 
+import json
 import string
 
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 NAMES = st.text(alphabet=string.ascii_lowercase + "_", min_size=1, max_size=6)
@@ -53,3 +55,18 @@ def json_schemas() -> st.SearchStrategy[dict]:
         _object_schema(children), _array_schema(children),
         st.lists(children, min_size=2, max_size=3).map(lambda options: {"anyOf": options})), max_leaves=5)
     return _object_schema(nested)
+
+
+def random_schemas(count: int) -> list[dict]:
+    """The first `count` distinct schemas of one derandomized hypothesis stream (the same in every run)."""
+    drawn: dict[str, dict] = {}
+
+    @settings(max_examples=4 * count, database=None, derandomize=True, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(json_schemas())
+    def draw(schema: dict) -> None:
+        if len(drawn) < count:
+            drawn.setdefault(json.dumps(schema, sort_keys=True), schema)
+
+    draw()
+    return list(drawn.values())

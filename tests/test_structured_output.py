@@ -1,10 +1,12 @@
 """Structured outputs on xgrammar (engine/structured_output/): on a tiny random-weight model, whose text is
 garbage, every output under a grammar must still match it (jsonschema, the regex, the choices), with n > 1,
-preemption, n-gram speculation (greedy output identical to the same request without it) and through the server
-(response_format, structured_outputs, guided_*, the openai SDK's `parse`, streamed and not)."""
+preemption, speculation (n-gram and a draft model: greedy output identical to the same request without it) and
+through the server (response_format, structured_outputs, guided_*, the openai SDK's `parse`, 200 random schemas
+through the SDK, streamed and not)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -17,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from json_schemas import json_schemas
+from json_schemas import json_schemas, random_schemas
 from llmctl.engine import LLM, SamplingParams
 from llmctl.engine.errors import InvalidRequestError
 from llmctl.engine.sampling_params import StructuredOutputsParams
@@ -179,20 +181,32 @@ def test_preempted_sequences_keep_their_grammar(tiny_chat_model):
         _assert_valid_json(text, PERSON)
 
 
-def test_ngram_speculation_with_a_grammar_gives_the_greedy_output_without_it(tiny_chat_model):
-    """Each draft position is masked by a matcher advanced through the drafts before it (then rolled back):
-    greedy output identical to decoding without drafts, with drafts proposed, some refused by the grammar."""
-    regex = r"(ab|ba|abc){3,40}"
-    prompts = ["ab ba abc ab ba abc ab ba abc ab ba", '{"name": "ab", "age": 3, "tags": ["a", "b", "a"]}']
-    params = [SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=regex)),
-              SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=StructuredOutputsParams(json=PERSON))]
+SPEC_REGEX = r"(ab|ba|abc){3,40}"
+SPEC_PROMPTS = ["ab ba abc ab ba abc ab ba abc ab ba", '{"name": "ab", "age": 3, "tags": ["a", "b", "a"]}']
+SPEC_PARAMS = [SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=StructuredOutputsParams(**spec))
+               for spec in ({"regex": SPEC_REGEX}, {"json": PERSON})]
+
+
+@pytest.fixture(scope="module")
+def greedy_without_speculation(tiny_chat_model) -> list[str]:
     plain = LLM(str(tiny_chat_model), device="cpu", dtype="float32")
-    expected = [o.outputs[0].text for o in plain.generate(prompts, params)]
-    spec = LLM(str(tiny_chat_model), device="cpu", dtype="float32", speculative_config=NGRAM)
-    outputs = spec.generate(prompts, params)
-    assert [o.outputs[0].text for o in outputs] == expected
+    expected = [o.outputs[0].text for o in plain.generate(SPEC_PROMPTS, SPEC_PARAMS)]
+    assert re.fullmatch(SPEC_REGEX, expected[0]) and json.loads(expected[1])
+    return expected
+
+
+@pytest.mark.parametrize("speculative_config", [NGRAM, "draft"], ids=["ngram", "draft_model"])
+def test_speculation_with_a_grammar_gives_the_greedy_output_without_it(tiny_chat_model, speculative_config,
+                                                                      greedy_without_speculation):
+    """Each draft position is masked by a matcher advanced through the drafts before it (then rolled back):
+    greedy output identical to decoding without drafts, with drafts proposed (n-gram, or a draft model: the
+    model as its own, which drafts without the grammar)."""
+    if speculative_config == "draft":
+        speculative_config = {"model": str(tiny_chat_model), "num_speculative_tokens": 3, "disable_by_cost": False}
+    spec = LLM(str(tiny_chat_model), device="cpu", dtype="float32", speculative_config=speculative_config)
+    outputs = spec.generate(SPEC_PROMPTS, SPEC_PARAMS)
+    assert [o.outputs[0].text for o in outputs] == greedy_without_speculation
     assert sum(o.metrics.spec_decode.num_draft_tokens for o in outputs) > 0
-    assert re.fullmatch(regex, expected[0]) and json.loads(expected[1])
 
 
 # ---- the server -----------------------------------------------------------------------------------
@@ -234,6 +248,46 @@ def test_response_format_json_schema_at_n_2(server, stream):
     for text, finish in texts.values():
         assert finish == "stop"
         _assert_valid_json(text, PERSON)
+
+
+async def _sdk_chat_texts(client: openai.AsyncOpenAI, schema: dict, stream: bool) -> list[tuple[str, str]]:
+    """(content, finish_reason) of each of the n = 2 choices of a json_schema chat request, streamed or not."""
+    body = {"model": "m", "messages": USER, "n": 2, "max_tokens": 300, "temperature": 1.0, "seed": 11,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}}
+    if not stream:
+        response = await client.chat.completions.create(**body)
+        return [(c.message.content, c.finish_reason) for c in sorted(response.choices, key=lambda c: c.index)]
+    texts: dict[int, list] = {}
+    async for chunk in await client.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            entry = texts.setdefault(choice.index, ["", None])
+            entry[0] += choice.delta.content or ""
+            entry[1] = choice.finish_reason or entry[1]
+    return [tuple(texts[index]) for index in sorted(texts)]
+
+
+def test_response_format_json_schema_over_200_random_schemas(server):
+    """200 random schemas (bounded sizes: the grammar ends every output), each asked through the openai SDK at
+    n = 2, every other one streamed, concurrently on one server: all 400 outputs valid under jsonschema and ended
+    by the grammar (an output cut by max_tokens fails)."""
+    schemas = random_schemas(200)
+    assert len(schemas) == 200
+
+    async def ask_all() -> list[list[tuple[str, str]]]:
+        limit = asyncio.Semaphore(32)
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0,
+                                      timeout=600) as client:
+            async def ask(schema: dict, stream: bool) -> list[tuple[str, str]]:
+                async with limit:
+                    return await _sdk_chat_texts(client, schema, stream)
+
+            return await asyncio.gather(*(ask(schema, index % 2 == 1) for index, schema in enumerate(schemas)))
+
+    for schema, choices in zip(schemas, asyncio.run(ask_all())):
+        assert len(choices) == 2, (schema, choices)
+        for text, finish in choices:
+            assert finish == "stop", (schema, text)
+            _assert_valid_json(text, schema)
 
 
 def _chat_texts(server, body: dict) -> dict[int, tuple[str, str]]:

@@ -2,7 +2,8 @@
 
 A backend compiles a `StructuredOutputsParams` once into an opaque compiled grammar, makes one matcher per
 sequence from it, and owns the token bitmask format: `allocate_bitmask` (every token allowed),
-`Matcher.fill_bitmask` (one row: the tokens the grammar allows next) and `apply_bitmask` (disallowed
+`Matcher.fill_bitmask` (one row: the tokens the grammar allows next), `fill_bitmasks` (many rows, each from its
+matcher, in one call), `batch_bitmask` (a buffer reused step after step) and `apply_bitmask` (disallowed
 logits to -inf, in place, for the listed rows at once).
 """
 
@@ -37,5 +38,9 @@ class StructuredOutputBackend(Protocol):
     def matcher(self, compiled: Any) -> Matcher: ...
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
+
+    def batch_bitmask(self, rows: int) -> torch.Tensor: ...  # a reused buffer of `rows` rows, contents stale
+
+    def fill_bitmasks(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None: ...
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None: ...

@@ -23,41 +23,51 @@ CACHE_SIZE = 512  # compiled grammars kept (a JSON schema's for a 150k vocabular
 
 
 class SequenceGrammar:
-    """One sequence's grammar state. `num_tokens`: the output tokens its matcher has accepted."""
+    """One sequence's grammar state. `num_tokens`: the output tokens its matcher has accepted; `is_terminated`:
+    it accepted a stop token at the grammar's end (kept here: the step loop asks for it per token)."""
 
     def __init__(self, matcher: Matcher, backend: StructuredOutputBackend):
         self.matcher = matcher
         self.backend = backend
         self.num_tokens = 0
+        self.is_terminated = False
 
     def accept(self, token_ids: list[int]) -> int:
         """Advance through `token_ids`; returns how many it took (fewer: one was refused, or the grammar ended)."""
         for count, token in enumerate(token_ids):
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            if self.is_terminated or not self.matcher.accept_token(token):
                 return count
             self.num_tokens += 1
+            self.is_terminated = self.matcher.is_terminated()
         return len(token_ids)
 
-    @property
-    def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self.num_tokens -= num_tokens
+            self.is_terminated = self.matcher.is_terminated()
 
-    def fill_rows(self, bitmask: Any, rows: list[tuple[int, list[int]]]) -> None:
-        """Fill the bitmask row of each (row, output_token_ids) of this sequence: a verify row's positions see
-        the drafts before them (their outputs extend this sequence's by those drafts). The matcher is advanced
-        through the drafts and rolled back after; a position past a draft the grammar refuses keeps every
-        token allowed (its token is dropped with the refused draft)."""
-        accepted, advanced = self.num_tokens, 0
+    def at_boundary(self, output_token_ids: list[int]) -> bool:
+        """Whether a row of these outputs is this matcher's next position (no drafts before it)."""
+        return len(output_token_ids) == self.num_tokens
+
+    def fill_rows(self, bitmask: Any, rows: list[tuple[int, list[int]]]) -> list[int]:
+        """Fill the bitmask row of each (row, output_token_ids) of this sequence; returns the rows filled. A
+        verify row's positions see the drafts before them (their outputs extend this sequence's by those
+        drafts): the matcher is advanced through the drafts and rolled back after. A position past a draft the
+        grammar refuses, or past its end, is left unfilled (its token is dropped with the refused draft)."""
+        accepted, advanced, filled = self.num_tokens, 0, []
         try:
             for row, output in sorted(rows, key=lambda item: len(item[1])):
                 pending = output[accepted:]
                 while advanced < len(pending) and self.accept([pending[advanced]]) == 1:
                     advanced += 1
-                if advanced == len(pending) and not self.matcher.is_terminated():
+                if advanced == len(pending) and not self.is_terminated:
                     self.matcher.fill_bitmask(bitmask, row)
+                    filled.append(row)
         finally:
-            self.matcher.rollback(advanced)
-            self.num_tokens -= advanced
+            self.rollback(advanced)
+        return filled
 
 
 class StructuredOutputManager:

@@ -41,6 +41,11 @@ class XgrammarMatcher:
     def __init__(self, matcher: Any):
         self._matcher = matcher
 
+    @property
+    def xgrammar_matcher(self) -> Any:
+        """The wrapped `xgrammar.GrammarMatcher` (what xgrammar's batch calls take)."""
+        return self._matcher
+
     def accept_token(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)
 
@@ -70,6 +75,9 @@ class XgrammarBackend:
             stop_token_ids=sorted(stop_token_ids), add_prefix_space=metadata["add_prefix_space"])
         # cache_enabled=False: the manager caches by spec (one compile per distinct spec, bounded)
         self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        # "auto": half the host's hardware threads fill a batch's rows (the step loop waits on it, the model does not run)
+        self._batch_matcher = xgrammar.BatchGrammarMatcher("auto")
+        self._bitmask = self.allocate_bitmask(0)  # the step's bitmask, grown to the largest batch and reused
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         kind, value = spec.kind, getattr(spec, spec.kind)
@@ -100,6 +108,16 @@ class XgrammarBackend:
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def batch_bitmask(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the reused bitmask (contents stale: fill a row before applying it)."""
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = self.allocate_bitmask(rows)
+        return self._bitmask[:rows]
+
+    def fill_bitmasks(self, matchers: list[XgrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill `bitmask[rows[i]]` from `matchers[i]`, all in one call."""
+        self._batch_matcher.batch_fill_next_token_bitmask([m.xgrammar_matcher for m in matchers], bitmask, rows)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
