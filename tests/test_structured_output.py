@@ -158,7 +158,7 @@ def test_random_schemas_every_output_is_valid(llm, schemas):
     """8 random schemas per example (24 in all), sampled, in one batch: every output valid under jsonschema
     (benchmarks/structured_output.py --validity 200 runs more)."""
     prompts = [f"Answer {i}:" for i in range(len(schemas))]
-    params = [_sampled(StructuredOutputsParams(json=schema), seed=i, max_tokens=160) for i, schema in enumerate(schemas)]
+    params = [_sampled(StructuredOutputsParams(json=schema), seed=i, max_tokens=320) for i, schema in enumerate(schemas)]
     for schema, out in zip(schemas, llm.generate(prompts, params)):
         for completion in out.outputs:
             assert completion.finish_reason == "stop", (schema, completion.text)
