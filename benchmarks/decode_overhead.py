@@ -216,16 +216,8 @@ def main() -> None:
         report = streaming(engine, prompt, args)
         if args.json:
             print(json.dumps(report))
-            return
-        print(f"batch-1 {args.quantization or 'bf16'} decode, {args.threads} thread(s), "
-              f"{'native step' if report['native_step'] else 'Python forward'}, wall clock, {args.repeats} passes of "
-              f"{args.steps} steps alternated with read-bandwidth measurements")
-        print(f"  weights a token reads   {report['weight_bytes_per_token'] / 1e6:8.1f} MB")
-        print(f"  step (median of passes) {report['step_ms']:8.3f} ms   passes: {report['step_ms_per_pass']}")
-        print(f"  weights streamed        {report['streamed_gbs']:8.1f} GB/s")
-        print(f"  read bandwidth          {report['read_gbs']:8.1f} GB/s   passes: {report['read_gbs_per_pass']}")
-        print(f"  fraction (median of the passes' own) {100 * report['fraction']:.0f} %   passes: "
-              f"{[round(100 * f) for f in report['fraction_per_pass']]}")
+        else:
+            print_streaming(report, args)
         return
     plain: dict[str, list[int]] = {path: [] for path in paths}
     floors: list[int] = []
@@ -254,7 +246,23 @@ def main() -> None:
               "linears_alone_us": None if floor is None else floor / 1e3, "split_us": splits}
     if args.json:
         print(json.dumps(report))
-        return
+    else:
+        print_split(report, args, floor)
+
+
+def print_streaming(report: dict, args) -> None:
+    print(f"batch-1 {args.quantization or 'bf16'} decode, {args.threads} thread(s), "
+          f"{'native step' if report['native_step'] else 'Python forward'}, wall clock, {args.repeats} passes of "
+          f"{args.steps} steps alternated with read-bandwidth measurements")
+    print(f"  weights a token reads   {report['weight_bytes_per_token'] / 1e6:8.1f} MB")
+    print(f"  step (median of passes) {report['step_ms']:8.3f} ms   passes: {report['step_ms_per_pass']}")
+    print(f"  weights streamed        {report['streamed_gbs']:8.1f} GB/s")
+    print(f"  read bandwidth          {report['read_gbs']:8.1f} GB/s   passes: {report['read_gbs_per_pass']}")
+    print(f"  fraction (median of the passes' own) {100 * report['fraction']:.0f} %   passes: "
+          f"{[round(100 * f) for f in report['fraction_per_pass']]}")
+
+
+def print_split(report: dict, args, floor) -> None:
     print(f"batch-1 {args.quantization or 'bf16'} decode step, {args.threads} thread(s), thread CPU time: best of {args.repeats} passes' "
           f"medians ({args.steps} steps each)")
     for path, us in report["step_us"].items():
@@ -262,7 +270,7 @@ def main() -> None:
         print(f"  {path:<16} {us:7.0f} us{outside}")
     if floor is not None:
         print(f"  linears alone    {floor / 1e3:7.0f} us   (every linear + lm_head through its public binding)")
-    for path, split in splits.items():
+    for path, split in report["split_us"].items():
         print(f"split, {path} (instrumented: ~0.5 us per timer):")
         for part, us in split.items():
             print(f"  {part:<22} {us:8.1f} us")

@@ -198,6 +198,34 @@ class ModelInfo:
         return f"experts: {', '.join(held)}" if held else ""
 
 
+def _model_config_and_tokenizer(args: EngineArgs, folder: Path) -> tuple[ModelConfig, Optional[Tokenizer]]:
+    """The checkpoint's model config and the tokenizer (--tokenizer, else the checkpoint's; None when skipped)."""
+    if is_gguf(folder):
+        gguf = GGUFFile(folder)
+        tokenizer = None if args.skip_tokenizer_init else (
+            Tokenizer.from_pretrained(resolve_model_folder(args.tokenizer)) if args.tokenizer
+            else Tokenizer.from_gguf(gguf.metadata, folder.name))
+        return gguf.model_config(), tokenizer
+    tokenizer = (None if args.skip_tokenizer_init
+                 else Tokenizer.from_pretrained(resolve_model_folder(args.tokenizer) if args.tokenizer else folder))
+    return ModelConfig.from_pretrained(folder), tokenizer
+
+
+def _draft_model(args: EngineArgs, model_config: ModelConfig, folder: Path,
+                 max_model_len: int) -> Optional[DraftModel]:
+    """The speculative draft model (speculative_config "model"), or None; what it cannot run with refused."""
+    speculative = args.speculative
+    if speculative is not None and args.pipeline_parallel_size > 1:
+        raise EngineArgsError("speculative decoding (speculative_config) with pipeline_parallel_size > 1 is not "
+                              "supported yet")
+    if speculative is None or speculative.model is None:
+        return None
+    if args.tensor_parallel_size > 1:
+        raise EngineArgsError("a draft model (speculative_config \"model\") with tensor_parallel_size or "
+                              "pipeline_parallel_size > 1 is not supported yet; the ngram method is")
+    return DraftModel.load(speculative.model, model_config, Path(args.tokenizer or folder), max_model_len)
+
+
 def expert_placement(args: EngineArgs, model_config: ModelConfig) -> tuple[tuple[int, ...], ...]:
     """The experts each tensor-parallel rank holds with --enable-expert-parallel (() without it, with one rank or
     a dense model); an expert count the ranks do not divide is refused here, before any rank starts."""
@@ -253,32 +281,14 @@ class LLMEngine:
         self.args = args = args.with_device_defaults(device.type)  # what the engine runs with, as reported
         self.cuda_profiler = ProfilerSteps.for_device(args.cuda_profiler_steps, device)
         folder = model_path(args)
-        if is_gguf(folder):
-            gguf = GGUFFile(folder)
-            self.model_config = gguf.model_config()
-            self.tokenizer = None if args.skip_tokenizer_init else (
-                Tokenizer.from_pretrained(resolve_model_folder(args.tokenizer)) if args.tokenizer
-                else Tokenizer.from_gguf(gguf.metadata, folder.name))
-        else:
-            self.model_config = ModelConfig.from_pretrained(folder)
-            self.tokenizer = (None if args.skip_tokenizer_init
-                              else Tokenizer.from_pretrained(resolve_model_folder(args.tokenizer) if args.tokenizer else folder))
+        self.model_config, self.tokenizer = _model_config_and_tokenizer(args, folder)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         if device.type == "cpu":
             tune_cpu_allocator()
         self.max_model_len = resolve_max_model_len(args, self.model_config)
         speculative = args.speculative
-        draft = None
-        if speculative is not None and speculative.model is not None:
-            if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-                raise EngineArgsError("a draft model (speculative_config \"model\") with tensor_parallel_size or "
-                                      "pipeline_parallel_size > 1 is not supported yet; the ngram method is")
-            draft = DraftModel.load(speculative.model, self.model_config, Path(args.tokenizer or folder),
-                                    self.max_model_len)
-        if speculative is not None and args.pipeline_parallel_size > 1:
-            raise EngineArgsError("speculative decoding (speculative_config) with pipeline_parallel_size > 1 is not "
-                                  "supported yet")
+        draft = _draft_model(args, self.model_config, folder, self.max_model_len)
         placement = expert_placement(args, self.model_config)
         dtype = resolve_dtype(args.dtype, self.model_config, device)
         config = build_runner_config(args, folder, self.model_config, device,
