@@ -11,7 +11,6 @@ their real content types (Prometheus text, Server-Sent Events).
 
 from __future__ import annotations
 
-import itertools
 import json
 import warnings
 from dataclasses import dataclass
@@ -153,8 +152,6 @@ def _caps(schema: dict[str, Any], max_output_tokens: Optional[int]) -> None:
     cap = {"maximum": max_output_tokens} if max_output_tokens is not None else {}
     _token_ids_only(properties)
     _sampling_ranges(properties)
-    schema.setdefault("allOf", []).append(  # stream_options only with stream: true
-        {"if": _given("stream_options", {"type": "object"}), "then": _given("stream", {"const": True})})
     tokens = properties["max_tokens"]
     if "max_completion_tokens" in properties:  # chat: max_tokens counts only without max_completion_tokens
         _bound(properties["max_completion_tokens"], "integer", minimum=1, **cap)
@@ -230,13 +227,11 @@ def _served_features(schemas: dict[str, Any], facts: ServedFacts) -> None:
     for name in _GENERATION_BODIES:
         if not facts.priority_scheduling:
             _refused_fields(schemas[name], {"priority": ("priorities other than 0: --scheduling-policy fcfs", (0,))})
-        schemas[name].setdefault("allOf", []).append(  # prompt_logprobs are not streamed (as in vLLM)
-            {"if": _given("prompt_logprobs", {"type": "integer"}), "then": {"not": _given("stream", {"const": True})}})
-        _constraint_kinds(schemas[name]["properties"], "guided_json", "guided_regex")
+        schemas[name].setdefault("allOf", []).append(_STREAMED_OR_NOT)
         _one_output_constraint(schemas[name])
     structured = schemas["StructuredOutputsBody"]
     _constraint_kinds(structured["properties"], "json", "regex")
-    _exactly_one_field(structured)
+    _exactly_one_kind(structured)
     _response_format(schemas["ResponseFormat"], schemas["JsonSchemaFormat"])
 
 
@@ -250,29 +245,37 @@ def _constraint_kinds(properties: dict[str, Any], json_field: str, regex_field: 
             option["format"] = "regex"
 
 
-_OUTPUT_CONSTRAINTS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
-_NOT_NULL = {"not": {"type": "null"}}
+_NULL = {"type": "null"}
+# Streamed (no prompt_logprobs, as in vLLM) or not (no stream_options): two branches, where an if/then per rule
+# would double the alternatives a generator has to expand (schemathesis gives up on a body with too many).
+_STREAMED_OR_NOT = {"anyOf": [{"required": ["stream"], "properties": {"stream": {"const": True}, "prompt_logprobs": _NULL}},
+                              {"properties": {"stream": {"enum": [False, None]}, "stream_options": _NULL}}]}
+_GUIDED_NOTE = (f"vLLM's older spellings {', '.join(GUIDED_FIELDS)} are accepted too (one output constraint in all) "
+                "but not listed: each would add alternatives past what schema-driven generators expand.")
 
 
 def _one_output_constraint(schema: dict[str, Any]) -> None:
-    """At most one of response_format, structured_outputs and guided_* in a request (`protocol.structured_outputs`)."""
-    for first, second in itertools.combinations(_OUTPUT_CONSTRAINTS, 2):
-        schema.setdefault("allOf", []).append({"not": {"required": [first, second],
-                                                       "properties": {first: _NOT_NULL, second: _NOT_NULL}}})
-    choice = schema["properties"]["guided_choice"]
-    for option in _options(choice):
-        if option.get("type") == "array":
-            option["minItems"] = 1
+    """At most one of response_format and structured_outputs (`protocol.structured_outputs`); the guided_*
+    spellings, which count as one more, are told in the description instead of the schema."""
+    for name in GUIDED_FIELDS:
+        schema["properties"].pop(name, None)
+    schema["description"] = f"{schema.get('description', '')}\n\n{_GUIDED_NOTE}".strip()
+    schema.setdefault("allOf", []).append({"anyOf": [{"properties": {"response_format": _NULL}},
+                                                     {"properties": {"structured_outputs": _NULL}}]})
 
 
-def _exactly_one_field(structured: dict[str, Any]) -> None:
-    """vLLM's structured_outputs holds exactly one constraint, given (not null, json_object only true)."""
+def _exactly_one_kind(structured: dict[str, Any]) -> None:
+    """vLLM's structured_outputs holds exactly one constraint: null (and json_object false) mean "not this one"."""
+    given: dict[str, dict[str, Any]] = {}
     for name, field in structured["properties"].items():
         options = [option for option in _options(field)[1:] or [field] if option.get("type") != "null"]
-        structured["properties"][name] = options[0] if len(options) == 1 else {"anyOf": options}
-    structured["properties"]["json_object"] = {"const": True}
-    structured["properties"]["choice"]["minItems"] = 1
-    structured.update(minProperties=1, maxProperties=1)
+        given[name] = options[0] if len(options) == 1 else {"anyOf": options}
+    given["choice"]["minItems"] = 1
+    given["json_object"] = {"const": True}
+    absent = {name: _NULL for name in given} | {"json_object": {"enum": [False, None]}}
+    structured["properties"] = {name: {"anyOf": [field, _NULL]} for name, field in given.items()}
+    structured["properties"]["json_object"] = {"type": ["boolean", "null"]}
+    structured["anyOf"] = [{"required": [name], "properties": {**absent, name: field}} for name, field in given.items()]
 
 
 def _response_format(response_format: dict[str, Any], json_schema: dict[str, Any]) -> None:

@@ -692,11 +692,14 @@ class DetokenizeRequest(_Body):
 _TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
+_Text = Annotated[str, Field(min_length=1)]  # an empty text has no token to embed (OpenAI refuses it too)
+
+
 class EmbeddingRequest(_Body):
     """OpenAI's embeddings body, with vLLM's extras `normalize` and `add_special_tokens`; the bounds are in the
     schema so /openapi.json tells them."""
     model: Optional[str] = None
-    input: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)],
+    input: Union[_Text, Annotated[list[_Text], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)],
                  Annotated[_TokenIds, Field(min_length=1)],
                  Annotated[list[Annotated[_TokenIds, Field(min_length=1)]], Field(min_length=1,
                                                                                  max_length=MAX_PROMPTS_PER_REQUEST)]]
