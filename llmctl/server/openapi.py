@@ -19,6 +19,7 @@ from typing import Any, Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from llmctl.engine.pooling import PoolerConfig
 from llmctl.engine.sampling_params import MAX_LOGPROBS
 from llmctl.server.middleware import is_protected
 from llmctl.server.protocol import (GUIDED_FIELDS, MAX_N, RESPONSE_FORMATS, ChatCompletionRequest, CompletionRequest,
@@ -74,6 +75,7 @@ class ServedFacts:
     vocab_size: Optional[int] = None  # token ids are below it
     priority_scheduling: bool = True  # False: only priority 0 is accepted
     template_variables: Optional[frozenset[str]] = None  # what the chat template reads (None: not known)
+    pooler: Optional[PoolerConfig] = None  # how embeddings pool: which `dimensions` pass (None: not known)
 
 
 def install_openapi(app: FastAPI, facts: ServedFacts = ServedFacts()) -> None:
@@ -233,6 +235,20 @@ def _served_features(schemas: dict[str, Any], facts: ServedFacts) -> None:
     _constraint_kinds(structured["properties"], "json", "regex")
     _exactly_one_kind(structured)
     _response_format(schemas["ResponseFormat"], schemas["JsonSchemaFormat"])
+    if facts.pooler is not None and "EmbeddingRequest" in schemas:
+        _embedding_dimensions(schemas["EmbeddingRequest"]["properties"], facts.pooler)
+
+
+def _embedding_dimensions(properties: dict[str, Any], pooler: PoolerConfig) -> None:
+    """`dimensions` truncates a Matryoshka model's vector (to one of its listed sizes, when it lists them)."""
+    field = properties["dimensions"]
+    if not pooler.is_matryoshka:
+        _refused_fields({"properties": properties}, {"dimensions": ("dimensions: this model is not Matryoshka", ())})
+    elif pooler.matryoshka_dimensions:
+        listed = sorted(d for d in pooler.matryoshka_dimensions if d <= pooler.hidden_size)
+        field["anyOf"] = [{"enum": listed}, _NULL]
+    else:
+        _bound(field, "integer", maximum=pooler.hidden_size)
 
 
 def _constraint_kinds(properties: dict[str, Any], json_field: str, regex_field: str) -> None:
@@ -279,12 +295,13 @@ def _exactly_one_kind(structured: dict[str, Any]) -> None:
 
 
 def _response_format(response_format: dict[str, Any], json_schema: dict[str, Any]) -> None:
-    """Its type is one of RESPONSE_FORMATS; json_schema needs the schema (an object, or true)."""
+    """Its type is one of RESPONSE_FORMATS; json_schema needs the schema (an object, or true), which other types ignore."""
     response_format["properties"]["type"] = {"enum": list(RESPONSE_FORMATS), "title": "Type"}
+    usable = {"anyOf": [{"type": "object"}, {"const": True}]}
     response_format.setdefault("allOf", []).append({
         "if": _given("type", {"const": "json_schema"}),
-        "then": {"required": ["json_schema"], "properties": {"json_schema": {"required": ["schema"]}}}})
-    json_schema["properties"]["schema"] = {"anyOf": [{"type": "object"}, {"const": True}], "title": "Schema"}
+        "then": _given("json_schema", {"type": "object", **_given("schema", usable)})})
+    json_schema["properties"]["schema"] = {"anyOf": [{"type": "object"}, {"type": "boolean"}, _NULL], "title": "Schema"}
 
 
 _MEDIA_PART_REF = "#/components/schemas/MediaPart"
