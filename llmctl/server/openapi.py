@@ -76,6 +76,7 @@ class ServedFacts:
     priority_scheduling: bool = True  # False: only priority 0 is accepted
     template_variables: Optional[frozenset[str]] = None  # what the chat template reads (None: not known)
     pooler: Optional[PoolerConfig] = None  # how embeddings pool: which `dimensions` pass (None: not known)
+    max_sequences_per_request: Optional[int] = None  # --max-seqs-per-request: the cap on embedding inputs
 
 
 def install_openapi(app: FastAPI, facts: ServedFacts = ServedFacts()) -> None:
@@ -235,8 +236,19 @@ def _served_features(schemas: dict[str, Any], facts: ServedFacts) -> None:
     _constraint_kinds(structured["properties"], "json", "regex")
     _exactly_one_kind(structured)
     _response_format(schemas["ResponseFormat"], schemas["JsonSchemaFormat"])
-    if facts.pooler is not None and "EmbeddingRequest" in schemas:
-        _embedding_dimensions(schemas["EmbeddingRequest"]["properties"], facts.pooler)
+    if "EmbeddingRequest" in schemas:
+        _embedding_request(schemas["EmbeddingRequest"]["properties"], facts)
+
+
+def _embedding_request(properties: dict[str, Any], facts: ServedFacts) -> None:
+    """At most --max-seqs-per-request inputs; `dimensions` as the model's pooling allows."""
+    if facts.max_sequences_per_request is not None:
+        for option in _options(properties["input"]):
+            if option.get("type") == "array" and option.get("items", {}).get("type") != "integer":
+                option["maxItems"] = min(option.get("maxItems", facts.max_sequences_per_request),
+                                         facts.max_sequences_per_request)
+    if facts.pooler is not None:
+        _embedding_dimensions(properties, facts.pooler)
 
 
 def _embedding_dimensions(properties: dict[str, Any], pooler: PoolerConfig) -> None:
@@ -319,11 +331,11 @@ def _text_parts_only(schemas: dict[str, Any]) -> None:
 
 
 def _token_ids_in(schemas: dict[str, Any], vocab_size: Optional[int]) -> None:
-    """Token ids (prompts, stop_token_ids, /detokenize, logit_bias keys) are in [0, vocab_size)."""
+    """Token ids (prompts, /detokenize, logit_bias keys) are in [0, vocab_size); a stop token id past it passes
+    (it never matches)."""
     if vocab_size is None:
         return
     id_fields = [(schemas[body]["properties"], "prompt") for body in ("CompletionRequest",)]
-    id_fields += [(schemas[body]["properties"], "stop_token_ids") for body in _GENERATION_BODIES]
     id_fields.append((schemas["DetokenizeRequest"]["properties"], "tokens"))
     for properties, name in id_fields:
         for option in _options(properties.get(name, {})):
