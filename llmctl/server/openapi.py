@@ -331,11 +331,12 @@ def _text_parts_only(schemas: dict[str, Any]) -> None:
 
 
 def _token_ids_in(schemas: dict[str, Any], vocab_size: Optional[int]) -> None:
-    """Token ids (prompts, /detokenize, logit_bias keys) are in [0, vocab_size); a stop token id past it passes
+    """Token ids (prompts, embedding inputs, /detokenize, logit_bias keys) are in [0, vocab_size); a stop token id past it passes
     (it never matches)."""
     if vocab_size is None:
         return
-    id_fields = [(schemas[body]["properties"], "prompt") for body in ("CompletionRequest",)]
+    id_fields = [(schemas[body]["properties"], field) for body, field in
+                 (("CompletionRequest", "prompt"), ("EmbeddingRequest", "input")) if body in schemas]
     id_fields.append((schemas["DetokenizeRequest"]["properties"], "tokens"))
     for properties, name in id_fields:
         for option in _options(properties.get(name, {})):
