@@ -155,6 +155,7 @@ def _caps(schema: dict[str, Any], max_output_tokens: Optional[int]) -> None:
     cap = {"maximum": max_output_tokens} if max_output_tokens is not None else {}
     _token_ids_only(properties)
     _sampling_ranges(properties)
+    properties["min_tokens"]["description"] = "At most the tokens to generate (max_tokens): a 400 otherwise."
     tokens = properties["max_tokens"]
     if "max_completion_tokens" in properties:  # chat: max_tokens counts only without max_completion_tokens
         _bound(properties["max_completion_tokens"], "integer", minimum=1, **cap)
@@ -230,7 +231,7 @@ def _served_features(schemas: dict[str, Any], facts: ServedFacts) -> None:
     for name in _GENERATION_BODIES:
         if not facts.priority_scheduling:
             _refused_fields(schemas[name], {"priority": ("priorities other than 0: --scheduling-policy fcfs", (0,))})
-        schemas[name].setdefault("allOf", []).append(_STREAMED_OR_NOT)
+        schemas[name].setdefault("allOf", []).append(_streamed_or_not())
         _one_output_constraint(schemas[name])
     structured = schemas["StructuredOutputsBody"]
     _constraint_kinds(structured["properties"], "json", "regex")
@@ -258,7 +259,7 @@ def _embedding_dimensions(properties: dict[str, Any], pooler: PoolerConfig) -> N
         _refused_fields({"properties": properties}, {"dimensions": ("dimensions: this model is not Matryoshka", ())})
     elif pooler.matryoshka_dimensions:
         listed = sorted(d for d in pooler.matryoshka_dimensions if d <= pooler.hidden_size)
-        field["anyOf"] = [{"enum": listed}, _NULL]
+        field["anyOf"] = [{"enum": listed}, _null()]
     else:
         _bound(field, "integer", maximum=pooler.hidden_size)
 
@@ -273,11 +274,17 @@ def _constraint_kinds(properties: dict[str, Any], json_field: str, regex_field: 
             option["format"] = "regex"
 
 
-_NULL = {"type": "null"}
-# Streamed (no prompt_logprobs, as in vLLM) or not (no stream_options): two branches, where an if/then per rule
-# would double the alternatives a generator has to expand (schemathesis gives up on a body with too many).
-_STREAMED_OR_NOT = {"anyOf": [{"required": ["stream"], "properties": {"stream": {"const": True}, "prompt_logprobs": _NULL}},
-                              {"properties": {"stream": {"enum": [False, None]}, "stream_options": _NULL}}]}
+def _null() -> dict[str, Any]:
+    return {"type": "null"}
+
+
+def _streamed_or_not() -> dict[str, Any]:
+    """Streamed (no prompt_logprobs, as in vLLM) or not (no stream_options): two branches, where an if/then per
+    rule would double the alternatives a generator has to expand (schemathesis gives up on a body with too many)."""
+    return {"anyOf": [{"required": ["stream"], "properties": {"stream": {"const": True}, "prompt_logprobs": _null()}},
+                      {"properties": {"stream": {"enum": [False, None]}, "stream_options": _null()}}]}
+
+
 _GUIDED_NOTE = (f"vLLM's older spellings {', '.join(GUIDED_FIELDS)} are accepted too (one output constraint in all) "
                 "but not listed: each would add alternatives past what schema-driven generators expand.")
 
@@ -288,8 +295,8 @@ def _one_output_constraint(schema: dict[str, Any]) -> None:
     for name in GUIDED_FIELDS:
         schema["properties"].pop(name, None)
     schema["description"] = f"{schema.get('description', '')}\n\n{_GUIDED_NOTE}".strip()
-    schema.setdefault("allOf", []).append({"anyOf": [{"properties": {"response_format": _NULL}},
-                                                     {"properties": {"structured_outputs": _NULL}}]})
+    schema.setdefault("allOf", []).append({"anyOf": [{"properties": {"response_format": _null()}},
+                                                     {"properties": {"structured_outputs": _null()}}]})
 
 
 def _exactly_one_kind(structured: dict[str, Any]) -> None:
@@ -299,9 +306,11 @@ def _exactly_one_kind(structured: dict[str, Any]) -> None:
         options = [option for option in _options(field)[1:] or [field] if option.get("type") != "null"]
         given[name] = options[0] if len(options) == 1 else {"anyOf": options}
     given["choice"]["minItems"] = 1
+    given["regex"]["minLength"] = 1
+    given["grammar"]["pattern"] = r"\S"  # a blank grammar is refused
     given["json_object"] = {"const": True}
-    absent = {name: _NULL for name in given} | {"json_object": {"enum": [False, None]}}
-    structured["properties"] = {name: {"anyOf": [field, _NULL]} for name, field in given.items()}
+    absent = {name: _null() for name in given} | {"json_object": {"enum": [False, None]}}
+    structured["properties"] = {name: {"anyOf": [field, _null()]} for name, field in given.items()}
     structured["properties"]["json_object"] = {"type": ["boolean", "null"]}
     structured["anyOf"] = [{"required": [name], "properties": {**absent, name: field}} for name, field in given.items()]
 
@@ -313,7 +322,7 @@ def _response_format(response_format: dict[str, Any], json_schema: dict[str, Any
     response_format.setdefault("allOf", []).append({
         "if": _given("type", {"const": "json_schema"}),
         "then": _given("json_schema", {"type": "object", **_given("schema", usable)})})
-    json_schema["properties"]["schema"] = {"anyOf": [{"type": "object"}, {"type": "boolean"}, _NULL], "title": "Schema"}
+    json_schema["properties"]["schema"] = {"anyOf": [{"type": "object"}, {"type": "boolean"}, _null()], "title": "Schema"}
 
 
 _MEDIA_PART_REF = "#/components/schemas/MediaPart"
