@@ -190,6 +190,7 @@ class ModelInfo:
     kv_cache_bytes: int  # the paged KV pool
     scheduling_policy: str = "fcfs"  # "priority": a request's priority orders it (else only 0 is accepted)
     expert_placement: tuple[tuple[int, ...], ...] = ()  # per tensor-parallel rank, its experts (expert parallel)
+    pooler_config: Optional[PoolerConfig] = None  # how embeddings pool (what `dimensions` values pass)
 
     def expert_placement_text(self) -> str:
         """"experts: rank 0 holds 0-3, rank 1 holds 4-7" ("" without expert parallelism)."""
@@ -329,7 +330,7 @@ class LLMEngine:
             dtype=str(self.executor.dtype).replace("torch.", ""),
             quantization=quantization_label(args.quantization, self.model_config),
             weight_bytes=self.executor.weight_bytes, kv_cache_bytes=self.executor.kv_cache_bytes,
-            scheduling_policy=self.scheduler.config.policy, expert_placement=placement)
+            scheduling_policy=self.scheduler.config.policy, expert_placement=placement, pooler_config=self.pooler_config)
         if placement:
             logger.info("expert parallel: %s", self.model_info.expert_placement_text())
 

@@ -243,7 +243,8 @@ def build_app(engine: Union[AsyncLLMEngine, Sequence[AsyncLLMEngine]], settings:
     primary = engines[0].model_info
     install_openapi(app, ServedFacts(
         settings.max_output_tokens, primary.vocab_size, primary.scheduling_policy == "priority",
-        primary.tokenizer.chat_template_variables if primary.tokenizer is not None else None))
+        primary.tokenizer.chat_template_variables if primary.tokenizer is not None else None, primary.pooler_config,
+        settings.max_sequences_per_request))
     _add_routes(app, replicas, engines, router, degraded, metrics, settings)
 
     def on_finished(record: dict[str, Any]) -> None:

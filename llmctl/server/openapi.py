@@ -11,7 +11,6 @@ their real content types (Prometheus text, Server-Sent Events).
 
 from __future__ import annotations
 
-import itertools
 import json
 import warnings
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any, Optional
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from llmctl.engine.pooling import PoolerConfig
 from llmctl.engine.sampling_params import MAX_LOGPROBS
 from llmctl.server.middleware import is_protected
 from llmctl.server.protocol import (GUIDED_FIELDS, MAX_N, RESPONSE_FORMATS, ChatCompletionRequest, CompletionRequest,
@@ -75,6 +75,8 @@ class ServedFacts:
     vocab_size: Optional[int] = None  # token ids are below it
     priority_scheduling: bool = True  # False: only priority 0 is accepted
     template_variables: Optional[frozenset[str]] = None  # what the chat template reads (None: not known)
+    pooler: Optional[PoolerConfig] = None  # how embeddings pool: which `dimensions` pass (None: not known)
+    max_sequences_per_request: Optional[int] = None  # --max-seqs-per-request: the cap on embedding inputs
 
 
 def install_openapi(app: FastAPI, facts: ServedFacts = ServedFacts()) -> None:
@@ -153,8 +155,7 @@ def _caps(schema: dict[str, Any], max_output_tokens: Optional[int]) -> None:
     cap = {"maximum": max_output_tokens} if max_output_tokens is not None else {}
     _token_ids_only(properties)
     _sampling_ranges(properties)
-    schema.setdefault("allOf", []).append(  # stream_options only with stream: true
-        {"if": _given("stream_options", {"type": "object"}), "then": _given("stream", {"const": True})})
+    properties["min_tokens"]["description"] = "At most the tokens to generate (max_tokens): a 400 otherwise."
     tokens = properties["max_tokens"]
     if "max_completion_tokens" in properties:  # chat: max_tokens counts only without max_completion_tokens
         _bound(properties["max_completion_tokens"], "integer", minimum=1, **cap)
@@ -230,14 +231,37 @@ def _served_features(schemas: dict[str, Any], facts: ServedFacts) -> None:
     for name in _GENERATION_BODIES:
         if not facts.priority_scheduling:
             _refused_fields(schemas[name], {"priority": ("priorities other than 0: --scheduling-policy fcfs", (0,))})
-        schemas[name].setdefault("allOf", []).append(  # prompt_logprobs are not streamed (as in vLLM)
-            {"if": _given("prompt_logprobs", {"type": "integer"}), "then": {"not": _given("stream", {"const": True})}})
-        _constraint_kinds(schemas[name]["properties"], "guided_json", "guided_regex")
+        schemas[name].setdefault("allOf", []).append(_streamed_or_not())
         _one_output_constraint(schemas[name])
     structured = schemas["StructuredOutputsBody"]
     _constraint_kinds(structured["properties"], "json", "regex")
-    _exactly_one_field(structured)
+    _exactly_one_kind(structured)
     _response_format(schemas["ResponseFormat"], schemas["JsonSchemaFormat"])
+    if "EmbeddingRequest" in schemas:
+        _embedding_request(schemas["EmbeddingRequest"]["properties"], facts)
+
+
+def _embedding_request(properties: dict[str, Any], facts: ServedFacts) -> None:
+    """At most --max-seqs-per-request inputs; `dimensions` as the model's pooling allows."""
+    if facts.max_sequences_per_request is not None:
+        for option in _options(properties["input"]):
+            if option.get("type") == "array" and option.get("items", {}).get("type") != "integer":
+                option["maxItems"] = min(option.get("maxItems", facts.max_sequences_per_request),
+                                         facts.max_sequences_per_request)
+    if facts.pooler is not None:
+        _embedding_dimensions(properties, facts.pooler)
+
+
+def _embedding_dimensions(properties: dict[str, Any], pooler: PoolerConfig) -> None:
+    """`dimensions` truncates a Matryoshka model's vector (to one of its listed sizes, when it lists them)."""
+    field = properties["dimensions"]
+    if not pooler.is_matryoshka:
+        _refused_fields({"properties": properties}, {"dimensions": ("dimensions: this model is not Matryoshka", ())})
+    elif pooler.matryoshka_dimensions:
+        listed = sorted(d for d in pooler.matryoshka_dimensions if d <= pooler.hidden_size)
+        field["anyOf"] = [{"enum": listed}, _null()]
+    else:
+        _bound(field, "integer", maximum=pooler.hidden_size)
 
 
 def _constraint_kinds(properties: dict[str, Any], json_field: str, regex_field: str) -> None:
@@ -250,38 +274,55 @@ def _constraint_kinds(properties: dict[str, Any], json_field: str, regex_field: 
             option["format"] = "regex"
 
 
-_OUTPUT_CONSTRAINTS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
-_NOT_NULL = {"not": {"type": "null"}}
+def _null() -> dict[str, Any]:
+    return {"type": "null"}
+
+
+def _streamed_or_not() -> dict[str, Any]:
+    """Streamed (no prompt_logprobs, as in vLLM) or not (no stream_options): two branches, where an if/then per
+    rule would double the alternatives a generator has to expand (schemathesis gives up on a body with too many)."""
+    return {"anyOf": [{"required": ["stream"], "properties": {"stream": {"const": True}, "prompt_logprobs": _null()}},
+                      {"properties": {"stream": {"enum": [False, None]}, "stream_options": _null()}}]}
+
+
+_GUIDED_NOTE = (f"vLLM's older spellings {', '.join(GUIDED_FIELDS)} are accepted too (one output constraint in all) "
+                "but not listed: each would add alternatives past what schema-driven generators expand.")
 
 
 def _one_output_constraint(schema: dict[str, Any]) -> None:
-    """At most one of response_format, structured_outputs and guided_* in a request (`protocol.structured_outputs`)."""
-    for first, second in itertools.combinations(_OUTPUT_CONSTRAINTS, 2):
-        schema.setdefault("allOf", []).append({"not": {"required": [first, second],
-                                                       "properties": {first: _NOT_NULL, second: _NOT_NULL}}})
-    choice = schema["properties"]["guided_choice"]
-    for option in _options(choice):
-        if option.get("type") == "array":
-            option["minItems"] = 1
+    """At most one of response_format and structured_outputs (`protocol.structured_outputs`); the guided_*
+    spellings, which count as one more, are told in the description instead of the schema."""
+    for name in GUIDED_FIELDS:
+        schema["properties"].pop(name, None)
+    schema["description"] = f"{schema.get('description', '')}\n\n{_GUIDED_NOTE}".strip()
+    schema.setdefault("allOf", []).append({"anyOf": [{"properties": {"response_format": _null()}},
+                                                     {"properties": {"structured_outputs": _null()}}]})
 
 
-def _exactly_one_field(structured: dict[str, Any]) -> None:
-    """vLLM's structured_outputs holds exactly one constraint, given (not null, json_object only true)."""
+def _exactly_one_kind(structured: dict[str, Any]) -> None:
+    """vLLM's structured_outputs holds exactly one constraint: null (and json_object false) mean "not this one"."""
+    given: dict[str, dict[str, Any]] = {}
     for name, field in structured["properties"].items():
         options = [option for option in _options(field)[1:] or [field] if option.get("type") != "null"]
-        structured["properties"][name] = options[0] if len(options) == 1 else {"anyOf": options}
-    structured["properties"]["json_object"] = {"const": True}
-    structured["properties"]["choice"]["minItems"] = 1
-    structured.update(minProperties=1, maxProperties=1)
+        given[name] = options[0] if len(options) == 1 else {"anyOf": options}
+    given["choice"]["minItems"] = 1
+    given["regex"]["minLength"] = 1
+    given["grammar"]["pattern"] = r"\S"  # a blank grammar is refused
+    given["json_object"] = {"const": True}
+    absent = {name: _null() for name in given} | {"json_object": {"enum": [False, None]}}
+    structured["properties"] = {name: {"anyOf": [field, _null()]} for name, field in given.items()}
+    structured["properties"]["json_object"] = {"type": ["boolean", "null"]}
+    structured["anyOf"] = [{"required": [name], "properties": {**absent, name: field}} for name, field in given.items()]
 
 
 def _response_format(response_format: dict[str, Any], json_schema: dict[str, Any]) -> None:
-    """Its type is one of RESPONSE_FORMATS; json_schema needs the schema (an object, or true)."""
+    """Its type is one of RESPONSE_FORMATS; json_schema needs the schema (an object, or true), which other types ignore."""
     response_format["properties"]["type"] = {"enum": list(RESPONSE_FORMATS), "title": "Type"}
+    usable = {"anyOf": [{"type": "object"}, {"const": True}]}
     response_format.setdefault("allOf", []).append({
         "if": _given("type", {"const": "json_schema"}),
-        "then": {"required": ["json_schema"], "properties": {"json_schema": {"required": ["schema"]}}}})
-    json_schema["properties"]["schema"] = {"anyOf": [{"type": "object"}, {"const": True}], "title": "Schema"}
+        "then": _given("json_schema", {"type": "object", **_given("schema", usable)})})
+    json_schema["properties"]["schema"] = {"anyOf": [{"type": "object"}, {"type": "boolean"}, _null()], "title": "Schema"}
 
 
 _MEDIA_PART_REF = "#/components/schemas/MediaPart"
@@ -299,11 +340,12 @@ def _text_parts_only(schemas: dict[str, Any]) -> None:
 
 
 def _token_ids_in(schemas: dict[str, Any], vocab_size: Optional[int]) -> None:
-    """Token ids (prompts, stop_token_ids, /detokenize, logit_bias keys) are in [0, vocab_size)."""
+    """Token ids (prompts, embedding inputs, /detokenize, logit_bias keys) are in [0, vocab_size); a stop token id past it passes
+    (it never matches)."""
     if vocab_size is None:
         return
-    id_fields = [(schemas[body]["properties"], "prompt") for body in ("CompletionRequest",)]
-    id_fields += [(schemas[body]["properties"], "stop_token_ids") for body in _GENERATION_BODIES]
+    id_fields = [(schemas[body]["properties"], field) for body, field in
+                 (("CompletionRequest", "prompt"), ("EmbeddingRequest", "input")) if body in schemas]
     id_fields.append((schemas["DetokenizeRequest"]["properties"], "tokens"))
     for properties, name in id_fields:
         for option in _options(properties.get(name, {})):

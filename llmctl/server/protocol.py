@@ -445,7 +445,7 @@ def engine_params(body: Union[CompletionRequest, ChatCompletionRequest], prompts
                   limits: ServerLimits, chat_output: Optional[ChatOutputSpec] = None) -> EngineParams:
     """The request's `EngineParams`; a value the server refuses raises `APIError` or `InvalidRequestError`
     naming its field (the fan-out first, then per prompt its max_tokens and sampling values)."""
-    _check_fan_out(body.n, len(prompts), limits.max_sequences_per_request)
+    check_fan_out(body.n, len(prompts), limits.max_sequences_per_request)
     sampling = tuple(_sampling_params(body, _resolve_max_tokens(body, len(prompt.token_ids), limits),
                                       limits.vocab_size) for prompt in prompts)
     sampling = _with_tool_grammar(body, sampling, chat_output)
@@ -463,12 +463,13 @@ def engine_params(body: Union[CompletionRequest, ChatCompletionRequest], prompts
     )
 
 
-def _check_fan_out(n: int, num_prompts: int, max_sequences: int) -> None:
+def check_fan_out(n: int, num_prompts: int, max_sequences: int, param: str = "n") -> None:
+    """Refuse more than --max-seqs-per-request sequences (prompts, or embedding inputs, x n) in one request."""
     sequences = num_prompts * n
     if sequences > max_sequences:
         raise APIError(400, f"the request asks for {sequences} sequences ({num_prompts} prompts x n={n}); "
                             f"this server allows at most {max_sequences} per request "
-                            "(--max-seqs-per-request)", param="n", code="too_many_sequences")
+                            "(--max-seqs-per-request)", param=param, code="too_many_sequences")
 
 
 def requested_max_tokens(body: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
@@ -692,11 +693,14 @@ class DetokenizeRequest(_Body):
 _TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
+_Text = Annotated[str, Field(min_length=1)]  # an empty text has no token to embed (OpenAI refuses it too)
+
+
 class EmbeddingRequest(_Body):
     """OpenAI's embeddings body, with vLLM's extras `normalize` and `add_special_tokens`; the bounds are in the
     schema so /openapi.json tells them."""
     model: Optional[str] = None
-    input: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)],
+    input: Union[_Text, Annotated[list[_Text], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)],
                  Annotated[_TokenIds, Field(min_length=1)],
                  Annotated[list[Annotated[_TokenIds, Field(min_length=1)]], Field(min_length=1,
                                                                                  max_length=MAX_PROMPTS_PER_REQUEST)]]

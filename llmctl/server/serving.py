@@ -28,8 +28,8 @@ from llmctl.server.metrics import ServerMetrics
 from llmctl.server.middleware import AUDIT_KEY
 from llmctl.server.protocol import (MAX_PROMPTS_PER_REQUEST, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, EmbeddingRequest, EngineParams, Prompt, ServerLimits,
-                                    TokenizeChatRequest, TokenizeCompletionRequest, check_unsupported, engine_params,
-                                    template_messages)
+                                    TokenizeChatRequest, TokenizeCompletionRequest, check_fan_out, check_unsupported,
+                                    engine_params, template_messages)
 from llmctl.server.tool_calling import ChatFeatures, chat_output_spec, check_tool_choice, template_variables
 from llmctl.server.responses import SSE_DONE, Choice, ResponseShapes, TokenTexts, shapes_for, sse, token_usage
 from llmctl.server.text_filter import OutputFilter, RequestFilter
@@ -240,6 +240,7 @@ class OpenAIServing:
         """One pooling request per input, batched by the engine with everything else; the body once all are in."""
         self.check_model(body.model)
         items = body.inputs()  # 1 to MAX_PROMPTS_PER_REQUEST of them (the body's schema)
+        check_fan_out(1, len(items), self.limits.max_sequences_per_request, param="input")
         self._check_text_length(body)
         prompts = await asyncio.to_thread(lambda: [self._prompt(item, body.add_special_tokens) for item in items])
         too_long = next((i for i, p in enumerate(prompts) if len(p.token_ids) > self.max_model_len), None)
