@@ -201,15 +201,17 @@ class ModelInfo:
 
 def _model_config_and_tokenizer(args: EngineArgs, folder: Path) -> tuple[ModelConfig, Optional[Tokenizer]]:
     """The checkpoint's model config and the tokenizer (--tokenizer, else the checkpoint's; None when skipped)."""
-    if is_gguf(folder):
+    if is_gguf(folder):  # the model config first: an unsupported architecture is the error to report
         gguf = GGUFFile(folder)
+        model_config = gguf.model_config()
         tokenizer = None if args.skip_tokenizer_init else (
             Tokenizer.from_pretrained(resolve_model_folder(args.tokenizer)) if args.tokenizer
             else Tokenizer.from_gguf(gguf.metadata, folder.name))
-        return gguf.model_config(), tokenizer
+        return model_config, tokenizer
+    model_config = ModelConfig.from_pretrained(folder)
     tokenizer = (None if args.skip_tokenizer_init
                  else Tokenizer.from_pretrained(resolve_model_folder(args.tokenizer) if args.tokenizer else folder))
-    return ModelConfig.from_pretrained(folder), tokenizer
+    return model_config, tokenizer
 
 
 def _draft_model(args: EngineArgs, model_config: ModelConfig, folder: Path,

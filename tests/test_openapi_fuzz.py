@@ -101,8 +101,9 @@ def test_the_document_declares_what_the_server_accepts_and_sends(server, documen
     # a whole number written 2.0 is the integer the schema says it is
     assert httpx.post(server.base_url + "/v1/completions", timeout=60,
                       json={"prompt": [[5.0, 6.0]], "max_tokens": 2.0, "n": 1.0}).status_code == 200
-    # the server's caps: n <= 16, max_tokens <= --max-output-tokens (3 here, below the default 16: required)
-    assert {"type": "integer", "minimum": 1, "maximum": 16} == {k: v for k, v in
+    # the server's caps: n <= 16 and --max-seqs-per-request (4 here), max_tokens <= --max-output-tokens (3 here,
+    # below the default 16: required)
+    assert {"type": "integer", "minimum": 1, "maximum": 4} == {k: v for k, v in
                                                               completion["properties"]["n"]["anyOf"][0].items()}
     assert "max_tokens" in completion["required"]
     # content types: Prometheus text for /metrics, Server-Sent Events for streamed answers

@@ -102,7 +102,7 @@ def _truthful(document: dict[str, Any], facts: ServedFacts) -> dict[str, Any]:
         if name in _BODIES:
             _refused_fields(schema, unsupported_fields(_BODIES[name]))
         if name in _GENERATION_BODIES:
-            _caps(schema, facts.max_output_tokens)
+            _caps(schema, facts.max_output_tokens, facts.max_sequences_per_request)
     _text_parts_only(schemas)
     _token_ids_in(schemas, facts.vocab_size)
     _served_features(schemas, facts)
@@ -148,10 +148,12 @@ def _refused_fields(schema: dict[str, Any], refused: dict[str, tuple[str, tuple]
                                       "description": f"Not supported by this server ({what}): only these values pass."}
 
 
-def _caps(schema: dict[str, Any], max_output_tokens: Optional[int]) -> None:
-    """The server's caps on `n` and on the tokens to generate (`protocol`'s `_resolve_max_tokens`)."""
+def _caps(schema: dict[str, Any], max_output_tokens: Optional[int], max_sequences: Optional[int]) -> None:
+    """The server's caps on `n` (one prompt's worth of --max-seqs-per-request; prompts x n is checked too, which
+    a schema cannot say) and on the tokens to generate (`protocol`'s `_resolve_max_tokens`)."""
     properties = schema.get("properties", {})
-    _bound(properties["n"], "integer", minimum=1, maximum=MAX_N)
+    _bound(properties["n"], "integer", minimum=1, maximum=min(MAX_N, max_sequences or MAX_N))
+    properties["n"]["description"] = "Sequences per prompt; prompts x n is at most --max-seqs-per-request (a 400 otherwise)."
     cap = {"maximum": max_output_tokens} if max_output_tokens is not None else {}
     _token_ids_only(properties)
     _sampling_ranges(properties)
