@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -72,7 +73,7 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
-class _GraphBuckets:
+class _GraphBuckets(ABC):
     """Graphs per batch-size bucket, captured smallest first within a memory allowance; a batch replays the
     smallest captured bucket that holds it. A subclass captures one bucket (`_capture_bucket`)."""
 
@@ -95,8 +96,9 @@ class _GraphBuckets:
     def _bucket_for(self, rows: int) -> Optional[int]:
         return next((size for size in sorted(self._captured) if size >= rows), None)
 
+    @abstractmethod
     def _capture_bucket(self, size: int) -> None:
-        raise NotImplementedError
+        """Capture one batch-size bucket's graph(s) into `self._captured[size]`."""
 
     def capture_all(self, allowance: Optional[int], measure: Callable[[Callable[[], object]], int],
                     agree: Optional[Callable[[bool], bool]] = None) -> int:

@@ -15,7 +15,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -304,6 +304,16 @@ def _add_routes(app: FastAPI, replicas: list[AsyncLLMEngine], engines: list[Asyn
         _add_profile_routes(app, engines[0], settings.profile_dir)
 
 
+async def _on_route(route: Route[ReplicaBalancer[_Served]], body, request: Request,
+                    endpoint: Callable[[OpenAIServing], Callable]):
+    """`endpoint` of a replica of the routed model, on the body renamed to that model; the route released after."""
+    try:
+        serving = route.target.pick().serving
+        return await endpoint(serving)(body.model_copy(update={"model": route.model}), request)
+    finally:
+        route.release()
+
+
 def _add_completion_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Served]], degraded) -> None:
     async def routed(body, request: Request) -> Route[ReplicaBalancer[_Served]]:
         """Admit `body` by the policy of the model it names (an API key's permission is for that model),
@@ -318,21 +328,11 @@ def _add_completion_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Se
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        route = await routed(body, request)
-        try:
-            serving = route.target.pick().serving
-            return await serving.completions(body.model_copy(update={"model": route.model}), request)
-        finally:
-            route.release()
+        return await _on_route(await routed(body, request), body, request, lambda serving: serving.completions)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        route = await routed(body, request)
-        try:
-            serving = route.target.pick().serving
-            return await serving.chat(body.model_copy(update={"model": route.model}), request)
-        finally:
-            route.release()
+        return await _on_route(await routed(body, request), body, request, lambda serving: serving.chat)
 
 
 def _add_tokenize_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Served]]) -> None:
@@ -358,11 +358,7 @@ def _add_embedding_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Ser
     async def embeddings(body: EmbeddingRequest, request: Request):
         check_model_access(key_of(request), body.model or router.primary_name)
         route = router.route(body.model, may_degrade=False)  # another model's vectors live in another space
-        try:
-            serving = route.target.pick().serving
-            return await serving.embeddings(body.model_copy(update={"model": route.model}), request)
-        finally:
-            route.release()
+        return await _on_route(route, body, request, lambda serving: serving.embeddings)
 
 
 def _add_model_routes(app: FastAPI, router: ModelRouter[ReplicaBalancer[_Served]]) -> None:
