@@ -2,13 +2,19 @@
 micro-batches in flight (one per stage, the engine's way) against the same ranks running one batch at a time
 (every stage but one idle in each step), on the same batch of decoding sequences, in the same run.
 
-    python benchmarks/pipeline.py [--stages 2] [--seqs 16] [--new-tokens 48] [--hidden 1024] [--layers 8] [--json]
+    python benchmarks/pipeline.py [--stages 2] [--seqs 128] [--new-tokens 32] [--hidden 2048] [--layers 4] [--json]
 
 The model is a random-weight Llama (--load-format dummy) of the given size, on the CPU over gloo; each
 rank gets the host's cores divided between the ranks. Throughput counts the decode tokens after every
 prompt's prefill. The bubble share is estimated from the two runs: one batch at a time keeps each stage
 busy 1/P of the time (ideally), so micro-batches that run at `speedup` times its rate leave each stage idle
 1 - speedup / P of the time.
+
+The defaults give each stage a batch whose time grows with its rows (128 sequences, two micro-batches of 64 on a
+2048-wide model): there a stage's step costs about half as much at half the rows, and micro-batching can approach
+P times one batch at a time. At a few rows a CPU stage is bound by reading its weights, which two micro-batches
+read twice per round where one batch reads them once, and the speedup shrinks towards 1 (pipeline parallelism
+is for models that do not fit one device, not for small batches).
 """
 
 from __future__ import annotations
@@ -75,10 +81,10 @@ def _run(args: EngineArgs, pipelined: bool, seqs: int, new_tokens: int) -> float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--seqs", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seqs", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:

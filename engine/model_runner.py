@@ -120,11 +120,15 @@ class StepInputs:
     host: Optional[HostVectors] = None  # where the driver built the vectors on the CPU
     # the token rows whose final hidden states pooling rows read (driver only; None: no row pools)
     pooling_indices: Optional[torch.Tensor] = None
+    # pipeline parallelism: which of the micro-batches in flight this is (vLLM's virtual engine); the same
+    # sequences come back in the same slot, so per-slot state kept between steps stays valid
+    micro_batch: int = 0
 
     def attention_batch(self, block_size: int) -> CommonAttentionMetadata:
         return CommonAttentionMetadata(seq_ids=self.seq_ids, query_lens=self.query_lens,
                                        context_lens=self.context_lens, block_tables=self.block_tables,
-                                       slot_mapping=self.slot_mapping, block_size=block_size)
+                                       slot_mapping=self.slot_mapping, block_size=block_size,
+                                       micro_batch=self.micro_batch)
 
 
 @dataclass
@@ -322,7 +326,7 @@ class ModelRunner:
         budget = int(self.kv_cache_bytes * self.attention.workspace_share)
         if self.device.type != "cuda":
             budget = max(budget, WORKSPACE_FLOOR_BYTES)
-        self.attention.set_workspace_budget(budget // bytes_per_token)
+        self.attention.set_workspace_budget(budget // bytes_per_token, self.pp.size)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self._last_sampled: Optional[LastSampled] = None  # async scheduling: the last launched step's ids
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s", self.num_blocks,

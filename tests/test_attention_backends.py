@@ -97,7 +97,7 @@ def test_verify_rows_mixed_with_decodes_give_the_one_by_one_logits(backend):
     a = run.add([(7 * i + 1) % vocab for i in range(TOKENS)])
     b = run.add([(11 * i + 5) % vocab for i in range(TOKENS)])
     c = run.add([(13 * i + 2) % vocab for i in range(TOKENS)])
-    workspace = getattr(run.runner.attention, "workspace", None)  # the torch path's kept decode K/V
+    workspace = (getattr(run.runner.attention, "workspaces", None) or [None])[0]  # the torch path's kept decode K/V
     run.step([(a, 21), (b, 37), (c, 50)])  # prefill chunks
     for _ in range(2):  # decode rows: the torch path keeps a's and b's K/V
         run.step([(a, 1), (b, 1)])
@@ -168,7 +168,7 @@ class ReferenceAttention:
     def kv_cache_shape(self, num_blocks, block_size):
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def set_workspace_budget(self, tokens):
+    def set_workspace_budget(self, tokens, micro_batches=1):
         pass  # keeps nothing between steps
 
     def truncate(self, seq_id, num_tokens):

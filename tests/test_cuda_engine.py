@@ -117,7 +117,7 @@ def _record_kept_high_water(attention):
     high = [0]
     if not isinstance(attention, TorchAttention):
         return lambda: 0
-    workspace = attention.workspace
+    workspace = attention.workspaces[0]
     plan = workspace.plan
 
     def recording_plan(*args, **kwargs):

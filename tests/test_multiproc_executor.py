@@ -15,7 +15,7 @@ import torch
 from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError, RankFailedError
 from llmctl.engine.model_runner import StepInputs
-from llmctl.engine.executor.multiproc_executor import pack_step, unpack_step
+from llmctl.engine.executor.multiproc_executor import HEADER_LEN, pack_step, unpack_step
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
@@ -24,14 +24,14 @@ TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
 def test_a_step_message_carries_every_forward_input_and_the_kept_state_changes():
     inputs = StepInputs(torch.tensor([5, 6, 7, 8]), torch.tensor([9, 0, 1, 2]), torch.tensor([41, 16, 17, 18]),
                         torch.tensor([0, 3]), seq_ids=[4, 2], query_lens=[1, 3], context_lens=[10, 3],
-                        block_tables=[[0, 2, 7], [1]])
+                        block_tables=[[0, 2, 7], [1]], micro_batch=1)
     header, payload = pack_step(inputs, [(4, 9), (11, 2)], release=True)
-    assert header.shape == (8,) and payload.dtype == torch.long
+    assert header.shape == (HEADER_LEN,) and payload.dtype == torch.long
     got, truncations, release = unpack_step(header, payload, torch.device("cpu"))
     for name in ("input_ids", "positions", "slot_mapping", "logits_indices"):
         assert torch.equal(getattr(got, name), getattr(inputs, name))
-    assert (got.seq_ids, got.query_lens, got.context_lens, got.block_tables) == (
-        [4, 2], [1, 3], [10, 3], [[0, 2, 7], [1]])
+    assert (got.seq_ids, got.query_lens, got.context_lens, got.block_tables, got.micro_batch) == (
+        [4, 2], [1, 3], [10, 3], [[0, 2, 7], [1]], 1)
     assert truncations == [(4, 9), (11, 2)] and release
     empty, none, kept = unpack_step(*pack_step(StepInputs(*(torch.tensor([], dtype=torch.long),) * 4, [], [], [], []),
                                                [], False), torch.device("cpu"))

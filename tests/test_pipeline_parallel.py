@@ -91,6 +91,37 @@ def test_two_stages_give_one_ranks_greedy_tokens_through_mixed_batches_chunks_an
     assert got_decodes == {str(i): w for i, w in enumerate(want_decodes) if str(i) != aborted}
 
 
+def test_each_micro_batch_keeps_its_own_decode_rows_so_steady_decode_gathers_nothing(tiny_models, cpu_kernels_off):
+    """The torch decode path keeps each micro-batch's K/V rows in the micro-batch's own workspace: two micro-batches
+    alternating through one stage must not evict each other's rows (each step would gather every context from the
+    pool again). Stage 0 runs in this process: after each sequence's first decode step, none is gathered."""
+    decodes = [[3 + i, 40 + i, 7, 9] for i in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with _llm(tiny_models["llama"], **dict(num_kv_blocks=24)) as one:
+        want = [o.outputs[0].token_ids for o in one.generate(decodes, params)]
+    with _llm(tiny_models["llama"], pipeline_parallel_size=2, num_kv_blocks=24) as pp:
+        attention = pp.engine.executor.runner.attention
+        assert len(attention.workspaces) == 2
+        gathered = []
+        for slot, workspace in enumerate(attention.workspaces):
+            plan = workspace.plan
+
+            def recording_plan(seq_ids, *args, _plan=plan, _slot=slot, **kwargs):
+                made = _plan(seq_ids, *args, **kwargs)
+                gathered.append((_slot, frozenset(seq_ids), 0 if made.fill_rows is None else made.fill_rows.numel()))
+                return made
+
+            workspace.plan = recording_plan
+        got = [o.outputs[0].token_ids for o in pp.generate(decodes, params)]
+    assert got == want
+    members = {}
+    for slot, seq_ids, _ in gathered:
+        members.setdefault(slot, seq_ids)
+        assert seq_ids == members[slot]  # a slot's micro-batch holds the same sequences each step
+    assert members[0].isdisjoint(members[1])
+    assert [fills for _, _, fills in gathered[2:]] == [0] * (len(gathered) - 2)  # each slot gathers on its first step
+
+
 def test_two_stages_of_two_tensor_parallel_ranks_give_one_ranks_tokens_and_a_killed_rank_fails_loudly(tiny_models):
     """Four ranks: each stage's heads split over two ranks, hidden states passed between matching ranks. Then
     a rank of the last stage is killed mid-request: the request fails with the rank named within the

@@ -59,6 +59,7 @@ import torch
 from llmctl.engine.args import ParallelConfig
 from llmctl.engine.cuda_profiler import ProfilerSteps, step_bracket
 from llmctl.engine.errors import EngineError, RankFailedError
+from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_runner import ModelRunner, PreparedStep, RunnerConfig, StepInputs, StepLogits
 from llmctl.engine.parallel import PipelineParallel, TensorParallel, pipeline_layer_ranges
 from llmctl.engine.sampler import SamplingRow
@@ -72,7 +73,8 @@ IDLE_TIMEOUT_S = 30 * 24 * 3600.0  # a worker waits this long for the next step 
 STOP_TIMEOUT_S = 10.0  # after the stop message, before a worker is killed
 
 EXECUTE, STOP = 1, 2
-HEADER_LEN = 8  # command, payload length, tokens, logits rows, rows, block-table width, truncations, release
+HEADER_LEN = 9  # command, payload length, tokens, logits rows, rows, block-table width, truncations, release,
+# micro-batch
 
 
 def _joined_key(rank: int) -> str:
@@ -100,18 +102,20 @@ def pack_step(inputs: StepInputs, truncations: list[tuple[int, int]], release: b
     payload = torch.cat([inputs.input_ids.cpu(), inputs.positions.cpu(), inputs.slot_mapping.cpu(),
                          inputs.logits_indices.cpu(), rows, tables.reshape(-1), flat_truncations])
     header = torch.tensor([EXECUTE, payload.numel(), inputs.input_ids.numel(), inputs.logits_indices.numel(),
-                           len(inputs.seq_ids), width, len(truncations), int(release)], dtype=torch.long)
+                           len(inputs.seq_ids), width, len(truncations), int(release), inputs.micro_batch],
+                          dtype=torch.long)
     return header, payload
 
 
 def unpack_step(header: torch.Tensor, payload: torch.Tensor,
                 device: torch.device) -> tuple[StepInputs, list[tuple[int, int]], bool]:
-    _, _, tokens, logits, rows, width, truncations, release = header.tolist()
+    _, _, tokens, logits, rows, width, truncations, release, micro_batch = header.tolist()
     parts = payload.split([tokens, tokens, tokens, logits, 3 * rows, rows * width, 2 * truncations])
     ids, positions, slots, logits_indices = (p.to(device) for p in parts[:4])
     seq_ids, query_lens, context_lens = parts[4].reshape(3, rows).tolist() if rows else ([], [], [])
     tables = [[b for b in row if b >= 0] for row in parts[5].reshape(rows, width).tolist()]
-    inputs = StepInputs(ids, positions, slots, logits_indices, seq_ids, query_lens, context_lens, tables)
+    inputs = StepInputs(ids, positions, slots, logits_indices, seq_ids, query_lens, context_lens, tables,
+                        micro_batch=micro_batch)
     return inputs, [tuple(t) for t in parts[6].reshape(-1, 2).tolist()], bool(release)
 
 
@@ -257,6 +261,7 @@ def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_
     logging.basicConfig(format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
     if config.device.type == "cpu":
         torch.set_num_threads(num_threads)
+        tune_cpu_allocator()  # as the driver's engine does: each step's activations would page-fault again
     try:
         store = None if parallel.torchrun else _store(parallel, rank)
         if store is not None:
@@ -335,6 +340,7 @@ class PendingStep:
     step: PreparedStep
     rows: list[Optional[SamplingRow]]
     messages: list
+    slot: int = 0  # its micro-batch slot, free again once collected
 
 
 class MultiprocExecutor:
@@ -358,6 +364,9 @@ class MultiprocExecutor:
         self._serving = False  # start-up done: every rank reads step messages
         self._truncations: list[tuple[int, int]] = []
         self._release = False
+        # micro-batch slots not in flight, the one freed last at the end: the batch scheduled after collecting a
+        # micro-batch holds its sequences again, so it takes its slot (and the state the ranks keep for it)
+        self._free_slots = list(reversed(range(parallel.pipeline_parallel_size)))
         self._processes: dict[int, object] = {}
         threads = _threads_per_rank(parallel, num_threads)
         if config.device.type == "cpu":
@@ -476,13 +485,14 @@ class MultiprocExecutor:
         while the later stages run it; `collect` samples it. Micro-batches are collected in submission order."""
         self.check_health()
         step = self.runner.prepare(scheduled)
+        slot = step.inputs.micro_batch = self._free_slots.pop()
         try:
             messages = self._send(step.inputs)
             self.runner.forward(step.inputs)  # stage 0: hands its output to stage 1 and returns
         except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
             self.fault = self._failure("step", exc)
             raise self.fault from None
-        return PendingStep(step, rows, messages)
+        return PendingStep(step, rows, messages, slot)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         self.check_health()
@@ -493,6 +503,7 @@ class MultiprocExecutor:
         except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
             self.fault = self._failure("step", exc)
             raise self.fault from None
+        self._free_slots.append(pending.slot)
         return self.runner.sample(pending.step, out, pending.rows)
 
     def _receive_logits(self, inputs: StepInputs) -> StepLogits:

@@ -35,6 +35,7 @@ class CommonAttentionMetadata:
     block_tables: list[list[int]]  # each row's KV blocks (may hold more blocks than its context needs)
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes in the pool
     block_size: int
+    micro_batch: int = 0  # pipeline parallelism: the micro-batch slot (state kept per slot)
     num_single: int = field(init=False)  # the leading rows of one query token
 
     def __post_init__(self) -> None:
@@ -92,8 +93,9 @@ class AttentionBackend(Protocol):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The shape of one layer's K (and of its V) pool: the KV layout."""
 
-    def set_workspace_budget(self, tokens: int) -> None:
-        """Cap the kept decode K/V at `tokens` tokens (all rows and layers together)."""
+    def set_workspace_budget(self, tokens: int, micro_batches: int = 1) -> None:
+        """Cap the kept decode K/V at `tokens` tokens (all rows and layers together), shared by `micro_batches`
+        pipeline micro-batches that each keep their own."""
 
     def build_metadata(self, batch: CommonAttentionMetadata) -> Any:
         """This backend's metadata for the step, shared by every layer."""
@@ -126,7 +128,7 @@ class TokenMajorStateless:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def set_workspace_budget(self, tokens: int) -> None:
+    def set_workspace_budget(self, tokens: int, micro_batches: int = 1) -> None:
         """Nothing is kept between steps."""
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:

@@ -53,6 +53,7 @@ class TorchAttentionMetadata:
     single_context_lens: Optional[torch.Tensor] = None  # [num_single] int64
     single_bias: Optional[torch.Tensor] = None  # [1, num_single, 1, padded context] float32: 0 or -inf
     workspace: Optional[WorkspacePlan] = None
+    kept: Optional[DecodeWorkspace] = None  # the micro-batch's kept decode K/V the plan is for
     # the 1-token rows' bias for the windows of layers whose window is not the backend's own, built once a step
     window_biases: dict[Optional[int], torch.Tensor] = field(default_factory=dict)
 
@@ -80,7 +81,8 @@ class TorchAttention:
         self.scale = scale or head_dim ** -0.5
         self.window = sliding_window
         self.softcap = softcap
-        self.workspace = DecodeWorkspace(num_kv_heads, head_dim)
+        # one kept decode K/V per pipeline micro-batch: each holds only its own sequences' rows
+        self.workspaces = [DecodeWorkspace(num_kv_heads, head_dim)]
         # The native CPU kernels, where their decode attention serves this model.
         fits = kernels is not None and softcap is None and kernels.supports_decode(dtype, num_heads, num_kv_heads,
                                                                                    head_dim)
@@ -108,19 +110,23 @@ class TorchAttention:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
-    def set_workspace_budget(self, tokens: int) -> None:
-        self.workspace.budget_tokens = tokens
+    def set_workspace_budget(self, tokens: int, micro_batches: int = 1) -> None:
+        self.workspaces = [DecodeWorkspace(self.num_kv_heads, self.head_dim) for _ in range(micro_batches)]
+        for workspace in self.workspaces:
+            workspace.budget_tokens = tokens // micro_batches
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
-        self.workspace.truncate(seq_id, num_tokens)
+        for workspace in self.workspaces:
+            workspace.truncate(seq_id, num_tokens)
 
     def release(self) -> None:
         """Drop the kept decode K/V (the engine calls this when it goes idle)."""
-        self.workspace.release()
+        for workspace in self.workspaces:
+            workspace.release()
 
     @property
     def kept_layers(self) -> int:
-        return self.workspace.kept_layers
+        return max(workspace.kept_layers for workspace in self.workspaces)
 
     # ---- per step ---------------------------------------------------------------------------------
     def build_metadata(self, batch: CommonAttentionMetadata) -> TorchAttentionMetadata:
@@ -141,8 +147,9 @@ class TorchAttention:
             single_block_tables=torch.tensor(tables, dtype=torch.long, device=device).view(n, num_blocks),
             single_context_lens=torch.tensor(lens, dtype=torch.long, device=device))
         if n:
-            meta.workspace = self.workspace.plan(batch.seq_ids[:n], lens, meta.single_context_lens,
-                                                 meta.single_block_tables, batch.block_size)
+            meta.kept = self.workspaces[batch.micro_batch]
+            meta.workspace = meta.kept.plan(batch.seq_ids[:n], lens, meta.single_context_lens,
+                                            meta.single_block_tables, batch.block_size)
             meta.single_bias = self._decode_bias(meta.single_context_lens, meta.workspace, self.window)
         return meta
 
@@ -236,7 +243,7 @@ class TorchAttention:
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata, window: Optional[int]) -> torch.Tensor:
         batch = q.shape[0]
         plan = meta.workspace
-        keys, values = self.workspace.keys_and_values(k, v, k_cache, v_cache, plan)
+        keys, values = meta.kept.keys_and_values(k, v, k_cache, v_cache, plan)
         qg = (q * self.scale).view(batch, self.num_kv_heads, self.group, self.head_dim)
         if plan.mode == "slots":  # place each query at its sequence's workspace row: [rows, Hkv, G, D]
             placed = qg.new_zeros(plan.used_rows, self.num_kv_heads, self.group, self.head_dim)
