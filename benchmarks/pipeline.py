@@ -2,7 +2,7 @@
 micro-batches in flight (one per stage, the engine's way) against the same ranks running one batch at a time
 (every stage but one idle in each step), on the same batch of decoding sequences, in the same run.
 
-    python benchmarks/pipeline.py [--stages 2] [--seqs 128] [--new-tokens 32] [--hidden 2048] [--layers 4] [--json]
+    python benchmarks/pipeline.py [--stages 2] [--seqs 128] [--new-tokens 32] [--hidden 2048] [--layers 4] [--dtype float32] [--json]
 
 The model is a random-weight Llama (--load-format dummy) of the given size, on the CPU over gloo; each
 rank gets the host's cores divided between the ranks. Throughput counts the decode tokens after every
@@ -42,11 +42,11 @@ class OneBatchAtATime:
         return getattr(self._inner, name)
 
 
-def _model_folder(root: Path, hidden: int, layers: int) -> Path:
+def _model_folder(root: Path, hidden: int, layers: int, dtype: str = "float32") -> Path:
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
               "intermediate_size": 3 * hidden, "num_hidden_layers": layers, "num_attention_heads": hidden // 64,
               "num_key_value_heads": hidden // 128, "vocab_size": 4096, "max_position_embeddings": 512,
-              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32"}
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": dtype}
     (root / "config.json").write_text(json.dumps(config))
     return root
 
@@ -85,16 +85,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
-        args = EngineArgs(model=str(_model_folder(Path(root), opts.hidden, opts.layers)), load_format="dummy",
-                          device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+        args = EngineArgs(model=str(_model_folder(Path(root), opts.hidden, opts.layers, opts.dtype)),
+                          load_format="dummy", device="cpu", dtype=opts.dtype, skip_tokenizer_init=True, max_model_len=256,
                           max_num_seqs=opts.seqs, pipeline_parallel_size=opts.stages)
         one_at_a_time = _run(args, False, opts.seqs, opts.new_tokens)
         micro_batched = _run(args, True, opts.seqs, opts.new_tokens)
     speedup = micro_batched / one_at_a_time
-    result = {"stages": opts.stages, "seqs": opts.seqs, "hidden": opts.hidden, "layers": opts.layers,
+    result = {"stages": opts.stages, "seqs": opts.seqs, "hidden": opts.hidden, "layers": opts.layers, "dtype": opts.dtype,
               "one_batch_at_a_time_tok_s": round(one_at_a_time, 1), "micro_batched_tok_s": round(micro_batched, 1),
               "speedup": round(speedup, 2), "bubble_share": round(max(0.0, 1 - speedup / opts.stages), 3)}
     if opts.json:
