@@ -73,8 +73,8 @@ IDLE_TIMEOUT_S = 30 * 24 * 3600.0  # a worker waits this long for the next step 
 STOP_TIMEOUT_S = 10.0  # after the stop message, before a worker is killed
 
 EXECUTE, STOP = 1, 2
-HEADER_LEN = 9  # command, payload length, tokens, logits rows, rows, block-table width, truncations, release,
-# micro-batch
+# command, payload length, tokens, logits rows, rows, block-table width, truncations, release, micro-batch slot
+HEADER_LEN = 9
 
 
 def _joined_key(rank: int) -> str:
