@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 from offline_throughput import SMOLLM_135M, run_worker
-from quantization import PEER_TYPE, convert_to_gguf, llama_batched_rate, quantize_gguf, read_bandwidth_gbs
+from quantization import (PEER_TYPE, convert_to_gguf, gguf_bytes_per_token, linear_bytes, llama_batched_rate,
+                          quantize_gguf, read_bandwidth_gbs)
 
 QWEN3_MOE = dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512, num_experts=64,
                  num_experts_per_tok=8, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                  head_dim=64, vocab_size=SMOLLM_135M["vocab_size"], norm_topk_prob=True, decoder_sparse_step=1,
                  mlp_only_layers=[], tie_word_embeddings=False, max_position_embeddings=2048)
-EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+EXPERT_SHARE = QWEN3_MOE["num_experts_per_tok"] / QWEN3_MOE["num_experts"]  # of the expert tensors a token reads
 
 
 def make_moe_model(folder: Path) -> Path:
@@ -41,16 +43,6 @@ def make_moe_model(folder: Path) -> Path:
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE))
     model.to(torch.bfloat16).save_pretrained(folder)
     return folder
-
-
-def linear_bytes(out_features: int, in_features: int, scheme: str) -> int:
-    """One linear's stored bytes in llmctl's layout (bf16; int8: a float16 scale a row; int4-g32: one a group)."""
-    weights = out_features * in_features
-    if scheme == "bf16":
-        return 2 * weights
-    if scheme == "int8":
-        return weights + 2 * out_features
-    return weights // 2 + 2 * weights // 32
 
 
 def llmctl_bytes_per_token(scheme: str) -> int:
@@ -65,24 +57,9 @@ def llmctl_bytes_per_token(scheme: str) -> int:
     return c["num_hidden_layers"] * layer + linear_bytes(c["vocab_size"], hidden, scheme)
 
 
-def gguf_bytes_per_token(path: Path) -> int:
-    """The same count from a GGUF file: every block matrix, the expert tensors at top-k / experts of their bytes."""
-    from gguf import GGUFReader
-
-    share = QWEN3_MOE["num_experts_per_tok"] / QWEN3_MOE["num_experts"]
-    total = 0
-    for tensor in GGUFReader(path).tensors:
-        name = tensor.name
-        if name == "output.weight":
-            total += int(tensor.n_bytes)
-        elif name.startswith("blk.") and name.endswith(".weight") and "norm" not in name:
-            total += int(tensor.n_bytes * share) if any(e in name for e in EXPERT_TENSORS) else int(tensor.n_bytes)
-    return total
-
-
 def run_llmctl(folder: Path, scheme: str, args) -> float:
     """Decode tokens / s of one single-prompt run, in its own process."""
-    extra = () if scheme in ("bf16",) or scheme.startswith("gguf ") else ("--quantization", scheme)
+    extra = () if scheme == "bf16" or scheme.startswith("gguf ") else ("--quantization", scheme)
     run = run_worker(sys.executable, "ours", folder, "bfloat16", args, {}, extra)
     decode = [r for r in run["results"] if r["workload"] == "single" and r.get("decode_seconds")]
     return decode[0]["decode_tokens"] / decode[0]["decode_seconds"]
@@ -114,7 +91,7 @@ def measure(order: list[tuple[str, str]], folder: Path, gguf: dict[str, Path], a
 
 def streamed_bytes(order: list[tuple[str, str]], gguf: dict[str, Path]) -> dict[tuple[str, str], int]:
     """Each row's bytes a token streams: llama.cpp's and llmctl's GGUF rows from the file, llmctl's own from its layout."""
-    return {(system, scheme): gguf_bytes_per_token(gguf[scheme.removeprefix("gguf ")])
+    return {(system, scheme): gguf_bytes_per_token(gguf[scheme.removeprefix("gguf ")], EXPERT_SHARE)
             if system == "llama.cpp" or scheme.startswith("gguf ") else llmctl_bytes_per_token(scheme)
             for system, scheme in order}
 
@@ -142,7 +119,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    args.threads = args.threads or len(__import__("os").sched_getaffinity(0))
+    args.threads = args.threads or len(os.sched_getaffinity(0))
     args.num_prompts, args.workloads, args.repeats, args.device = 1, "single", 1, "cpu"
     schemes = args.schemes.split(",")
     with tempfile.TemporaryDirectory() as root:

@@ -59,23 +59,25 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "llmctl" / "default_model"
 WORKLOAD_PROMPTS = {"single": 128, "batched": 144}  # prompt tokens (llama-batched-bench): the workloads' mean
 
 
+def linear_bytes(out_features: int, in_features: int, scheme: str) -> int:
+    """One linear weight's bytes (and scales) in llmctl's stored form."""
+    weights = out_features * in_features
+    if scheme == "bf16":
+        return 2 * weights
+    if scheme == "int8":  # the native layout: a byte a weight, one float16 scale a row
+        return weights + 2 * out_features
+    # the native layout: half a byte a weight, a float16 scale (and zero point: -asym) a group
+    group = 128 if scheme in ("int4", "int4-asym") else int(re.search(r"g(\d+)", scheme).group(1))
+    return weights // 2 + (4 if scheme.endswith("-asym") else 2) * weights // group
+
+
 def stored_bytes_per_token(scheme: str) -> int:
     """Bytes of every linear weight (and scales) a batch-1 token reads, in llmctl's stored form."""
     c = SMOLLM_135M
     hidden, inter, kv = c["hidden_size"], c["intermediate_size"], c["hidden_size"] * c["num_key_value_heads"] // c["num_attention_heads"]
     shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * c["num_hidden_layers"]
     shapes.append((c["vocab_size"], hidden))  # the (tied) lm_head
-    total = 0
-    for out_features, in_features in shapes:
-        weights = out_features * in_features
-        if scheme == "bf16":
-            total += 2 * weights
-        elif scheme == "int8":  # the native layout: a byte a weight, one float16 scale a row
-            total += weights + 2 * out_features
-        else:  # the native layout: half a byte a weight, a float16 scale (and zero point: -asym) a group
-            group = 128 if scheme in ("int4", "int4-asym") else int(re.search(r"g(\d+)", scheme).group(1))
-            total += weights // 2 + (4 if scheme.endswith("-asym") else 2) * weights // group
-    return total
+    return sum(linear_bytes(out_features, in_features, scheme) for out_features, in_features in shapes)
 
 
 def read_bandwidth_gbs(warmup_s: float = 0.5, reps: int = 7) -> float:
@@ -137,13 +139,14 @@ def quantize_gguf(llamacpp: Path, source: Path, kind: str) -> Path:
     return out
 
 
-def gguf_bytes_per_token(path: Path) -> int:
+def gguf_bytes_per_token(path: Path, expert_share: float = 1.0) -> int:
     """Bytes of the matrices a batch-1 token multiplies, as the GGUF file stores them: every block's 2-D weights
-    and the output matrix (the token embedding where the file ties it; a token reads one row of it otherwise)."""
+    and the output matrix (the token embedding where the file ties it; a token reads one row of it otherwise).
+    `expert_share`: the share of a mixture-of-experts layer's expert tensors (`*_exps`) a token reads (top-k / E)."""
     from gguf import GGUFReader
 
     tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
-    blocks = sum(size for name, size in tensors.items()
+    blocks = sum(int(size * expert_share) if "_exps." in name else size for name, size in tensors.items()
                  if name.startswith("blk.") and name.endswith(".weight") and "norm" not in name)
     return blocks + tensors.get("output.weight", tensors.get("token_embd.weight", 0))
 
