@@ -123,7 +123,9 @@ class EngineArgs:
                                           "tensor-parallel size).", short="-pp")
     enable_expert_parallel: bool = _arg(False, "Mixture-of-experts models with --tensor-parallel-size N: each rank "
                                                "holds num_experts / N whole experts (instead of a 1/N slice of "
-                                               "every expert); attention stays tensor-parallel.")
+                                               "every expert); attention stays tensor-parallel. With "
+                                               "--data-parallel-size D the experts are dealt over all D x N ranks "
+                                               "and the replicas step together.")
     pp_layer_partition: Optional[str] = _arg(None, "Decoder layers per pipeline stage, comma-separated (\"12,16\"; "
                                                    "default: an even split, like vLLM's VLLM_PP_LAYER_PARTITION).")
     nnodes: int = _arg(1, "Machines the ranks span; each runs the same command with its --node-rank.")
@@ -365,6 +367,7 @@ class ParallelConfig:
     # process (shared by every replica) and whose ranks 1.. are its own processes (`global_rank`)
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    expert_data_parallel: bool = False  # MoE experts dealt over every replica's ranks (engine/parallel.py)
 
     @property
     def tensor_parallel_size(self) -> int:

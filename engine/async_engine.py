@@ -23,6 +23,7 @@ from llmctl.engine.args import EngineArgs
 from llmctl.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError,
                                   RequestTimeoutError, StepFailedError, StreamBacklogError, is_out_of_memory)
 from llmctl.engine.executor.abstract import Executor
+from llmctl.engine.executor.lockstep import LockstepMember
 from llmctl.engine.llm_engine import LLMEngine, ModelInfo, StepInfo
 from llmctl.engine.model_runner import RunnerConfig
 from llmctl.engine.outputs import RequestOutput
@@ -190,7 +191,10 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: Optional[LLMEngine], *, max_waiting_requests: Optional[int] = None,
                  request_timeout_s: Optional[float] = None, step_listener: Optional[StepListener] = None,
-                 max_stream_backlog_tokens: Optional[int] = DEFAULT_MAX_STREAM_BACKLOG_TOKENS):
+                 max_stream_backlog_tokens: Optional[int] = DEFAULT_MAX_STREAM_BACKLOG_TOKENS,
+                 lockstep: Optional[LockstepMember] = None):
+        """`lockstep`: this replica's side of the data-parallel replicas' rounds (experts dealt over them):
+        the engine thread then runs an idle step for each round the others open, even with nothing to do."""
         if max_waiting_requests is not None and max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
         if request_timeout_s is not None and request_timeout_s <= 0:
@@ -201,6 +205,7 @@ class AsyncLLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self.max_stream_backlog_tokens = max_stream_backlog_tokens
         self.request_timeout_s = request_timeout_s
+        self._lockstep = lockstep
         self._step_listeners: list[StepListener] = [step_listener] if step_listener else []
         self._submission_listeners: list[SubmissionListener] = []
         self._lock = threading.Lock()
@@ -313,7 +318,7 @@ class AsyncLLMEngine:
         """Stop the engine thread; requests still in flight fail with `EngineDeadError`."""
         with self._lock:
             self._stopping = True
-            self._wakeup.notify()
+            self._notify()
         self._start_requested.set()  # a thread still waiting for start() exits
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -337,7 +342,7 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream
             self._pending += 1
             self._inbox.append(("add", submission))
-            self._wakeup.notify()
+            self._notify()
         for listener in self._submission_listeners:
             listener()
         try:
@@ -374,7 +379,7 @@ class AsyncLLMEngine:
         """Abort a request from any thread; its blocks are freed before the next step."""
         with self._lock:
             self._inbox.append(("abort", request_id))
-            self._wakeup.notify()
+            self._notify()
 
     async def call_in_engine_thread(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between steps (e.g. to start a profiler there)."""
@@ -383,7 +388,7 @@ class AsyncLLMEngine:
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._inbox.append(("call", (fn, future)))
-            self._wakeup.notify()
+            self._notify()
         return await future
 
     def add_submission_listener(self, listener: SubmissionListener) -> None:
@@ -408,19 +413,35 @@ class AsyncLLMEngine:
         with self._lock:
             return self._stats_version
 
+    def _notify(self) -> None:
+        """Under `_lock`: the engine thread has something to do (it waits on the lockstep's condition there)."""
+        self._wakeup.notify()
+        if self._lockstep is not None:
+            self._lockstep.wake()
+
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while self._loop_once():
                 pass
         except BaseException as exc:  # noqa: BLE001 - a dead engine must fail its requests, not hang them
+            self._leave_lockstep(f"failed ({type(exc).__name__}: {exc})")
             self._die(exc)
         else:
+            self._leave_lockstep("stopped")
             self._fail_everything(EngineDeadError("the server is shutting down"))
 
+    def _leave_lockstep(self, why: str) -> None:
+        if self._lockstep is not None:
+            self._lockstep.leave(why)
+
     def _loop_once(self) -> bool:
+        if self._lockstep is not None and not self.engine.has_unfinished_requests():
+            # idle: wait for a request or another replica's round (deque and bool reads need no lock)
+            self._lockstep.wait(lambda: bool(self._inbox) or self._stopping, HEALTH_CHECK_INTERVAL_S)
         with self._lock:
-            if not self._inbox and not self.engine.has_unfinished_requests() and not self._stopping:
+            if self._lockstep is None and not self._inbox and not self.engine.has_unfinished_requests() \
+                    and not self._stopping:
                 self._wakeup.wait(HEALTH_CHECK_INTERVAL_S)
             commands = list(self._inbox)
             self._inbox.clear()
@@ -432,7 +453,10 @@ class AsyncLLMEngine:
             return False
         self.engine.check_health()
         self._expire_deadlines()
+        joined = self._lockstep.joined if self._lockstep is not None else 0
         step = self._step() if self.engine.has_unfinished_requests() else None
+        if self._lockstep is not None and self._lockstep.joined == joined:
+            self._catch_up()
         stats = self.engine.get_stats()  # one snapshot per iteration, for readers and listeners alike
         with self._lock:
             self._stats = stats
@@ -442,6 +466,12 @@ class AsyncLLMEngine:
         for listener in self._step_listeners if step is not None else ():
             listener(step, stats)
         return True
+
+    def _catch_up(self) -> None:
+        """No forward of its own this iteration: run an idle step for each round the other replicas opened (a
+        replica that has work joins them with its next forward instead)."""
+        while self._lockstep.behind:
+            self.engine.idle_step()
 
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "add":

@@ -298,6 +298,7 @@ class LLMEngine:
                              extra_kv_bytes_per_token=draft.kv_bytes_per_token(dtype) if draft else 0,
                              extra_reserved_bytes=draft.weight_bytes(dtype) if draft else 0)
         self.executor: Executor = (executor_class or default_executor_class(args))(config)
+        placement = getattr(self.executor, "expert_placement", placement)  # over data-parallel replicas too
         self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
                                           args.enable_prefix_caching)
         self.eos_token_ids = self._eos_ids()
@@ -479,6 +480,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop what the executor started (the other ranks' processes). The engine serves no more steps."""
         self.executor.shutdown()
+
+    def idle_step(self) -> None:
+        """A forward without sequences: this replica's part in a step the other data-parallel replicas run,
+        when the experts are dealt over the replicas (the executor is a `LockstepExecutor`)."""
+        self.executor.idle_step()
 
     # ---- stepping -----------------------------------------------------------------------------
     def step(self) -> StepInfo:

@@ -475,6 +475,12 @@ class ModelRunner:
         self._sends = self.pp.send(*out)
         return None
 
+    @torch.inference_mode()
+    def idle_step(self) -> None:
+        """A data-parallel replica's share of a step the others run (experts dealt over the replicas): its MoE
+        layers' exchanges with no tokens of its own."""
+        self.model.idle_step()
+
     def _stage_input(self, inputs: "StepInputs", receive: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """A later pipeline stage's (hidden, residual) for the step's tokens: received from the stage before,
         or zeros where nothing is sent (the memory profile); None on the first stage."""

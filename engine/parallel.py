@@ -23,14 +23,20 @@ Sharding rules (vLLM's):
   not sliced but dealt out whole, rank r holding the r-th contiguous num_experts / size of them
   (`expert_ranges`); every rank routes every token (its hidden states are the same on all ranks), runs
   the pairs whose expert it holds and the partial sums are all-reduced, as vLLM's naive expert parallelism.
+  With data-parallel replicas (`ExpertDataParallel`, `llmctl serve -dp D --enable-expert-parallel`) the experts
+  are dealt over all D x T ranks (expert-parallel rank = replica x T + tensor-parallel rank) while attention
+  stays per replica; each MoE layer gathers every replica's tokens, runs this rank's experts on all of them and
+  hands each replica back the sums of its own rows (vLLM's attention-DP + EP, its all-gather/reduce-scatter form).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 
 class TensorParallelError(ValueError):
@@ -41,9 +47,79 @@ def expert_ranges(num_experts: int, size: int) -> list[range]:
     """The experts each of `size` expert-parallel ranks holds, in rank order: equal contiguous blocks."""
     if num_experts % size:
         raise TensorParallelError(f"the model's {num_experts} experts are not divisible by the expert-parallel "
-                                  f"size ({size}, the tensor-parallel size): each rank must hold whole experts")
+                                  f"size ({size}: tensor-parallel x data-parallel size): each rank must hold "
+                                  "whole experts")
     share = num_experts // size
     return [range(rank * share, (rank + 1) * share) for rank in range(size)]
+
+
+def stateless_group(store, prefix: str, rank: int, size: int, device: torch.device, timeout_s: float):
+    """A process group of its own over `store` (keys under `prefix`), outside torch.distributed's one default
+    group per process: so the replicas' drivers, threads of the server's process, can each be a member
+    (vLLM's stateless process groups). Called by every member at once; a thread needs its own store client.
+    Used through its own methods (`allgather`, `reduce_scatter`): torch.distributed's functions know only
+    the groups of the default one."""
+    import torch.distributed as dist
+
+    prefixed, timeout = dist.PrefixStore(prefix, store), timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+
+@dataclass(frozen=True)
+class ExpertDataParallel:
+    """This rank's data-parallel replica (`rank` of `size`) for the MoE layers: `group` joins the replicas'
+    ranks of this tensor-parallel index (NCCL on CUDA, gloo on CPU), `count_group` (gloo) the same ranks
+    for the token counts, which live on the host. Every replica must run each MoE layer at once (an idle one
+    with no tokens: engine/executor/lockstep.py)."""
+
+    rank: int
+    size: int
+    group: Any
+    count_group: Any
+
+    def token_counts(self, num_tokens: int) -> list[int]:
+        """Every replica's token count in this layer, in replica order."""
+        mine = torch.tensor([num_tokens], dtype=torch.long)
+        counts = [torch.empty_like(mine) for _ in range(self.size)]
+        self.count_group.allgather([counts], [mine]).wait()
+        return [int(count) for count in counts]
+
+    def dispatch(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Every replica's tokens ([sum of counts, H], in replica order) and the counts; all-gathered padded to
+        the largest count, as the collective wants equal shapes."""
+        counts = self.token_counts(hidden.shape[0])
+        width = max(counts)
+        padded = F.pad(hidden, (0, 0, 0, width - hidden.shape[0])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self.group.allgather([parts], [padded]).wait()
+        return torch.cat([part[:count] for part, count in zip(parts, counts)]), counts
+
+    def combine(self, partial: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This replica's rows of `partial` (every replica's tokens, this rank's experts' sums) summed over the
+        replicas: a reduce-scatter of the rows each replica owns."""
+        width = max(counts)
+        chunks = [F.pad(chunk, (0, 0, 0, width - chunk.shape[0])).contiguous() for chunk in partial.split(counts)]
+        out = torch.empty((width, partial.shape[1]), dtype=partial.dtype, device=partial.device)
+        self.group.reduce_scatter([out], [chunks]).wait()
+        return out[: counts[self.rank]]
+
+
+def expert_data_parallel(master_addr: str, master_port: int, replica: int, size: int, tp_rank: int,
+                         device: torch.device, timeout_s: float) -> ExpertDataParallel:
+    """Replica `replica`'s `ExpertDataParallel` for its tensor-parallel rank `tp_rank`: joins the groups of that
+    rank across the `size` replicas over the store at `master_addr:master_port` (every member calls it at once)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefix = f"llmctl/experts/tp{tp_rank}"
+    group = stateless_group(store, prefix, replica, size, device, timeout_s)
+    counts = group if device.type != "cuda" else stateless_group(store, prefix + "/counts", replica, size,
+                                                                  torch.device("cpu"), timeout_s)
+    return ExpertDataParallel(replica, size, group, counts)
 
 
 @dataclass(frozen=True)
@@ -52,6 +128,7 @@ class TensorParallel:
     size: int
     group: Optional[Any] = None  # a torch.distributed ProcessGroup; None: the default group
     expert_parallel: bool = False  # mixture-of-experts layers: whole experts per rank (`expert_range`), not refused
+    data_parallel: Optional[ExpertDataParallel] = None  # experts dealt over the replicas' ranks too
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -108,11 +185,22 @@ class TensorParallel:
         """(query heads, KV heads) this rank holds."""
         return self.partition(num_heads, "the number of attention heads")[1], self.kv_head_range(num_kv_heads)[1]
 
+    @property
+    def expert_parallel_size(self) -> int:
+        """The ranks the experts are dealt over: tensor-parallel x data-parallel size (1: every rank has all)."""
+        if not self.expert_parallel:
+            return 1
+        return self.size * (self.data_parallel.size if self.data_parallel is not None else 1)
+
+    @property
+    def expert_parallel_rank(self) -> int:
+        return self.rank + (self.data_parallel.rank * self.size if self.data_parallel is not None else 0)
+
     def expert_range(self, num_experts: int) -> range:
         """The experts (global ids) this rank holds: all of them without expert parallelism."""
         if not self.expert_parallel:
             return range(num_experts)
-        return expert_ranges(num_experts, self.size)[self.rank]
+        return expert_ranges(num_experts, self.expert_parallel_size)[self.expert_parallel_rank]
 
     # ---- collectives --------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

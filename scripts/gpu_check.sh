@@ -38,7 +38,8 @@
 #            one GPU per rank, give TP=1's greedy tokens for 2 KV heads and for 1 (replicated on both ranks).
 #   ep_nccl  test_ep2_over_nccl_matches_one_gpu (two GPUs only; issue 43): a MoE model's experts dealt out over
 #            two GPUs (the Triton grouped GEMM skipping the other rank's pairs, the partial sums all-reduced over
-#            NCCL) give one GPU's greedy tokens.
+#            NCCL) give one GPU's greedy tokens; `-dp 2 --enable-expert-parallel` (replicas on cuda:0 and cuda:1,
+#            tokens gathered and sums scattered over a stateless NCCL group) answers as one GPU.
 #   dp_tp_nccl  test_two_replicas_of_two_gpus_each_answer_as_one_gpu (four GPUs only; issue 43): `-dp 2 -tp 2`,
 #            the server's process rank 0 of both replicas (cuda:0, cuda:2), answers as one engine on cuda:0.
 #

@@ -46,3 +46,27 @@ def test_ep2_over_nccl_matches_one_gpu(tmp_path):
     assert rank0["tokens"] == rank1["tokens"] == single["tokens"]
     for ours, theirs in zip(rank0["logits"], single["logits"]):
         assert np.abs(ours - theirs).max() < 1e-3  # NCCL sums the experts' partial outputs in another order
+
+
+def test_two_replicas_deal_the_experts_over_two_gpus_and_answer_as_one_gpu(tmp_path):
+    """-dp 2 --enable-expert-parallel: replica d on cuda:d holds experts 4d..4d+3, the tokens gathered and the sums
+    scattered over a stateless NCCL group (the counts over gloo); the replicas' greedy and seeded tokens are one
+    GPU's, with one replica idle for a lone request."""
+    from test_expert_data_parallel import ENGINE as CPU_ENGINE, PROMPTS, _answers, _params, _start
+
+    from llmctl.engine import LLM, EngineArgs
+    from llmctl.server.replicas import load_replicas
+
+    folder = _tiny_qwen2_moe(tmp_path / "qwen2-moe")
+    engine = {**CPU_ENGINE, "device": "cuda", "enforce_eager": True}
+    with LLM(folder, **engine) as one:
+        expected = [out.outputs[0].token_ids for out in one.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))])]
+    replicas = load_replicas(EngineArgs(model=folder, data_parallel_size=2, enable_expert_parallel=True, **engine))
+    try:
+        _start(replicas)
+        assert [r.engine.executor.device.index for r in replicas] == [0, 1]
+        assert _answers(replicas, PROMPTS) == expected
+        assert _answers(replicas[:1], PROMPTS[:1]) == expected[:1]
+    finally:
+        for replica in replicas:
+            replica.shutdown()

@@ -27,7 +27,10 @@ The process groups, because their waits differ:
 - the pipe group (every rank, same backend, the collective timeout; with pipeline stages only): the
   hidden states between stages and the last stage's logits.
 With `llmctl serve -dp D -tp T` (`DataParallelWorld`) the D replicas share one process group, the server's
-process being rank 0 of each: every replica has its own control, model and start-up groups.
+process being rank 0 of each: every replica has its own control, model and start-up groups. With the experts
+dealt over the replicas (`--enable-expert-parallel` on a mixture-of-experts model) each rank also joins a
+group with the same tensor-parallel rank of the other replicas (engine/parallel.py's `stateless_group`, as the
+drivers share one process), and an IDLE step message runs a replica's MoE exchanges without tokens.
 
 Faults: a rank that exits closes its connections, so the driver's next (or current) collective fails
 at once; a rank that hangs fails it after the collective timeout (30 s by default). Either way the
@@ -59,9 +62,11 @@ import torch
 from llmctl.engine.args import ParallelConfig
 from llmctl.engine.cuda_profiler import ProfilerSteps, step_bracket
 from llmctl.engine.errors import EngineError, RankFailedError
+from llmctl.engine.executor.lockstep import LockstepExecutor, ReplicaLockstep
 from llmctl.engine.host import tune_cpu_allocator
 from llmctl.engine.model_runner import ModelRunner, PreparedStep, RunnerConfig, StepInputs, StepLogits
-from llmctl.engine.parallel import PipelineParallel, TensorParallel, pipeline_layer_ranges
+from llmctl.engine.parallel import (ExpertDataParallel, PipelineParallel, TensorParallel, expert_data_parallel,
+                                    pipeline_layer_ranges)
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
 
@@ -72,7 +77,7 @@ LOAD_TIMEOUT_S = 1800.0  # the slowest rank's weight load
 IDLE_TIMEOUT_S = 30 * 24 * 3600.0  # a worker waits this long for the next step (the server may be idle)
 STOP_TIMEOUT_S = 10.0  # after the stop message, before a worker is killed
 
-EXECUTE, STOP = 1, 2
+EXECUTE, STOP, IDLE = 1, 2, 3  # IDLE: a data-parallel replica's MoE exchanges without tokens (`idle_step`)
 # command, payload length, tokens, logits rows, rows, block-table width, truncations, release, micro-batch slot
 HEADER_LEN = 9
 
@@ -199,6 +204,15 @@ def _agree_num_blocks(num_blocks: int, group) -> int:
     return int(value.item())
 
 
+def _experts_over_replicas(parallel: ParallelConfig, rank: int, device: torch.device) -> Optional[ExpertDataParallel]:
+    """With experts dealt over data-parallel replicas: this rank's groups with its peers in the other replicas."""
+    if not parallel.expert_data_parallel:
+        return None
+    return expert_data_parallel(parallel.master_addr, parallel.master_port, parallel.data_parallel_rank,
+                                parallel.data_parallel_size, rank % parallel.tensor_parallel_size, device,
+                                parallel.collective_timeout_s)
+
+
 def _rank_config(config: RunnerConfig, parallel: ParallelConfig, rank: int, groups: _Groups) -> RunnerConfig:
     """Global rank = stage x tensor_parallel_size + tensor-parallel rank (vLLM's layout): a stage's
     tensor-parallel ranks are neighbours, and each sends to the same tensor-parallel rank of the next stage."""
@@ -209,7 +223,8 @@ def _rank_config(config: RunnerConfig, parallel: ParallelConfig, rank: int, grou
                                 parallel.global_rank(rank - tp) if stage > 0 else None,
                                 parallel.global_rank(rank + tp) if stage < stages - 1 else None)
     return replace(config, device=_rank_device(config.device, parallel, rank),
-                   tensor_parallel=TensorParallel(rank % tp, tp, groups.model, parallel.enable_expert_parallel),
+                   tensor_parallel=TensorParallel(rank % tp, tp, groups.model, parallel.enable_expert_parallel,
+                                                  _experts_over_replicas(parallel, rank, config.device)),
                    pipeline_parallel=pipeline)
 
 
@@ -237,6 +252,9 @@ class _Worker:
             dist.broadcast(header, 0, group=self.groups.control)
             if header[0].item() == STOP:
                 return
+            if header[0].item() == IDLE:
+                self.runner.idle_step()
+                continue
             payload = torch.empty(int(header[1].item()), dtype=torch.long)
             dist.broadcast(payload, 0, group=self.groups.control)
             inputs, truncations, release = unpack_step(header, payload, self.runner.device)
@@ -506,6 +524,20 @@ class MultiprocExecutor:
         self._free_slots.append(pending.slot)
         return self.runner.sample(pending.step, out, pending.rows)
 
+    def idle_step(self) -> None:
+        """A data-parallel replica's share of the others' step (experts dealt over the replicas): every rank
+        runs its MoE layers' exchanges without tokens."""
+        import torch.distributed as dist
+
+        self.check_health()
+        try:
+            dist.broadcast(torch.tensor([IDLE] + [0] * (HEADER_LEN - 1), dtype=torch.long), 0,
+                           group=self.groups.control)
+            self.runner.idle_step()
+        except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
+            self.fault = self._failure("step", exc)
+            raise self.fault from None
+
     def _receive_logits(self, inputs: StepInputs) -> StepLogits:
         """The last pipeline stage's logits of the step's sampled and prompt-scored rows."""
         import torch.distributed as dist
@@ -586,7 +618,10 @@ class DataParallelWorld:
     made, and each replica's `MultiprocExecutor` (`executor_class(d)`) takes its groups and processes. The
     process group is released when the last replica's executor shuts down."""
 
-    def __init__(self, parallels: list[ParallelConfig], configs: list[RunnerConfig], num_threads: Optional[int]):
+    def __init__(self, parallels: list[ParallelConfig], configs: list[RunnerConfig], num_threads: Optional[int],
+                 expert_placement: tuple[tuple[int, ...], ...] = ()):
+        """`expert_placement`: each expert-parallel rank's experts when they are dealt over the replicas (whose
+        executors then step in lockstep); () otherwise."""
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -594,6 +629,8 @@ class DataParallelWorld:
         store = _store(parallels[0], 0)
         self.parallels = [replace(p, master_port=store.port) for p in parallels]
         self.num_threads = num_threads
+        self.expert_placement = expert_placement
+        self.lockstep = ReplicaLockstep(len(parallels)) if expert_placement else None
         self.processes: list[dict[int, object]] = []
         self._open = len(parallels)
         self._lock = threading.Lock()
@@ -615,10 +652,13 @@ class DataParallelWorld:
                     raise RankFailedError(f"data-parallel replica {replica}'s rank {rank} (pid {process.pid}) "
                                           f"exited with code {process.exitcode} during start-up (its log says why)")
 
-    def executor_class(self, replica: int) -> Callable[[RunnerConfig], "MultiprocExecutor"]:
+    def executor_class(self, replica: int) -> Callable[[RunnerConfig], "MultiprocExecutor | LockstepExecutor"]:
         """The `executor_class` of replica `replica`'s LLMEngine."""
-        def build(config: RunnerConfig) -> MultiprocExecutor:
-            return MultiprocExecutor(config, self.parallels[replica], self.num_threads, world=self)
+        def build(config: RunnerConfig):
+            executor = MultiprocExecutor(config, self.parallels[replica], self.num_threads, world=self)
+            if self.lockstep is None:
+                return executor
+            return LockstepExecutor(executor, self.lockstep.member(replica), self.expert_placement)
         return build
 
     def release(self) -> None:
@@ -631,6 +671,8 @@ class DataParallelWorld:
 
     def shutdown(self) -> None:
         """Stop every rank and release the process group (a failed load: replicas that never got an executor)."""
+        if self.lockstep is not None:
+            self.lockstep.leave("data-parallel replicas failed to load")
         with self._lock:
             self._open = 0
         self._stop_all()

@@ -35,6 +35,10 @@ class UniProcExecutor:
                       rows: list[Optional[SamplingRow]]) -> AsyncModelRunnerOutput:
         return self.runner.execute_async(scheduled, rows)
 
+    def idle_step(self) -> None:
+        """A data-parallel replica's share of the others' step: its MoE layers' exchanges, no tokens."""
+        self.runner.idle_step()
+
     def make_generator(self, seed: int) -> torch.Generator:
         return self.runner.make_generator(seed)
 

@@ -4,8 +4,10 @@ the fused experts (engine/layers/fused_moe/) and Qwen2-MoE's shared expert scale
 Dense layers (Qwen's `mlp_only_layers`, `decoder_sparse_step`) keep llama.py's MLP. With tensor parallelism
 attention, dense MLPs and the shared expert are sharded as in llama.py; the experts split their intermediate size
 over the ranks, or with expert parallelism (`TensorParallel.expert_parallel`) each rank holds whole experts
-(`expert_range`); the experts' partial sums are all-reduced once. The native CPU decode step does not cover
-experts, so every step runs `forward`."""
+(`expert_range`); the experts' partial sums are all-reduced once. With experts dealt over data-parallel replicas
+too (`TensorParallel.data_parallel`) each sparse layer first gathers every replica's tokens and hands each one
+back its rows' sums (`ExpertDataParallel`), and a replica with nothing to run still runs those exchanges
+(`idle_step`). The native CPU decode step does not cover experts, so every step runs `forward`."""
 
 from __future__ import annotations
 
@@ -36,10 +38,24 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedGate(config.hidden_size, 1, linears.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.experts(hidden, self.gate(hidden)))  # each rank: its experts' pairs
+        out = self.tp.all_reduce(self.routed(hidden))  # each rank: its experts' pairs
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return out
+
+
+    def routed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' partial sums for `hidden`'s tokens; across data-parallel replicas they also run
+        the other replicas' tokens, and the replicas' sums of these rows come back."""
+        dp = self.tp.data_parallel
+        if dp is None:
+            return self.experts(hidden, self.gate(hidden))
+        tokens, counts = dp.dispatch(hidden)
+        return dp.combine(self.experts(tokens, self.gate(tokens)), counts)
+
+    def idle(self) -> None:
+        """A replica with no tokens in this step: its experts still run the other replicas' tokens."""
+        self.routed(self.gate.weight.new_empty((0, self.gate.weight.shape[1])))
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -54,8 +70,17 @@ class MoEForCausalLM(LlamaForCausalLM):
         per_expert = any(isinstance(m, FusedMoE) and m.per_expert for m in self.modules())
         self.expert_names = dataclasses.replace(type(self).expert_names, per_expert=per_expert)
         # grouping tokens by expert on the host syncs with the device, which graph capture forbids
-        self.eager_reason = ("quantised experts group tokens on the host"
-                             if per_expert and next(self.parameters()).device.type == "cuda" else None)
+        on_cuda = next(self.parameters()).device.type == "cuda"
+        self.eager_reason = ("quantised experts group tokens on the host" if per_expert and on_cuda else
+                             "experts across data-parallel replicas exchange token counts on the host"
+                             if self.tp.data_parallel is not None and on_cuda else None)
+
+    def idle_step(self) -> None:
+        """One step without tokens: this stage's sparse layers' exchanges with the data-parallel replicas that
+        have tokens (nothing else of the model talks to other replicas)."""
+        for layer in self.model.stage_layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.idle()
 
     def build_mlp(self, index: int, config: ModelConfig, linears: LinearFactory, ops: LayerOps) -> nn.Module:
         if index in config.moe.sparse_layers:

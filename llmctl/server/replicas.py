@@ -3,7 +3,9 @@
 Owns the replicas' engine settings (each a whole engine with `data_parallel_size` 1: on CPU the torch
 threads are split between them, on CUDA each gets a device of its own, or T with `-tp T`, whose replicas
 share one process group: engine/executor/multiproc_executor.py's `DataParallelWorld`), their loading, and
-`ReplicaBalancer`, which sends each new request to the least-loaded replica. A request is placed once
+`ReplicaBalancer`, which sends each new request to the least-loaded replica. With `--enable-expert-parallel`
+on a mixture-of-experts model the experts are dealt over every replica's ranks (vLLM's attention-DP + EP) and
+the replicas step together (engine/executor/lockstep.py). A request is placed once
 and stays there until it finishes: in-flight requests never move. A replica that dies is not routed
 around: the balancer refuses new requests with the failure and the server stops (a half-capacity
 server that looks healthy would hide the loss).
@@ -18,6 +20,7 @@ from typing import Any, Generic, Optional, Sequence, TypeVar
 from llmctl.engine.args import EngineArgs
 from llmctl.engine.async_engine import AsyncLLMEngine
 from llmctl.engine.errors import EngineArgsError, EngineDeadError
+from llmctl.engine.executor.lockstep import ExpertReplicas
 from llmctl.server.routing import load_signal
 
 Target = TypeVar("Target")
@@ -53,20 +56,45 @@ def load_replicas(args: EngineArgs, **options: Any) -> list[AsyncLLMEngine]:
     """The replicas' engines, loaded one after another (each on its own engine thread); a failed load
     shuts down the ones already loaded. Tensor-parallel replicas share one process group
     (`DataParallelWorld`), whose ranks all start first; their engines then load at once, as their
-    ranks do (a rank waits in its replica's collectives only for its own driver)."""
+    ranks do (a rank waits in its replica's collectives only for its own driver). Replicas whose experts
+    are dealt over all of them load at once too (their groups form together) and step in lockstep."""
     replicas = replica_engine_args(args)
-    world = _tensor_parallel_world(replicas)
-    if world is None:
+    placement = _experts_over_replicas(replicas)
+    world = _tensor_parallel_world(replicas, placement)
+    if world is None and not placement:
         return _load_each(replicas, [None] * len(replicas), options)
+    if world is None:
+        world = ExpertReplicas(placement, replicas[0].collective_timeout_s)
+    members = [world.lockstep.member(i) if world.lockstep is not None else None for i in range(len(replicas))]
     try:
         return _load_each(replicas, [world.executor_class(i) for i in range(len(replicas))], options,
-                          at_once=True)
+                          at_once=True, members=members)
     except BaseException:
         world.shutdown()
         raise
 
 
-def _tensor_parallel_world(replicas: list[EngineArgs]):
+def _experts_over_replicas(replicas: list[EngineArgs]) -> tuple[tuple[int, ...], ...]:
+    """Each expert-parallel rank's experts (replica x tensor-parallel size + rank) when --enable-expert-parallel
+    deals a mixture-of-experts model's experts over the replicas; () otherwise. An expert count the ranks do not
+    divide is refused here, before anything starts."""
+    from llmctl.engine.llm_engine import runner_config
+    from llmctl.engine.parallel import TensorParallelError, expert_ranges
+
+    first = replicas[0]
+    if not first.enable_expert_parallel:
+        return ()
+    moe = runner_config(first).model_config.moe
+    if moe is None:
+        return ()
+    try:
+        ranges = expert_ranges(moe.num_experts, len(replicas) * first.tensor_parallel_size)
+    except TensorParallelError as exc:
+        raise EngineArgsError(str(exc)) from None
+    return tuple(tuple(experts) for experts in ranges)
+
+
+def _tensor_parallel_world(replicas: list[EngineArgs], placement: tuple[tuple[int, ...], ...]):
     """The shared process group and ranks of tensor-parallel replicas (None with one rank per replica)."""
     if replicas[0].tensor_parallel_size == 1:
         return None
@@ -77,19 +105,23 @@ def _tensor_parallel_world(replicas: list[EngineArgs]):
     if parallels[0].torchrun:
         raise EngineArgsError("data_parallel_size > 1 with tensor_parallel_size > 1 under torchrun is not supported "
                               "(llmctl starts the replicas' ranks itself)")
-    parallels = [dataclasses.replace(p, data_parallel_size=len(replicas), data_parallel_rank=i)
+    parallels = [dataclasses.replace(p, data_parallel_size=len(replicas), data_parallel_rank=i,
+                                     expert_data_parallel=bool(placement))
                  for i, p in enumerate(parallels)]
-    return DataParallelWorld(parallels, [runner_config(replica) for replica in replicas], replicas[0].num_threads)
+    return DataParallelWorld(parallels, [runner_config(replica) for replica in replicas], replicas[0].num_threads,
+                             placement)
 
 
 def _load_each(replicas: list[EngineArgs], executor_classes: list, options: dict[str, Any],
-               at_once: bool = False) -> list[AsyncLLMEngine]:
+               at_once: bool = False, members: Optional[list] = None) -> list[AsyncLLMEngine]:
     engines: list[Optional[AsyncLLMEngine]] = [None] * len(replicas)
     failures: list[BaseException] = []
+    members = members or [None] * len(replicas)
 
     def load(index: int) -> None:
         try:
-            engines[index] = AsyncLLMEngine.from_engine_args(replicas[index], executor_classes[index], **options)
+            engines[index] = AsyncLLMEngine.from_engine_args(replicas[index], executor_classes[index],
+                                                             lockstep=members[index], **options)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others are shut down
             failures.append(exc)
 

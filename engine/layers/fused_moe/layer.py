@@ -124,7 +124,7 @@ class FusedMoE(nn.Module):
         self.expert_part = CheckpointSlice(intermediate_size, start, local)  # this rank's share of each expert
         self.per_expert = linears.method.quantized
         if self.per_expert:
-            if linears.tp.expert_parallel and not linears.tp.is_single:
+            if linears.tp.expert_parallel_size > 1:
                 raise ModelLoadError("quantised experts (--quantization or a quantised checkpoint) with "
                                      "--enable-expert-parallel are not supported yet; drop one of them")
             self.w13 = nn.ModuleList(linears.merged(hidden_size, [intermediate_size] * 2, False)
