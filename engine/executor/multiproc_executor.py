@@ -52,7 +52,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -60,7 +60,8 @@ from llmctl.engine.args import ParallelConfig
 from llmctl.engine.cuda_profiler import ProfilerSteps, step_bracket
 from llmctl.engine.errors import EngineError, RankFailedError
 from llmctl.engine.host import tune_cpu_allocator
-from llmctl.engine.model_runner import ModelRunner, PreparedStep, RunnerConfig, StepInputs, StepLogits
+from llmctl.engine.model_runner import (AsyncModelRunnerOutput, ModelRunner, PreparedStep, RunnerConfig, StepInputs,
+                                       StepLogits)
 from llmctl.engine.parallel import PipelineParallel, TensorParallel, pipeline_layer_ranges
 from llmctl.engine.sampler import SamplingRow
 from llmctl.engine.step_types import ModelRunnerOutput, ScheduledSeq
@@ -73,8 +74,9 @@ IDLE_TIMEOUT_S = 30 * 24 * 3600.0  # a worker waits this long for the next step 
 STOP_TIMEOUT_S = 10.0  # after the stop message, before a worker is killed
 
 EXECUTE, STOP = 1, 2
-# command, payload length, tokens, logits rows, rows, block-table width, truncations, release, micro-batch slot
-HEADER_LEN = 9
+# command, payload length, tokens, logits rows, rows, block-table width, truncations, release, micro-batch slot,
+# placeholders
+HEADER_LEN = 10
 
 
 def _joined_key(rank: int) -> str:
@@ -91,7 +93,26 @@ class _Groups:
 
 
 # ---- the step message -----------------------------------------------------------------------------
-def pack_step(inputs: StepInputs, truncations: list[tuple[int, int]], release: bool) -> tuple[torch.Tensor, torch.Tensor]:
+class StepMessage(NamedTuple):
+    """One step as a rank other than the driver receives it."""
+
+    inputs: StepInputs
+    truncations: list[tuple[int, int]]  # kept-state truncations (seq id, tokens kept) to apply before it
+    release: bool  # drop the kept state before it
+    placeholder_rows: torch.Tensor  # async scheduling: input rows whose ids the driver sends on the model group
+
+
+def _host_vectors(inputs: StepInputs) -> list[torch.Tensor]:
+    """The step's four vectors on the host without waiting for the device: its tensors on CPU, else the driver's
+    lists they were staged from (a GPU tensor's copy would wait for the step in flight)."""
+    vectors = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices)
+    if inputs.host is None or inputs.input_ids.device.type == "cpu":
+        return [v.cpu() for v in vectors]
+    return [torch.tensor(values, dtype=torch.long) for values in inputs.host]
+
+
+def pack_step(inputs: StepInputs, truncations: list[tuple[int, int]], release: bool,
+              placeholder_rows: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The header and payload (int64, CPU) that carry one step to the other ranks."""
     width = max((len(t) for t in inputs.block_tables), default=0)
     tables = torch.full((len(inputs.block_tables), width), -1, dtype=torch.long)
@@ -99,24 +120,24 @@ def pack_step(inputs: StepInputs, truncations: list[tuple[int, int]], release: b
         tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
     rows = torch.tensor([inputs.seq_ids, inputs.query_lens, inputs.context_lens], dtype=torch.long).reshape(-1)
     flat_truncations = torch.tensor(truncations, dtype=torch.long).reshape(-1)
-    payload = torch.cat([inputs.input_ids.cpu(), inputs.positions.cpu(), inputs.slot_mapping.cpu(),
-                         inputs.logits_indices.cpu(), rows, tables.reshape(-1), flat_truncations])
+    payload = torch.cat([*_host_vectors(inputs), rows, tables.reshape(-1), flat_truncations,
+                         torch.tensor(placeholder_rows, dtype=torch.long)])
     header = torch.tensor([EXECUTE, payload.numel(), inputs.input_ids.numel(), inputs.logits_indices.numel(),
-                           len(inputs.seq_ids), width, len(truncations), int(release), inputs.micro_batch],
-                          dtype=torch.long)
+                           len(inputs.seq_ids), width, len(truncations), int(release), inputs.micro_batch,
+                           len(placeholder_rows)], dtype=torch.long)
     return header, payload
 
 
-def unpack_step(header: torch.Tensor, payload: torch.Tensor,
-                device: torch.device) -> tuple[StepInputs, list[tuple[int, int]], bool]:
-    _, _, tokens, logits, rows, width, truncations, release, micro_batch = header.tolist()
-    parts = payload.split([tokens, tokens, tokens, logits, 3 * rows, rows * width, 2 * truncations])
+def unpack_step(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> StepMessage:
+    _, _, tokens, logits, rows, width, truncations, release, micro_batch, placeholders = header.tolist()
+    parts = payload.split([tokens, tokens, tokens, logits, 3 * rows, rows * width, 2 * truncations, placeholders])
     ids, positions, slots, logits_indices = (p.to(device) for p in parts[:4])
     seq_ids, query_lens, context_lens = parts[4].reshape(3, rows).tolist() if rows else ([], [], [])
     tables = [[b for b in row if b >= 0] for row in parts[5].reshape(rows, width).tolist()]
     inputs = StepInputs(ids, positions, slots, logits_indices, seq_ids, query_lens, context_lens, tables,
                         micro_batch=micro_batch)
-    return inputs, [tuple(t) for t in parts[6].reshape(-1, 2).tolist()], bool(release)
+    return StepMessage(inputs, [tuple(t) for t in parts[6].reshape(-1, 2).tolist()], bool(release),
+                       parts[7].to(device))
 
 
 # ---- process set-up ---------------------------------------------------------------------------------
@@ -239,11 +260,14 @@ class _Worker:
                 return
             payload = torch.empty(int(header[1].item()), dtype=torch.long)
             dist.broadcast(payload, 0, group=self.groups.control)
-            inputs, truncations, release = unpack_step(header, payload, self.runner.device)
-            if release:
+            message = unpack_step(header, payload, self.runner.device)
+            inputs = message.inputs
+            if message.release:
                 self.runner.release_kept_state()
-            for seq_id, num_tokens in truncations:
+            for seq_id, num_tokens in message.truncations:
                 self.runner.truncate_kept_state(seq_id, num_tokens)
+            if message.placeholder_rows.numel():
+                self._receive_placeholders(inputs, message.placeholder_rows)
             with step_bracket(self.profiler) as ran_a_batch:
                 out = self.runner.forward(inputs)
                 ran_a_batch(True)
@@ -251,6 +275,15 @@ class _Worker:
                 if logits_sent is not None:
                     logits_sent.wait()
                 logits_sent = dist.isend(out.logits.contiguous(), 0, group=self.groups.pipe)
+
+    def _receive_placeholders(self, inputs: StepInputs, rows: torch.Tensor) -> None:
+        """Async scheduling: the ids the driver sampled in the step before, for the input rows `rows`, arrive on
+        the model group (device to device with NCCL: they never were on the host)."""
+        import torch.distributed as dist
+
+        ids = torch.empty(rows.numel(), dtype=torch.long, device=self.runner.device)
+        dist.broadcast(ids, 0, group=self.groups.model)
+        self.runner.scatter_placeholders(inputs, rows, ids)
 
 
 def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_threads: int) -> None:
@@ -471,14 +504,34 @@ class MultiprocExecutor:
             return self.collect(self.submit(scheduled, rows))
         self.check_health()
         step = self.runner.prepare(scheduled)
+        return self.runner.sample(step, self._forward_on_every_rank(step), rows)
+
+    def execute_async(self, scheduled: list[ScheduledSeq],
+                      rows: list[Optional[SamplingRow]]) -> AsyncModelRunnerOutput:
+        """Async scheduling with tensor parallelism (pipeline stages keep submit/collect): launch the step without
+        waiting for the one in flight, whose sampled ids fill this step's placeholders on every rank on the
+        device; the host reads this step's ids from the returned output."""
+        self.check_health()
+        step = self.runner.prepare(scheduled)
+        return self.runner.sample_async(step, self._forward_on_every_rank(step), rows)
+
+    def _forward_on_every_rank(self, step: PreparedStep) -> StepLogits:
+        """Send the step to the other ranks and run this rank's forward. Inputs the step in flight samples are
+        filled here from its ids on the device and broadcast to the other ranks on the model group (NCCL on
+        CUDA: no host round trip), which scatter them into the same rows."""
+        import torch.distributed as dist
+
         try:
-            for work in self._send(step.inputs):
+            for work in self._send(step.inputs, [row for row, _ in step.placeholders]):
                 work.wait()
-            out = self.runner.forward(step.inputs)
+            with torch.inference_mode():  # the ids in flight are inference tensors
+                sampled = self.runner.fill_placeholders(step)
+                if sampled is not None:
+                    dist.broadcast(sampled, 0, group=self.groups.model)
+            return self.runner.forward(step.inputs)
         except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
             self.fault = self._failure("step", exc)
             raise self.fault from None
-        return self.runner.sample(step, out, rows)
 
     def submit(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> PendingStep:
         """Pipeline parallelism: start a micro-batch (its step message and the first stage, here) and return
@@ -517,11 +570,11 @@ class MultiprocExecutor:
             dist.recv(logits, self.parallel.global_rank(last_stage), group=self.groups.pipe)
         return StepLogits(logits)
 
-    def _send(self, inputs: StepInputs) -> list:
+    def _send(self, inputs: StepInputs, placeholder_rows: Sequence[int] = ()) -> list:
         """Start broadcasting the step message; returns the broadcasts' works (the caller waits on them)."""
         import torch.distributed as dist
 
-        header, payload = pack_step(inputs, self._truncations, self._release)
+        header, payload = pack_step(inputs, self._truncations, self._release, placeholder_rows)
         works = [dist.broadcast(tensor, 0, group=self.groups.control, async_op=True) for tensor in (header, payload)]
         self._truncations, self._release = [], False
         return works
