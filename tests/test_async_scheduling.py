@@ -213,13 +213,18 @@ def test_on_cuda_the_overlap_engine_gives_the_serial_engines_tokens(tiny_models)
     assert_same_outputs(overlap, serial)
 
 
-def test_a_stop_string_ends_the_request_at_the_serial_engines_token(tiny_chat_model):
-    prompt = prompts(1, 6)[0]
-    probe = engine_for(tiny_chat_model, False, skip_tokenizer_init=False)
+def stop_string_for(folder, prompt: list[int], **args) -> str:
+    """Two characters from the middle of the serial engine's greedy text of `prompt` (12 tokens)."""
+    probe = engine_for(folder, False, skip_tokenizer_init=False, **args)
     probe.add_request("probe", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     while probe.has_unfinished_requests():
         text = next((o.outputs[0].text for o in probe.step().outputs if o.finished), None)
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    return text[len(text) // 2:len(text) // 2 + 2]
+
+
+def test_a_stop_string_ends_the_request_at_the_serial_engines_token(tiny_chat_model):
+    prompt = prompts(1, 6)[0]
+    stop = stop_string_for(tiny_chat_model, prompt)
     workload = [("stopped", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])),
                 ("bystander", prompts(2, 6)[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
     serial, overlap, _ = both(tiny_chat_model, workload, skip_tokenizer_init=False)

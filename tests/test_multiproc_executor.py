@@ -1,7 +1,8 @@
 """The multi-rank executor (issue 17): the step message, where ranks run (flags and torchrun's
 environment), an engine on two gloo ranks giving TP=1's greedy tokens through chunked prefill,
 preemption, prefix-cache hits and speculative verify rows, and a hung rank failing the engine within
-the collective timeout (never a silent hang)."""
+the collective timeout (never a silent hang); with async scheduling, two ranks giving the serial engine's
+tokens and log-probs, rank 1's placeholder inputs being the ids rank 0 sampled on the step before."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError, RankFailedError
 from llmctl.engine.model_runner import HostVectors, StepInputs
 from llmctl.engine.executor.multiproc_executor import HEADER_LEN, pack_step, unpack_step
-from test_async_scheduling import Workload, assert_same_outputs, engine_for, run
+from test_async_scheduling import Workload, assert_same_outputs, engine_for, run, stop_string_for
 from test_async_scheduling import prompts as async_prompts
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
@@ -118,14 +119,10 @@ def test_two_ranks_give_the_greedy_tokens_of_one_through_chunks_preemption_prefi
     assert 0 < drafts["spec_decode_num_accepted_tokens"] < drafts["spec_decode_num_draft_tokens"]
 
 
-def _async_workload(folder) -> tuple[Workload, dict[str, int]]:
+def async_workload(folder, **engine_args) -> tuple[Workload, dict[str, int]]:
     """Greedy and seeded rows with log-probs, n = 2 siblings arriving late, max_tokens 1, chunked prompts, and a stop
     string picked from one rank's greedy text of its prompt (TP=2 gives TP=1's greedy tokens)."""
     prompt = async_prompts(1, 6)[0]
-    probe = engine_for(folder, False, skip_tokenizer_init=False)
-    probe.add_request("probe", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    while probe.has_unfinished_requests():
-        text = next((o.outputs[0].text for o in probe.step().outputs if o.finished), None)
     long_prompts = async_prompts(5, 17)
     return [("greedy", long_prompts[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)),
             ("seeded", long_prompts[1], SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=8,
@@ -134,7 +131,7 @@ def _async_workload(folder) -> tuple[Workload, dict[str, int]]:
             ("aborted", long_prompts[3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
             ("one", long_prompts[4], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)),
             ("stopped", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
-                                               stop=[text[len(text) // 2:len(text) // 2 + 2]]))], {"siblings": 3}
+                                               stop=[stop_string_for(folder, prompt, **engine_args)]))], {"siblings": 3}
 
 
 def _abort_at_step_4(engine, step: int) -> None:
@@ -142,10 +139,11 @@ def _abort_at_step_4(engine, step: int) -> None:
         engine.abort_request("aborted")
 
 
-def _tp2_run(folder, overlap: bool, workload: Workload, arrivals: dict[str, int]) -> tuple[dict, list[int], bool]:
+def tp2_run(folder, overlap: bool, workload: Workload, arrivals: dict[str, int],
+            **engine_args) -> tuple[dict, list[int], bool]:
     """The workload's finals on a TP=2 engine, the placeholders of each step's fill on rank 0, and whether the
     engine resolved async scheduling on."""
-    engine = engine_for(folder, overlap, skip_tokenizer_init=False, tensor_parallel_size=2)
+    engine = engine_for(folder, overlap, skip_tokenizer_init=False, tensor_parallel_size=2, **engine_args)
     filled: list[int] = []
     fill = engine.executor.runner.fill_placeholders
     engine.executor.runner.fill_placeholders = lambda step: (filled.append(len(step.placeholders)), fill(step))[1]
@@ -158,9 +156,13 @@ def _tp2_run(folder, overlap: bool, workload: Workload, arrivals: dict[str, int]
 def test_two_ranks_with_async_scheduling_give_the_serial_engines_tokens_and_logprobs(tiny_chat_model):
     """Rank 0 samples and sends each step's ids to rank 1 on the model group: the decode rows' inputs there are
     the ids rank 0 sampled (were they not, rank 1's half of every all-reduce would be another token's)."""
-    workload, arrivals = _async_workload(tiny_chat_model)
-    serial, serial_filled, serial_async = _tp2_run(tiny_chat_model, False, workload, arrivals)
-    overlap, filled, resolved_async = _tp2_run(tiny_chat_model, True, workload, arrivals)
+    check_tp2_async_scheduling(tiny_chat_model)
+
+
+def check_tp2_async_scheduling(folder, **engine_args) -> None:
+    workload, arrivals = async_workload(folder, **engine_args)
+    serial, serial_filled, serial_async = tp2_run(folder, False, workload, arrivals, **engine_args)
+    overlap, filled, resolved_async = tp2_run(folder, True, workload, arrivals, **engine_args)
     assert not serial_async and resolved_async
     assert not any(serial_filled) and sum(filled) > 20  # decode rows after the first take the ids in flight
     assert_same_outputs(overlap, serial)

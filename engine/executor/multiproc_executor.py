@@ -6,14 +6,25 @@ ranks only run the model: node 0 starts its ranks 1..n-1 with torch.multiprocess
 k > 0 (`run_worker_node`) starts all of its own, and under torchrun every process already is a rank.
 
 Each step the driver flattens the batch once (`ModelRunner.prepare` -> `StepInputs`), sends it to
-every rank as one fixed 8-integer header and one int64 payload (ids, positions, slots, logits rows,
-the rows' lengths and block tables, and the kept-state truncations queued since the last step), and
-every rank runs `ModelRunner.forward` on it; the sharded model's collectives run between ranks on
-the model group; the driver samples from its (gathered) logits.
+every rank as one fixed `HEADER_LEN`-integer header and one int64 payload (ids, positions, slots, logits rows,
+the rows' lengths and block tables, the kept-state truncations queued since the last step, and the
+placeholder rows), and every rank runs `ModelRunner.forward` on it; the sharded model's collectives run
+between ranks on the model group; the driver samples from its (gathered) logits.
+
+Async scheduling (`execute_async`, tensor parallelism): the driver launches a step before the host has
+the ids the step in flight samples. Those inputs are placeholders: the driver fills its own from the
+sampled ids on the device (`ModelRunner.fill_placeholders`) and broadcasts them on the model group (an
+NCCL device tensor on CUDA: no host round trip), and each worker scatters them into the rows the step
+message names (`ModelRunner.scatter_placeholders`). Only the driver samples (the requests' generators
+never leave its process), so the ranks cannot diverge;
+the one host sync per step is the sampled ids' copy (`AsyncModelRunnerOutput.get_output`). The step
+message is packed from the driver's host copy of the vectors, never from device tensors (whose copy would
+wait for the step in flight).
 
 With pipeline stages (global rank = stage x T + tensor-parallel rank) stage 0 runs on the driver, each later
 stage receives its input from the one before, and the last stage's first rank sends the logits to the
-driver; the engine keeps one micro-batch per stage in flight (`submit`, then `collect` in order).
+driver; the engine keeps one micro-batch per stage in flight (`submit`, then `collect` in order): that is
+their overlap, and async scheduling is refused with stages (`EngineArgs.async_scheduling_blocker`).
 
 The process groups, because their waits differ:
 - the default group (gloo): start-up only (agreeing on the KV pool size), waiting up to
