@@ -16,10 +16,9 @@ the ids the step in flight samples. Those inputs are placeholders: the driver fi
 sampled ids on the device (`ModelRunner.fill_placeholders`) and broadcasts them on the model group (an
 NCCL device tensor on CUDA: no host round trip), and each worker scatters them into the rows the step
 message names (`ModelRunner.scatter_placeholders`). Only the driver samples (the requests' generators
-never leave its process), so the ranks cannot diverge;
-the one host sync per step is the sampled ids' copy (`AsyncModelRunnerOutput.get_output`). The step
-message is packed from the driver's host copy of the vectors, never from device tensors (whose copy would
-wait for the step in flight).
+never leave its process), so the ranks cannot diverge; its one device sync per step is the sampled ids'
+copy to the host (`AsyncModelRunnerOutput.get_output`). The step message is packed from the driver's host
+copy of the vectors, never from device tensors (whose copy would wait for the step in flight).
 
 With pipeline stages (global rank = stage x T + tensor-parallel rank) stage 0 runs on the driver, each later
 stage receives its input from the one before, and the last stage's first rank sends the logits to the
