@@ -86,8 +86,9 @@ class EngineArgs:
     async_scheduling: Optional[bool] = _arg(
         None, "Schedule and prepare the next step while the device runs this one (vLLM's async scheduling): "
               "sampled ids stay on the device as the next step's inputs and reach the host one step late, in one "
-              "copy. Default: on for CUDA, off on CPU (the host runs the forward: nothing to overlap). Not with "
-              "speculative decoding, tensor or pipeline parallelism yet; requests with penalties, logits "
+              "copy. Default: on for CUDA, off on CPU (the host runs the forward: nothing to overlap). With tensor "
+              "parallelism rank 0 samples and sends the ids to the other ranks on the device. Not with "
+              "speculative decoding or pipeline parallelism yet; requests with penalties, logits "
               "processors or structured outputs wait for the step before.", negatable=True)
     attention_backend: str = _arg("auto", "Paged attention kernels: auto (flash-attn where it imports and runs the "
                                           "model, else triton on CUDA where triton imports, else torch), torch, "
@@ -191,10 +192,8 @@ class EngineArgs:
         """The setting async scheduling cannot run with yet (None: nothing blocks it)."""
         if self.speculative_config is not None:
             return "speculative decoding (speculative_config)"
-        if self.pipeline_parallel_size > 1:
+        if self.pipeline_parallel_size > 1:  # its micro-batches in flight are its own overlap (submit/collect)
             return "pipeline parallelism (pipeline_parallel_size > 1)"
-        if self.tensor_parallel_size > 1:
-            return "tensor parallelism (tensor_parallel_size > 1)"
         return None
 
     @property

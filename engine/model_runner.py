@@ -95,12 +95,14 @@ def _prompt_logprobs(logits: torch.Tensor, rows: list[PromptRow]) -> dict[int, l
 
 
 class HostVectors(NamedTuple):
-    """A CPU step's four vectors as the int64 arrays its tensors view: what the native step reads (no torch call)."""
+    """A step's four vectors on the host. On CPU the int64 arrays its tensors view: what the native step reads (no
+    torch call); on a GPU the lists its tensors were staged from: what a multi-rank driver sends the other ranks
+    without waiting for the device."""
 
-    input_ids: array
-    positions: array
-    slot_mapping: array
-    logits_indices: array
+    input_ids: "array | list[int]"
+    positions: "array | list[int]"
+    slot_mapping: "array | list[int]"
+    logits_indices: "array | list[int]"
 
 
 @dataclass
@@ -117,7 +119,7 @@ class StepInputs:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
-    host: Optional[HostVectors] = None  # where the driver built the vectors on the CPU
+    host: Optional[HostVectors] = None  # the driver's host copy of the four vectors (None on the other ranks)
     # the token rows whose final hidden states pooling rows read (driver only; None: no row pools)
     pooling_indices: Optional[torch.Tensor] = None
     # pipeline parallelism: which of the micro-batches in flight this is (vLLM's virtual engine); the same
@@ -570,32 +572,48 @@ class ModelRunner:
         output (prompt log-probs, rare, are read now)."""
         step = self.prepare(scheduled)
         with torch.inference_mode():
-            self._fill_placeholders(step)
-            out = self._run(step.inputs, self.kv_caches, self.graphs)
-            plan = self._sampling_plan(step, rows)
-            scored = self._score_prompts(step, out.logits, len(plan.positions))
-            sample = None
-            if plan.positions:
-                logits, argmax = self._sampler_inputs(step, out, plan)
-                sample = self.sampler.sample(logits, plan.positions, plan.drafts, argmax)
-                last = {scheduled[owner].seq.seq_id: i for i, owner in enumerate(plan.owners)}
-                self._last_sampled = LastSampled(sample.token_ids, last)
-            pooled = self._pooled_sums(step, out)  # rare, as prompt log-probs: read now
+            self.fill_placeholders(step)
+            return self.sample_async(step, self._run(step.inputs, self.kv_caches, self.graphs), rows)
+
+    @torch.inference_mode()
+    def sample_async(self, step: "PreparedStep", out: StepLogits,
+                     rows: list[Optional[SamplingRow]]) -> AsyncModelRunnerOutput:
+        """`execute_async`'s second half (a multi-rank executor's driver): sample on the device, keep the ids for
+        the next step's placeholders, and start their copy to the host."""
+        plan = self._sampling_plan(step, rows)
+        scored = self._score_prompts(step, out.logits, len(plan.positions))
+        sample = None
+        if plan.positions:
+            logits, argmax = self._sampler_inputs(step, out, plan)
+            sample = self.sampler.sample(logits, plan.positions, plan.drafts, argmax)
+            last = {step.scheduled[owner].seq.seq_id: i for i, owner in enumerate(plan.owners)}
+            self._last_sampled = LastSampled(sample.token_ids, last)
+        pooled = self._pooled_sums(step, out)  # rare, as prompt log-probs: read now
         return AsyncModelRunnerOutput(sample, lambda sampled: self._runner_output(step, plan, sampled, scored,
                                                                                   pooled))
 
-    def _fill_placeholders(self, step: "PreparedStep") -> None:
+    @torch.inference_mode()
+    def fill_placeholders(self, step: "PreparedStep") -> Optional[torch.Tensor]:
         """Scatter the previous step's sampled ids into this step's input ids where they are its inputs (on
-        the device: no transfer; on CPU the input tensor is the host array the native step reads)."""
+        the device: no transfer; on CPU the input tensor is the host array the native step reads). Returns
+        those ids in `step.placeholders`' order, on the device (what a multi-rank driver sends the other
+        ranks); None where the step has no placeholder."""
         if not step.placeholders:
-            return
+            return None
         last = self._last_sampled
         missing = [seq_id for _, seq_id in step.placeholders if last is None or seq_id not in last.index]
         if missing:
             raise RuntimeError(f"async scheduling: no sampled token in flight for sequence(s) {missing}")
-        rows = self._tensor([row for row, _ in step.placeholders])
         sources = self._tensor([last.index[seq_id] for _, seq_id in step.placeholders])
-        step.inputs.input_ids[rows] = last.token_ids.to(self.device)[sources]
+        ids = last.token_ids.to(self.device)[sources]
+        self.scatter_placeholders(step.inputs, self._tensor([row for row, _ in step.placeholders]), ids)
+        return ids
+
+    @torch.inference_mode()
+    def scatter_placeholders(self, inputs: "StepInputs", rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Write `ids` into the input token rows `rows` (every rank: the driver's own sampled ids, or on the
+        other ranks the ones it sent)."""
+        inputs.input_ids[rows] = ids
 
     @torch.inference_mode()
     def sample_logits(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -679,8 +697,8 @@ class ModelRunner:
                 pooling_indices.extend(row + p - start for p in read)
         logits_indices.extend(r.row for r in prompt_rows)
         vectors = (ids, positions, slots, logits_indices)
-        host = HostVectors(*(array("q", values) for values in vectors)) if self._on_cpu else None  # device: lists
-        inputs = StepInputs(*(self._tensor(values) for values in (host or vectors)), [s.seq.seq_id for s in order],
+        host = HostVectors(*((array("q", values) for values in vectors) if self._on_cpu else vectors))
+        inputs = StepInputs(*(self._tensor(values) for values in host), [s.seq.seq_id for s in order],
                             query_lens, context_lens, [s.seq.block_table for s in order], host,
                             self._pooling_tensor(pooling_indices))
         return inputs, prompt_rows, pool_rows, placeholders

@@ -35,7 +35,9 @@
 #            captured for cuda:1 replay real work; pytest: test_decode_step_graph_is_captured_on_every_gpu, the
 #            bench's graph, every GPU.
 #   tp_nccl  test_tp2_over_nccl_matches_tp1 (two GPUs only; issue 17): the sharded model's collectives over NCCL,
-#            one GPU per rank, give TP=1's greedy tokens for 2 KV heads and for 1 (replicated on both ranks).
+#            one GPU per rank, give TP=1's greedy tokens for 2 KV heads and for 1 (replicated on both ranks);
+#            test_tp2_async_scheduling_over_nccl_gives_the_serial_engines_tokens (issue 40): rank 0's sampled ids
+#            broadcast over NCCL as rank 1's next inputs give the serial TP=2 engine's tokens and log-probs.
 #   ep_nccl  test_ep2_over_nccl_matches_one_gpu (two GPUs only; issue 43): a MoE model's experts dealt out over
 #            two GPUs (the Triton grouped GEMM skipping the other rank's pairs, the partial sums all-reduced over
 #            NCCL) give one GPU's greedy tokens; `-dp 2 --enable-expert-parallel` (replicas on cuda:0 and cuda:1,

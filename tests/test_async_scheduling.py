@@ -165,8 +165,8 @@ def test_inputs_come_from_the_device_ids_of_the_step_in_flight(tiny_models):
     engine = engine_for(tiny_models["llama"], True)
     runner = engine.executor.runner
     filled = []
-    fill = runner._fill_placeholders
-    runner._fill_placeholders = lambda step: (filled.append(len(step.placeholders)), fill(step))
+    fill = runner.fill_placeholders
+    runner.fill_placeholders = lambda step: (filled.append(len(step.placeholders)), fill(step))[1]
     run(engine, [("r", prompts(1, 5)[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))])
     assert filled == [0, 1, 1, 1, 1, 1]
 
@@ -175,11 +175,15 @@ def test_the_default_is_on_for_cuda_only_and_blocked_features_are_named():
     assert EngineArgs().with_device_defaults("cuda").async_scheduling is True
     assert EngineArgs().with_device_defaults("cpu").async_scheduling is False
     assert EngineArgs(async_scheduling=True).with_device_defaults("cpu").async_scheduling is True
+    assert EngineArgs(tensor_parallel_size=2).with_device_defaults("cuda").async_scheduling is True
+    assert EngineArgs(tensor_parallel_size=2).with_device_defaults("cpu").async_scheduling is False
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert EngineArgs(speculative_config=spec).with_device_defaults("cuda").async_scheduling is False
+    assert EngineArgs(pipeline_parallel_size=2).with_device_defaults("cuda").async_scheduling is False
     for blocked, name in ((dict(speculative_config=spec), "speculative decoding"),
                           (dict(pipeline_parallel_size=2), "pipeline parallelism"),
-                          (dict(tensor_parallel_size=2), "tensor parallelism")):
+                          (dict(tensor_parallel_size=2, pipeline_parallel_size=2), "pipeline parallelism"),
+                          (dict(tensor_parallel_size=2, speculative_config=spec), "speculative decoding")):
         with pytest.raises(EngineArgsError, match=name):
             EngineArgs(async_scheduling=True, **blocked)
 
@@ -209,13 +213,18 @@ def test_on_cuda_the_overlap_engine_gives_the_serial_engines_tokens(tiny_models)
     assert_same_outputs(overlap, serial)
 
 
-def test_a_stop_string_ends_the_request_at_the_serial_engines_token(tiny_chat_model):
-    prompt = prompts(1, 6)[0]
-    probe = engine_for(tiny_chat_model, False, skip_tokenizer_init=False)
+def stop_string_for(folder, prompt: list[int], **args) -> str:
+    """Two characters from the middle of the serial engine's greedy text of `prompt` (12 tokens)."""
+    probe = engine_for(folder, False, skip_tokenizer_init=False, **args)
     probe.add_request("probe", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     while probe.has_unfinished_requests():
         text = next((o.outputs[0].text for o in probe.step().outputs if o.finished), None)
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    return text[len(text) // 2:len(text) // 2 + 2]
+
+
+def test_a_stop_string_ends_the_request_at_the_serial_engines_token(tiny_chat_model):
+    prompt = prompts(1, 6)[0]
+    stop = stop_string_for(tiny_chat_model, prompt)
     workload = [("stopped", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])),
                 ("bystander", prompts(2, 6)[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
     serial, overlap, _ = both(tiny_chat_model, workload, skip_tokenizer_init=False)

@@ -1,7 +1,8 @@
 """Tensor parallelism on CUDA with NCCL, one GPU per rank (scripts/gpu_check.sh's `tp_nccl` step; skipped
 with fewer than two GPUs): TP=2 greedy tokens equal TP=1's on cuda:0 and logits agree, for a GQA model and
 one with a single KV head (replicated on both ranks), under chunked prefill, preemption and prefix caching; with the
-default graphs, and full decode graphs on the Triton backend (the collectives captured inside them)."""
+default graphs, and full decode graphs on the Triton backend (the collectives captured inside them). An engine of
+two GPUs with async scheduling (rank 0's sampled ids broadcast over NCCL) gives its serial tokens and log-probs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from conftest import make_tiny_model
 from llmctl.engine.parallel import TensorParallel
+from test_multiproc_executor import check_tp2_async_scheduling
 from test_parity import make_prompts
 from tp_helpers import greedy_run, run_ranks
 
@@ -42,3 +44,7 @@ def test_tp2_over_nccl_matches_tp1(tmp_path, kv_heads, graphs):
     assert rank0["tokens"] == rank1["tokens"] == single["tokens"]
     for ours, theirs in zip(rank0["logits"], single["logits"]):
         assert np.abs(ours - theirs).max() < 1e-3  # NCCL sums in another order than one GPU's GEMM
+
+
+def test_tp2_async_scheduling_over_nccl_gives_the_serial_engines_tokens(tiny_chat_model):
+    check_tp2_async_scheduling(tiny_chat_model, device="cuda")

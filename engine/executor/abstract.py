@@ -10,7 +10,8 @@ engine goes idle). Nothing else of the runner is the engine's business.
 (multiproc_executor.py, tensor parallel) keeps this method set: every rank runs the forward on
 the batch's ids, positions and block tables, and the driver rank (in this process) samples, so the
 `SamplingRow`s, which hold what cannot cross a process boundary (a request's `torch.Generator`,
-logits-processor closures), never leave the engine's process. `check_health` raises when the model
+logits-processor closures), never leave the engine's process; with async scheduling the driver's sampled
+ids reach the other ranks' next inputs on the device (a broadcast on the model group). `check_health` raises when the model
 side can no longer step (a rank died); `shutdown` stops what the executor started.
 """
 
@@ -34,7 +35,9 @@ class Executor(Protocol):
     # `submit(scheduled, rows) -> pending` and `collect(pending) -> ModelRunnerOutput`, collected in order.
     max_concurrent_batches: int
     # Async scheduling (--async-scheduling) needs `execute_async(scheduled, rows) -> pending` too, whose
-    # `pending.get_output()` returns the ModelRunnerOutput; UniProcExecutor has it, MultiprocExecutor not yet.
+    # `pending.get_output()` returns the ModelRunnerOutput: both executors have it (MultiprocExecutor for tensor
+    # parallelism: the driver sends the ids in flight to the other ranks on the device; pipeline stages overlap
+    # through submit/collect instead, and EngineArgs refuses async scheduling with them).
 
     @property
     def kv_cache_bytes(self) -> int: ...

@@ -6,14 +6,24 @@ ranks only run the model: node 0 starts its ranks 1..n-1 with torch.multiprocess
 k > 0 (`run_worker_node`) starts all of its own, and under torchrun every process already is a rank.
 
 Each step the driver flattens the batch once (`ModelRunner.prepare` -> `StepInputs`), sends it to
-every rank as one fixed 8-integer header and one int64 payload (ids, positions, slots, logits rows,
-the rows' lengths and block tables, and the kept-state truncations queued since the last step), and
-every rank runs `ModelRunner.forward` on it; the sharded model's collectives run between ranks on
-the model group; the driver samples from its (gathered) logits.
+every rank as one fixed `HEADER_LEN`-integer header and one int64 payload (ids, positions, slots, logits rows,
+the rows' lengths and block tables, the kept-state truncations queued since the last step, and the
+placeholder rows), and every rank runs `ModelRunner.forward` on it; the sharded model's collectives run
+between ranks on the model group; the driver samples from its (gathered) logits.
+
+Async scheduling (`execute_async`, tensor parallelism): the driver launches a step before the host has
+the ids the step in flight samples. Those inputs are placeholders: the driver fills its own from the
+sampled ids on the device (`ModelRunner.fill_placeholders`) and broadcasts them on the model group (an
+NCCL device tensor on CUDA: no host round trip), and each worker scatters them into the rows the step
+message names (`ModelRunner.scatter_placeholders`). Only the driver samples (the requests' generators
+never leave its process), so the ranks cannot diverge; its one device sync per step is the sampled ids'
+copy to the host (`AsyncModelRunnerOutput.get_output`). The step message is packed from the driver's host
+copy of the vectors, never from device tensors (whose copy would wait for the step in flight).
 
 With pipeline stages (global rank = stage x T + tensor-parallel rank) stage 0 runs on the driver, each later
 stage receives its input from the one before, and the last stage's first rank sends the logits to the
-driver; the engine keeps one micro-batch per stage in flight (`submit`, then `collect` in order).
+driver; the engine keeps one micro-batch per stage in flight (`submit`, then `collect` in order): that is
+their overlap, and async scheduling is refused with stages (`EngineArgs.async_scheduling_blocker`).
 
 The process groups, because their waits differ:
 - the default group (gloo): start-up only (agreeing on the KV pool size), waiting up to
@@ -55,7 +65,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -64,7 +74,8 @@ from llmctl.engine.cuda_profiler import ProfilerSteps, step_bracket
 from llmctl.engine.errors import EngineError, RankFailedError
 from llmctl.engine.executor.lockstep import LockstepExecutor, ReplicaLockstep
 from llmctl.engine.host import tune_cpu_allocator
-from llmctl.engine.model_runner import ModelRunner, PreparedStep, RunnerConfig, StepInputs, StepLogits
+from llmctl.engine.model_runner import (AsyncModelRunnerOutput, ModelRunner, PreparedStep, RunnerConfig, StepInputs,
+                                       StepLogits)
 from llmctl.engine.parallel import (ExpertDataParallel, PipelineParallel, TensorParallel, expert_data_parallel,
                                     pipeline_layer_ranges)
 from llmctl.engine.sampler import SamplingRow
@@ -78,8 +89,9 @@ IDLE_TIMEOUT_S = 30 * 24 * 3600.0  # a worker waits this long for the next step 
 STOP_TIMEOUT_S = 10.0  # after the stop message, before a worker is killed
 
 EXECUTE, STOP, IDLE = 1, 2, 3  # IDLE: a data-parallel replica's MoE exchanges without tokens (`idle_step`)
-# command, payload length, tokens, logits rows, rows, block-table width, truncations, release, micro-batch slot
-HEADER_LEN = 9
+# command, payload length, tokens, logits rows, rows, block-table width, truncations, release, micro-batch slot,
+# placeholders
+HEADER_LEN = 10
 
 
 def _joined_key(rank: int) -> str:
@@ -96,7 +108,26 @@ class _Groups:
 
 
 # ---- the step message -----------------------------------------------------------------------------
-def pack_step(inputs: StepInputs, truncations: list[tuple[int, int]], release: bool) -> tuple[torch.Tensor, torch.Tensor]:
+class StepMessage(NamedTuple):
+    """One step as a rank other than the driver receives it."""
+
+    inputs: StepInputs
+    truncations: list[tuple[int, int]]  # kept-state truncations (seq id, tokens kept) to apply before it
+    release: bool  # drop the kept state before it
+    placeholder_rows: torch.Tensor  # async scheduling: input rows whose ids the driver sends on the model group
+
+
+def _host_vectors(inputs: StepInputs) -> list[torch.Tensor]:
+    """The step's four vectors on the host without waiting for the device: its tensors on CPU, else the driver's
+    lists they were staged from (a GPU tensor's copy would wait for the step in flight)."""
+    vectors = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices)
+    if inputs.host is None or inputs.input_ids.device.type == "cpu":
+        return [v.cpu() for v in vectors]
+    return [torch.tensor(values, dtype=torch.long) for values in inputs.host]
+
+
+def pack_step(inputs: StepInputs, truncations: list[tuple[int, int]], release: bool,
+              placeholder_rows: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The header and payload (int64, CPU) that carry one step to the other ranks."""
     width = max((len(t) for t in inputs.block_tables), default=0)
     tables = torch.full((len(inputs.block_tables), width), -1, dtype=torch.long)
@@ -104,24 +135,24 @@ def pack_step(inputs: StepInputs, truncations: list[tuple[int, int]], release: b
         tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
     rows = torch.tensor([inputs.seq_ids, inputs.query_lens, inputs.context_lens], dtype=torch.long).reshape(-1)
     flat_truncations = torch.tensor(truncations, dtype=torch.long).reshape(-1)
-    payload = torch.cat([inputs.input_ids.cpu(), inputs.positions.cpu(), inputs.slot_mapping.cpu(),
-                         inputs.logits_indices.cpu(), rows, tables.reshape(-1), flat_truncations])
+    payload = torch.cat([*_host_vectors(inputs), rows, tables.reshape(-1), flat_truncations,
+                         torch.tensor(placeholder_rows, dtype=torch.long)])
     header = torch.tensor([EXECUTE, payload.numel(), inputs.input_ids.numel(), inputs.logits_indices.numel(),
-                           len(inputs.seq_ids), width, len(truncations), int(release), inputs.micro_batch],
-                          dtype=torch.long)
+                           len(inputs.seq_ids), width, len(truncations), int(release), inputs.micro_batch,
+                           len(placeholder_rows)], dtype=torch.long)
     return header, payload
 
 
-def unpack_step(header: torch.Tensor, payload: torch.Tensor,
-                device: torch.device) -> tuple[StepInputs, list[tuple[int, int]], bool]:
-    _, _, tokens, logits, rows, width, truncations, release, micro_batch = header.tolist()
-    parts = payload.split([tokens, tokens, tokens, logits, 3 * rows, rows * width, 2 * truncations])
+def unpack_step(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> StepMessage:
+    _, _, tokens, logits, rows, width, truncations, release, micro_batch, placeholders = header.tolist()
+    parts = payload.split([tokens, tokens, tokens, logits, 3 * rows, rows * width, 2 * truncations, placeholders])
     ids, positions, slots, logits_indices = (p.to(device) for p in parts[:4])
     seq_ids, query_lens, context_lens = parts[4].reshape(3, rows).tolist() if rows else ([], [], [])
     tables = [[b for b in row if b >= 0] for row in parts[5].reshape(rows, width).tolist()]
     inputs = StepInputs(ids, positions, slots, logits_indices, seq_ids, query_lens, context_lens, tables,
                         micro_batch=micro_batch)
-    return inputs, [tuple(t) for t in parts[6].reshape(-1, 2).tolist()], bool(release)
+    return StepMessage(inputs, [tuple(t) for t in parts[6].reshape(-1, 2).tolist()], bool(release),
+                       parts[7].to(device))
 
 
 # ---- process set-up ---------------------------------------------------------------------------------
@@ -257,11 +288,14 @@ class _Worker:
                 continue
             payload = torch.empty(int(header[1].item()), dtype=torch.long)
             dist.broadcast(payload, 0, group=self.groups.control)
-            inputs, truncations, release = unpack_step(header, payload, self.runner.device)
-            if release:
+            message = unpack_step(header, payload, self.runner.device)
+            inputs = message.inputs
+            if message.release:
                 self.runner.release_kept_state()
-            for seq_id, num_tokens in truncations:
+            for seq_id, num_tokens in message.truncations:
                 self.runner.truncate_kept_state(seq_id, num_tokens)
+            if message.placeholder_rows.numel():
+                self._receive_placeholders(inputs, message.placeholder_rows)
             with step_bracket(self.profiler) as ran_a_batch:
                 out = self.runner.forward(inputs)
                 ran_a_batch(True)
@@ -269,6 +303,15 @@ class _Worker:
                 if logits_sent is not None:
                     logits_sent.wait()
                 logits_sent = dist.isend(out.logits.contiguous(), 0, group=self.groups.pipe)
+
+    def _receive_placeholders(self, inputs: StepInputs, rows: torch.Tensor) -> None:
+        """Async scheduling: the ids the driver sampled in the step before, for the input rows `rows`, arrive on
+        the model group (device to device with NCCL: they never were on the host)."""
+        import torch.distributed as dist
+
+        ids = torch.empty(rows.numel(), dtype=torch.long, device=self.runner.device)
+        dist.broadcast(ids, 0, group=self.groups.model)
+        self.runner.scatter_placeholders(inputs, rows, ids)
 
 
 def _worker_main(rank: int, parallel: ParallelConfig, config: RunnerConfig, num_threads: int) -> None:
@@ -489,14 +532,34 @@ class MultiprocExecutor:
             return self.collect(self.submit(scheduled, rows))
         self.check_health()
         step = self.runner.prepare(scheduled)
+        return self.runner.sample(step, self._forward_on_every_rank(step), rows)
+
+    def execute_async(self, scheduled: list[ScheduledSeq],
+                      rows: list[Optional[SamplingRow]]) -> AsyncModelRunnerOutput:
+        """Async scheduling with tensor parallelism (pipeline stages keep submit/collect): launch the step without
+        waiting for the one in flight, whose sampled ids fill this step's placeholders on every rank on the
+        device; the host reads this step's ids from the returned output."""
+        self.check_health()
+        step = self.runner.prepare(scheduled)
+        return self.runner.sample_async(step, self._forward_on_every_rank(step), rows)
+
+    def _forward_on_every_rank(self, step: PreparedStep) -> StepLogits:
+        """Send the step to the other ranks and run this rank's forward. Inputs the step in flight samples are
+        filled here from its ids on the device and broadcast to the other ranks on the model group (NCCL on
+        CUDA: no host round trip), which scatter them into the same rows."""
+        import torch.distributed as dist
+
         try:
-            for work in self._send(step.inputs):
+            for work in self._send(step.inputs, [row for row, _ in step.placeholders]):
                 work.wait()
-            out = self.runner.forward(step.inputs)
+            with torch.inference_mode():  # the ids in flight are inference tensors
+                sampled = self.runner.fill_placeholders(step)
+                if sampled is not None:
+                    dist.broadcast(sampled, 0, group=self.groups.model)
+            return self.runner.forward(step.inputs)
         except BaseException as exc:  # noqa: BLE001 - any failure here leaves the ranks out of step
             self.fault = self._failure("step", exc)
             raise self.fault from None
-        return self.runner.sample(step, out, rows)
 
     def submit(self, scheduled: list[ScheduledSeq], rows: list[Optional[SamplingRow]]) -> PendingStep:
         """Pipeline parallelism: start a micro-batch (its step message and the first stage, here) and return
@@ -549,11 +612,11 @@ class MultiprocExecutor:
             dist.recv(logits, self.parallel.global_rank(last_stage), group=self.groups.pipe)
         return StepLogits(logits)
 
-    def _send(self, inputs: StepInputs) -> list:
+    def _send(self, inputs: StepInputs, placeholder_rows: Sequence[int] = ()) -> list:
         """Start broadcasting the step message; returns the broadcasts' works (the caller waits on them)."""
         import torch.distributed as dist
 
-        header, payload = pack_step(inputs, self._truncations, self._release)
+        header, payload = pack_step(inputs, self._truncations, self._release, placeholder_rows)
         works = [dist.broadcast(tensor, 0, group=self.groups.control, async_op=True) for tensor in (header, payload)]
         self._truncations, self._release = [], False
         return works
