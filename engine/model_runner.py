@@ -251,8 +251,11 @@ def model_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         attributes = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False), *attributes]:
-            if tensor.layout == torch._mkldnn:
-                storages[("packed", id(tensor))] = tensor.numel() * tensor.element_size()
+            if tensor.layout == torch._mkldnn:  # an MKL pack's numel is its reserved buffer: count the weight it packs
+                packs = getattr(module, "weight", None)
+                storages[("packed", id(tensor))] = (packs.numel() * packs.element_size()
+                                                    if isinstance(packs, torch.Tensor) else
+                                                    tensor.numel() * tensor.element_size())
                 continue
             storage = tensor.untyped_storage()
             storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()

@@ -187,6 +187,17 @@ def test_bf16_weight_bytes_count_every_copy(tiny_models):
         assert full.weight_bytes == parameter_bytes(full)
 
 
+def test_fp32_weight_bytes_count_a_packed_copy_at_its_weights_size(tiny_models):
+    """The MKL method keeps each fp32 linear twice (the weight, and its pack for one row), and the pack counts at
+    the weight's size: MKL's own numel is its reserved buffer (5.5 MiB for a 64 x 64 weight)."""
+    llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=64,
+              num_kv_blocks=8)
+    runner = llm.engine.executor.runner
+    linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    packs = [m for m in linears if getattr(m, "packed", None) is not None]
+    assert runner.weight_bytes == parameter_bytes(runner) + sum(m.weight.numel() * 4 for m in packs)
+
+
 def quantised_linear_bytes(linear) -> int:
     return sum(t.numel() * t.element_size() for t in linear.parameters())
 
