@@ -156,4 +156,4 @@ class TritonAttention(TokenMajorStateless):
 
 def _check_width(blocks: int, persistent: BlockTableRows) -> None:
     if blocks > persistent.width:
-        raise ValueError(f"a context of {blocks} blocks is over the persistent block table's {persistent.width}")
+        raise ValueError(f"block tables {blocks} blocks wide are over the persistent block table's {persistent.width}")
