@@ -63,10 +63,10 @@ class TritonAttention(TokenMajorStateless):
         return None
 
     def build_metadata(self, batch: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """The rows' query starts, context lengths and block tables in one host-to-device copy, and the step's
-        launch plan. With the runner's persistent table (`batch.table_rows`) the copy carries each row's row in
-        it, and one gather on the device takes those rows, as wide as the longest context's blocks; without it
-        (a batch built by hand) the copy carries the tables from the lists, each trimmed to its context."""
+        """The rows' query starts, context lengths and block tables in one non-blocking host-to-device copy, and
+        the step's launch plan. With the runner's persistent table (`batch.table_rows`) the copy carries each row's
+        row in it, and one gather on the device takes those rows, as wide as the longest context's blocks; without
+        it (a batch built by hand) the copy carries the tables from the lists, each trimmed to its context."""
         rows, device = batch.num_rows, batch.device
         widths = [-(-context // batch.block_size) for context in batch.context_lens]
         width = max(widths)
@@ -79,7 +79,9 @@ class TritonAttention(TokenMajorStateless):
             for table, used in zip(batch.block_tables, widths):
                 packed += table[:used]
                 packed += [0] * (width - used)
-        ints = torch.tensor(packed, dtype=torch.int32, device=device)
+        # staged in pinned memory on CUDA (torch's cache keeps it until the copy ran): the host does not wait
+        on_cuda = device.type == "cuda"
+        ints = torch.tensor(packed, dtype=torch.int32, pin_memory=on_cuda).to(device, non_blocking=on_cuda)
         tail = ints[2 * rows + 1:]
         tables = tail.view(rows, width) if persistent is None else persistent.table[:, :width].index_select(0, tail)
         num_tokens = batch.slot_mapping.shape[0]
