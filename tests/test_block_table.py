@@ -222,31 +222,50 @@ def test_full_graph_metadata_refills_from_the_persistent_rows_in_place(triton_ba
             table_rows=narrow.table_rows))
 
 
-def test_engine_on_the_persistent_table_gives_the_list_paths_logits_through_preemption_and_prefix_hits(
-        triton_backend, tiny_models):
-    """A pool of 10 blocks of 4 tokens for three 16-24-token prompts growing 6 tokens each (some preempted and
-    recomputed) that share a 16-token prefix (cached blocks at the head of later tables)."""
+def on_both_paths(folder, prompts, max_tokens, **engine) -> list:
+    """The engine on the Triton backend with the persistent table, then with the lists' tables every step (as
+    before the table): per run, (engine, greedy tokens, logits rows)."""
     from test_cuda_graphs import recorded_logits
 
     from llmctl.engine import LLM
 
-    shared = [(5 * i + 2) % 400 + 3 for i in range(16)]
-    prompts = [shared + [(11 * i + 7 * j) % 400 + 3 for j in range(4 * i)] for i in range(3)]
-    results = []
+    runs = []
     for persistent in (True, False):
-        llm = LLM(str(tiny_models["llama"]), skip_tokenizer_init=True, dtype="float32", device="cpu",
-                  attention_backend="triton", max_model_len=32, max_num_seqs=4, num_kv_blocks=10, block_size=4,
-                  max_num_batched_tokens=64, enable_prefix_caching=True)
+        llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu", attention_backend="triton",
+                  max_num_seqs=4, block_size=4, **engine)
         runner = llm.engine.executor.runner
         assert isinstance(runner.block_table, PersistentBlockTable)
         if not persistent:
-            runner.block_table = None  # the lists' tables every step, as before the persistent table
-        results.append(recorded_logits(llm, prompts, max_tokens=6))
-        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.get_stats()["prefix_cache_hit_rate"] > 0
+            runner.block_table = None
+        runs.append((llm.engine, *recorded_logits(llm, prompts, max_tokens=max_tokens)))
         if persistent:
-            assert 0 < runner.block_table.entries_written
+            assert runner.block_table.entries_written > 0
             assert not runner.block_table.table.any()  # the idle engine released its rows
-    (tokens, logits), (list_tokens, list_logits) = results
+    (_, tokens, logits), (_, list_tokens, list_logits) = runs
     assert tokens == list_tokens
     for ours, expected in zip(logits, list_logits):
         assert torch.equal(ours, expected)
+    return runs
+
+
+def test_engine_on_the_persistent_table_gives_the_list_paths_logits_through_preemption_and_prefix_hits(
+        triton_backend, tiny_models):
+    """A pool of 10 blocks of 4 tokens for three 16-24-token prompts growing 6 tokens each (some preempted and
+    recomputed) that share a 16-token prefix (cached blocks at the head of later tables)."""
+    shared = [(5 * i + 2) % 400 + 3 for i in range(16)]
+    prompts = [shared + [(11 * i + 7 * j) % 400 + 3 for j in range(4 * i)] for i in range(3)]
+    for engine, *_ in on_both_paths(tiny_models["llama"], prompts, 6, max_model_len=32, num_kv_blocks=10,
+                                    max_num_batched_tokens=64, enable_prefix_caching=True):
+        assert engine.scheduler.num_preemptions > 0 and engine.get_stats()["prefix_cache_hit_rate"] > 0
+
+
+def test_engine_on_the_persistent_table_gives_the_list_paths_logits_with_rolled_back_drafts(
+        triton_backend, tiny_models):
+    """n-gram drafts on repetitive prompts: verify rows on lookahead blocks, the rejected drafts' blocks handed
+    back (tables shrink between steps)."""
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+    speculation = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    for engine, *_ in on_both_paths(tiny_models["llama"], prompts, 10, max_model_len=64, num_kv_blocks=32,
+                                    speculative_config=speculation):
+        stats = engine.get_stats()
+        assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
