@@ -3,6 +3,12 @@
 Each step it flattens the scheduled sequences into one batch (single-token queries first, then
 prefill chunks; no padding), runs one forward, and samples the rows that finished their known
 tokens.
+
+Where the batch state lives: the per-step vectors (token ids, positions, slot mapping, logits indices) are built
+fresh each step, on the CPU as arrays the native step reads, on CUDA staged in pinned memory and copied
+non-blocking. The block tables persist on the device for a backend that reads them there (Triton):
+`self.block_table`, a `PersistentBlockTable` (engine/block_table.py) with a row per sequence, updated by
+differences each step against the scheduler's lists; the other backends build theirs from the lists.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from llmctl.engine.block_table import PersistentBlockTable
 from llmctl.engine.cuda_graphs import (DecodeGraphs, GraphDispatch, has_full_graphs, maybe_decode_graphs,
                                        maybe_full_decode_graphs, ranks_agree, resolve_cudagraph_mode)
 from llmctl.engine.device_memory import device_memory
@@ -126,11 +133,14 @@ class StepInputs:
     # sequences come back in the same slot, so per-slot state kept between steps stays valid
     micro_batch: int = 0
 
-    def attention_batch(self, block_size: int) -> CommonAttentionMetadata:
+    def attention_batch(self, block_size: int, table: Optional[PersistentBlockTable] = None) -> CommonAttentionMetadata:
+        """The rows for the attention backend; with `table` (the runner's persistent block table) brought up to
+        this step's block lists first, their rows in it."""
+        rows = None if table is None else table.update(self.seq_ids, self.block_tables)
         return CommonAttentionMetadata(seq_ids=self.seq_ids, query_lens=self.query_lens,
                                        context_lens=self.context_lens, block_tables=self.block_tables,
                                        slot_mapping=self.slot_mapping, block_size=block_size,
-                                       micro_batch=self.micro_batch)
+                                       micro_batch=self.micro_batch, table_rows=rows)
 
 
 @dataclass
@@ -283,6 +293,10 @@ class ModelRunner:
         problem = self.attention.validate_block_size(self.block_size)
         if problem:
             raise EngineArgsError(problem)
+        # rows for every micro-batch's sequences in flight, each as wide as a max_model_len context's blocks
+        self.block_table = PersistentBlockTable(
+            config.max_num_seqs * pp.size, -(-config.max_model_len // self.block_size),
+            self.device) if self.attention.uses_persistent_block_table else None
         linear_method, lm_head_method = linear_methods_for(
             mc, config.quantization, self.device, config.dtype, kernels, load_format=config.load_format,
             gguf=config.model_folder is not None and is_gguf(config.model_folder),
@@ -434,6 +448,8 @@ class ModelRunner:
                 f"--gpu-memory-utilization: {exc}") from exc
         finally:
             del scratch
+            if self.block_table is not None:
+                self.block_table.release()  # the profile's scratch row
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, *self.attention.kv_cache_shape(num_blocks, self.block_size))
@@ -642,13 +658,13 @@ class ModelRunner:
              intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         """The step's logits; a pipeline stage before the last: its (hidden, residual)."""
         if not self.pp.is_single:
-            meta = self.attention.build_metadata(inputs.attention_batch(self.block_size))
+            meta = self.attention.build_metadata(inputs.attention_batch(self.block_size, self.block_table))
             out = self.model(inputs.input_ids, inputs.positions, kv_caches, meta, self.attention,
                              inputs.logits_indices, intermediate)
             return StepLogits(out) if self.pp.is_last else out
         if self._runs_natively(inputs, kv_caches):
             return self._native_step(inputs)
-        batch = inputs.attention_batch(self.block_size)
+        batch = inputs.attention_batch(self.block_size, self.block_table)
         if inputs.pooling_indices is None and graphs is not None and graphs.can_run(batch, kv_caches):
             return StepLogits(graphs.run(inputs.input_ids, inputs.positions, kv_caches, batch, inputs.logits_indices))
         meta = self.attention.build_metadata(batch)
@@ -726,8 +742,11 @@ class ModelRunner:
         self.attention.truncate(seq_id, num_tokens)
 
     def release_kept_state(self) -> None:
-        """Drop what the attention backend keeps between steps (the torch backend's decode K/V)."""
+        """Drop what is kept between steps: the attention backend's (the torch backend's decode K/V) and the
+        persistent block table's rows."""
         self.attention.release()
+        if self.block_table is not None:
+            self.block_table.release()
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

@@ -152,6 +152,7 @@ class ReferenceAttention:
     name = "reference"
     preferred_block_size = 8
     workspace_share = 0.0
+    uses_persistent_block_table = False  # builds its tables from the lists
 
     def __init__(self, num_heads, num_kv_heads, head_dim, sliding_window, dtype, kernels=None, scale=None,
                  softcap=None):

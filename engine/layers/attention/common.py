@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from llmctl.engine.block_table import BlockTableRows
     from llmctl.engine.kernels import CpuKernels
 
 
@@ -36,6 +37,8 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes in the pool
     block_size: int
     micro_batch: int = 0  # pipeline parallelism: the micro-batch slot (state kept per slot)
+    # the rows' rows in the runner's persistent device block table, for a backend that reads it (None: use the lists)
+    table_rows: Optional[BlockTableRows] = None
     num_single: int = field(init=False)  # the leading rows of one query token
 
     def __post_init__(self) -> None:
@@ -75,6 +78,9 @@ class AttentionBackend(Protocol):
     # Whether a whole decode step, attention included, may be captured as one CUDA graph: the backend then has
     # `static_decode_metadata(rows, max_context_len, block_size, device)` and `fill_decode_metadata(meta, batch)`.
     supports_full_graphs: bool
+    # Whether the backend reads its block tables from the runner's persistent device table (`table_rows`); the
+    # runner keeps that table only for such a backend, the others build theirs from the lists each step.
+    uses_persistent_block_table: bool
     # Kept decode K/V the backend may hold between steps, as a share of the pool's bytes (reserved
     # next to the pool when a device memory budget applies).
     workspace_share: float
@@ -118,6 +124,7 @@ class TokenMajorStateless:
     between steps (needs `num_kv_heads` and `head_dim` attributes)."""
 
     workspace_share = 0.0
+    uses_persistent_block_table = False
     num_kv_heads: int
     head_dim: int
 

@@ -2,7 +2,8 @@
 
 The kernel takes every row shape alike (bottom-right aligned causal masks): 1-token decodes, prefill
 chunks after a cached prefix and k+1-token verify rows go through the same call. Nothing is kept
-between steps.
+between steps; the block tables are still built from the lists each step (not the runner's persistent device
+table, which the Triton backend reads).
 """
 
 from __future__ import annotations

@@ -72,6 +72,8 @@ class TorchAttention:
     name = "torch"
     preferred_block_size = 16
     supports_full_graphs = False  # its decode metadata follows each step's contexts
+    # its CPU paths (the native kernel's int64 tables, per-row spans) build from the lists: no device table to keep
+    uses_persistent_block_table = False
     workspace_share = WORKSPACE_SHARE
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: Optional[int],
