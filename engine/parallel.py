@@ -31,7 +31,7 @@ Sharding rules (vLLM's):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -74,38 +74,44 @@ class ExpertDataParallel:
     """This rank's data-parallel replica (`rank` of `size`) for the MoE layers: `group` joins the replicas'
     ranks of this tensor-parallel index (NCCL on CUDA, gloo on CPU), `count_group` (gloo) the same ranks
     for the token counts, which live on the host. Every replica must run each MoE layer at once (an idle one
-    with no tokens: engine/executor/lockstep.py)."""
+    with no tokens: engine/executor/lockstep.py). `step_counts`: every replica's tokens in the forward under
+    way, exchanged once per forward (`begin_step`) rather than per layer (gloo's latency is ~0.8 ms here)."""
 
     rank: int
     size: int
     group: Any
     count_group: Any
+    step_counts: list = field(default_factory=list, compare=False, repr=False)
 
-    def token_counts(self, num_tokens: int) -> list[int]:
-        """Every replica's token count in this layer, in replica order."""
+    def begin_step(self, num_tokens: int) -> None:
+        """Before a forward's first MoE layer (every replica at once): every replica's token count."""
         mine = torch.tensor([num_tokens], dtype=torch.long)
         counts = [torch.empty_like(mine) for _ in range(self.size)]
         self.count_group.allgather([counts], [mine]).wait()
-        return [int(count) for count in counts]
+        self.step_counts[:] = [int(count) for count in counts]
 
-    def dispatch(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Every replica's tokens ([sum of counts, H], in replica order) and the counts; all-gathered padded to
-        the largest count, as the collective wants equal shapes."""
-        counts = self.token_counts(hidden.shape[0])
+    def dispatch(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every replica's tokens ([sum of counts, H], in replica order); all-gathered padded to the largest
+        count, as the collective wants equal shapes."""
+        counts = self.step_counts
+        if len(counts) != self.size or counts[self.rank] != hidden.shape[0]:
+            raise RuntimeError(f"an MoE layer's {hidden.shape[0]} tokens do not match this forward's exchanged "
+                               f"counts {counts} (begin_step runs before the first MoE layer)")
         width = max(counts)
         padded = F.pad(hidden, (0, 0, 0, width - hidden.shape[0])).contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         self.group.allgather([parts], [padded]).wait()
-        return torch.cat([part[:count] for part, count in zip(parts, counts)]), counts
+        return torch.cat([part[:count] for part, count in zip(parts, counts)])
 
-    def combine(self, partial: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """This replica's rows of `partial` (every replica's tokens, this rank's experts' sums) summed over the
-        replicas: a reduce-scatter of the rows each replica owns."""
-        width = max(counts)
-        chunks = [F.pad(chunk, (0, 0, 0, width - chunk.shape[0])).contiguous() for chunk in partial.split(counts)]
-        out = torch.empty((width, partial.shape[1]), dtype=partial.dtype, device=partial.device)
-        self.group.reduce_scatter([out], [chunks]).wait()
-        return out[: counts[self.rank]]
+        replicas: each replica's rows go to it in one all-to-all (a reduce-scatter moves the same bytes, but
+        gloo's took 2.5 ms against the all-to-all's 0.5 ms here) and are added in replica order."""
+        counts, width = self.step_counts, max(self.step_counts)
+        send = torch.stack([F.pad(chunk, (0, 0, 0, width - chunk.shape[0])) for chunk in partial.split(counts)])
+        received = torch.empty_like(send)
+        self.group.alltoall_base(received, send, [], []).wait()
+        return received.sum(0)[: counts[self.rank]]
 
 
 def expert_data_parallel(master_addr: str, master_port: int, replica: int, size: int, tp_rank: int,

@@ -18,7 +18,7 @@ from test_moe import moe_models  # noqa: F401 - the tiny Mixtral / Qwen2-MoE / Q
 from llmctl.engine import LLM, EngineArgs, SamplingParams
 from llmctl.engine.errors import EngineArgsError, EngineDeadError
 from llmctl.engine.executor.lockstep import ReplicaLockstep
-from llmctl.engine.parallel import expert_data_parallel
+from llmctl.engine.parallel import ExpertDataParallel, expert_data_parallel
 from llmctl.server.replicas import load_replicas, replica_failure
 from tests.server_helpers import wait_for
 
@@ -60,8 +60,9 @@ def test_a_forward_opens_a_round_that_every_other_replica_runs_once():
 
 
 def test_dispatch_gathers_every_replicas_tokens_and_combine_returns_each_its_rows_summed():
-    """Two replicas as threads (as in the server), 3 tokens and none (idle): each sees both replicas' tokens in
-    replica order; each replica gets back its rows of the sum of both replicas' partial outputs."""
+    """Two replicas as threads (as in the server), 3 tokens and none (idle): the counts exchanged once, each
+    replica sees both replicas' tokens in replica order and gets back its rows of the sum of both replicas'
+    partial outputs; a layer whose tokens do not match the exchanged counts is refused."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -70,9 +71,10 @@ def test_dispatch_gathers_every_replicas_tokens_and_combine_returns_each_its_row
 
     def replica(rank: int) -> None:
         experts = expert_data_parallel("127.0.0.1", store.port, rank, 2, 0, torch.device("cpu"), 30.0)
-        tokens, counts = experts.dispatch(hidden[rank])
+        experts.begin_step(hidden[rank].shape[0])
+        tokens = experts.dispatch(hidden[rank])
         partial = tokens * (rank + 1)  # stands for this rank's experts' sums
-        results[rank] = tokens, counts, experts.combine(partial, counts)
+        results[rank] = tokens, list(experts.step_counts), experts.combine(partial)
 
     threads = [threading.Thread(target=replica, args=(rank,)) for rank in range(2)]
     for thread in threads:
@@ -83,6 +85,8 @@ def test_dispatch_gathers_every_replicas_tokens_and_combine_returns_each_its_row
         tokens, counts, mine = results[rank]
         assert counts == [3, 0] and torch.equal(tokens, hidden[0])
         torch.testing.assert_close(mine, hidden[rank] * 3)  # 1x + 2x, this replica's rows only
+    with pytest.raises(RuntimeError, match="2 tokens do not match this forward's exchanged counts"):
+        ExpertDataParallel(0, 2, None, None, [3, 0]).dispatch(torch.empty(2, 4))
 
 
 def _answers(replicas, prompts) -> list[list[int]]:

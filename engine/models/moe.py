@@ -50,8 +50,8 @@ class SparseMoeBlock(nn.Module):
         dp = self.tp.data_parallel
         if dp is None:
             return self.experts(hidden, self.gate(hidden))
-        tokens, counts = dp.dispatch(hidden)
-        return dp.combine(self.experts(tokens, self.gate(tokens)), counts)
+        tokens = dp.dispatch(hidden)
+        return dp.combine(self.experts(tokens, self.gate(tokens)))
 
     def idle(self) -> None:
         """A replica with no tokens in this step: its experts still run the other replicas' tokens."""
@@ -75,9 +75,15 @@ class MoEForCausalLM(LlamaForCausalLM):
                              "experts across data-parallel replicas exchange token counts on the host"
                              if self.tp.data_parallel is not None and on_cuda else None)
 
+    def forward(self, input_ids: torch.Tensor, *args, **kwargs):
+        if self.tp.data_parallel is not None:  # the replicas' token counts, once for every sparse layer
+            self.tp.data_parallel.begin_step(input_ids.shape[0])
+        return super().forward(input_ids, *args, **kwargs)
+
     def idle_step(self) -> None:
         """One step without tokens: this stage's sparse layers' exchanges with the data-parallel replicas that
         have tokens (nothing else of the model talks to other replicas)."""
+        self.tp.data_parallel.begin_step(0)
         for layer in self.model.stage_layers:
             if isinstance(layer.mlp, SparseMoeBlock):
                 layer.mlp.idle()
